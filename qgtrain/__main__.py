@@ -1,0 +1,3 @@
+from qgtrain.cli import main
+
+raise SystemExit(main())

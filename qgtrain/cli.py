@@ -1,0 +1,103 @@
+"""The `qgtrain` command. Subcommands import their modules when they run, so `--help`, `config` and
+`submit` answer at once on a login node: nothing here imports torch or transformers at start-up.
+
+A QgtrainError becomes one line on stderr and its exit code; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import EXIT_USAGE, QgtrainError
+
+DEFAULT_CONFIG = "config.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except QgtrainError as exc:
+        if args.debug:
+            raise
+        print(f"qgtrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qgtrain", description="PyTorch DDP training on Slurm clusters that "
+                                     "survives time limits and preemption.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train (1 process, or one rank per srun/torchrun task)")
+    _config_args(train)
+    train.add_argument("--run-dir", type=Path, help="run directory (default: <logging.runs_dir>/<train.run_name>)")
+    train.set_defaults(func=_train)
+
+    show = sub.add_parser("config", help="print the resolved config as YAML")
+    _config_args(show)
+    show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
+    show.set_defaults(func=_config)
+
+    env = sub.add_parser("env", help="print the rendezvous this process would use (run it inside srun)")
+    env.set_defaults(func=_env)
+    return parser
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", action="append", type=Path, metavar="FILE",
+                        help="config file; repeat to overlay (default: ./config.yaml if present)")
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.max_steps=100")
+    # SUPPRESS keeps a subcommand from resetting a top-level `qgtrain --debug train ...` to False
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def load_args_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .configload import load_config
+
+    paths = args.config or ([Path(DEFAULT_CONFIG)] if Path(DEFAULT_CONFIG).is_file() else [])
+    return load_config(paths, args.set)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_args_config(args)
+    from .rendezvous import from_environ
+    from .run import train
+
+    return train(cfg, from_environ(os.environ), args.run_dir)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .configload import config_to_dict, dump_yaml
+    from .errors import ConfigError
+
+    cfg = load_args_config(args)
+    if args.get is None:
+        sys.stdout.write(dump_yaml(cfg))
+        return 0
+    section, _, key = args.get.partition(".")
+    values = config_to_dict(cfg)
+    if section not in values or key not in values[section]:
+        raise ConfigError(f"--get {args.get}: no such key; `qgtrain config` lists them all")
+    value = values[section][key]
+    print(json.dumps(value) if isinstance(value, (list, bool)) or value is None else value)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from .rendezvous import from_environ
+
+    print(json.dumps(from_environ(os.environ).describe(), indent=1))
+    return 0

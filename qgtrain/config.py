@@ -1,0 +1,185 @@
+"""The run configuration: one frozen dataclass per section of config.yaml, and the rules between fields.
+
+Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py) can
+validate a file and explain a mistake without a second copy of the schema. World size and ranks are
+deliberately absent: the scheduler supplies them (rendezvous.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+
+def setting(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
+    """A config field with its documentation and numeric bounds (inclusive)."""
+    return field(default=default, metadata={"doc": doc, "min": min, "max": max})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = setting("gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)")
+    pretrained: str | None = setting(None, "folder with a saved model (config.json + weights): fine-tune it, offline")
+    factory: str | None = setting(None, "'package.module:function' called with (vocab_size, seq_len), "
+                                 "returning a torch.nn.Module that maps input_ids to logits")
+    layers: int = setting(4, "transformer blocks", min=1)
+    heads: int = setting(4, "attention heads per block", min=1)
+    hidden: int = setting(128, "width of the residual stream", min=8)
+    dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
+    compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["corpus", "synthetic", "factory"] = setting(
+        "corpus", "corpus: text tokenized to a memory-mapped file; synthetic: random tokens (tests); factory")
+    corpus: str = setting("stdlib", "'stdlib' (Python's own sources, always present) or a .txt file or folder")
+    corpus_mb: float = setting(4.0, "megabytes of text taken from the corpus", min=0.01)
+    tokenizer: str = setting("byte", "'byte' (byte-level, 257 tokens) or a folder with a Hugging Face tokenizer")
+    cache_dir: str = setting("data", "where tokenized corpora are cached, shared by runs with the same text")
+    seq_len: int = setting(128, "tokens per training sample", min=2)
+    val_fraction: float = setting(0.05, "share of the corpus held out for validation", min=0.0, max=0.5)
+    test_fraction: float = setting(0.05, "share of the corpus held out for the final test", min=0.0, max=0.5)
+    num_workers: int = setting(0, "DataLoader worker processes per rank", min=0)
+    synthetic_samples: int = setting(4096, "samples in the synthetic set", min=1)
+    factory: str | None = setting(None, "'package.module:function' called with (seq_len, seed), returning "
+                                 "(train, val, test, vocab_size)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = setting(2e-3, "peak learning rate (AdamW)", min=0.0)
+    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", min=0.0)
+    warmup_steps: int = setting(50, "steps of linear warmup from 0 to lr", min=0)
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices (not on biases and norms)", min=0.0)
+    beta1: float = setting(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = setting(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = setting(1e-8, "AdamW epsilon", min=0.0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_name: str = setting("tiny-gpt2", "the run directory is <logging.runs_dir>/<run_name>")
+    max_steps: int = setting(600, "optimizer steps to train for", min=1)
+    seed: int = setting(1337, "seed for weights, data order and dropout", min=0)
+    batch_size: int = setting(16, "samples per micro-batch, per rank", min=1)
+    grad_accum_steps: int = setting(1, "micro-batches per optimizer step", min=1)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
+        "auto", "auto: bf16 on GPUs that support it, else fp32; fp16 uses a GradScaler")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda:<local rank> if a GPU is visible")
+    log_every: int = setting(10, "steps between logged (all-reduced) losses", min=1)
+    eval_every: int = setting(100, "steps between validations (0 = only at the end)", min=0)
+    eval_batches: int = setting(20, "validation batches per rank (0 = the whole split)", min=0)
+    agree_every: int = setting(1, "steps between the all-reduce that agrees on stop signals and bad losses",
+                               min=1)
+    find_unused_parameters: bool = setting(False, "let DDP skip parameters that get no gradient (slower)")
+    cpu_threads: int = setting(0, "torch threads per rank on CPU (0 = the CPUs of this task / ranks per node)",
+                               min=0)
+    startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0)
+    collective_timeout_s: float = setting(300.0, "seconds a collective may wait for a peer before failing",
+                                          min=1.0)
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    patience: int = setting(0, "validations without improvement before stopping (0 = off)", min=0)
+    min_delta: float = setting(0.0, "improvement in val_loss that counts", min=0.0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = setting(200, "steps between checkpoints (0 = off)", min=0)
+    every_minutes: float = setting(0.0, "minutes between checkpoints, agreed by all ranks (0 = off)", min=0.0)
+    keep_last: int = setting(3, "checkpoints kept besides the best one (at least 2)")
+    resume: str = setting("auto", "auto: the latest valid checkpoint of the run; never; or a checkpoint path")
+    async_save: bool = setting(False, "copy state to memory at the step and write it in the background")
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    job_name: str = setting("qgtrain", "#SBATCH --job-name")
+    nodes: int = setting(1, "#SBATCH --nodes", min=1)
+    gpus_per_node: int = setting(0, "GPUs per node; one task (rank) per GPU", min=0)
+    tasks_per_node: int = setting(0, "ranks per node when gpus_per_node is 0 (0 = 1)", min=0)
+    cpus_per_task: int = setting(4, "#SBATCH --cpus-per-task", min=1)
+    mem: str = setting("", "#SBATCH --mem, e.g. 64G ('' = the cluster default)")
+    time: str = setting("01:00:00", "#SBATCH --time: [days-]hours:minutes:seconds or minutes")
+    partition: str = setting("", "#SBATCH --partition ('' = default)")
+    account: str = setting("", "#SBATCH --account ('' = default)")
+    qos: str = setting("", "#SBATCH --qos ('' = default)")
+    constraint: str = setting("", "#SBATCH --constraint ('' = none)")
+    signal: Literal["USR1", "USR2", "HUP", "URG"] = setting(
+        "USR2", "the warning signal sent before the time limit; it makes every rank save and stop (NCCL has "
+        "used USR1)")
+    signal_lead_s: int = setting(120, "seconds before the time limit that slurm.signal is sent",
+                                 min=30, max=3600)
+    requeue: bool = setting(True, "requeue the job after a preemption or time-limit stop")
+    max_restarts: int = setting(20, "stop requeueing after this many restarts", min=0)
+    output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
+    extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
+    setup: tuple[str, ...] = setting((), "shell lines run before srun, e.g. ['module load cuda/12.4']")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    on_finish: bool = setting(False, "export a Hugging Face model when training finishes (rank 0)")
+    dir: str = setting("", "where the export goes ('' = <run dir>/export)")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    runs_dir: str = setting("runs", "parent of every run directory")
+    level: Literal["DEBUG", "INFO", "WARNING"] = setting("INFO", "console and log-file level")
+    tensorboard: bool = setting(True, "write TensorBoard events to <run dir>/tb (rank 0)")
+    progress: Literal["auto", "bar", "lines"] = setting(
+        "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
+    memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
+                                    min=0.0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def check_rules(cfg: RunConfig, source: str) -> None:
+    """Rules that involve more than one field; `source` names where the values came from."""
+    def fail(key: str, problem: str) -> None:
+        raise ConfigError(f"{source}: {key}: {problem}")
+
+    if cfg.model.pretrained and cfg.model.factory:
+        fail("model.factory", "set either model.pretrained or model.factory, not both")
+    if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
+        fail("model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+    if cfg.data.name == "factory" and not cfg.data.factory:
+        fail("data.factory", "data.name is 'factory' but no 'package.module:function' is given")
+    for key, value in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
+        if value and (value.count(":") != 1 or not all(value.split(":"))):
+            fail(key, f"'{value}' is not of the form 'package.module:function'")
+    if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
+        fail("data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        fail("optim.min_lr", f"{cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
+    if cfg.checkpoint.keep_last < 2:
+        fail("checkpoint.keep_last", f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
+             "half-written when a job dies, so the one before it must survive rotation")
+    if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
+        fail("train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU")
+    if not cfg.train.run_name or "/" in cfg.train.run_name or cfg.train.run_name in (".", ".."):
+        fail("train.run_name", f"'{cfg.train.run_name}' must be a plain directory name")
+    if cfg.early_stopping.patience and not cfg.train.eval_every:
+        fail("early_stopping.patience", "early stopping needs validations: set train.eval_every > 0")

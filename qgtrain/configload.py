@@ -1,0 +1,217 @@
+"""Turning config files and `--set KEY=VALUE` overrides into a validated RunConfig, and back into YAML.
+
+Later files override earlier ones key by key (config.yaml, then an overlay from jobs/), and `--set`
+overrides them all. Every value is converted to its field's type here, so a mistake is reported with the
+file (or `--set`) it came from, the key, what was found and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .config import SECTIONS, RunConfig, check_rules
+from .errors import ConfigError
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> RunConfig:
+    """Load and validate config files (merged in order) and `--set` overrides (applied last)."""
+    values: dict[str, tuple[Any, str]] = {}
+    sources: list[str] = []
+    for path in paths:
+        values.update(_flatten(_read_yaml(Path(path)), str(path)))
+        sources.append(str(path))
+    for assignment in sets:
+        key, sep, text = assignment.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set train.max_steps=100")
+        _check_key(key, "--set")
+        values[key] = (text, "--set")
+        sources.append("--set")
+    return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
+
+
+def build_config(values: Mapping[str, tuple[Any, str]], source: str) -> RunConfig:
+    """Build a RunConfig from dotted keys mapped to (raw value, where it came from)."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, (raw, origin) in values.items():
+        section, name = key.split(".", 1)
+        spec = _field(section, name)
+        hint = typing.get_type_hints(SECTIONS[section])[name]
+        sections[section][name] = _convert(raw, hint, spec, f"{origin}: {key}", from_text=origin == "--set")
+    cfg = RunConfig(**{name: SECTIONS[name](**kw) for name, kw in sections.items()})
+    check_rules(cfg, source)
+    return cfg
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Plain nested dicts and lists, as written to a run's config.yaml and a checkpoint."""
+    return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(section).items()}
+            for name, section in ((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg))}
+
+
+def config_from_dict(data: Mapping[str, Any], source: str) -> RunConfig:
+    """The inverse of config_to_dict, validated as strictly as a file."""
+    return build_config(_flatten(dict(data), source), source)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from None
+
+
+def _flatten(raw: Any, source: str) -> dict[str, tuple[Any, str]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    out: dict[str, tuple[Any, str]] = {}
+    for section, body in raw.items():
+        _check_key(str(section), source)
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: {section}: expected a mapping of keys, got {_describe(body)}")
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            _check_key(key, source)
+            out[key] = (value, source)
+    return out
+
+
+def _check_key(key: str, source: str) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section '{section}'.{_did_you_mean(section, SECTIONS)} "
+                          f"Valid sections: {', '.join(SECTIONS)}")
+    if not name and "." in key:
+        raise ConfigError(f"{source}: '{key}' names no key; valid keys in {section}: {_names(section)}")
+    if name and name not in _field_names(section):
+        elsewhere = [other for other in SECTIONS if name in _field_names(other)]
+        hint = (f" '{name}' is a key of {' and '.join(elsewhere)}." if elsewhere
+                else _did_you_mean(name, _field_names(section), section))
+        raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys in {section}: {_names(section)}")
+    if not name and source == "--set":
+        raise ConfigError(f"--set {key}: name a key, e.g. {section}.{_field_names(section)[0]}")
+
+
+def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+
+
+def _field_names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
+def _names(section: str) -> str:
+    return ", ".join(_field_names(section))
+
+
+def _field(section: str, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+
+
+def _describe(value: Any) -> str:
+    kind = {dict: "a mapping", list: "a list", bool: "a boolean", str: "text"}.get(type(value), type(value).__name__)
+    return f"{kind} ({value!r})" if not isinstance(value, (dict, list)) else kind
+
+
+def _convert(raw: Any, hint: Any, spec: dataclasses.Field[Any], where: str, *, from_text: bool) -> Any:
+    """Convert one value to the field's type, or raise a ConfigError saying what is allowed."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if raw is None or (from_text and str(raw).strip().lower() in ("null", "none", "~", "")):
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        text = str(raw).strip() if from_text else raw
+        if text not in args:
+            raise ConfigError(f"{where}: {raw!r} is not allowed; choose one of {', '.join(map(str, args))}."
+                              + _did_you_mean(str(text), [str(a) for a in args]))
+        return text
+    if hint is bool:
+        return _to_bool(raw, where, from_text)
+    if hint is int or hint is float:
+        return _to_number(raw, hint, spec, where, from_text)
+    if hint is str:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return str(raw)
+        if not isinstance(raw, str):
+            raise ConfigError(f"{where}: expected text, got {_describe(raw)}")
+        return raw
+    if typing.get_origin(hint) is tuple:
+        if from_text:
+            raw = _parse_text_list(raw, where)
+        if not isinstance(raw, list) or any(isinstance(item, (dict, list)) or item is None for item in raw):
+            raise ConfigError(f"{where}: expected a list of text items, e.g. ['--exclusive'], got {_describe(raw)}")
+        return tuple(str(item) for item in raw)
+    raise AssertionError(f"unsupported config type {hint!r} for {where}")
+
+
+def _to_bool(raw: Any, where: str, from_text: bool) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if from_text and str(raw).strip().lower() in _TRUE | _FALSE:
+        return str(raw).strip().lower() in _TRUE
+    raise ConfigError(f"{where}: expected true or false, got {_describe(raw)}")
+
+
+def _to_number(raw: Any, kind: type, spec: dataclasses.Field[Any], where: str, from_text: bool) -> Any:
+    noun = "an integer" if kind is int else "a number"
+    value: Any = raw
+    if isinstance(raw, str):  # from --set, or YAML's reading of 3e-4 (without a dot) as text
+        try:
+            value = kind(raw.strip().replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{where}: expected {noun}{_bounds(spec)}, got {_describe(raw)}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
+        raise ConfigError(f"{where}: expected {noun}{_bounds(spec)}, got {_describe(raw)}")
+    value = kind(value)
+    low, high = spec.metadata.get("min"), spec.metadata.get("max")
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(f"{where}: {value} is out of range; expected {noun}{_bounds(spec)}")
+    return value
+
+
+def _bounds(spec: dataclasses.Field[Any]) -> str:
+    low, high = spec.metadata.get("min"), spec.metadata.get("max")
+    if low is not None and high is not None:
+        return f" between {low} and {high}"
+    if low is not None:
+        return f" >= {low}"
+    return f" <= {high}" if high is not None else ""
+
+
+def _parse_text_list(text: Any, where: str) -> Any:
+    try:
+        return yaml.safe_load(str(text))
+    except yaml.YAMLError:
+        raise ConfigError(f"{where}: expected a YAML list such as ['a', 'b'], got {text!r}") from None

@@ -1,0 +1,43 @@
+"""The user-facing error type and the exit codes: the contract between qgtrain and the shell that runs it.
+
+Anything a user can fix (a config key, a path, the environment a job was started in) is raised as a
+`QgtrainError`; the CLI prints its message on one line and exits with its `exit_code`, without a traceback.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+# Stopped at an agreed checkpoint after a signal. Under Slurm the job was requeued (unless slurm.requeue is
+# off or slurm.max_restarts is reached); elsewhere, running the same command again resumes. 75 is
+# EX_TEMPFAIL from sysexits.h: "try again later".
+EXIT_STOPPED = 75
+# Stopped at an agreed checkpoint, but this process could not requeue the job (no `scontrol`, e.g. inside
+# a container): train.slurm turns this code into `scontrol requeue` from the batch shell.
+EXIT_REQUEUE_ME = 76
+
+
+class QgtrainError(Exception):
+    """A problem the user can act on. The message names what was wrong, what is allowed, and the fix."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(QgtrainError):
+    """A config file, overlay or `--set` value that does not fit the schema."""
+
+
+class RendezvousError(QgtrainError):
+    """An environment that does not describe a consistent set of ranks."""
+
+
+class CheckpointError(QgtrainError):
+    """A checkpoint that is missing, unreadable or does not fit the run."""
+
+
+class TrainingError(QgtrainError):
+    """Training was stopped on every rank for a diagnosed reason (non-finite loss, a hang, ...)."""
+
+    exit_code = EXIT_FAILED

@@ -1,0 +1,137 @@
+"""Config loading, validation and --set conversion. Runs against: pure values and real YAML files; the
+CLI battery runs `python -m qgtrain` as a subprocess (fast: config errors come before torch is imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qgtrain.config import SECTIONS, RunConfig
+from qgtrain.configload import config_from_dict, config_to_dict, dump_yaml, load_config
+from qgtrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_config_yaml_equals_the_schema_defaults_and_comments_every_key():
+    assert load_config([ROOT / "config.yaml"]) == RunConfig()
+    text = (ROOT / "config.yaml").read_text()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            line = re.search(rf"^  {f.name}: .*  # (.+)$", text, re.MULTILINE)
+            assert line, f"{section}.{f.name} is missing or uncommented in config.yaml"
+
+
+def test_overlays_merge_key_by_key_and_set_wins(tmp_path):
+    base = write(tmp_path, "train:\n  max_steps: 10\n  seed: 3\noptim:\n  lr: 0.01\n", "base.yaml")
+    overlay = write(tmp_path, "train:\n  max_steps: 20\n", "overlay.yaml")
+    cfg = load_config([base, overlay], ["optim.lr=3e-4"])
+    assert (cfg.train.max_steps, cfg.train.seed, cfg.optim.lr) == (20, 3, 3e-4)
+
+
+@pytest.mark.parametrize("assignment, key, expected", [
+    ("train.max_steps=1_000", "train.max_steps", 1000),
+    ("optim.lr=3e-4", "optim.lr", 3e-4),
+    ("optim.lr=1", "optim.lr", 1.0),
+    ("train.find_unused_parameters=yes", "train.find_unused_parameters", True),
+    ("train.find_unused_parameters=False", "train.find_unused_parameters", False),
+    ("model.pretrained=null", "model.pretrained", None),
+    ("model.pretrained=/models/gpt2", "model.pretrained", "/models/gpt2"),
+    ("slurm.setup=['module load cuda', 'echo hi']", "slurm.setup", ("module load cuda", "echo hi")),
+    ("slurm.time=90", "slurm.time", "90"),
+    ("train.precision=bf16", "train.precision", "bf16"),
+])
+def test_set_converts_text_to_the_field_type(assignment, key, expected):
+    section, name = key.split(".")
+    value = getattr(getattr(load_config([], [assignment]), section), name)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
+    assert load_config([write(tmp_path, "optim:\n  lr: 3e-4\n")]).optim.lr == 3e-4
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("train:\n  max_step: 5\n", r"c.yaml: unknown key 'train.max_step'. Did you mean 'train.max_steps'\? Valid keys"),
+    ("trian:\n  seed: 1\n", r"unknown section 'trian'. Did you mean 'train'\?"),
+    ("train:\n  lr: 0.1\n", r"unknown key 'train.lr'. 'lr' is a key of optim."),
+    ("train:\n  batch_size: -4\n", r"train.batch_size: -4 is out of range; expected an integer >= 1"),
+    ("train:\n  batch_size: 2.5\n", r"train.batch_size: expected an integer >= 1, got float \(2.5\)"),
+    ("train:\n  batch_size: many\n", r"train.batch_size: expected an integer >= 1, got text \('many'\)"),
+    ("train:\n  precision: half\n", r"train.precision: 'half' is not allowed; choose one of auto, fp32, bf16, fp16"),
+    ("train:\n  find_unused_parameters: 1\n", r"expected true or false, got int \(1\)"),
+    ("optim:\n  beta2: 1.5\n", r"optim.beta2: 1.5 is out of range; expected a number between 0.0 and 1.0"),
+    ("optim:\n  lr: .nan\n", r"optim.lr: nan is out of range"),
+    ("slurm:\n  setup: module load cuda\n", r"slurm.setup: expected a list of text items"),
+    ("train: 5\n", r"train: expected a mapping of keys, got int \(5\)"),
+    ("- a\n- b\n", r"the top level must be a mapping of sections"),
+    ("train: {batch_size: 8\n", r"not valid YAML at line 2"),
+    ("checkpoint:\n  keep_last: 1\n", r"checkpoint.keep_last: 1 is below 2: the newest checkpoint may be half-written"),
+    ("optim:\n  lr: 0.001\n  min_lr: 0.01\n", r"optim.min_lr: 0.01 is above optim.lr=0.001"),
+    ("model:\n  hidden: 100\n  heads: 3\n", r"model.hidden: 100 is not divisible by model.heads=3"),
+    ("model:\n  factory: mymodels.make\n", r"model.factory: 'mymodels.make' is not of the form 'package.module:function'"),
+    ("model:\n  factory: a:b\n  pretrained: /x\n", r"set either model.pretrained or model.factory, not both"),
+    ("data:\n  name: factory\n", r"data.factory: data.name is 'factory' but no"),
+    ("train:\n  run_name: a/b\n", r"train.run_name: 'a/b' must be a plain directory name"),
+    ("early_stopping:\n  patience: 3\ntrain:\n  eval_every: 0\n", r"early stopping needs validations"),
+])
+def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config([write(tmp_path, text)])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope.yaml: config file not found"):
+        load_config([tmp_path / "nope.yaml"])
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config([], ["slurm.extra_sbatch=['--exclusive']", "model.dropout=0.1", "train.seed=7"])
+    assert config_from_dict(yaml.safe_load(dump_yaml(cfg)), "run dir") == cfg
+    assert config_to_dict(cfg)["slurm"]["extra_sbatch"] == ["--exclusive"]
+
+
+BAD_CLI = [
+    (["--set", "train.max_step=5"], "unknown key 'train.max_step'. Did you mean 'train.max_steps'?"),
+    (["--set", "train.batch_size=0"], "train.batch_size: 0 is out of range"),
+    (["--set", "optim.lr=fast"], "optim.lr: expected a number >= 0.0, got text ('fast')"),
+    (["--set", "train.precision=fp8"], "train.precision: 'fp8' is not allowed"),
+    (["--set", "train.seed"], "--set 'train.seed': expected KEY=VALUE"),
+    (["--set", "=3"], "--set '=3': expected KEY=VALUE"),
+    (["--set", "checkpoint.keep_last=1"], "checkpoint.keep_last: 1 is below 2"),
+    (["--config", "/nonexistent/config.yaml"], "/nonexistent/config.yaml: config file not found"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_CLI)
+def test_cli_reports_bad_config_in_one_line_with_exit_code_2(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "train", *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("qgtrain: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists(), "a rejected config must not create a run directory"
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "--debug", "config", "--set", "train.x=1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_config_get_prints_one_value(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "config", "--get", "data.cache_dir",
+                             "--set", "data.cache_dir=/tmp/x"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == "/tmp/x\n"
