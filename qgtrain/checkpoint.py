@@ -1,0 +1,192 @@
+"""The on-disk checkpoint format: files written in a staging folder, committed by one atomic rename.
+
+    checkpoints/step-<N>/      committed: manifest.json lists every file with its size and xxh3 checksum
+    checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
+
+A folder counts as a checkpoint only if its manifest (written last, fsynced, then the rename) parses and
+names this format. Before a checkpoint is used its files are checked against the manifest, so a truncated
+or corrupted file is reported by name and the previous checkpoint is used instead. Files are torch.save'd
+and loaded with weights_only=True, so loading never runs code from a file. This module knows nothing of
+ranks; checkpointer.py decides who writes what.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+FORMAT = "qgtrain-checkpoint-1"
+MANIFEST = "manifest.json"
+_COMMITTED = re.compile(r"step-(\d+)")
+_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    run_id: str
+    val_loss: float | None
+    manifest: dict[str, Any]
+
+
+def staging_dir(root: Path, step: int, run_id: str) -> Path:
+    return root / f".tmp-step-{step}-{run_id}"
+
+
+class _HashingWriter(io.RawIOBase):
+    """Checksums bytes on their way to the file, so the manifest costs no second read."""
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        self.f, self.hash, self.size = f, xxhash.xxh3_128(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+
+def write_file(folder: Path, name: str, obj: Any) -> dict[str, Any]:
+    """torch.save `obj` (or write bytes as they are) into folder/name, fsynced; returns its manifest entry."""
+    with open(folder / name, "wb") as f:
+        writer = _HashingWriter(f)
+        if isinstance(obj, bytes):
+            writer.write(obj)
+        else:
+            torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": writer.size, "xxh3": writer.hash.hexdigest()}
+
+
+def commit(staging: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
+    """Write the manifest last and rename the staging folder into place."""
+    manifest = {"format": FORMAT, **meta, "files": files, "committed_at": time.time()}
+    write_file(staging, MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(staging)
+    if final.exists():
+        _set_aside(final, manifest["run_id"])
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    return Checkpoint(final, manifest["step"], manifest["run_id"], manifest.get("val_loss"), manifest)
+
+
+def _set_aside(existing: Path, run_id: str) -> None:
+    """A folder already holds this step: ours from an earlier attempt is replaced, another run's is kept."""
+    old = read_manifest(existing)
+    if old is not None and old.run_id != run_id:
+        os.rename(existing, existing.with_name(f"{existing.name}.from-run-{old.run_id}"))
+        return
+    doomed = existing.with_name(f".replaced-{existing.name}-{os.getpid()}")
+    os.rename(existing, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def read_manifest(folder: Path) -> Checkpoint | None:
+    """The checkpoint in `folder` if its manifest is complete, else None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("format") != FORMAT:
+            return None
+        return Checkpoint(folder, int(manifest["step"]), str(manifest["run_id"]), manifest.get("val_loss"),
+                          manifest)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def list_committed(root: Path) -> list[Checkpoint]:
+    """Committed checkpoints under root (any run), ordered by step number."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        if _COMMITTED.fullmatch(entry.name) and entry.is_dir():
+            ckpt = read_manifest(entry)
+            if ckpt is not None:
+                found.append(ckpt)
+    return sorted(found, key=lambda c: c.step)
+
+
+def verify(ckpt: Checkpoint) -> str | None:
+    """None if every file matches its manifest entry, else what is wrong, naming the file."""
+    for name, entry in ckpt.manifest.get("files", {}).items():
+        path = ckpt.path / name
+        try:
+            size = path.stat().st_size
+            if size != entry["size"]:
+                return f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+            digest = xxhash.xxh3_128()
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+        except OSError as exc:
+            return f"{path} cannot be read ({exc.strerror or exc})"
+        if digest.hexdigest() != entry["xxh3"]:
+            return f"{path} does not match its checksum in {ckpt.path / MANIFEST} (corrupted)"
+    return None
+
+
+def load_file(ckpt: Checkpoint, name: str) -> Any:
+    """A torch-saved file of the checkpoint, on the CPU, without unpickling code."""
+    return torch.load(ckpt.path / name, map_location="cpu", weights_only=True, mmap=True)
+
+
+def load_json(ckpt: Checkpoint, name: str) -> Any:
+    return json.loads((ckpt.path / name).read_text())
+
+
+def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:
+    """Delete this run's checkpoints beyond the newest `keep_last` and the best by val_loss.
+
+    Ordered by step number, never by name or time; other runs' folders and anything uncommitted are left.
+    """
+    ours = [c for c in list_committed(root) if c.run_id == run_id]
+    keep = {c.path for c in ours[-keep_last:]}
+    scored = [c for c in ours if c.val_loss is not None]
+    if scored:
+        keep.add(min(scored, key=lambda c: (c.val_loss, -c.step)).path)
+    removed = []
+    for ckpt in ours:
+        if ckpt.path not in keep:
+            doomed = ckpt.path.with_name(f".deleting-{ckpt.path.name}")
+            os.rename(ckpt.path, doomed)  # no longer a checkpoint the instant it is renamed
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(ckpt.path)
+    return removed
+
+
+def remove_stale_staging(root: Path, run_id: str) -> list[Path]:
+    """Half-written folders this run left when it was killed, and interrupted deletions."""
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if (p.name.startswith(".tmp-step-") and p.name.endswith(f"-{run_id}"))
+             or p.name.startswith((".deleting-", ".replaced-"))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some network filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,43 @@
+"""Every random number generator a rank draws from, captured and restored as plain tensors and lists.
+
+Stored with torch.save and loaded with weights_only=True, so a checkpoint never needs to unpickle code.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": {"version": version, "state": list(state), "gauss": gauss},
+        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state({"bit_generator": "MT19937",
+                         "state": {"key": npy["key"].numpy().astype(np.uint32), "pos": npy["pos"]},
+                         "has_gauss": npy["has_gauss"], "gauss": npy["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
