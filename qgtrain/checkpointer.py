@@ -1,0 +1,169 @@
+"""Saving and restoring a run's checkpoints with every rank on the same collective path.
+
+Save: rank 0 makes the staging folder; every rank writes its own file (RNG and data position) and rank 0
+the replicated state; rank 0 gathers every rank's file entries (or its error), commits, rotates, and
+broadcasts the outcome, so all ranks succeed or fail together. The saver has its own gloo group: an
+asynchronous save runs these collectives in a background thread without interleaving with training's.
+
+Restore: rank 0 picks the checkpoint (skipping a corrupt newest one with a warning) and broadcasts it;
+each rank then reads the replicated files and its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .distributed import gather_to_main, main_decides
+from .errors import CheckpointError, TrainingError
+from .rendezvous import DistEnv
+
+log = logging.getLogger("qgtrain")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+class Checkpointer:
+    def __init__(self, root: Path, run_id: str, env: DistEnv, keep_last: int, async_save: bool,
+                 run_files: dict[str, bytes] | None = None) -> None:
+        """`run_files` (the resolved config, the model's own config) go into every checkpoint as they are."""
+        self.root, self.run_id, self.env = root, run_id, env
+        self.run_files = run_files or {}
+        self.keep_last, self.async_save = keep_last, async_save
+        self.group = dist.new_group(backend="gloo")
+        self.last_step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: str | None = None
+        if env.is_main:
+            for path in checkpoint.remove_stale_staging(root, run_id):
+                log.warning("removed a half-written checkpoint left by a killed job: %s", path)
+
+    def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
+             meta: dict[str, Any], *, blocking: bool = False) -> None:
+        """Checkpoint `step`. `replicated` is called on rank 0 only; async saves copy state first."""
+        self.wait()
+        if step == self.last_step:
+            return
+        files = {**replicated(), **self.run_files} if self.env.is_main else {}
+        if self.async_save and not blocking:
+            files, per_rank = _copy_to_cpu(files), _copy_to_cpu(per_rank)
+            self._thread = threading.Thread(target=self._write_in_background, args=(step, files, per_rank, meta),
+                                            name="qgtrain-checkpoint", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, files, per_rank, meta)
+        self.last_step = step
+
+    def wait(self) -> None:
+        """Let the save in flight finish; raise its failure (on every rank alike)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise TrainingError(failure)
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except TrainingError as exc:
+            self._failure = str(exc)
+
+    def _write(self, step: int, files: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
+        staging = checkpoint.staging_dir(self.root, step, self.run_id)
+        error = None
+        if self.env.is_main:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            except OSError as exc:
+                error = f"rank 0 cannot create {staging}: {exc.strerror or exc}"
+        dist.barrier(group=self.group)
+        entries: dict[str, Any] = {}
+        if error is None:
+            try:
+                entries[rank_file(self.env.rank)] = checkpoint.write_file(staging, rank_file(self.env.rank), per_rank)
+                for name, obj in files.items():
+                    entries[name] = checkpoint.write_file(staging, name, obj)
+            except OSError as exc:
+                error = f"rank {self.env.rank} cannot write {staging}: {exc.strerror or exc}"
+        gathered = gather_to_main((entries, error), group=self.group)
+        outcome = None
+        if gathered is not None:
+            outcome = self._commit(step, staging, gathered, meta)
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0] is not None:
+            raise TrainingError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is intact; "
+                                "HINT: check free space and permissions where the run directory lives")
+
+    def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any]) -> str | None:
+        errors = [error for _, error in gathered if error]
+        if not errors:
+            files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
+            try:
+                ckpt = checkpoint.commit(staging, self.root / f"step-{step}", files,
+                                         {**meta, "step": step, "run_id": self.run_id,
+                                          "world_size": self.env.world_size})
+                for path in checkpoint.rotate(self.root, self.run_id, self.keep_last):
+                    log.info("rotated out %s", path.name)
+                log.info("saved checkpoint %s", ckpt.path)
+                return None
+            except OSError as exc:
+                errors.append(f"rank 0 cannot commit {staging}: {exc.strerror or exc}")
+        shutil.rmtree(staging, ignore_errors=True)
+        return "; ".join(errors)
+
+    def choose(self, resume: str) -> checkpoint.Checkpoint | None:
+        """The checkpoint to resume from, decided on rank 0 and known to every rank (a collective)."""
+        def pick() -> str | None:
+            ckpt = self._pick(resume)
+            return str(ckpt.path) if ckpt else None
+
+        path = main_decides(pick)
+        return checkpoint.read_manifest(Path(path)) if path else None
+
+    def _pick(self, resume: str) -> checkpoint.Checkpoint | None:
+        if resume == "never":
+            return None
+        if resume != "auto":
+            ckpt = checkpoint.read_manifest(Path(resume))
+            if ckpt is None:
+                raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid "
+                                      f"{checkpoint.MANIFEST}); expected a folder such as <run dir>/checkpoints/"
+                                      "step-<N>, or 'auto' or 'never'")
+            problem = checkpoint.verify(ckpt)
+            if problem:
+                raise CheckpointError(f"checkpoint.resume: {problem}")
+            return ckpt
+        committed = checkpoint.list_committed(self.root)
+        others = sorted({c.run_id for c in committed if c.run_id != self.run_id})
+        if others:
+            log.warning("ignoring checkpoints of other runs in %s (run ids %s)", self.root, ", ".join(others))
+        for ckpt in reversed([c for c in committed if c.run_id == self.run_id]):
+            problem = checkpoint.verify(ckpt)
+            if problem is None:
+                return ckpt
+            log.warning("skipping checkpoint %s: %s; trying the one before it", ckpt.path.name, problem)
+        return None
+
+
+def _copy_to_cpu(obj: Any) -> Any:
+    """A snapshot that training can no longer change: tensors copied to CPU memory, containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: _copy_to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_to_cpu(value) for value in obj)
+    return obj

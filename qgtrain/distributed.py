@@ -1,0 +1,145 @@
+"""The process group: started from a DistEnv, destroyed on every exit path, and the few collectives we use.
+
+One process is a world of size 1 with an in-memory store, so the trainer takes the same collective path
+for 1 and N ranks. Every helper here is a collective: all ranks must call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import QgtrainError, RendezvousError
+from .rendezvous import DistEnv
+
+
+def pick_device(env: DistEnv, preference: str) -> torch.device:
+    """cuda:<local rank> when a GPU is wanted and visible, else the CPU. Never the global rank."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise RendezvousError("train.device is 'cuda' but no GPU is visible to this process. HINT: request GPUs "
+                              "(--gpus-per-node) or set train.device: cpu")
+    if env.device_index >= visible:
+        raise RendezvousError(
+            f"local rank {env.local_rank} needs GPU {env.device_index}, but only {visible} GPU(s) are visible on "
+            f"{env.node_name}. HINT: run one task per GPU (--ntasks-per-node equal to --gpus-per-node)")
+    return torch.device("cuda", env.device_index)
+
+
+def ddp_device_ids(env: DistEnv, device: torch.device) -> list[int] | None:
+    """DDP's device_ids: the local rank as an int (never a torch.device, never the global rank); none on CPU."""
+    return [env.device_index] if device.type == "cuda" else None
+
+
+def set_cpu_threads(env: DistEnv, configured: int) -> int:
+    """Give each rank its share of this node's CPUs, so N ranks on one node do not oversubscribe it."""
+    if configured:
+        threads = configured
+    elif env.cpus_per_task:
+        threads = env.cpus_per_task
+    else:
+        threads = max(1, len(os.sched_getaffinity(0)) // max(env.local_world_size, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
+                  collective_timeout_s: float) -> Iterator[None]:
+    """Join the job's process group; leave it however the body exits."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    try:
+        if env.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=collective_timeout_s))
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=startup_timeout_s))
+            barrier()  # every rank has joined: from here on the collective timeout applies
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
+    except (RuntimeError, dist.DistError) as exc:
+        _destroy()
+        raise RendezvousError(
+            f"rank {env.rank} could not join {env.world_size} ranks at {env.master_addr}:{env.master_port} within "
+            f"{startup_timeout_s:.0f}s ({_first_line(exc)}). HINT: were all tasks started together by srun "
+            "(train.slurm) or torchrun? Is the port free and the master host reachable from every node? "
+            "`qgtrain env` inside srun prints what each rank sees") from None
+    try:
+        yield
+    finally:
+        _destroy()
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def any_flags(flags: Sequence[bool | int], device: torch.device) -> list[bool]:
+    """Each flag is true on every rank if it is true on any rank: the stop decisions all ranks must share."""
+    tensor = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def flagged_ranks(flag: bool, device: torch.device) -> list[int]:
+    """The ranks on which `flag` is true, known to every rank (for error messages)."""
+    tensor = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    tensor[dist.get_rank()] = int(flag)
+    dist.all_reduce(tensor)
+    return [rank for rank, value in enumerate(tensor.tolist()) if value]
+
+
+def sum_tensor(values: Sequence[float], device: torch.device) -> list[float]:
+    """Sum float64 values over ranks (losses and counts, each sample counted once)."""
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast_from_main(obj: Any) -> Any:
+    """Rank 0's value of a small picklable object, on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's small object, as a list on rank 0 (None elsewhere)."""
+    is_main = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
+    out: list[Any] | None = [None] * dist.get_world_size(group) if is_main else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
+def main_decides(decide: Callable[[], Any]) -> Any:
+    """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is raised on
+    every rank, so no rank is left waiting in a collective that rank 0 never reaches."""
+    outcome: tuple[str, Any] = ("ok", None)
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", decide())
+        except QgtrainError as exc:
+            outcome = ("error", (type(exc), str(exc)))
+    kind, value = broadcast_from_main(outcome)
+    if kind == "error":
+        error_type, message = value
+        raise error_type(message)
+    return value

@@ -1,0 +1,57 @@
+"""Logging: rank 0 to the console, every rank to its own file, each line prefixed with its rank."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from .rendezvous import DistEnv
+
+LOGGER = "qgtrain"
+
+
+def setup_console(env: DistEnv, level: str) -> logging.Logger:
+    """Rank 0 logs at `level`; other ranks only warnings, so N ranks do not print N copies of everything."""
+    logger = logging.getLogger(LOGGER)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(level)
+    logger.propagate = False
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(level if env.is_main else logging.WARNING)
+    console.setFormatter(_formatter(env))
+    logger.addHandler(console)
+    _quiet_libraries()
+    return logger
+
+
+def add_rank_file(env: DistEnv, logs_dir: Path, level: str) -> Path:
+    """Append this rank's log to <run dir>/logs/rank_<N>.log (appended across restarts)."""
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    path = logs_dir / f"rank_{env.rank}.log"
+    handler = logging.FileHandler(path, mode="a")
+    handler.setLevel(level)
+    handler.setFormatter(_formatter(env))
+    logging.getLogger(LOGGER).addHandler(handler)
+    return path
+
+
+def close() -> None:
+    logger = logging.getLogger(LOGGER)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+
+
+def _formatter(env: DistEnv) -> logging.Formatter:
+    return logging.Formatter(f"%(asctime)s [rank {env.rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+
+
+def _quiet_libraries() -> None:
+    """transformers and torch announce things users cannot act on; keep their warnings, drop their chatter."""
+    for name in ("transformers", "torch.distributed", "torch.nn.parallel"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")

@@ -1,0 +1,97 @@
+"""What a run reports: metrics.jsonl and TensorBoard on rank 0, and each rank's memory.
+
+metrics.jsonl holds one JSON object per logged step, floats at full precision. On resume from step N,
+records after N (written before the job died) are dropped and TensorBoard is purged from N + 1, so a
+resumed run's history reads as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import TrainingError
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.is_main = is_main
+        self._tb = None
+        if not is_main:
+            return
+        if resume_step is not None:
+            _truncate_after(self.path, resume_step)
+        self._file = open(self.path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"),
+                                     purge_step=resume_step + 1 if resume_step is not None else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(_tb_tag(key), value, record["step"])
+
+    def close(self) -> None:
+        if self.is_main:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _tb_tag(key: str) -> str:
+    group = "val" if key.startswith(("val", "test")) else "memory" if key.startswith("mem") else "train"
+    return f"{group}/{key}"
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when the job was killed
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def memory_gb(device: torch.device) -> dict[str, float]:
+    """This rank's resident CPU memory, and GPU memory allocated now and at peak."""
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    out = {"mem_rss_gb": rss_pages * resource.getpagesize() / 1e9}
+    if device.type == "cuda":
+        out["mem_gpu_alloc_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        out["mem_gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, skipping a last line cut short by a kill."""
+    records = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise TrainingError(f"{path} does not exist") from None
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

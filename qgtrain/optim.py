@@ -1,0 +1,25 @@
+"""The optimizer: AdamW with weight decay on matrices only, and global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+
+
+def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """Biases and norm gains are not decayed (nanoGPT's grouping); fused kernels on GPUs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                             fused=device.type == "cuda")
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor (no sync)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)

@@ -1,0 +1,113 @@
+"""The composition root of `qgtrain train`: the one place where the parts are built and connected.
+
+environment -> device and process group -> run directory (rank 0 decides) -> data -> model -> resume
+-> train -> on a stop signal: checkpoint, requeue, documented exit code -> process group destroyed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from . import corpus, distributed, log, rng, rundir
+from .checkpointer import Checkpointer
+from .config import RunConfig
+from .configload import dump_yaml
+from .data import build_splits
+from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .metrics import MetricsLog
+from .models import build_model, count_parameters
+from .rendezvous import DistEnv
+from .signals import StopFlag, requeue
+from .trainer import Outcome, Trainer
+
+logger = logging.getLogger("qgtrain")
+
+
+def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True) -> int:
+    """Train to the end, to an early stop, or to an agreed stop on a signal. Returns the exit code."""
+    log.setup_console(env, cfg.logging.level)
+    device = distributed.pick_device(env, cfg.train.device)
+    if device.type == "cpu":
+        distributed.set_cpu_threads(env, cfg.train.cpu_threads)
+    try:
+        with distributed.process_group(env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s):
+            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None)
+            if outcome is Outcome.STOPPED_BY_SIGNAL:
+                return _after_stop(cfg, env, requeue_on_stop)
+            if cfg.export.on_finish and env.is_main:
+                _export_on_finish(cfg, run_dir)
+            distributed.barrier()
+            return EXIT_OK
+    finally:
+        log.close()
+
+
+def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path | None) -> tuple[Outcome, Path]:
+    with contextlib.ExitStack() as stack:
+        # Rank 0 picks the directory (absolute, as it sees it) and holds its lock while training.
+        def claim() -> tuple[Path, str]:
+            path = (run_dir or rundir.default_run_dir(cfg)).resolve()
+            stack.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
+            return path, rundir.open_run(path, cfg, dump_yaml(cfg))
+
+        path, run_id = distributed.main_decides(claim)
+        outcome = _train_in_run(cfg, env, device, path, run_id)
+    return outcome, path
+
+
+def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, run_id: str) -> Outcome:
+    log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
+    logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", run_dir, run_id,
+                env.world_size, env.num_nodes, device)
+    prepared = None
+    if cfg.data.name == "corpus":
+        # Rank 0 tokenizes (once per corpus and tokenizer); the others open the files it wrote.
+        prepared = corpus.load(distributed.main_decides(lambda: corpus.prepare(cfg.data).folder))
+    splits = build_splits(cfg.data, prepared, cfg.train.seed)
+    rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, prepared.eos_id if prepared else None)
+    rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
+    logger.info("model: %s with %.2fM parameters", type(model).__name__, count_parameters(model) / 1e6)
+    extra = {"config.yaml": dump_yaml(cfg).encode()}
+    if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
+        extra["hf_config.json"] = model.config.to_json_string().encode()
+    checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
+                                cfg.checkpoint.async_save, extra)
+    ckpt = checkpointer.choose(cfg.checkpoint.resume)
+    metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None)
+    try:
+        with StopFlag([cfg.slurm.signal, "TERM"]) as stop:
+            trainer = Trainer(cfg, env, device, model, splits, checkpointer, metrics, stop)  # type: ignore[arg-type]
+            if ckpt is not None:
+                trainer.restore(ckpt)
+            outcome = trainer.fit()
+            checkpointer.wait()
+    finally:
+        metrics.close()
+    return outcome
+
+
+def _after_stop(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> int:
+    """After the agreed checkpoint: rank 0 requeues the Slurm job; every rank returns the same code."""
+    result = None
+    if env.is_main:
+        if not env.in_slurm_job or not requeue_on_stop:
+            logger.warning("stopped at a checkpoint: run the same command again to resume")
+            result = EXIT_STOPPED
+        elif not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_restarts:
+            logger.warning("stopped at a checkpoint; not requeued (slurm.requeue=%s, restart %d of at most %d)",
+                           cfg.slurm.requeue, env.restart_count, cfg.slurm.max_restarts)
+            result = EXIT_STOPPED
+        else:
+            done, message = requeue(str(env.requeue_id))
+            logger.warning("stopped at a checkpoint: %s", message)
+            result = EXIT_STOPPED if done else EXIT_REQUEUE_ME
+    return int(distributed.broadcast_from_main(result))
+
+
+def _export_on_finish(cfg: RunConfig, run_dir: Path) -> None:
+    from .export import export_run
+
+    export_run(run_dir, Path(cfg.export.dir) if cfg.export.dir else run_dir / "export", force=True)

@@ -1,0 +1,54 @@
+"""Stop requests from signals: the handler only sets a flag; the training loop decides what to do.
+
+Saving or requeueing inside a handler can deadlock (a collective half-way through, a lock held by the
+interrupted frame), so the trainer reads `requested` at a step boundary and agrees on it with every rank.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+class StopFlag:
+    """Context manager: installs flag-setting handlers, restores the previous handlers on exit."""
+
+    def __init__(self, signal_names: Iterable[str]) -> None:
+        self.signals = [getattr(signal, "SIG" + name.removeprefix("SIG")) for name in dict.fromkeys(signal_names)]
+        self.received: list[str] = []
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def __enter__(self) -> "StopFlag":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def requeue(requeue_id: str, run: Runner = subprocess.run) -> tuple[bool, str]:
+    """Ask Slurm to requeue this job. Returns (done, what happened) and never raises."""
+    try:
+        result = run(["scontrol", "requeue", requeue_id], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return False, "scontrol is not on PATH"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"scontrol requeue {requeue_id} failed: {exc}"
+    if result.returncode != 0:
+        return False, f"scontrol requeue {requeue_id} exited {result.returncode}: {result.stderr.strip()}"
+    return True, f"requeued job {requeue_id}"

@@ -1,0 +1,136 @@
+"""DDP semantics with real 2-process gloo groups on the CPU (tests/ranks.py). Gradient tests use the real
+GPT-2 model and the trainer's own accumulation; the stop tests run the whole `qgtrain train` path."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from qgtrain import rng
+from qgtrain.config import ModelConfig
+from qgtrain.configload import load_config
+from qgtrain.distributed import process_group
+from qgtrain.models import build_model
+from qgtrain.rendezvous import from_environ
+from qgtrain.trainer import accumulate_gradients
+from tests.ranks import run_ranks, train_rank
+
+SEQ, VOCAB = 16, 257
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    rng.seed_everything(0)
+    return build_model(ModelConfig(layers=2, heads=2, hidden=32), VOCAB, SEQ, 256)
+
+
+def batch(samples: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(42))
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def ddp_gradients(micro_batches_per_rank: int, samples_per_micro: int) -> dict[str, object]:
+    """One rank: DDP over this rank's share of `batch`, counting the gradient all-reduces it issues."""
+    env = from_environ(os.environ)
+    with process_group(env, torch.device("cpu"), 60, 60):
+        model = tiny_gpt2()
+        ddp = DDP(model)
+        per_rank = micro_batches_per_rank * samples_per_micro
+        mine = batch(per_rank * env.world_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            accumulate_gradients(ddp, list(mine.split(samples_per_micro)), "fp32",
+                                 torch.amp.GradScaler("cpu", enabled=False))
+        reduces = sum(1 for event in prof.events() if "allreduce" in event.name.replace("_", "").lower())
+        return {"grads": grads(model), "allreduce_calls": reduces}
+
+
+def single_process_gradients(samples: int) -> dict[str, torch.Tensor]:
+    model = tiny_gpt2()
+    accumulate_gradients(model, [batch(samples)], "fp32", torch.amp.GradScaler("cpu", enabled=False))
+    return grads(model)
+
+
+def test_two_rank_gradients_equal_one_process_on_the_concatenated_batch():
+    ranks = run_ranks(2, ddp_gradients, 1, 4)
+    expected = single_process_gradients(8)
+    for result in ranks:
+        for name, grad in expected.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_no_sync_accumulation_equals_one_k_times_larger_batch_and_reduces_once():
+    k = 3
+    ranks = run_ranks(2, ddp_gradients, k, 2)
+    expected = single_process_gradients(2 * k * 2)
+    buckets_per_step = run_ranks(2, ddp_gradients, 1, 2)[0]["allreduce_calls"]
+    for result in ranks:
+        assert result["allreduce_calls"] == buckets_per_step, "gradients must be reduced on the last micro-step only"
+        for name, grad in expected.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
+    """A config for fast multi-rank runs: synthetic data, a tiny model, no TensorBoard."""
+    return load_config([], ["data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=101",
+                            "train.batch_size=4", "train.log_every=1", "train.eval_every=2", "logging.tensorboard=false",
+                            "model.factory=tests.factories:tiny", "optim.warmup_steps=0", "checkpoint.every_steps=0",
+                            f"data.cache_dir={tmp_path / 'data'}", *sets])
+
+
+def rank_log(run_dir: Path, rank: int) -> str:
+    return (run_dir / "logs" / f"rank_{rank}.log").read_text()
+
+
+def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(tmp_path):
+    # lr 0: the validation loss never improves, so patience 2 ends the run at the third validation (step 6).
+    # 101 synthetic samples leave 5 for validation: rank 0 evaluates 3 of them, rank 1 evaluates 2.
+    cfg = small(tmp_path, "optim.lr=0", "optim.min_lr=0", "early_stopping.patience=2", "train.max_steps=50")
+    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
+    assert [r["exit"] for r in results] == [0, 0], results
+    for rank in (0, 1):
+        assert "early stopping at step 6" in rank_log(tmp_path / "run", rank)
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "state.json").read_text())
+    assert state["trainer"]["outcome"] == "stopped early" and state["trainer"]["evals_since_best"] == 2
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tmp_path):
+    cfg = small(tmp_path, "model.factory=tests.factories:nan_on_rank_one_at_step_three", "train.max_steps=10",
+                "checkpoint.every_steps=1")
+    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
+    for result in results:
+        assert result["exit"] == 1
+        assert "the loss became non-finite at step 3 on rank(s) [1]" in result["error"]
+        assert "HINT" in result["error"]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step-1", "step-2"], "the bad step must not be checkpointed"
+
+
+def test_an_uneven_dataset_over_several_epochs_does_not_hang(tmp_path):
+    # 91 training samples over 2 ranks with batches of 4: an odd split, a partial last batch, 4 epochs.
+    cfg = small(tmp_path, "train.max_steps=45", "train.eval_every=10")
+    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"), timeout=120)
+    assert [r["exit"] for r in results] == [0, 0]
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 45 and last["epoch"] == 3 and last["val_loss"] is not None
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unused):
+    cfg = small(tmp_path, "model.factory=tests.factories:with_unused_head", "train.max_steps=3",
+                f"train.find_unused_parameters={find_unused}")
+    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
+    if find_unused:
+        assert [r["exit"] for r in results] == [0, 0], results
+        return
+    for result in results:
+        assert result["exit"] == 1
+        assert "2 parameter(s) received no gradient in step 1 on rank(s) [0, 1]: unused_head.weight, " \
+               "unused_head.bias" in result["error"]
+        assert "train.find_unused_parameters: true" in result["error"]
