@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from .errors import CheckpointError
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -140,8 +143,17 @@ def verify(ckpt: Checkpoint) -> str | None:
 
 
 def load_file(ckpt: Checkpoint, name: str) -> Any:
-    """A torch-saved file of the checkpoint, on the CPU, without unpickling code."""
-    return torch.load(ckpt.path / name, map_location="cpu", weights_only=True, mmap=True)
+    """A torch-saved file of the checkpoint, on the CPU. Anything but tensors and plain containers (a pickle
+    that would run code, a file from another program) is refused, not executed."""
+    path = ckpt.path / name
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing from the checkpoint") from None
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} cannot be loaded safely as tensors ({reason}); loading it would mean "
+                              "running code from the file, which qgtrain never does") from None
 
 
 def load_json(ckpt: Checkpoint, name: str) -> Any:

@@ -1,8 +1,8 @@
 """What a run reports: metrics.jsonl and TensorBoard on rank 0, and each rank's memory.
 
-metrics.jsonl holds one JSON object per logged step, floats at full precision. On resume from step N,
-records after N (written before the job died) are dropped and TensorBoard is purged from N + 1, so a
-resumed run's history reads as if it had never stopped.
+metrics.jsonl holds one JSON object per logged step, floats at full precision. On a start from step N
+(0 for a fresh start), records after N (written before the job died) are dropped and TensorBoard is
+purged from N + 1, so a run's history reads as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ class MetricsLog:
         self._tb = None
         if not is_main:
             return
-        if resume_step is not None:
-            _truncate_after(self.path, resume_step)
+        # Records past the starting step come from an attempt that died before its next checkpoint.
+        start = resume_step or 0
+        _truncate_after(self.path, start)
         self._file = open(self.path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tb"),
-                                     purge_step=resume_step + 1 if resume_step is not None else None)
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:

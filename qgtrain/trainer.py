@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, load_file, load_json
 from .checkpointer import Checkpointer, rank_file
 from .config import RunConfig
 from .data import EvalShard, ResumableSampler, Splits, make_loader
-from .errors import TrainingError
+from .errors import CheckpointError, TrainingError
 from .metrics import MetricsLog, memory_gb
 from .models import lm_loss, load_weights, strip_wrapper_prefixes
 from .optim import adamw, clip_gradients
@@ -247,6 +247,11 @@ class Trainer:
         self.optimizer.load_state_dict(optim["optimizer"])
         self.scaler.load_state_dict(optim["scaler"])
         self.state = TrainState(**saved["trainer"])
+        if self.state.samples_in_epoch % self.env.world_size:
+            raise CheckpointError(
+                f"{ckpt.path} was saved by {saved['world_size']} rank(s) after {self.state.samples_in_epoch} samples "
+                f"of epoch {self.state.epoch}, which {self.env.world_size} ranks cannot split evenly. HINT: resume "
+                f"with {saved['world_size']} ranks, or from a checkpoint at an epoch boundary")
         if saved["world_size"] == self.env.world_size:
             rng.restore(load_file(ckpt, rank_file(self.env.rank))["rng"])
         else:

@@ -9,13 +9,18 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]  # so ranks can import tests.factories like a user's own module
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "transformers",
                              "transformers.models.gpt2.modeling_gpt2", "qgtrain.run", "tests.ranks"])
@@ -99,3 +104,38 @@ def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
         return {"exit": train(cfg, from_environ(os.environ), run_dir), "error": None}
     except QgtrainError as exc:
         return {"exit": exc.exit_code, "error": str(exc)}
+
+
+def start_cli_ranks(world_size: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
+                    log_prefix: str = "rank") -> list[subprocess.Popen[bytes]]:
+    """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each rank
+    leads its own process group, so a SIGKILL to the group takes its DataLoader workers too."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+        output = open(cwd / f"{log_prefix}-{rank}.out", "ab")
+        procs.append(subprocess.Popen([sys.executable, "-m", "qgtrain", *args], cwd=cwd, env=rank_env,
+                                      stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def kill_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.wait(timeout=30)
+
+
+def wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for proc in procs]
+    except subprocess.TimeoutExpired:
+        kill_ranks(procs)
+        raise AssertionError(f"ranks did not exit within {timeout}s") from None

@@ -1,0 +1,149 @@
+"""Checkpoint format and resume selection. Runs against: real files on disk, and real single-rank training
+runs (tests/ranks.py) that save, get damaged, and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from qgtrain import checkpoint
+from qgtrain.configload import load_config
+from qgtrain.errors import CheckpointError
+from tests.ranks import run_ranks, train_rank
+
+
+def commit_step(root: Path, step: int, run_id: str, val_loss: float | None = None) -> checkpoint.Checkpoint:
+    staging = checkpoint.staging_dir(root, step, run_id)
+    staging.mkdir(parents=True)
+    files = {"model.pt": checkpoint.write_file(staging, "model.pt", {"w": torch.full((4,), float(step))})}
+    return checkpoint.commit(staging, root / f"step-{step}", files, {"step": step, "run_id": run_id,
+                                                                   "val_loss": val_loss})
+
+
+def test_a_committed_checkpoint_verifies_and_loads(tmp_path):
+    ckpt = commit_step(tmp_path, 7, "run-a", 1.5)
+    assert checkpoint.verify(ckpt) is None
+    assert [c.step for c in checkpoint.list_committed(tmp_path)] == [7]
+    assert torch.equal(checkpoint.load_file(ckpt, "model.pt")["w"], torch.full((4,), 7.0))
+    assert not list(tmp_path.glob(".tmp-*")), "the staging folder is renamed, not copied"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:-10]), "has {n} bytes, the manifest says"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "does not match its checksum"),
+    (lambda p: p.unlink(), "cannot be read"),
+])
+def test_damaged_files_are_named_by_verify(tmp_path, damage, message):
+    ckpt = commit_step(tmp_path, 3, "run-a")
+    path = ckpt.path / "model.pt"
+    size = path.stat().st_size
+    damage(path)
+    problem = checkpoint.verify(ckpt)
+    assert problem is not None and str(path) in problem
+    assert message.format(n=size - 10) in problem
+
+
+def test_folders_without_a_valid_manifest_never_count(tmp_path):
+    commit_step(tmp_path, 2, "run-a")
+    (tmp_path / "step-9").mkdir()  # a folder someone made by hand
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / checkpoint.MANIFEST).write_text('{"format": "qgtrain-checkpoint-1", "step"')
+    checkpoint.staging_dir(tmp_path, 12, "run-a").mkdir()  # half-written
+    assert [c.step for c in checkpoint.list_committed(tmp_path)] == [2]
+
+
+def test_rotation_keeps_the_last_k_and_the_best_and_never_touches_another_run(tmp_path):
+    stale = commit_step(tmp_path, 999_999, "other-run", 0.01)
+    for step in range(10, 210, 10):
+        commit_step(tmp_path, step, "run-a", val_loss=1.0 if step == 50 else 2.0 + step / 1000)
+        checkpoint.rotate(tmp_path, "run-a", keep_last=2)
+    ours = [c.step for c in checkpoint.list_committed(tmp_path) if c.run_id == "run-a"]
+    assert ours == [50, 190, 200], "newest two by step number (not by name: 90 < 100), plus the best"
+    assert checkpoint.verify(checkpoint.read_manifest(stale.path)) is None, "another run's folder is untouched"
+
+
+def test_a_step_folder_of_another_run_is_set_aside_not_overwritten(tmp_path):
+    theirs = commit_step(tmp_path, 4, "other-run")
+    commit_step(tmp_path, 4, "run-a")
+    assert checkpoint.read_manifest(tmp_path / "step-4").run_id == "run-a"
+    kept = checkpoint.read_manifest(tmp_path / "step-4.from-run-other-run")
+    assert kept is not None and kept.run_id == theirs.run_id
+
+
+def test_a_file_that_would_run_code_is_refused(tmp_path):
+    ckpt = commit_step(tmp_path, 1, "run-a")
+
+    class Exploit:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"w": Exploit()}, ckpt.path / "model.pt", pickle_module=pickle)
+    with pytest.raises(CheckpointError, match=r"model.pt cannot be loaded safely as tensors"):
+        checkpoint.load_file(ckpt, "model.pt")
+    assert not (tmp_path / "pwned").exists()
+
+
+def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
+    return load_config([], ["data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=64",
+                            "train.batch_size=4", "train.log_every=1", "train.eval_every=0",
+                            "logging.tensorboard=false", "model.factory=tests.factories:tiny",
+                            "optim.warmup_steps=0", "checkpoint.every_steps=2", *sets])
+
+
+def train_once(cfg, run_dir: Path) -> dict:  # type: ignore[no-untyped-def]
+    return run_ranks(1, train_rank, cfg, str(run_dir))[0]
+
+
+def test_a_corrupted_or_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    newest = run / "checkpoints" / "step-6" / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    result = train_once(small(tmp_path, "train.max_steps=8"), run)
+    assert result["exit"] == 0
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert f"skipping checkpoint step-6: {newest} has 100 bytes" in log
+    assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4" in log
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8], "records after the resumed step are replaced, not duplicated"
+
+
+def test_a_half_written_checkpoint_of_this_run_is_removed_and_the_last_committed_one_used(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    half = checkpoint.staging_dir(run / "checkpoints", 6, run_id)
+    half.mkdir()
+    (half / "model.pt").write_bytes(b"partial")
+    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert f"removed a half-written checkpoint left by a killed job: {half}" in log
+    assert "resumed from" in log and "step-4: step 4" in log
+    assert checkpoint.read_manifest(run / "checkpoints" / "step-6") is not None
+
+
+def test_resume_from_an_explicit_corrupt_path_fails_clearly(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=2"), run)["exit"] == 0
+    target = run / "checkpoints" / "step-2"
+    (target / "optim.pt").write_bytes(b"garbage")
+    result = train_once(small(tmp_path, "train.max_steps=4", f"checkpoint.resume={target}"), run)
+    assert result["exit"] == 2 and f"checkpoint.resume: {target / 'optim.pt'} has 7 bytes" in result["error"]
+    missing = train_once(small(tmp_path, "train.max_steps=4", f"checkpoint.resume={tmp_path / 'nope'}"), run)
+    assert missing["exit"] == 2 and "is not a committed checkpoint" in missing["error"]
+
+
+def test_a_checkpoint_of_another_model_shape_says_what_differs(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=2", "model.factory=null", "model.hidden=32",
+                            "model.heads=2", "model.layers=1"), run)["exit"] == 0
+    result = train_once(small(tmp_path, "train.max_steps=4", "model.factory=null", "model.hidden=64",
+                              "model.heads=2", "model.layers=1"), run)
+    assert result["exit"] == 2
+    assert "does not fit the configured model: shapes differ (transformer.wte.weight: checkpoint (257, 32) vs " \
+           "model (257, 64)" in result["error"]

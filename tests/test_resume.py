@@ -1,0 +1,98 @@
+"""Killed at any instant, resumed, identical: real `qgtrain train` processes SIGKILLed at random steps and
+once inside a checkpoint write, then resumed, compared with an uninterrupted run bit for bit (every
+step's loss, the validation losses, the final weights and optimizer state)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+
+MAX_STEPS = 24
+
+
+def settings(tmp_path: Path, workers: int) -> list[str]:
+    return ["--set", f"train.max_steps={MAX_STEPS}", "train.log_every=1", "train.eval_every=8", "train.eval_batches=2",
+            "checkpoint.every_steps=4", "model.dropout=0.1", "model.hidden=256", "model.layers=3",
+            "data.corpus_mb=0.4", "data.seq_len=64", "train.batch_size=8", "logging.tensorboard=false",
+            f"data.num_workers={workers}", f"data.cache_dir={tmp_path / 'data'}", "optim.warmup_steps=4"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a rank exited ({[p.poll() for p in procs]}) before {what}")
+        if time.monotonic() > deadline:
+            kill_ranks(procs)
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    folder = run_dir / "checkpoints" / f"step-{MAX_STEPS}"
+    model = torch.load(folder / "model.pt", weights_only=True)
+    optim = torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"]
+    flat = {f"model.{k}": v for k, v in model.items()}
+    for index, state in optim.items():
+        flat.update({f"optim.{index}.{k}": v for k, v in state.items()})
+    return flat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, workers", [(2, 0), (1, 2)])
+def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path, world, workers):
+    seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
+    picker = random.Random(seed)
+    args = ["train", *settings(tmp_path, workers)]
+    reference = tmp_path / "reference"
+    assert wait_ranks(start_cli_ranks(world, [*args, "--run-dir", str(reference)], tmp_path, log_prefix="ref"),
+                      300) == [0] * world
+
+    run = tmp_path / "killed"
+    cmd = [*args, "--run-dir", str(run)]
+    first_kill, last_kill = sorted(picker.sample(range(2, MAX_STEPS - 4), 2))
+    plan = [("step", first_kill), ("checkpoint write", None), ("step", last_kill)]
+    for kind, step in plan:
+        procs = start_cli_ranks(world, cmd, tmp_path, log_prefix="killed")
+        if kind == "step":
+            wait_for(lambda: any(r["step"] >= step for r in records(run)[-1:]), procs, f"step {step}")
+        else:
+            wait_for(lambda: any((run / "checkpoints").glob(".tmp-step-*")), procs, "a checkpoint write")
+        kill_ranks(procs)
+        if kind == "checkpoint write":
+            assert list((run / "checkpoints").glob(".tmp-step-*")), "the kill must land inside the write"
+    assert wait_ranks(start_cli_ranks(world, cmd, tmp_path, log_prefix="killed"), 300) == [0] * world
+
+    expected, got = records(reference), records(run)
+    context = f"(seed {seed}: kills at step {first_kill}, in a checkpoint write, at step {last_kill})"
+    assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1)), context
+    for want, have in zip(expected, got):
+        assert have["loss"] == want["loss"], f"step {want['step']} {context}"
+        assert have.get("val_loss") == want.get("val_loss"), f"step {want['step']} {context}"
+    reference_state, resumed_state = final_state(reference), final_state(run)
+    assert reference_state.keys() == resumed_state.keys()
+    for name, tensor in reference_state.items():
+        assert torch.equal(tensor, resumed_state[name]), f"{name} {context}"
+    resumes = (run / "logs" / "rank_0.log").read_text().count("resumed from")
+    assert resumes >= 2, context

@@ -1,0 +1,101 @@
+"""Stop signals. Runs against: real signals to the test process (the flag), and real 2-rank `qgtrain train`
+processes where one non-zero rank alone is signalled; the requeue goes to a stand-in `scontrol` on PATH
+that records its arguments (the real one is exercised by the Slurm cluster tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
+from qgtrain.signals import StopFlag, requeue
+from tests.ranks import start_cli_ranks, wait_ranks
+
+
+def test_the_handler_only_records_and_previous_handlers_come_back():
+    calls = []
+
+    def previous(signum, frame):  # type: ignore[no-untyped-def]
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGUSR2, previous)
+    try:
+        with StopFlag(["USR2", "TERM"]) as stop:
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.requested and stop.received == ["SIGUSR2"] and calls == []
+        assert signal.getsignal(signal.SIGUSR2) is previous
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+
+
+def test_requeue_reports_instead_of_raising():
+    def missing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError("scontrol")
+
+    def refusing(cmd, **kwargs):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(cmd, 1, "", "Requested operation is presently disabled for job 9")
+
+    assert requeue("9", run=missing) == (False, "scontrol is not on PATH")
+    done, message = requeue("9", run=refusing)
+    assert not done and "exited 1: Requested operation is presently disabled" in message
+
+
+def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Path]:
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls.txt"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    script.chmod(0o755)
+    return bin_dir, calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, scontrol_on_path, expected_exit", [
+    (signal.SIGUSR2, True, EXIT_STOPPED),
+    (signal.SIGTERM, False, EXIT_REQUEUE_ME),
+])
+def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_requeues(
+        tmp_path, sig, scontrol_on_path, expected_exit):
+    bin_dir, calls = stand_in_scontrol(tmp_path)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    env = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}" if scontrol_on_path else str(empty)}
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16",
+            "train.batch_size=4", "train.max_steps=100000", "train.log_every=1", "train.eval_every=0",
+            "checkpoint.every_steps=0", "logging.tensorboard=false", "model.factory=tests.factories:tiny"]
+    procs = start_cli_ranks(2, args, tmp_path, env=env)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    os.kill(procs[1].pid, sig)
+    assert wait_ranks(procs, 60) == [expected_exit, expected_exit]
+    elapsed = time.monotonic() - signalled
+
+    saved = sorted((run / "checkpoints").iterdir())
+    assert len(saved) == 1, "exactly one checkpoint, at the agreed step"
+    step = json.loads((saved[0] / "manifest.json").read_text())["step"]
+    assert saved[0].name == f"step-{step}"
+    logs = [(run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
+    assert f"stopping at step {step} on a signal that reached another rank" in logs[0]
+    assert f"stopping at step {step} on {signal.Signals(sig).name}" in logs[1]
+    if scontrol_on_path:
+        assert calls.read_text() == "requeue 4200_3\n", "rank 0 alone requeues, by array id and task"
+        assert "requeued job 4200_3" in logs[0]
+    else:
+        assert not calls.exists()
+        assert "scontrol is not on PATH" in logs[0]
+    assert elapsed < 30, f"stopping took {elapsed:.1f}s"
