@@ -50,22 +50,30 @@ class Checkpointer:
 
     def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
              meta: dict[str, Any], *, blocking: bool = False) -> None:
-        """Checkpoint `step`. `replicated` is called on rank 0 only; async saves copy state first."""
+        """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only.
+
+        Synchronous: files are written and committed now; fsync and rotation finish in the background.
+        Asynchronous (checkpoint.async_save): state is copied to CPU memory now and everything else runs
+        in the background. `blocking` waits until the checkpoint is durable (the final and stop saves).
+        At most one save is in flight: the next one first waits for this one.
+        """
         self.wait()
         if step == self.last_step:
             return
         files = {**replicated(), **self.run_files} if self.env.is_main else {}
+        files[rank_file(self.env.rank)] = per_rank
         if self.async_save and not blocking:
-            files, per_rank = _copy_to_cpu(files), _copy_to_cpu(per_rank)
-            self._thread = threading.Thread(target=self._write_in_background, args=(step, files, per_rank, meta),
-                                            name="qgtrain-checkpoint", daemon=True)
-            self._thread.start()
+            self._background(self._write_and_settle, step, _copy_to_cpu(files), meta)
         else:
-            self._write(step, files, per_rank, meta)
+            ckpt = self._write(step, files, meta)
+            if blocking:
+                self._settle(ckpt, list(files))
+            else:
+                self._background(self._settle, ckpt, list(files))
         self.last_step = step
 
     def wait(self) -> None:
-        """Let the save in flight finish; raise its failure (on every rank alike)."""
+        """Let the save in flight finish; raise its failure (the same on every rank)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -73,13 +81,21 @@ class Checkpointer:
             failure, self._failure = self._failure, None
             raise TrainingError(failure)
 
-    def _write_in_background(self, *args: Any) -> None:
-        try:
-            self._write(*args)
-        except TrainingError as exc:
-            self._failure = str(exc)
+    def _background(self, work: Callable[..., None], *args: Any) -> None:
+        def run() -> None:
+            try:
+                work(*args)
+            except TrainingError as exc:
+                self._failure = str(exc)
 
-    def _write(self, step: int, files: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
+        self._thread = threading.Thread(target=run, name="qgtrain-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _write_and_settle(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
+        self._settle(self._write(step, files, meta), list(files))
+
+    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives)."""
         staging = checkpoint.staging_dir(self.root, step, self.run_id)
         error = None
         if self.env.is_main:
@@ -92,20 +108,17 @@ class Checkpointer:
         entries: dict[str, Any] = {}
         if error is None:
             try:
-                entries[rank_file(self.env.rank)] = checkpoint.write_file(staging, rank_file(self.env.rank), per_rank)
-                for name, obj in files.items():
-                    entries[name] = checkpoint.write_file(staging, name, obj)
+                entries = checkpoint.write_files(staging, files)
             except OSError as exc:
                 error = f"rank {self.env.rank} cannot write {staging}: {exc.strerror or exc}"
         gathered = gather_to_main((entries, error), group=self.group)
-        outcome = None
-        if gathered is not None:
-            outcome = self._commit(step, staging, gathered, meta)
+        outcome = self._commit(step, staging, gathered, meta) if gathered is not None else None
         box = [outcome]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
             raise TrainingError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is intact; "
                                 "HINT: check free space and permissions where the run directory lives")
+        return self.root / f"step-{step}"
 
     def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any]) -> str | None:
         errors = [error for _, error in gathered if error]
@@ -115,14 +128,29 @@ class Checkpointer:
                 ckpt = checkpoint.commit(staging, self.root / f"step-{step}", files,
                                          {**meta, "step": step, "run_id": self.run_id,
                                           "world_size": self.env.world_size})
-                for path in checkpoint.rotate(self.root, self.run_id, self.keep_last):
-                    log.info("rotated out %s", path.name)
                 log.info("saved checkpoint %s", ckpt.path)
                 return None
             except OSError as exc:
                 errors.append(f"rank 0 cannot commit {staging}: {exc.strerror or exc}")
         shutil.rmtree(staging, ignore_errors=True)
         return "; ".join(errors)
+
+    def _settle(self, folder: Path, names: list[str]) -> None:
+        """Make this rank's files durable; then rank 0 rotates, so nothing old goes before the new is safe.
+
+        No collective here: a failed fsync leaves a checkpoint whose checksums catch any damage, so it is
+        a warning, not a reason to stop every rank.
+        """
+        if self.env.is_main:
+            names = [*names, checkpoint.MANIFEST]
+        for problem in checkpoint.make_durable(folder, names):
+            log.warning("could not fsync %s; the previous checkpoint stays the fallback", problem)
+        if self.env.is_main:
+            try:
+                for path in checkpoint.rotate(self.root, self.run_id, self.keep_last):
+                    log.info("rotated out %s", path.name)
+            except OSError as exc:
+                log.warning("could not rotate old checkpoints in %s: %s", self.root, exc)
 
     def choose(self, resume: str) -> checkpoint.Checkpoint | None:
         """The checkpoint to resume from, decided on rank 0 and known to every rank (a collective)."""

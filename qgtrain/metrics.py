@@ -8,6 +8,7 @@ purged from N + 1, so a run's history reads as if it had never stopped.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 from pathlib import Path
@@ -19,12 +20,22 @@ from .errors import TrainingError
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None) -> None:
+    def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None,
+                 progress_bar: bool = False, max_steps: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self._tb = None
+        self._bar: Any = None
+        self._redirect: Any = None
         if not is_main:
             return
+        if progress_bar:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=max_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
+            self._redirect = logging_redirect_tqdm([logging.getLogger("qgtrain")])
+            self._redirect.__enter__()  # log lines print above the bar instead of through it
         # Records past the starting step come from an attempt that died before its next checkpoint.
         start = resume_step or 0
         _truncate_after(self.path, start)
@@ -34,9 +45,16 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1)
 
+    def advance(self, step: int) -> None:
+        """Called every step; moves the progress bar (rank 0 on a terminal) and nothing else."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -45,6 +63,10 @@ class MetricsLog:
                     self._tb.add_scalar(_tb_tag(key), value, record["step"])
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._redirect.__exit__(None, None, None)
+            self._bar.close()
+            self._bar = None
         if self.is_main:
             self._file.close()
             if self._tb is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from pathlib import Path
 
 from . import corpus, distributed, log, rng, rundir
@@ -76,7 +77,9 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, extra)
     ckpt = checkpointer.choose(cfg.checkpoint.resume)
-    metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None)
+    bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
+    metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
+                         progress_bar=bar, max_steps=cfg.train.max_steps)
     try:
         with StopFlag([cfg.slurm.signal, "TERM"]) as stop:
             trainer = Trainer(cfg, env, device, model, splits, checkpointer, metrics, stop)  # type: ignore[arg-type]

@@ -119,6 +119,7 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step, first = step, False
+            self.metrics.advance(step)
             self.state.tokens_seen += self.samples_per_micro * t.grad_accum_steps * micro_batches[0].shape[1]
             busy_s += time.perf_counter() - started  # training time only: validation is not throughput
             final = step == t.max_steps

@@ -20,7 +20,7 @@ from tests.ranks import run_ranks, train_rank
 def commit_step(root: Path, step: int, run_id: str, val_loss: float | None = None) -> checkpoint.Checkpoint:
     staging = checkpoint.staging_dir(root, step, run_id)
     staging.mkdir(parents=True)
-    files = {"model.pt": checkpoint.write_file(staging, "model.pt", {"w": torch.full((4,), float(step))})}
+    files = checkpoint.write_files(staging, {"model.pt": {"w": torch.full((4,), float(step))}})
     return checkpoint.commit(staging, root / f"step-{step}", files, {"step": step, "run_id": run_id,
                                                                    "val_loss": val_loss})
 

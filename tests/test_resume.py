@@ -94,5 +94,5 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
     assert reference_state.keys() == resumed_state.keys()
     for name, tensor in reference_state.items():
         assert torch.equal(tensor, resumed_state[name]), f"{name} {context}"
-    resumes = (run / "logs" / "rank_0.log").read_text().count("resumed from")
-    assert resumes >= 2, context
+    # Kills before the first commit restart from scratch, so only the last restart surely resumes.
+    assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context

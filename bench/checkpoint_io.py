@@ -1,0 +1,101 @@
+"""Checkpoint save and load, qgtrain against plain torch.save/torch.load of the same state.
+
+qgtrain's side is the real path: a (one-rank) process group, Checkpointer.save with its staging folder,
+checksums, fsync, manifest and rename, then choose() (which verifies checksums) and loading into a model and
+optimizer. The baseline saves the same model and optimizer state dicts with torch.save and loads them back
+into the same objects. Usage: python bench/checkpoint_io.py [--params-m 25] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import alternate, report
+from qgtrain import checkpoint
+from qgtrain.checkpointer import Checkpointer
+from qgtrain.distributed import process_group
+from qgtrain.rendezvous import DistEnv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--async-save", action="store_true", help="also time the stall of an async save")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder; /dev/shm "
+                        "isolates the software cost from the disk)")
+    args = parser.parse_args()
+    width = 1024
+    layers = max(1, round(args.params_m * 1e6 / (width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()
+    size_mb = sum(p.numel() for p in model.parameters()) * 4 * 3 / 1e6
+    print(f"state: {layers} x Linear({width}, {width}), model + AdamW state {size_mb:.0f} MB")
+    root = Path(tempfile.mkdtemp(prefix="qgtrain-bench-", dir=args.dir))
+    print(f"writing to {root}")
+    env = DistEnv()
+    with process_group(env, torch.device("cpu"), 60, 600):
+        saver = Checkpointer(root / "checkpoints", "bench", env, keep_last=2, async_save=False)
+        step = iter(range(1, 10**6))
+
+        def qgtrain_save() -> None:
+            saver.save(next(step), lambda: {"model.pt": model.state_dict(), "optim.pt": optimizer.state_dict()},
+                       {"rng": torch.get_rng_state()}, {})
+
+        def plain_save() -> None:
+            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, root / "plain.pt")
+
+        def plain_save_fsync() -> None:
+            with open(root / "plain.pt", "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def qgtrain_load() -> None:
+            ckpt = saver.choose("auto")
+            assert ckpt is not None
+            model.load_state_dict(checkpoint.load_file(ckpt, "model.pt"))
+            optimizer.load_state_dict(checkpoint.load_file(ckpt, "optim.pt"))
+
+        def plain_load() -> None:
+            state = torch.load(root / "plain.pt", weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optim"])
+
+        def settle() -> None:
+            """Untimed: background fsync and rotation finish (as between real saves), and every dirty page
+            is written, so neither side inherits the other's writeback throttling."""
+            saver.wait()
+            os.sync()
+
+        saves = alternate({"qgtrain save": qgtrain_save, "torch.save": plain_save}, args.repeats, settle=settle)
+        loads = alternate({"qgtrain load": qgtrain_load, "torch.load": plain_load}, args.repeats, settle=settle)
+        report("save (training stall)", saves, "qgtrain save", "torch.save", "<= 1.1")
+        report("load (verified)", loads, "qgtrain load", "torch.load", "<= 1.1")
+        durable = alternate({"qgtrain durable save": lambda: (qgtrain_save(), saver.wait()),
+                             "torch.save + fsync": plain_save_fsync}, args.repeats, settle=settle)
+        report("durable save", durable, "qgtrain durable save", "torch.save + fsync", "reported")
+        if args.async_save:
+            def save_with(async_save: bool) -> Callable[[], None]:
+                def timed() -> None:
+                    saver.async_save = async_save
+                    qgtrain_save()
+                return timed
+
+            stalls = alternate({"async save stall": save_with(True), "sync save stall": save_with(False)},
+                               args.repeats, settle=settle)
+            report("async checkpoint", stalls, "async save stall", "sync save stall", "<= 0.2")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
