@@ -45,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, help="run directory (default: <logging.runs_dir>/<train.run_name>)")
     train.set_defaults(func=_train)
 
+    submit = sub.add_parser("submit", help="submit training to Slurm (sbatch or submitit)")
+    _config_args(submit)
+    submit.add_argument("--launcher", choices=("sbatch", "submitit"), default="sbatch",
+                        help="sbatch: the rendered train.slurm (default); submitit: a Python job")
+    submit.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
+    submit.set_defaults(func=_submit)
+
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
@@ -77,6 +84,40 @@ def _train(args: argparse.Namespace) -> int:
     from .run import train
 
     return train(cfg, from_environ(os.environ), args.run_dir)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from .configload import dump_yaml
+    from .rundir import default_run_dir
+    from .sbatch import render, submit, validate
+
+    cfg = load_args_config(args)
+    validate(cfg.slurm)
+    run_dir = default_run_dir(cfg).resolve()
+    job_dir = run_dir / "slurm"
+    if args.launcher == "submitit":
+        if args.dry_run:
+            from .submitit_launcher import executor_parameters
+
+            print(json.dumps(executor_parameters(cfg), indent=1))
+            return 0
+        from .submitit_launcher import submit as submit_python
+
+        job = submit_python(cfg)
+        print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
+        return 0
+    script = render(cfg.slurm, str(job_dir / "config.yaml"))
+    if args.dry_run:
+        sys.stdout.write(script)
+        return 0
+    job_dir.mkdir(parents=True, exist_ok=True)
+    Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
+    (job_dir / "config.yaml").write_text(dump_yaml(cfg))
+    (job_dir / "job.sbatch").write_text(script)
+    job_id = submit(job_dir / "job.sbatch")
+    print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
+          f"{job_id}.out; run directory {run_dir}")
+    return 0
 
 
 def _config(args: argparse.Namespace) -> int:

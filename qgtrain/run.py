@@ -20,7 +20,7 @@ from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .metrics import MetricsLog
 from .models import build_model, count_parameters
 from .rendezvous import DistEnv
-from .signals import StopFlag, requeue
+from .signals import StopFlag, job_state, reason_not_to_requeue, requeue
 from .trainer import Outcome, Trainer
 
 logger = logging.getLogger("qgtrain")
@@ -32,9 +32,12 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     device = distributed.pick_device(env, cfg.train.device)
     if device.type == "cpu":
         distributed.set_cpu_threads(env, cfg.train.cpu_threads)
+    # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
+    stop = StopFlag([cfg.slurm.signal, "TERM"])
     try:
-        with distributed.process_group(env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s):
-            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None)
+        with stop, distributed.process_group(env, device, cfg.train.startup_timeout_s,
+                                             cfg.train.collective_timeout_s):
+            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop)
             if outcome is Outcome.STOPPED_BY_SIGNAL:
                 return _after_stop(cfg, env, requeue_on_stop)
             if cfg.export.on_finish and env.is_main:
@@ -45,7 +48,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
         log.close()
 
 
-def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path | None) -> tuple[Outcome, Path]:
+def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path | None,
+                    stop: StopFlag) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as stack:
         # Rank 0 picks the directory (absolute, as it sees it) and holds its lock while training.
         def claim() -> tuple[Path, str]:
@@ -54,14 +58,18 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path 
             return path, rundir.open_run(path, cfg, dump_yaml(cfg))
 
         path, run_id = distributed.main_decides(claim)
-        outcome = _train_in_run(cfg, env, device, path, run_id)
+        outcome = _train_in_run(cfg, env, device, path, run_id, stop)
     return outcome, path
 
 
-def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, run_id: str) -> Outcome:
+def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, run_id: str,
+                  stop: StopFlag) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
     logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", run_dir, run_id,
                 env.world_size, env.num_nodes, device)
+    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
+                env.master_addr, env.master_port,
+                f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
     prepared = None
     if cfg.data.name == "corpus":
         # Rank 0 tokenizes (once per corpus and tokenizer); the others open the files it wrote.
@@ -81,12 +89,11 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
                          progress_bar=bar, max_steps=cfg.train.max_steps)
     try:
-        with StopFlag([cfg.slurm.signal, "TERM"]) as stop:
-            trainer = Trainer(cfg, env, device, model, splits, checkpointer, metrics, stop)  # type: ignore[arg-type]
-            if ckpt is not None:
-                trainer.restore(ckpt)
-            outcome = trainer.fit()
-            checkpointer.wait()
+        trainer = Trainer(cfg, env, device, model, splits, checkpointer, metrics, stop)  # type: ignore[arg-type]
+        if ckpt is not None:
+            trainer.restore(ckpt)
+        outcome = trainer.fit()
+        checkpointer.wait()
     finally:
         metrics.close()
     return outcome
@@ -96,12 +103,18 @@ def _after_stop(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> int:
     """After the agreed checkpoint: rank 0 requeues the Slurm job; every rank returns the same code."""
     result = None
     if env.is_main:
-        if not env.in_slurm_job or not requeue_on_stop:
+        if not requeue_on_stop:
+            logger.warning("stopped at a checkpoint; the launcher decides about requeueing")
+            result = EXIT_STOPPED
+        elif not env.in_slurm_job:
             logger.warning("stopped at a checkpoint: run the same command again to resume")
             result = EXIT_STOPPED
         elif not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_restarts:
             logger.warning("stopped at a checkpoint; not requeued (slurm.requeue=%s, restart %d of at most %d)",
                            cfg.slurm.requeue, env.restart_count, cfg.slurm.max_restarts)
+            result = EXIT_STOPPED
+        elif reason := reason_not_to_requeue(job_state(str(env.job_id)), env.restart_count):
+            logger.warning("stopped at a checkpoint; %s", reason)
             result = EXIT_STOPPED
         else:
             done, message = requeue(str(env.requeue_id))

@@ -6,6 +6,7 @@ interrupted frame), so the trainer reads `requested` at a step boundary and agre
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections.abc import Callable, Iterable
@@ -39,6 +40,37 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def job_state(job_id: str, run: Runner = subprocess.run) -> tuple[str, int] | None:
+    """(JobState, Restarts) as scontrol reports them, or None when scontrol cannot say."""
+    try:
+        result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = re.search(r"\bJobState=(\S+)", result.stdout)
+    restarts = re.search(r"\bRestarts=(\d+)", result.stdout)
+    if not state:
+        return None
+    return state.group(1), int(restarts.group(1)) if restarts else 0
+
+
+def reason_not_to_requeue(state: tuple[str, int] | None, our_restart: int) -> str | None:
+    """Why a job that stopped at a checkpoint must not be requeued by us, or None to requeue it.
+
+    Only a job that is still RUNNING asked for this (the warning signal before the time limit). A job
+    Slurm has already requeued (scontrol requeue from outside, preemption with requeue) shows a higher
+    restart count while its old allocation completes; a job being ended (scancel, which also sends
+    SIGTERM, or the time limit itself) shows COMPLETING, CANCELLED or TIMEOUT and must stay ended.
+    """
+    if state is None:
+        return None
+    name, restarts = state
+    if restarts > our_restart or name in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        return "Slurm has already requeued the job"
+    if name != "RUNNING":
+        return f"the job is ending ({name}: cancelled, or stopped by Slurm), so it is not requeued"
+    return None
 
 
 def requeue(requeue_id: str, run: Runner = subprocess.run) -> tuple[bool, str]:

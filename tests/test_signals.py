@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
-from qgtrain.signals import StopFlag, requeue
+from qgtrain.signals import StopFlag, job_state, reason_not_to_requeue, requeue
 from tests.ranks import start_cli_ranks, wait_ranks
 
 
@@ -47,6 +47,20 @@ def test_requeue_reports_instead_of_raising():
     assert requeue("9", run=missing) == (False, "scontrol is not on PATH")
     done, message = requeue("9", run=refusing)
     assert not done and "exited 1: Requested operation is presently disabled" in message
+
+
+@pytest.mark.parametrize("shown, our_restart, requeue_it", [
+    ("JobId=9 JobName=x JobState=RUNNING Reason=None Requeue=1 Restarts=0", 0, True),
+    ("JobId=9 JobName=x JobState=COMPLETING Reason=None Requeue=1 Restarts=0", 0, False),  # scancel, time limit
+    ("JobId=9 JobName=x JobState=CANCELLED Reason=None Requeue=1 Restarts=2", 2, False),
+    ("JobId=9 JobName=x JobState=COMPLETING Reason=None Requeue=1 Restarts=1", 0, False),  # requeued from outside
+    ("JobId=9 JobName=x JobState=PENDING Reason=BeginTime Requeue=1 Restarts=1", 1, False),
+])
+def test_only_a_running_job_that_slurm_has_not_requeued_is_requeued(shown, our_restart, requeue_it):
+    def scontrol(cmd, **kwargs):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(cmd, 0, shown + "\n", "")
+
+    assert (reason_not_to_requeue(job_state("9", run=scontrol), our_restart) is None) is requeue_it
 
 
 def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Path]:
@@ -93,7 +107,8 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
     assert f"stopping at step {step} on a signal that reached another rank" in logs[0]
     assert f"stopping at step {step} on {signal.Signals(sig).name}" in logs[1]
     if scontrol_on_path:
-        assert calls.read_text() == "requeue 4200_3\n", "rank 0 alone requeues, by array id and task"
+        lines = calls.read_text().splitlines()
+        assert lines == ["show job -o 4242", "requeue 4200_3"], "rank 0 alone checks, then requeues by array id"
         assert "requeued job 4200_3" in logs[0]
     else:
         assert not calls.exists()

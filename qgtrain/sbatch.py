@@ -1,0 +1,140 @@
+"""The batch script: rendered from the config's `slurm:` section, submitted with sbatch. No torch here.
+
+train.slurm is this renderer's output for the default config (a test keeps them identical). The script
+computes no rank, address or port: srun starts one task per GPU and rendezvous.py reads SLURM_*. Every
+config value that reaches the script is checked against what Slurm accepts and quoted, so no value can
+run a command; slurm.setup is the one field that is shell code by design.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import SlurmConfig
+from .errors import EXIT_REQUEUE_ME, QgtrainError
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_PATTERNS = {
+    "job_name": (r"[A-Za-z0-9_.+-]+", "letters, digits and _ . + -"),
+    "partition": (r"[A-Za-z0-9_.,-]*", "letters, digits and _ . , -"),
+    "account": (r"[A-Za-z0-9_.-]*", "letters, digits and _ . -"),
+    "qos": (r"[A-Za-z0-9_.-]*", "letters, digits and _ . -"),
+    "constraint": (r"[A-Za-z0-9_.,&|\[\]*:()-]*", "feature names joined by & | , with [ ] ( ) * :"),
+    "mem": (r"(\d+[KMGT]?)?", "a number with an optional K, M, G or T suffix, e.g. 64G"),
+    "output_dir": (r"[A-Za-z0-9_./+-]+", "a path of letters, digits and _ . / + -"),
+}
+_EXTRA = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=/@%+\[\]-]+)?")
+
+
+class SubmissionError(QgtrainError):
+    """sbatch refused the job; carries what it said."""
+
+
+def time_minutes(text: str) -> int:
+    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in whole minutes, rounded up."""
+    match = _TIME.match(text.strip())
+    if not match:
+        raise QgtrainError(f"slurm.time: {text!r} is not a Slurm time; use minutes, HH:MM:SS or D-HH:MM:SS")
+    days, first, second, third = match.groups()
+    if days is not None:
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    elif third is not None:
+        hours, minutes, seconds = int(first), int(second), int(third)
+    else:
+        hours, minutes, seconds = 0, int(first), int(second or 0)
+    total = int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    if total < 1:
+        raise QgtrainError(f"slurm.time: {text!r} is shorter than one minute")
+    return total
+
+
+def tasks_per_node(slurm: SlurmConfig) -> int:
+    return slurm.gpus_per_node or slurm.tasks_per_node or 1
+
+
+def validate(slurm: SlurmConfig) -> None:
+    """Refuse any value Slurm would misread or that could break out of its line."""
+    for key, (pattern, allowed) in _PATTERNS.items():
+        value = getattr(slurm, key)
+        if not re.fullmatch(pattern, value):
+            raise QgtrainError(f"slurm.{key}: {value!r} is not allowed; use {allowed}")
+    time_minutes(slurm.time)
+    if slurm.signal_lead_s >= time_minutes(slurm.time) * 60:
+        raise QgtrainError(f"slurm.signal_lead_s: {slurm.signal_lead_s}s is not shorter than slurm.time "
+                           f"({slurm.time}); the warning signal would come before the job starts")
+    for line in slurm.extra_sbatch:
+        if not _EXTRA.fullmatch(line):
+            raise QgtrainError(f"slurm.extra_sbatch: {line!r} is not allowed; use sbatch options such as "
+                               "'--exclusive' or '--reservation=name' (letters, digits and _ . , : = / @ % + - )")
+    for line in slurm.setup:
+        if "\n" in line or "\r" in line:
+            raise QgtrainError(f"slurm.setup: {line!r} holds a line break; give one list item per line")
+
+
+def render(slurm: SlurmConfig, config_path: str) -> str:
+    """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another."""
+    validate(slurm)
+    options = [f"--job-name={slurm.job_name}", f"--nodes={slurm.nodes}",
+               f"--ntasks-per-node={tasks_per_node(slurm)}", f"--cpus-per-task={slurm.cpus_per_task}"]
+    if slurm.gpus_per_node:
+        options.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    options += [f"--{key}={getattr(slurm, key)}" for key in ("mem", "partition", "account", "qos", "constraint")
+                if getattr(slurm, key)]
+    options += [f"--time={slurm.time}", "--requeue" if slurm.requeue else "--no-requeue",
+                f"--signal={slurm.signal}@{slurm.signal_lead_s}", "--open-mode=append",
+                f"--output={slurm.output_dir}/%x-%j.out", *slurm.extra_sbatch]
+    header = "\n".join(f"#SBATCH {option}" for option in options)
+    setup = "".join(f"{line}\n" for line in slurm.setup)
+    return f"""#!/bin/bash
+# qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
+#   sbatch train.slurm                              train with config.yaml
+#   sbatch train.slurm config.yaml jobs/cpu.yaml    later files overlay earlier ones
+#   CONFIG=my.yaml sbatch train.slurm               one file named in the environment
+# On the warning signal (--signal) every rank stops at the same step, saves one checkpoint, and rank 0
+# requeues the job; the requeued job resumes from that checkpoint. Rendered by `qgtrain submit` from the
+# config's slurm: section; edit the config rather than this header.
+{header}
+
+set -u
+{setup}default_config={shlex.quote(config_path)}
+if [ "$#" -gt 0 ]; then configs=("$@"); else configs=("${{CONFIG:-$default_config}}"); fi
+args=()
+for file in "${{configs[@]}}"; do args+=(--config "$file"); done
+PYTHON=${{QGTRAIN_PYTHON:-python3}}
+if [ -z "${{QGTRAIN_PYTHON:-}}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+
+srun "$PYTHON" -m qgtrain train "${{args[@]}}"
+status=$?
+# {EXIT_REQUEUE_ME}: the ranks saved a checkpoint but could not requeue (no scontrol where they run).
+if [ "$status" -eq {EXIT_REQUEUE_ME} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {slurm.max_restarts} ]; then
+    scontrol requeue "${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
+fi
+exit "$status"
+"""
+
+
+def submit(script: Path, run: Runner = subprocess.run) -> str:
+    """sbatch the script; returns the job id."""
+    try:
+        result = run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise SubmissionError("sbatch is not on PATH: run `qgtrain submit` on a Slurm login node, or use "
+                              "`qgtrain submit --dry-run` to see the script") from None
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip()
+        raise SubmissionError(f"sbatch refused {script} (exit {result.returncode}): {said}")
+    return parse_job_id(result.stdout)
+
+
+def parse_job_id(stdout: str) -> str:
+    """`--parsable` prints '<id>' or '<id>;<cluster>'; older output says 'Submitted batch job <id>'."""
+    match = re.search(r"(?:^|Submitted batch job )(\d+)(?:;\S+)?\s*$", stdout.strip(), re.MULTILINE)
+    if not match:
+        raise SubmissionError(f"cannot find a job id in sbatch's output: {stdout.strip()!r}")
+    return match.group(1)

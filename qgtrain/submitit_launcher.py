@@ -1,0 +1,196 @@
+"""`qgtrain.submit(...)`: a training run as a submitit job that comes back by itself after preemptions.
+
+The task is Checkpointable, but its checkpoint() saves nothing: when Slurm's warning signal arrives, the
+trainer's own handlers make every rank stop at the same step and save one checkpoint; then rank 0 hands
+over to submitit's handler, which calls checkpoint() (a fresh task on the same run directory, which
+resumes from that checkpoint) and requeues. Waiting never hangs: job state falls back to squeue and
+scontrol where sacct has no accounting behind it, and every wait can take a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.job_environment import JobEnvironment
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+from .config import RunConfig
+from .configload import config_to_dict, load_config
+from .errors import EXIT_STOPPED, QgtrainError
+from .rundir import default_run_dir
+from .sbatch import tasks_per_node, time_minutes, validate
+from .signals import job_state, reason_not_to_requeue
+
+
+class TrainTask(submitit.helpers.Checkpointable):
+    """`qgtrain train` on every task of the job, with the run directory fixed at submission."""
+
+    def __init__(self, config: dict[str, Any], run_dir: str) -> None:
+        self.config, self.run_dir = config, run_dir
+
+    def __call__(self) -> dict[str, Any]:
+        from .configload import config_from_dict
+        from .rendezvous import from_environ
+        from .run import train
+
+        env = from_environ(os.environ)
+        code = train(config_from_dict(self.config, "submitted config"), env, self.run_dir, requeue_on_stop=False)
+        if code == EXIT_STOPPED:
+            _requeue_through_submitit(env.rank, str(env.job_id), env.restart_count)
+        return {"run_dir": self.run_dir, "exit_code": code}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """The trainer has already saved at the agreed step; the next allocation resumes from it."""
+        return submitit.helpers.DelayedSubmission(TrainTask(self.config, self.run_dir))
+
+
+def _requeue_through_submitit(rank: int, job_id: str, restart: int) -> None:
+    """Rank 0 runs submitit's own handler for its preemption signal (restored when training ended), which
+    pickles checkpoint() and requeues the job; the other ranks just leave, writing no result. A cancelled
+    job (scancel sends SIGTERM too) is not requeued."""
+    signum = JobEnvironment._usr_sig()
+    handler = signal.getsignal(signum)
+    if rank == 0:
+        reason = reason_not_to_requeue(job_state(job_id), restart)
+        if reason is None and callable(handler):
+            print("qgtrain: stopped at a checkpoint; requeueing through submitit", file=sys.stderr, flush=True)
+            handler(signum, None)
+        print(f"qgtrain: stopped at a checkpoint; not requeued: {reason or 'no submitit handler is installed'}",
+              file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_STOPPED)
+
+
+class SqueueFallbackWatcher(SlurmInfoWatcher):
+    """Job states from sacct when accounting works, else from squeue (finished jobs stay there for
+    MinJobAge), else from scontrol; a job none of them knows any more is reported LOST, not UNKNOWN, so
+    waiting on it ends."""
+
+    def update(self) -> None:
+        command = self._make_command()
+        if command is None:
+            return
+        self._num_calls += 1
+        ids = sorted({arg for arg in command if arg.isdigit()})
+        self._info_dict.update(_from_sacct(command) or _from_squeue(ids))
+        for job_id in ids:
+            self._info_dict.setdefault(job_id, {"JobID": job_id, "State": "LOST"})
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+
+def _from_sacct(command: list[str]) -> dict[str, dict[str, str]]:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0 or "accounting storage is disabled" in out.stdout + out.stderr:
+        return {}
+    return SlurmInfoWatcher().read_info(out.stdout)
+
+
+def _from_squeue(ids: list[str]) -> dict[str, dict[str, str]]:
+    info: dict[str, dict[str, str]] = {}
+    try:
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%N"],
+                             capture_output=True, text=True, timeout=60)
+        for line in out.stdout.splitlines():
+            job_id, state, nodes = (line.split("|") + ["", ""])[:3]
+            info[job_id.strip()] = {"JobID": job_id.strip(), "State": state.strip(), "NodeList": nodes.strip()}
+        for job_id in set(ids) - set(info):
+            shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                                   timeout=60).stdout
+            for field in shown.split():
+                if field.startswith("JobState="):
+                    info[job_id] = {"JobID": job_id, "State": field.split("=", 1)[1]}
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+class TrainJob(SlurmJob):  # type: ignore[type-arg]
+    """A submitit Slurm job whose waits end: by state from squeue/scontrol, or by a deadline."""
+
+    watcher = SqueueFallbackWatcher(delay_s=60)
+
+    def wait(self, timeout: float | None = None) -> None:  # type: ignore[override]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} is still {self.state} after {timeout:.0f}s")
+            time.sleep(1)
+
+    def result(self, timeout: float | None = None) -> Any:  # type: ignore[override]
+        """Rank 0's result (every rank returns the same); raises if the job failed or was cancelled."""
+        self.wait(timeout)
+        if self._sub_jobs:  # one per task (rank) in a multi-task job
+            return self._sub_jobs[0].result()
+        return super().result()
+
+
+def executor_parameters(cfg: RunConfig) -> dict[str, Any]:
+    """The config's slurm: section as AutoExecutor parameters (the same resources as train.slurm)."""
+    s = cfg.slurm
+    validate(s)
+    params: dict[str, Any] = {"name": s.job_name, "nodes": s.nodes, "tasks_per_node": tasks_per_node(s),
+                              "cpus_per_task": s.cpus_per_task, "timeout_min": time_minutes(s.time),
+                              "slurm_signal_delay_s": s.signal_lead_s}
+    if s.gpus_per_node:
+        params["gpus_per_node"] = s.gpus_per_node
+    if s.mem:
+        params["slurm_mem"] = s.mem
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(s, key):
+            params[f"slurm_{key}"] = getattr(s, key)
+    extra: dict[str, Any] = {"requeue": True} if s.requeue else {"no_requeue": True}
+    for option in s.extra_sbatch:
+        name, _, value = option[2:].partition("=")
+        extra[name.replace("-", "_")] = value or True
+    params["slurm_additional_parameters"] = extra
+    # the job's submitit handler must listen for the same signal as our trainer
+    params["slurm_setup"] = [*s.setup, f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"]
+    return params
+
+
+def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path | None = None,
+           folder: str | Path | None = None, **overrides: Any) -> TrainJob:
+    """Submit training as a submitit job; returns it (`.result(timeout)`, `.state`, `.cancel()`).
+
+    `config` is a RunConfig, a config file, or None for ./config.yaml (or the defaults). Overrides are
+    config keys with `__` for the dot: `submit("config.yaml", train__max_steps=1000, slurm__nodes=2)`.
+    """
+    if isinstance(config, RunConfig):
+        base = config_to_dict(config)
+        cfg = load_config([], [f"{section}.{key}={_text(value)}" for section, values in base.items()
+                               for key, value in values.items()] + _sets(overrides))
+    else:
+        path = Path(config) if config else Path("config.yaml")
+        cfg = load_config([path] if config or path.is_file() else [], _sets(overrides))
+    target = Path(run_dir or default_run_dir(cfg)).resolve()
+    executor = submitit.AutoExecutor(folder=Path(folder or target / "submitit"),
+                                     slurm_max_num_timeout=cfg.slurm.max_restarts)
+    if executor.cluster != "slurm":
+        raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
+                           "or train directly with `qgtrain train`")
+    executor.update_parameters(**executor_parameters(cfg))
+    executor._executor.job_class = TrainJob  # our watcher and deadlines, same submission path
+    job: TrainJob = executor.submit(TrainTask(config_to_dict(cfg), str(target)))
+    return job
+
+
+def _sets(overrides: dict[str, Any]) -> list[str]:
+    return [f"{key.replace('__', '.')}={_text(value)}" for key, value in overrides.items()]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(repr(str(v)) for v in value) + "]"
+    return "null" if value is None else str(value)

@@ -1,0 +1,36 @@
+#!/bin/bash
+# Stop what start.sh started, by the PIDs it recorded (never by process name), and remove its namespaces
+# and bridge. Jobs still running are cancelled first, while slurmd can still end them.
+set -uo pipefail
+LAB=${QGTRAIN_SLURM_LAB:-/tmp/qgtrain-slurm}
+export SLURM_CONF=$LAB/slurm.conf
+
+stop_pid() {  # stop_pid FILE COMMAND: SIGTERM, then SIGKILL after 10 s, only if the PID still runs COMMAND
+    local file=$1 command=$2 pid
+    [ -s "$file" ] || return 0
+    pid=$(cat "$file")
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$command" ]; then
+        kill "$pid"
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+        echo "stopped $command ($pid)"
+    fi
+    rm -f "$file"
+}
+
+if [ -s "$LAB/run/slurmctld.pid" ] && kill -0 "$(cat "$LAB/run/slurmctld.pid")" 2>/dev/null; then
+    timeout 10 scancel --quiet --user=root 2>/dev/null || true
+    for _ in $(seq 40); do
+        [ -z "$(timeout 5 squeue -h -t PD,R,CG,S,RQ,RS,RF,RH,SE -o %i 2>/dev/null)" ] && break
+        sleep 0.25
+    done
+fi
+for file in "$LAB"/run/slurmd-*.pid; do [ -e "$file" ] && stop_pid "$file" slurmd; done
+stop_pid "$LAB/run/slurmctld.pid" slurmctld
+stop_pid "$LAB/run/munged.pid" munged
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^qgtrain-node[0-9]*$'); do
+    ip netns del "$ns"
+done
+ip link show br-qgtrain >/dev/null 2>&1 && ip link del br-qgtrain
+rm -f "$LAB/run/shape"
+exit 0

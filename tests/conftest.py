@@ -1,0 +1,42 @@
+"""Shared fixtures. The Slurm test cluster (tests/cluster/start.sh) is started once per session by the
+first test that needs it and stopped by PID at the end. It needs root; where root is there, a failure to
+start it fails those tests rather than skipping them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLUSTER = Path(__file__).resolve().parent / "cluster"
+LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Path]:
+    """A running two-node Slurm cluster; yields its slurm.conf. Clients find it through SLURM_CONF."""
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("Slurm is not installed and there is no apt-get to install it")
+    started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", "2"], capture_output=True, text=True,
+                             timeout=600)
+    if started.returncode != 0:
+        pytest.fail(f"could not start the Slurm test cluster:\n{started.stdout}\n{started.stderr}")
+    saved = {key: os.environ.get(key) for key in ("SLURM_CONF", "QGTRAIN_PYTHON")}
+    os.environ["SLURM_CONF"] = str(LAB / "slurm.conf")
+    os.environ["QGTRAIN_PYTHON"] = sys.executable  # batch scripts train with this interpreter
+    try:
+        yield LAB / "slurm.conf"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        subprocess.run(["bash", str(CLUSTER / "stop.sh")], capture_output=True, timeout=300)

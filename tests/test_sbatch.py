@@ -1,0 +1,157 @@
+"""The batch script and its submission, without a cluster. Runs against: the renderer, bash (the rendered
+script is executed with stand-ins for srun and scontrol), shellcheck, and `qgtrain submit` as a subprocess.
+The same script on a real cluster: test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qgtrain.config import SlurmConfig
+from qgtrain.configload import load_config
+from qgtrain.errors import QgtrainError
+from qgtrain.sbatch import parse_job_id, render, time_minutes
+
+ROOT = Path(__file__).resolve().parents[1]
+SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+
+
+def shellcheck(path: Path) -> None:
+    result = subprocess.run([SHELLCHECK, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_train_slurm_is_the_script_rendered_from_the_default_config():
+    assert (ROOT / "train.slurm").read_text() == render(load_config([ROOT / "config.yaml"]).slurm, "config.yaml")
+
+
+def test_train_slurm_passes_bash_n_and_shellcheck():
+    subprocess.run(["bash", "-n", str(ROOT / "train.slurm")], check=True)
+    shellcheck(ROOT / "train.slurm")
+
+
+def test_the_header_asks_for_what_requeue_and_preemption_need():
+    script = (ROOT / "train.slurm").read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append",
+                 "#SBATCH --ntasks-per-node=1", "#SBATCH --output=jobs/out/%x-%j.out"):
+        assert line in script
+    assert "srun \"$PYTHON\" -m qgtrain train" in script
+    assert "SLURM_PROCID" not in script and "MASTER_" not in script, "no rank or address logic in bash"
+
+
+@pytest.mark.parametrize("overlay", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_job_overlay_loads_and_renders_a_clean_script(tmp_path, overlay):
+    cfg = load_config([ROOT / "config.yaml", overlay])
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(cfg.slurm, "config.yaml"))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    shellcheck(script)
+
+
+def test_gpu_overlay_asks_for_one_task_per_gpu():
+    cfg = load_config([ROOT / "config.yaml", ROOT / "jobs" / "gpu-multinode.yaml"])
+    script = render(cfg.slurm, "config.yaml")
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=4\n" in script
+    assert "#SBATCH --gpus-per-node=4\n" in script and "#SBATCH --mem=256G\n" in script
+
+
+def test_submitit_job_script_dry_run_prints_the_same_resources():
+    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "submitit_job.py"), "--dry-run", "--config",
+                             str(ROOT / "config.yaml"), "--set", "slurm.nodes=2", "slurm.gpus_per_node=4"],
+                            capture_output=True, text=True, check=True, cwd=ROOT)
+    params = json.loads(result.stdout)
+    assert (params["nodes"], params["tasks_per_node"], params["gpus_per_node"], params["timeout_min"]) == (2, 4, 4, 60)
+    assert "export SUBMITIT_PREEMPT_SIGNAL=USR2" in params["slurm_setup"]
+
+
+NASTY = "x$(touch {m}/dollar)`touch {m}/tick`;touch {m}/semi|touch {m}/pipe&&touch {m}/and'\"\n#SBATCH --x"
+
+
+@pytest.mark.parametrize("key", ["job_name", "partition", "account", "qos", "constraint", "mem", "output_dir", "time"])
+def test_slurm_values_that_could_break_out_are_refused_naming_the_key(tmp_path, key):
+    with pytest.raises(QgtrainError, match=rf"slurm.{key}: "):
+        render(SlurmConfig(**{key: NASTY.format(m=tmp_path)}), "config.yaml")
+
+
+def test_extra_sbatch_lines_must_be_options():
+    with pytest.raises(QgtrainError, match="slurm.extra_sbatch"):
+        render(SlurmConfig(extra_sbatch=("--exclusive\nrm -rf /",)), "config.yaml")
+    assert "#SBATCH --reservation=big\n" in render(SlurmConfig(extra_sbatch=("--reservation=big",)), "c.yaml")
+
+
+def test_a_config_with_shell_metacharacters_everywhere_runs_no_injected_command(tmp_path):
+    """Every string field gets a nasty value; the ones the script uses are quoted (the run directory, and
+    so the config path) or refused above. The script is executed with stand-ins for srun and scontrol."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    nasty = NASTY.format(m=marks).replace("\n#SBATCH --x", "")
+    strings = {"model.arch": nasty, "data.corpus": nasty, "data.tokenizer": nasty, "data.cache_dir": nasty,
+               "logging.runs_dir": str(tmp_path / "runs dir") + nasty.replace("/", "_"), "export.dir": nasty,
+               "checkpoint.resume": nasty}
+    cfg = load_config([ROOT / "config.yaml"], [f"{k}={v}" for k, v in strings.items()])
+    run_dir = Path(cfg.logging.runs_dir) / cfg.train.run_name
+    config_path = str(run_dir / "slurm" / "config.yaml")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(cfg.slurm, config_path))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in (("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit 76'),
+                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"')):
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(tmp_path / "srun.txt"),
+           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77", "QGTRAIN_PYTHON": "python3"}
+    before = set(tmp_path.rglob("*"))
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 76, result.stderr
+    created = set(tmp_path.rglob("*")) - before - {tmp_path / "srun.txt", tmp_path / "scontrol.txt"}
+    assert created == set(), f"an injected command ran: {created}"
+    assert (tmp_path / "srun.txt").read_text().splitlines() == ["python3", "-m", "qgtrain", "train", "--config",
+                                                               config_path]
+    assert (tmp_path / "scontrol.txt").read_text() == "requeue\n77\n", "exit 76 makes the batch shell requeue"
+
+
+def test_several_config_files_become_several_config_options(tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(SlurmConfig(), "config.yaml"))
+    (tmp_path / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > args.txt\n')
+    (tmp_path / "srun").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "QGTRAIN_PYTHON": "py"}
+    subprocess.run(["bash", str(script), "config.yaml", "jobs/cpu.yaml"], cwd=tmp_path, env=env, check=True)
+    assert (tmp_path / "args.txt").read_text().split() == ["py", "-m", "qgtrain", "train", "--config", "config.yaml",
+                                                          "--config", "jobs/cpu.yaml"]
+
+
+@pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("01:00:00", 60), ("2-00", 2880),
+                                           ("1-02:03", 1563), ("0-00:00:30", 1)])
+def test_slurm_time_formats(text, minutes):
+    assert time_minutes(text) == minutes
+
+
+def test_job_ids_are_parsed_from_sbatch_output():
+    assert parse_job_id("123\n") == "123"
+    assert parse_job_id("456;cluster\n") == "456"
+    assert parse_job_id("Submitted batch job 789\n") == "789"
+
+
+def test_submit_dry_run_prints_the_script_without_importing_torch_or_submitit(tmp_path):
+    code = ("import sys; from qgtrain.cli import main; rc = main(['submit', '--dry-run', '--config', "
+            f"{str(ROOT / 'config.yaml')!r}]); "
+            "print(rc, [m for m in ('torch', 'transformers', 'submitit') if m in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.stderr.strip() == "0 []"
+    assert result.stdout.startswith("#!/bin/bash") and "#SBATCH --requeue" in result.stdout
+
+
+def test_submit_without_slurm_says_so(tmp_path):
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"),
+                             "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr and "Traceback" not in result.stderr

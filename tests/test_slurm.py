@@ -1,0 +1,166 @@
+"""qgtrain on a real Slurm cluster: slurmctld and two slurmd in their own network namespaces (node1, node2),
+started by the `slurm_cluster` fixture. The shipped train.slurm and qgtrain.submit are used as users use
+them; preemption, external requeue and time limits are Slurm's own. The cluster has no accounting (no
+sacct), as many don't."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+import torch
+
+import qgtrain
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1")
+
+
+def overlay(tmp_path: Path, max_steps: int, every_steps: int = 0) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(f"""
+data: {{name: synthetic, seq_len: 32, synthetic_samples: 2048}}
+model: {{layers: 1, hidden: 32, heads: 2}}
+train: {{max_steps: {max_steps}, batch_size: 8, log_every: 50, eval_every: 0}}
+checkpoint: {{every_steps: {every_steps}}}
+logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}
+""")
+    (tmp_path / "jobs" / "out").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sbatch(tmp_path: Path, *options: str, configs: list[Path]) -> str:
+    result = subprocess.run(["sbatch", "--parsable", *options, str(ROOT / "train.slurm"), *map(str, configs)],
+                            cwd=tmp_path, capture_output=True, text=True, check=True)
+    return result.stdout.strip().split(";")[0]
+
+
+def job(job_id: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def wait_finished(job_id: str, timeout: float = 300) -> str:
+    wait_until(lambda: job(job_id).get("JobState") in FINISHED, timeout, f"job {job_id} to finish")
+    return job(job_id)["JobState"]
+
+
+def logged_step(run_dir: Path) -> int:
+    try:
+        return max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / f"step-{step}" / "model.pt", weights_only=True)
+
+
+def rank_log(run_dir: Path, rank: int) -> str:
+    return (run_dir / "logs" / f"rank_{rank}.log").read_text()
+
+
+LONG = 1200
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run that interrupted ones must equal."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job_id = sbatch(tmp, *TWO_NODES, "--time=10", configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml",
+                                                           overlay(tmp, LONG, every_steps=400)])
+    assert wait_finished(job_id) == "COMPLETED"
+    return final_weights(tmp / "runs" / "cpu", LONG)
+
+
+def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_path):
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=5",
+                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 60)])
+    assert wait_finished(job_id) == "COMPLETED"
+    run = tmp_path / "runs" / "cpu"
+    assert "rank 0 on node node1 (local rank 0), rendezvous node1:" in rank_log(run, 0)
+    assert "rank 1 on node node2 (local rank 0), rendezvous node1:" in rank_log(run, 1)
+    assert "2 rank(s) on 2 node(s)" in rank_log(run, 0) and logged_step(run) == 60
+    assert f"Slurm job {job_id} restart 0" in rank_log(run, 1)
+
+
+@pytest.mark.parametrize("interrupt", ["warning signal", "scontrol requeue"])
+def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_path, reference, interrupt):
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10",
+                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, LONG, 400)])
+    run = tmp_path / "runs" / "cpu"
+    wait_until(lambda: logged_step(run) >= 100, 120, "training to pass step 100")
+    if interrupt == "warning signal":  # what --signal=USR2@120 sends before a time limit, or a preemption
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    else:  # the SIGTERM path: Slurm requeues, the tasks get SIGTERM and KillWait (5 s) to finish
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+    assert wait_finished(job_id) == "COMPLETED"
+    assert job(job_id)["Restarts"] == "1", "the same job id came back once"
+    log = rank_log(run, 0)
+    signal = "SIGUSR2" if interrupt == "warning signal" else "SIGTERM"
+    stopped = int(log.split(f"stopping at step ")[1].split(" ")[0])
+    assert f"stopping at step {stopped} on {signal}: checkpoint saved" in log
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
+        "the stop checkpoint was complete before the job was killed"
+    assert f"Slurm job {job_id} restart 1" in log
+    resumed = final_weights(run, LONG)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
+
+
+def test_a_real_time_limit_with_the_warning_signal_finishes_over_several_allocations(tmp_path):
+    # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit. About a
+    # minute of training cannot fit in one allocation.
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=USR2@10",
+                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
+                             overlay(tmp_path, 3000)])
+    assert wait_finished(job_id, timeout=600) == "COMPLETED"
+    restarts = int(job(job_id)["Restarts"])
+    run = tmp_path / "runs" / "preemptible"
+    log = rank_log(run, 0)
+    assert restarts >= 1 and log.count("on SIGUSR2: checkpoint saved") == restarts
+    assert log.count("resumed from") == restarts and logged_step(run) == 3000
+
+
+def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.submitit_launcher.TrainJob:  # type: ignore[name-defined]
+    return qgtrain.submit(overlay(tmp_path, max_steps), folder=tmp_path / "submitit", slurm__nodes=2,
+                          slurm__cpus_per_task=1, train__run_name="submitit", train__device="cpu")
+
+
+def test_submitit_job_is_interrupted_requeued_and_resumed_to_a_result(tmp_path):
+    job = submit_small(tmp_path, LONG)
+    run = tmp_path / "runs" / "submitit"
+    wait_until(lambda: logged_step(run) >= 100, 180, "training to pass step 100")
+    job._interrupt()  # SIGTERM then USR2, as a preemption does
+    result = job.result(timeout=300)
+    assert "requeueing through submitit" in job._sub_jobs[0].stderr()
+    assert result == {"run_dir": str(run), "exit_code": 0}
+    log = rank_log(run, 0)
+    assert "checkpoint saved" in log and "resumed from" in log and logged_step(run) == LONG
+    # this cluster has no accounting: the state comes from squeue (submitit alone would say UNKNOWN)
+    wait_until(lambda: job.watcher.get_state(job.job_id, mode="force") == "COMPLETED", 60, "state COMPLETED")
+
+
+def test_a_cancelled_submitit_job_raises_instead_of_hanging(tmp_path):
+    job = submit_small(tmp_path, 10**6)
+    wait_until(lambda: logged_step(tmp_path / "runs" / "submitit") >= 50, 180, "training to start")
+    job.cancel()
+    start = time.monotonic()
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="CANCELLED"):
+        job.result(timeout=120)
+    assert time.monotonic() - start < 120
+    assert "checkpoint saved" in rank_log(tmp_path / "runs" / "submitit", 0)
+    assert "not requeued: the job is ending (COMPLETING" in job._sub_jobs[0].stderr()
