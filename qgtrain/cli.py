@@ -52,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     submit.set_defaults(func=_submit)
 
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export.add_argument("source", type=Path, help="a run directory (its latest checkpoint) or a checkpoint folder")
+    export.add_argument("--out", type=Path, required=True, help="the folder to write (must be empty)")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+    which.add_argument("--step", type=int, help="the checkpoint of step N")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.set_defaults(func=_export)
+
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
@@ -117,6 +126,15 @@ def _submit(args: argparse.Namespace) -> int:
     job_id = submit(job_dir / "job.sbatch")
     print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
           f"{job_id}.out; run directory {run_dir}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_run
+
+    done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
+    print(f"exported {done.checkpoint} to {done.folder}; reloaded with AutoModelForCausalLM, largest logit "
+          f"difference {done.max_logit_diff:.3g}")
     return 0
 
 

@@ -7,6 +7,8 @@ environment -> device and process group -> run directory (rank 0 decides) -> dat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from .checkpointer import Checkpointer
 from .config import RunConfig
 from .configload import dump_yaml
 from .data import build_splits
-from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .errors import ConfigError, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .metrics import MetricsLog
 from .models import build_model, count_parameters
 from .rendezvous import DistEnv
@@ -70,6 +72,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
                 env.master_addr, env.master_port,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
+    cfg = _with_pretrained_tokenizer(cfg)
     prepared = None
     if cfg.data.name == "corpus":
         # Rank 0 tokenizes (once per corpus and tokenizer); the others open the files it wrote.
@@ -79,7 +82,14 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, prepared.eos_id if prepared else None)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
     logger.info("model: %s with %.2fM parameters", type(model).__name__, count_parameters(model) / 1e6)
-    extra = {"config.yaml": dump_yaml(cfg).encode()}
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
+                          f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with")
+    facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "class": type(model).__name__,
+             "eos_id": prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None),
+             "tokenizer": {"corpus": cfg.data.tokenizer, "synthetic": "byte"}.get(cfg.data.name)}
+    extra = {"config.yaml": dump_yaml(cfg).encode(), "model.json": json.dumps(facts).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         extra["hf_config.json"] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
@@ -97,6 +107,16 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     finally:
         metrics.close()
     return outcome
+
+
+def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
+    """model.pretrained brings its own tokenizer unless data.tokenizer names one: fine-tuning on a
+    different tokenization would silently feed the model the wrong ids."""
+    pretrained = cfg.model.pretrained
+    if pretrained and cfg.data.tokenizer == "byte" and Path(pretrained, "tokenizer.json").is_file():
+        logger.info("using the tokenizer of model.pretrained (%s)", pretrained)
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=pretrained))
+    return cfg
 
 
 def _after_stop(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> int:

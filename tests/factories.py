@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 
@@ -52,3 +53,14 @@ class NanOnRankOneAtStepThree(TinyLM):
 
 def nan_on_rank_one_at_step_three(vocab_size: int, seq_len: int) -> nn.Module:
     return NanOnRankOneAtStepThree(vocab_size)
+
+
+class TinyHubLM(TinyLM, PyTorchModelHubMixin):
+    """A user model made exportable the huggingface_hub way: its init arguments are saved with it."""
+
+    def __init__(self, vocab_size: int = 257, width: int = 32) -> None:
+        super().__init__(vocab_size, width)
+
+
+def tiny_hub(vocab_size: int, seq_len: int) -> nn.Module:
+    return TinyHubLM(vocab_size)
