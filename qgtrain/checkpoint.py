@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
 from .errors import CheckpointError
@@ -55,6 +54,8 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
     thread while the next one is written, so checksums add almost nothing. Nothing is fsynced here:
     `make_durable` does that after the commit, off the training path.
     """
+    import torch  # here, not at the top: `qgtrain runs` reads manifests on login nodes without torch
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         digests = {}
         for name, obj in files.items():
@@ -164,6 +165,8 @@ def verify(ckpt: Checkpoint) -> str | None:
 def load_file(ckpt: Checkpoint, name: str) -> Any:
     """A torch-saved file of the checkpoint, on the CPU. Anything but tensors and plain containers (a pickle
     that would run code, a file from another program) is refused, not executed."""
+    import torch
+
     path = ckpt.path / name
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

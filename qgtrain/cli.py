@@ -61,6 +61,22 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.set_defaults(func=_export)
 
+    runs = sub.add_parser("runs", help="a table of the runs in a folder: status, step, losses, checkpoint")
+    runs.add_argument("folder", nargs="?", type=Path, help="where the runs are (default: logging.runs_dir)")
+    runs.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _config_args(runs)
+    runs.set_defaults(func=_runs)
+
+    plot = sub.add_parser("plot", help="plot runs' curves from metrics.jsonl into a PNG")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run directories to overlay")
+    plot.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    plot.add_argument("--metric", default="loss,val_loss,lr", help="comma-separated (default: loss,val_loss,lr)")
+    plot.set_defaults(func=_plot)
+
+    doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
+    _config_args(doctor)
+    doctor.set_defaults(func=_doctor)
+
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
@@ -136,6 +152,34 @@ def _export(args: argparse.Namespace) -> int:
     print(f"exported {done.checkpoint} to {done.folder}; reloaded with AutoModelForCausalLM, largest logit "
           f"difference {done.max_logit_diff:.3g}")
     return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from .runs import as_json, as_table, find_runs, summarize
+
+    folder = args.folder or Path(load_args_config(args).logging.runs_dir)
+    rows = [summarize(run) for run in find_runs(folder)]
+    print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    out = plot_runs(args.runs, args.out, [m.strip() for m in args.metric.split(",") if m.strip()])
+    print(f"wrote {out}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import exit_code, render, run_checks
+    from .rendezvous import from_environ
+
+    cfg, env = load_args_config(args), from_environ(os.environ)
+    checks = run_checks(cfg, env, os.environ)
+    if env.is_main:
+        print(render(checks, env))
+    return exit_code(checks)
 
 
 def _config(args: argparse.Namespace) -> int:

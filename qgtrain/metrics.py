@@ -14,9 +14,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .errors import TrainingError
+from .errors import QgtrainError
 
 
 class MetricsLog:
@@ -93,12 +91,14 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def memory_gb(device: torch.device) -> dict[str, float]:
+def memory_gb(device: "torch.device") -> dict[str, float]:  # type: ignore[name-defined]  # noqa: F821
     """This rank's resident CPU memory, and GPU memory allocated now and at peak."""
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     out = {"mem_rss_gb": rss_pages * resource.getpagesize() / 1e9}
     if device.type == "cuda":
+        import torch  # here: `qgtrain runs` reads metrics on login nodes without torch
+
         out["mem_gpu_alloc_gb"] = torch.cuda.memory_allocated(device) / 1e9
         out["mem_gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     return out
@@ -110,7 +110,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        raise TrainingError(f"{path} does not exist") from None
+        raise QgtrainError(f"{path} does not exist") from None
     for line in lines:
         try:
             records.append(json.loads(line))

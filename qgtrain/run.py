@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from . import corpus, distributed, log, rng, rundir
@@ -18,7 +19,7 @@ from .checkpointer import Checkpointer
 from .config import RunConfig
 from .configload import dump_yaml
 from .data import build_splits
-from .errors import ConfigError, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, ConfigError, QgtrainError
 from .metrics import MetricsLog
 from .models import build_model, count_parameters
 from .rendezvous import DistEnv
@@ -41,7 +42,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
                                              cfg.train.collective_timeout_s):
             outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop)
             if outcome is Outcome.STOPPED_BY_SIGNAL:
-                return _after_stop(cfg, env, requeue_on_stop)
+                return _after_stop(cfg, env, requeue_on_stop, run_dir)
             if cfg.export.on_finish and env.is_main:
                 _export_on_finish(cfg, run_dir)
             distributed.barrier()
@@ -60,7 +61,19 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path 
             return path, rundir.open_run(path, cfg, dump_yaml(cfg))
 
         path, run_id = distributed.main_decides(claim)
-        outcome = _train_in_run(cfg, env, device, path, run_id, stop)
+        if env.is_main:
+            rundir.write_status(path, "running", job_id=env.requeue_id, restart=env.restart_count, error=None,
+                                host=env.node_name, ranks=env.world_size, started=time.time())
+        try:
+            outcome = _train_in_run(cfg, env, device, path, run_id, stop)
+        except QgtrainError as exc:
+            logger.error("%s", exc)  # every rank records why it stopped
+            if env.is_main:
+                rundir.write_status(path, "failed", error=str(exc))
+            raise
+        if env.is_main:
+            rundir.write_status(path, {Outcome.FINISHED: "finished", Outcome.EARLY_STOPPED: "stopped early",
+                                       Outcome.STOPPED_BY_SIGNAL: "preempted"}[outcome])
     return outcome, path
 
 
@@ -119,28 +132,36 @@ def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def _after_stop(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> int:
+def _after_stop(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool, run_dir: Path) -> int:
     """After the agreed checkpoint: rank 0 requeues the Slurm job; every rank returns the same code."""
     result = None
     if env.is_main:
-        if not requeue_on_stop:
-            logger.warning("stopped at a checkpoint; the launcher decides about requeueing")
-            result = EXIT_STOPPED
-        elif not env.in_slurm_job:
-            logger.warning("stopped at a checkpoint: run the same command again to resume")
-            result = EXIT_STOPPED
-        elif not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_restarts:
-            logger.warning("stopped at a checkpoint; not requeued (slurm.requeue=%s, restart %d of at most %d)",
-                           cfg.slurm.requeue, env.restart_count, cfg.slurm.max_restarts)
-            result = EXIT_STOPPED
-        elif reason := reason_not_to_requeue(job_state(str(env.job_id)), env.restart_count):
-            logger.warning("stopped at a checkpoint; %s", reason)
-            result = EXIT_STOPPED
-        else:
-            done, message = requeue(str(env.requeue_id))
-            logger.warning("stopped at a checkpoint: %s", message)
-            result = EXIT_STOPPED if done else EXIT_REQUEUE_ME
+        requeued = _decide_requeue(cfg, env, requeue_on_stop)
+        result = EXIT_REQUEUE_ME if requeued is None else EXIT_STOPPED
+        rundir.write_status(run_dir, "preempted", requeued=requeued)
     return int(distributed.broadcast_from_main(result))
+
+
+def _decide_requeue(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> bool | None:
+    """Rank 0: requeue if this is a running Slurm job that should come back. True if requeued, False if
+    it should not be, None if it should but could not be from here (the batch shell then does it)."""
+    if not requeue_on_stop:
+        logger.warning("stopped at a checkpoint; the launcher decides about requeueing")
+        return False
+    if not env.in_slurm_job:
+        logger.warning("stopped at a checkpoint: run the same command again to resume")
+        return False
+    if not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_restarts:
+        logger.warning("stopped at a checkpoint; not requeued (slurm.requeue=%s, restart %d of at most %d)",
+                       cfg.slurm.requeue, env.restart_count, cfg.slurm.max_restarts)
+        return False
+    reason = reason_not_to_requeue(job_state(str(env.job_id)), env.restart_count)
+    if reason:
+        logger.warning("stopped at a checkpoint; %s", reason)
+        return False
+    done, message = requeue(str(env.requeue_id))
+    logger.warning("stopped at a checkpoint: %s", message)
+    return True if done else None
 
 
 def _export_on_finish(cfg: RunConfig, run_dir: Path) -> None:

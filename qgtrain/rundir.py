@@ -2,6 +2,7 @@
 
     <run dir>/config.yaml        the resolved config of the latest start
     <run dir>/run.json           the run id that checkpoints are matched against, across requeues
+    <run dir>/status.json        what rank 0 last recorded: running, finished, stopped early, preempted, failed
     <run dir>/metrics.jsonl      one JSON object per logged step (rank 0)
     <run dir>/logs/rank_<N>.log  every rank's log, appended across restarts
     <run dir>/tb/                TensorBoard events
@@ -29,6 +30,7 @@ from .config import RunConfig
 from .errors import QgtrainError
 
 RUN_FILE = "run.json"
+STATUS_FILE = "status.json"
 LOCK_FILE = ".lock"
 
 
@@ -87,5 +89,38 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
         os.ftruncate(fd, 0)
         os.write(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})".encode())
         yield
+    finally:
+        os.close(fd)
+
+
+def write_status(run_dir: Path, status: str, **facts: object) -> None:
+    """Record the run's state for `qgtrain runs` (rank 0, atomically); facts are merged into the last record."""
+    path = run_dir / STATUS_FILE
+    record = read_status(run_dir)
+    record.update(facts, status=status, updated=time.time())
+    tmp = run_dir / f"{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: Path) -> dict[str, object]:
+    try:
+        record = json.loads((run_dir / STATUS_FILE).read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def is_locked(run_dir: Path) -> bool | None:
+    """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError as exc:
+        return None if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP) else True
     finally:
         os.close(fd)

@@ -13,25 +13,25 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import distributed, precision, rng
-from .checkpoint import Checkpoint, load_file, load_json
-from .checkpointer import Checkpointer, rank_file
+from . import diagnose, distributed, precision, train_state
+from .checkpoint import Checkpoint
+from .checkpointer import Checkpointer
 from .config import RunConfig
 from .data import EvalShard, ResumableSampler, Splits, make_loader
-from .errors import CheckpointError, TrainingError
+from .errors import TrainingError
 from .metrics import MetricsLog, memory_gb
-from .models import lm_loss, load_weights, strip_wrapper_prefixes
+from .models import lm_loss
 from .optim import adamw, clip_gradients
 from .rendezvous import DistEnv
 from .schedule import lr_at
 from .signals import StopFlag
+from .train_state import TrainState
 
 log = logging.getLogger("qgtrain")
 
@@ -40,21 +40,6 @@ class Outcome(enum.Enum):
     FINISHED = "finished"
     EARLY_STOPPED = "stopped early"
     STOPPED_BY_SIGNAL = "stopped by signal"
-
-
-@dataclass
-class TrainState:
-    """Everything about progress that a checkpoint must restore. Created before anything reads it."""
-
-    step: int = 0
-    epoch: int = 0
-    samples_in_epoch: int = 0  # of all ranks together: the data position within `epoch`
-    tokens_seen: int = 0
-    best_val_loss: float | None = None
-    evals_since_best: int = 0
-    val_loss: float | None = None
-    test_loss: float | None = None
-    outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
 
 
 class Trainer:
@@ -81,12 +66,28 @@ class Trainer:
         self.test_loader = make_loader(splits.test, EvalShard(splits.test, env), cfg.train.batch_size, workers,
                                        device, seed, drop_last=False)
         self.samples_per_micro = cfg.train.batch_size * env.world_size
+        self._memory_warned: set[str] = set()
         if len(self.sampler) < cfg.train.batch_size:
             raise TrainingError(f"the training split has {len(splits.train)} samples: too few for "  # type: ignore
                                 f"{env.world_size} rank(s) x train.batch_size={cfg.train.batch_size}")
 
     def fit(self) -> Outcome:
+        """Train; a failure we can explain becomes a TrainingError naming its cause, step and fix."""
+        try:
+            return self._loop()
+        except (RuntimeError, ConnectionError) as exc:  # OutOfMemoryError is a RuntimeError
+            explained = diagnose.explain(exc, self.state.step + 1, self.env, self.cfg.data.num_workers,
+                                         self.cfg.train.collective_timeout_s)
+            if explained is exc:
+                raise
+            raise explained from exc
+        finally:
+            diagnose.disarm_watchdog()
+
+    def _loop(self) -> Outcome:
         t, first = self.cfg.train, True
+        # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
+        watchdog_s = 2 * t.collective_timeout_s + 300
         if self.state.outcome == Outcome.FINISHED.value and self.state.step < t.max_steps:
             self.state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
         if self.state.outcome:
@@ -98,6 +99,7 @@ class Trainer:
         bad_loss_seen = torch.zeros((), dtype=torch.bool, device=self.device)
         last_save, busy_s, tokens_at_log = time.monotonic(), 0.0, self.state.tokens_seen
         while self.state.step < t.max_steps:
+            diagnose.arm_watchdog(watchdog_s)
             started, step = time.perf_counter(), self.state.step + 1
             lr = lr_at(self.state.step, self.cfg.optim, t.max_steps)
             for group in self.optimizer.param_groups:
@@ -219,6 +221,7 @@ class Trainer:
             "step": step, "epoch": self.state.epoch, "loss": loss / self.env.world_size, "lr": lr,
             "grad_norm": norm / self.env.world_size, "tokens_per_s": tok_s * self.env.world_size,
             "tokens_seen": self.state.tokens_seen, **memory_gb(self.device)}
+        self._warn_memory(step, record)
         if evaluated:
             record["val_loss"] = self.state.val_loss
         if self.state.outcome:
@@ -228,40 +231,27 @@ class Trainer:
                  self.state.epoch, record["loss"], f" val_loss {_fmt(self.state.val_loss)}" if evaluated else "",
                  lr, record["tokens_per_s"])
 
+    def _warn_memory(self, step: int, record: dict[str, Any]) -> None:
+        """Each rank warns about its own memory, once per quantity that crosses logging.memory_warn_gb."""
+        limit = self.cfg.logging.memory_warn_gb
+        for key in ("mem_rss_gb", "mem_gpu_peak_gb"):
+            if limit and record.get(key, 0.0) > limit and key not in self._memory_warned:
+                self._memory_warned.add(key)
+                log.warning("rank %d: %s is %.2f GB at step %d, above logging.memory_warn_gb=%.2f",
+                            self.env.rank, key, record[key], step, limit)
+
     def save(self, val_loss: float | None, blocking: bool = False) -> None:
         s = self.state
-        self.checkpointer.save(s.step, self._replicated,
-                               {"rng": rng.capture(), "epoch": s.epoch, "samples_in_epoch": s.samples_in_epoch},
-                               {"epoch": s.epoch, "val_loss": val_loss, "tokens_seen": s.tokens_seen,
-                                "outcome": s.outcome}, blocking=blocking)
-
-    def _replicated(self) -> dict[str, Any]:
-        return {"model.pt": self.raw_model.state_dict(),
-                "optim.pt": {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
-                "state.json": _json_bytes({"trainer": asdict(self.state), "precision": self.precision,
-                                           "world_size": self.env.world_size, "versions": _versions()})}
+        self.checkpointer.save(
+            s.step, lambda: train_state.replicated_files(self.raw_model, self.optimizer, self.scaler, s,
+                                                         self.precision, self.env.world_size),
+            train_state.rank_state(s), {"epoch": s.epoch, "val_loss": val_loss, "tokens_seen": s.tokens_seen,
+                                        "outcome": s.outcome}, blocking=blocking)
 
     def restore(self, ckpt: Checkpoint) -> None:
-        saved = load_json(ckpt, "state.json")
-        load_weights(self.raw_model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
-        optim = load_file(ckpt, "optim.pt")
-        self.optimizer.load_state_dict(optim["optimizer"])
-        self.scaler.load_state_dict(optim["scaler"])
-        self.state = TrainState(**saved["trainer"])
-        if self.state.samples_in_epoch % self.env.world_size:
-            raise CheckpointError(
-                f"{ckpt.path} was saved by {saved['world_size']} rank(s) after {self.state.samples_in_epoch} samples "
-                f"of epoch {self.state.epoch}, which {self.env.world_size} ranks cannot split evenly. HINT: resume "
-                f"with {saved['world_size']} ranks, or from a checkpoint at an epoch boundary")
-        if saved["world_size"] == self.env.world_size:
-            rng.restore(load_file(ckpt, rank_file(self.env.rank))["rng"])
-        else:
-            log.warning("resuming a %d-rank checkpoint on %d ranks: data re-sharded at the saved position, "
-                        "random streams re-seeded (the run will not repeat the original exactly)",
-                        saved["world_size"], self.env.world_size)
-            rng.seed_everything(self.cfg.train.seed + 7919 * self.env.rank + self.state.step)
+        self.state = train_state.restore(ckpt, self.raw_model, self.optimizer, self.scaler, self.env,
+                                         self.cfg.train.seed)
         self.checkpointer.last_step = ckpt.step
-        log.info("resumed from %s: step %d, epoch %d", ckpt.path, self.state.step, self.state.epoch)
 
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[torch.Tensor], precision_name: str,
@@ -287,13 +277,3 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def _json_bytes(obj: Any) -> bytes:
-    import json
-
-    return json.dumps(obj, indent=1).encode()
-
-
-def _versions() -> dict[str, str]:
-    from . import __version__
-
-    return {"qgtrain": __version__, "torch": torch.__version__}

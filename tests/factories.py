@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 import torch.distributed as dist
 from huggingface_hub import PyTorchModelHubMixin
@@ -64,3 +67,58 @@ class TinyHubLM(TinyLM, PyTorchModelHubMixin):
 
 def tiny_hub(vocab_size: int, seq_len: int) -> nn.Module:
     return TinyHubLM(vocab_size)
+
+
+class SometimesUnused(TinyLM):
+    """Uses its extra layer on odd training steps only: what find_unused_parameters exists for."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.extra = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.hidden(self.embed(input_ids)))
+        if self.training:
+            self.calls += 1
+            if self.calls % 2:
+                hidden = hidden + self.extra(hidden)
+        return self.head(hidden)
+
+
+def sometimes_unused(vocab_size: int, seq_len: int) -> nn.Module:
+    return SometimesUnused(vocab_size)
+
+
+class OutOfMemoryAtStepTwo(TinyLM):
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == 2:  # what the CUDA caching allocator raises; no GPU here to exhaust
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(input_ids)
+
+
+def out_of_memory_at_step_two(vocab_size: int, seq_len: int) -> nn.Module:
+    return OutOfMemoryAtStepTwo(vocab_size)
+
+
+class WorkerDies(torch.utils.data.Dataset):
+    """Random tokens; the DataLoader worker that loads sample 40 is killed, as the OOM killer or a bus
+    error on a full /dev/shm would kill it."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 40 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.randint(0, 257, (16,), generator=torch.Generator().manual_seed(index))
+
+
+def data_with_dying_worker(seq_len: int, seed: int) -> tuple:
+    return WorkerDies(), WorkerDies(), WorkerDies(), 257

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,3 +165,12 @@ def test_a_cancelled_submitit_job_raises_instead_of_hanging(tmp_path):
     assert time.monotonic() - start < 120
     assert "checkpoint saved" in rank_log(tmp_path / "runs" / "submitit", 0)
     assert "not requeued: the job is ending (COMPLETING" in job._sub_jobs[0].stderr()
+
+
+def test_doctor_under_srun_checks_that_every_node_sees_the_run_directory(tmp_path):
+    result = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=2", f"--chdir={tmp_path}",
+                             sys.executable, "-m", "qgtrain", "doctor", "--set", f"logging.runs_dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=180)
+    assert "qgtrain doctor on node1 (rank 0 of 2)" in result.stdout, result.stderr
+    assert f"ok       shared filesystem  all 2 node(s) see {tmp_path}" in result.stdout
+    assert result.stdout.count("qgtrain doctor on") == 1, "only rank 0 prints"

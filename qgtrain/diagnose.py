@@ -1,0 +1,123 @@
+"""Turning the ways a training step dies into one clear error: the cause, the step, the ranks, the fix.
+
+The errors are not caught to carry on: each becomes a TrainingError that stops this rank, and the other
+ranks learn of it when their next collective fails, which is explained here too. A rank whose collective
+fails writes every thread's stack to its log and names the ranks that did not arrive; a watchdog bounds
+the time any teardown may take, so a job never hangs until its time limit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import logging
+import shutil
+import re
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import TrainingError
+from .rendezvous import DistEnv
+
+log = logging.getLogger("qgtrain")
+_COLLECTIVE_SIGNS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                     "socket", "gloo", "nccl", "remote worker", "peer")
+
+
+def arm_watchdog(seconds: float) -> None:
+    """If this process is still alive `seconds` from now, dump every thread's stack to stderr and exit.
+
+    Re-armed each step with a generous bound, it catches hangs that no collective timeout sees (a stuck
+    data loader, a deadlocked thread); armed once more on a failure, it bounds the teardown.
+    """
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def disarm_watchdog() -> None:
+    faulthandler.cancel_dump_traceback_later()
+
+
+def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeout_s: float) -> BaseException:
+    """A TrainingError for a failure we recognise (raise it from `exc`), or `exc` itself."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError):
+        return TrainingError(
+            f"rank {env.rank} ran out of GPU memory in step {step}. HINT: lower train.batch_size and raise "
+            "train.grad_accum_steps to keep the same effective batch, use train.precision: bf16, or a smaller "
+            "data.seq_len; emptying the CUDA cache does not help")
+    if "DataLoader worker" in text or (isinstance(exc, ConnectionError) and num_workers > 0):
+        return TrainingError(
+            f"a DataLoader worker of rank {env.rank} died in step {step} ({_first_line(text)}). Likely cause: "
+            f"shared memory (/dev/shm has {_shm_gb():.1f} GB for data.num_workers={num_workers} worker(s) x "
+            f"{env.local_world_size} rank(s) on this node) or the worker ran out of memory. HINT: set "
+            "data.num_workers to 0 or fewer workers, or request more shared memory (a container's --shm-size)")
+    if "Expected to have finished reduction in the prior iteration" in text:
+        return TrainingError(
+            f"DDP found parameters that received no gradient in step {step - 1} on some rank(s): they were unused "
+            "on that step only. HINT: set train.find_unused_parameters: true (slower), or make every step use "
+            "every parameter")
+    if isinstance(exc, (dist.DistError, RuntimeError)) and any(s in text.lower() for s in _COLLECTIVE_SIGNS):
+        _dump_stacks(exc)
+        missing = missing_ranks(env)
+        who = (f"rank(s) {missing} did not arrive" if missing else "a peer rank failed")
+        arm_watchdog(30.0)  # the teardown that follows may not hang on the broken group
+        return TrainingError(
+            f"a collective failed in step {step} on rank {env.rank}: {who} ({_first_line(text)}). Every "
+            f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
+            f"and the job's output for why they died or stalled; if steps are legitimately slower than "
+            f"{timeout_s:.0f}s, raise train.collective_timeout_s")
+    return exc
+
+
+def missing_ranks(env: DistEnv, wait_s: float = 3.0) -> list[int] | None:
+    """The ranks that do not answer: each surviving rank posts to the rendezvous store, waits a moment,
+    and lists who posted. If the store (hosted by rank 0) is gone, rank 0 is what is missing."""
+    if env.world_size == 1:
+        return []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        store.set(f"qgtrain/alive/{env.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            alive = [r for r in range(env.world_size) if store.check([f"qgtrain/alive/{r}"])]
+            if len(alive) == env.world_size:
+                break
+            time.sleep(0.2)
+        return [r for r in range(env.world_size) if r not in alive]
+    except (RuntimeError, dist.DistError, TimeoutError, OSError):  # the store's host, rank 0, is gone
+        return [0] if env.rank != 0 else None
+
+
+def _dump_stacks(exc: BaseException) -> None:
+    """Where the failed collective was called, then every thread's stack, into this rank's log file (the
+    console keeps the one-line error)."""
+    where = "".join(traceback.format_exception(exc)).rstrip()
+    for handler in logging.getLogger("qgtrain").handlers:
+        stream: Any = getattr(handler, "stream", None)
+        if isinstance(handler, logging.FileHandler) and stream is not None:
+            try:
+                stream.write(f"--- rank stacks at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+                             f"the failed collective:\n{where}\nall threads:\n")
+                stream.flush()
+                faulthandler.dump_traceback(file=stream, all_threads=True)
+            except (OSError, ValueError):
+                pass
+
+
+def _shm_gb() -> float:
+    try:
+        return shutil.disk_usage("/dev/shm").total / 1e9
+    except OSError:
+        return 0.0
+
+
+def _first_line(text: str) -> str:
+    """The gist of a library's message: first line, without gloo's source location and advice."""
+    line = (text.strip().splitlines() or [""])[0]
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line)
+    return line.split(" This is typically")[0][:300]

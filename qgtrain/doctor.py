@@ -1,0 +1,189 @@
+"""`qgtrain doctor`: a preflight checklist where the job will run (`srun qgtrain doctor` inside an
+allocation checks every node), each check ok, warning or error with its fix."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import RunConfig
+from .rendezvous import DistEnv
+from .rundir import default_run_dir
+
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs",
+                      "fuse.glusterfs", "glusterfs", "cifs", "smb3", "9p")
+
+
+@dataclass(frozen=True)
+class Check:
+    level: str  # ok, warning, error
+    name: str
+    message: str
+    fix: str = ""
+
+
+def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list[Check]:
+    import torch
+
+    run_dir = default_run_dir(cfg).resolve()
+    checks = [Check("ok", "python", f"Python {sys.version.split()[0]}, torch {torch.__version__}")]
+    checks += _gpus(cfg, env, torch)
+    checks.append(_shared_memory(cfg, env))
+    checks += _slurm_commands()
+    checks.append(_port(env))  # before the cross-node check, whose process group takes this port
+    checks += _run_directory(cfg, env, run_dir)
+    checks += _huggingface(cfg, environ)
+    return checks
+
+
+def _gpus(cfg: RunConfig, env: DistEnv, torch: object) -> list[Check]:
+    cuda = torch.cuda  # type: ignore[attr-defined]
+    wanted = cfg.train.device == "cuda" or cfg.slurm.gpus_per_node > 0
+    if not cuda.is_available():
+        if not wanted:
+            return [Check("ok", "GPUs", "none needed (train.device and slurm.gpus_per_node ask for none)")]
+        level = "error" if env.in_slurm_job else "warning"
+        return [Check(level, "GPUs", "no CUDA device is visible to this process",
+                      "run `srun qgtrain doctor` inside the GPU allocation; check --gpus-per-node and that "
+                      "torch is a CUDA build (setup.sh installs one where nvidia-smi works)")]
+    visible = cuda.device_count()
+    need = env.local_world_size if env.in_slurm_job else max(cfg.slurm.gpus_per_node, 1)
+    nccl = ".".join(map(str, cuda.nccl.version())) if hasattr(cuda, "nccl") else "?"
+    facts = f"{visible} visible ({cuda.get_device_name(0)}), CUDA {torch.version.cuda}, NCCL {nccl}"  # type: ignore[attr-defined]
+    if visible < need:
+        return [Check("error", "GPUs", f"{facts}; {need} rank(s) on this node need one each",
+                      "request as many GPUs per node as tasks per node (slurm.gpus_per_node)")]
+    return [Check("ok", "GPUs", facts)]
+
+
+def _shared_memory(cfg: RunConfig, env: DistEnv) -> Check:
+    try:
+        size_gb = shutil.disk_usage("/dev/shm").total / 1e9
+    except OSError:
+        return Check("warning", "shared memory", "/dev/shm does not exist",
+                     "DataLoader workers pass batches through /dev/shm; set data.num_workers: 0 or mount one")
+    workers = cfg.data.num_workers * env.local_world_size
+    if workers and size_gb < 0.5 * workers:
+        return Check("warning" if size_gb >= 0.1 else "error", "shared memory",
+                     f"/dev/shm has {size_gb:.2f} GB for {workers} DataLoader worker(s) on this node",
+                     "lower data.num_workers, or give the job more shared memory (a container's --shm-size)")
+    return Check("ok", "shared memory", f"/dev/shm has {size_gb:.1f} GB for {workers} DataLoader worker(s)")
+
+
+def _slurm_commands() -> list[Check]:
+    missing = [c for c in ("sbatch", "srun", "scontrol", "squeue") if not shutil.which(c)]
+    checks = [Check("ok", "Slurm", "sbatch, srun, scontrol and squeue are on PATH") if not missing else
+              Check("warning", "Slurm", f"not on PATH: {', '.join(missing)}",
+                    "fine for local runs; on a cluster load its Slurm module (without scontrol in a job, "
+                    "qgtrain exits 76 and train.slurm requeues from the batch shell)")]
+    if not missing and not shutil.which("sacct"):
+        checks.append(Check("warning", "sacct", "not on PATH", "qgtrain.submit reads job state from squeue and "
+                            "scontrol instead; nothing to do"))
+    return checks
+
+
+def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path) -> list[Check]:
+    probe = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("/"))
+    try:
+        token = probe / f".qgtrain-doctor-{uuid.uuid4().hex[:8]}"
+        token.write_text("ok")
+        token.unlink()
+    except OSError as exc:
+        return [Check("error", "run directory", f"{probe} is not writable ({exc.strerror})",
+                      "set logging.runs_dir to a folder this user can write, on a shared filesystem")]
+    fstype = _filesystem(probe)
+    shared = fstype in SHARED_FILESYSTEMS
+    checks = [Check("ok", "run directory", f"{run_dir} is writable ({fstype})")]
+    if cfg.slurm.nodes > 1 and not shared and env.world_size == 1:
+        checks.append(Check("warning", "shared filesystem", f"{probe} is on {fstype}, which other nodes may not see",
+                            "multi-node jobs need the run directory on a shared filesystem; `srun qgtrain doctor` "
+                            "inside the job checks it from every node"))
+    if env.world_size > 1:
+        checks.append(_every_node_sees(env, probe))
+    return checks
+
+
+def _every_node_sees(env: DistEnv, folder: Path) -> Check:
+    """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check)."""
+    import torch
+
+    from . import distributed
+
+    with distributed.process_group(env, torch.device("cpu"), 120, 120):
+        name = distributed.broadcast_from_main(f".qgtrain-doctor-{uuid.uuid4().hex[:8]}")
+        token = folder / name
+        if env.is_main:
+            token.write_text("ok")
+        distributed.barrier()
+        seen = token.exists() if env.local_rank == 0 else True
+        gathered = distributed.gather_to_main((env.node_name, seen))
+        distributed.barrier()
+        if env.is_main:
+            token.unlink(missing_ok=True)
+    blind = sorted({node for node, ok in gathered or [] if not ok})
+    if blind:
+        return Check("error", "shared filesystem", f"node(s) {', '.join(blind)} cannot see {folder}",
+                     "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts")
+    return Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}")
+
+
+def _filesystem(path: Path) -> str:
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                parts = line.split()
+                if len(parts) > 2 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _port(env: DistEnv) -> Check:
+    if env.world_size == 1 or not env.is_main:
+        return Check("ok", "rendezvous port", "one process needs no port" if env.world_size == 1 else
+                     f"rank 0 listens on {env.master_addr}:{env.master_port}")
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", env.master_port))
+        except OSError as exc:
+            return Check("error", "rendezvous port", f"port {env.master_port} on {env.node_name} is taken "
+                         f"({exc.strerror})", "set MASTER_PORT to a free port for this job")
+    return Check("ok", "rendezvous port", f"{env.master_addr}:{env.master_port} is free")
+
+
+def _huggingface(cfg: RunConfig, environ: Mapping[str, str]) -> list[Check]:
+    checks = []
+    offline = any(environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    checks.append(Check("ok", "Hugging Face", "offline mode is on") if offline else
+                  Check("warning", "Hugging Face", "offline mode is off",
+                        "compute nodes often have no network: export HF_HUB_OFFLINE=1 (qgtrain itself never "
+                        "downloads; model.pretrained is read from a local folder)"))
+    cache = Path(environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    checks.append(Check("ok", "Hugging Face cache", str(cache)))
+    for key, folder, wanted in (("model.pretrained", cfg.model.pretrained, "config.json"),
+                                ("data.tokenizer", None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
+                                 "tokenizer.json")):
+        if folder and not (Path(folder) / wanted).is_file():
+            checks.append(Check("error", key, f"{folder} has no {wanted}",
+                                "point it at a folder written by save_pretrained (e.g. by `qgtrain export`)"))
+    return checks
+
+
+def render(checks: list[Check], env: DistEnv) -> str:
+    lines = [f"qgtrain doctor on {env.node_name}" + (f" (rank 0 of {env.world_size})" if env.world_size > 1 else "")]
+    for check in checks:
+        lines.append(f"  {check.level:<8} {check.name:<18} {check.message}")
+        if check.fix and check.level != "ok":
+            lines.append(f"  {'':<8} {'':<18} fix: {check.fix}")
+    return "\n".join(lines)
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(c.level == "error" for c in checks) else 0

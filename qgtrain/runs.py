@@ -1,0 +1,89 @@
+"""`qgtrain runs`: what every run under a folder is doing, read from its files alone (no torch, no Slurm).
+
+Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run that
+says "running" while nobody holds its lock was killed before it could say anything else (interrupted),
+and resumes from its latest checkpoint when started again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import checkpoint, rundir
+from .errors import QgtrainError
+from .metrics import read_metrics
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    name: str
+    path: str
+    status: str
+    step: int | None
+    epoch: int | None
+    best_val_loss: float | None
+    last_val_loss: float | None
+    checkpoint: int | None
+    restarts: int | None
+    job_id: str | None
+    error: str | None
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run directories under root (root itself if it is one), in name order."""
+    if not root.is_dir():
+        raise QgtrainError(f"runs: {root} is not a directory; give the folder your runs are in "
+                           "(logging.runs_dir, 'runs' by default)")
+    if (root / rundir.RUN_FILE).exists():
+        return [root]
+    return sorted(p for p in root.iterdir() if (p / rundir.RUN_FILE).exists())
+
+
+def summarize(run: Path) -> RunSummary:
+    status = rundir.read_status(run)
+    records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    trained = [r for r in records if "loss" in r]
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    committed = checkpoint.list_committed(run / "checkpoints")
+    run_id = rundir.read_run_id(run)
+    ours = [c for c in committed if c.run_id == run_id]
+    restart = status.get("restart")
+    return RunSummary(
+        name=run.name, path=str(run), status=_status(run, status), step=trained[-1]["step"] if trained else None,
+        epoch=trained[-1]["epoch"] if trained else None, best_val_loss=min(vals) if vals else None,
+        last_val_loss=vals[-1] if vals else None, checkpoint=ours[-1].step if ours else None,
+        restarts=int(restart) if isinstance(restart, (int, float)) else None,
+        job_id=str(status["job_id"]) if status.get("job_id") else None,
+        error=str(status["error"]) if status.get("error") else None)
+
+
+def _status(run: Path, status: dict[str, object]) -> str:
+    recorded = str(status.get("status", "unknown"))
+    locked = rundir.is_locked(run)
+    if recorded == "running":
+        return "running" if locked in (True, None) else "interrupted"
+    if recorded == "preempted":
+        requeued = status.get("requeued")
+        return {True: "preempted, requeued", None: "preempted, requeue pending"}.get(requeued, "stopped")  # type: ignore[call-overload]
+    return recorded
+
+
+def as_json(rows: list[RunSummary]) -> str:
+    return json.dumps([asdict(row) for row in rows], indent=1)
+
+
+def as_table(rows: list[RunSummary]) -> str:
+    def fmt(value: object) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB")
+    cells = [header] + [(r.name, r.status, fmt(r.step), fmt(r.epoch), fmt(r.best_val_loss), fmt(r.last_val_loss),
+                         fmt(r.checkpoint), fmt(r.restarts), fmt(r.job_id)) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    lines += [f"{r.name}: {r.error}" for r in rows if r.status == "failed" and r.error]
+    return "\n".join(lines)

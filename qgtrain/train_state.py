@@ -1,0 +1,82 @@
+"""What a checkpoint of training holds, and putting it back: progress, weights, optimizer, scaler, RNG.
+
+Rank 0 writes the replicated part (model, optimizer and scaler, progress as JSON); every rank writes its
+own RNG streams and data position. Restoring on a different world size re-shards the data position where
+it divides evenly and re-seeds the random streams, with a warning that the run will not repeat exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import rng
+from .checkpoint import Checkpoint, load_file, load_json
+from .checkpointer import rank_file
+from .errors import CheckpointError
+from .models import load_weights, strip_wrapper_prefixes
+from .rendezvous import DistEnv
+
+log = logging.getLogger("qgtrain")
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that a checkpoint must restore. Created before anything reads it."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0  # of all ranks together: the data position within `epoch`
+    tokens_seen: int = 0
+    best_val_loss: float | None = None
+    evals_since_best: int = 0
+    val_loss: float | None = None
+    test_loss: float | None = None
+    outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
+
+
+def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                     state: TrainState, precision: str, world_size: int) -> dict[str, Any]:
+    """The files rank 0 writes: the unwrapped model (no module. or _orig_mod. prefixes), the optimizer and
+    loss scaler, and progress with the facts needed to judge a resume."""
+    from . import __version__
+
+    facts = {"trainer": asdict(state), "precision": precision, "world_size": world_size,
+             "versions": {"qgtrain": __version__, "torch": torch.__version__}}
+    return {"model.pt": model.state_dict(),
+            "optim.pt": {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()},
+            "state.json": json.dumps(facts, indent=1).encode()}
+
+
+def rank_state(state: TrainState) -> dict[str, Any]:
+    """What each rank writes for itself: its random streams and where it is in the data."""
+    return {"rng": rng.capture(), "epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch}
+
+
+def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+            env: DistEnv, seed: int) -> TrainState:
+    saved = load_json(ckpt, "state.json")
+    load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
+    optim = load_file(ckpt, "optim.pt")
+    optimizer.load_state_dict(optim["optimizer"])
+    scaler.load_state_dict(optim["scaler"])
+    state = TrainState(**saved["trainer"])
+    if state.samples_in_epoch % env.world_size:
+        raise CheckpointError(
+            f"{ckpt.path} was saved by {saved['world_size']} rank(s) after {state.samples_in_epoch} samples of "
+            f"epoch {state.epoch}, which {env.world_size} ranks cannot split evenly. HINT: resume with "
+            f"{saved['world_size']} ranks, or from a checkpoint at an epoch boundary")
+    if saved["world_size"] == env.world_size:
+        rng.restore(load_file(ckpt, rank_file(env.rank))["rng"])
+    else:
+        log.warning("resuming a %d-rank checkpoint on %d ranks: data re-sharded at the saved position, random "
+                    "streams re-seeded (the run will not repeat the original exactly)", saved["world_size"],
+                    env.world_size)
+        rng.seed_everything(seed + 7919 * env.rank + state.step)
+    log.info("resumed from %s: step %d, epoch %d", ckpt.path, state.step, state.epoch)
+    return state

@@ -1,0 +1,157 @@
+"""Operating runs: `qgtrain runs`, `plot`, `doctor`, and the diagnosed failures (a dead or hung peer, a dead
+DataLoader worker, out-of-memory, parameters unused on some steps, memory warnings). Runs against: real
+`qgtrain` processes (killed, stopped and signalled for real) and real 2-rank gloo groups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qgtrain.configload import load_config
+from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
+
+TINY = ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.log_every=1",
+        "logging.tensorboard=false", "model.factory=tests.factories:tiny", "optim.warmup_steps=0"]
+
+
+def cfg(*sets: str):  # type: ignore[no-untyped-def]
+    return load_config([], [*TINY, *sets])
+
+
+def qgtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qgtrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= step):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not progress"
+        time.sleep(0.05)
+
+
+def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(tmp_path):
+    runs = tmp_path / "runs"
+    assert run_ranks(1, train_rank, cfg("train.max_steps=20", "train.eval_every=10", "checkpoint.every_steps=10"),
+                     str(runs / "done"))[0]["exit"] == 0
+    failed = run_ranks(2, train_rank, cfg("model.factory=tests.factories:with_unused_head", "train.max_steps=5"),
+                       str(runs / "broken"))
+    assert [r["exit"] for r in failed] == [1, 1]
+    long = ["train", "--set", *TINY, "train.max_steps=100000", "checkpoint.every_steps=20"]
+    stopped = start_cli_ranks(1, [*long, "--run-dir", str(runs / "stopped")], tmp_path, log_prefix="stopped")
+    live = start_cli_ranks(1, [*long, "--run-dir", str(runs / "live")], tmp_path, log_prefix="live")
+    killed = start_cli_ranks(1, [*long, "--run-dir", str(runs / "killed")], tmp_path, log_prefix="killed")
+    try:
+        for name, procs in (("stopped", stopped), ("live", live), ("killed", killed)):
+            wait_for_step(runs / name, 25, procs)
+        os.kill(stopped[0].pid, signal.SIGUSR2)
+        assert wait_ranks(stopped, 60) == [75]
+        kill_ranks(killed)
+        table = qgtrain("runs", str(runs), cwd=tmp_path)
+        rows = {r["name"]: r for r in json.loads(qgtrain("runs", str(runs), "--json", cwd=tmp_path).stdout)}
+    finally:
+        kill_ranks(live + killed + stopped)
+    assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:3] == ["RUN", "STATUS", "STEP"]
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "done": "finished", "broken": "failed", "stopped": "stopped", "live": "running", "killed": "interrupted"}
+    done = rows["done"]
+    assert (done["step"], done["epoch"], done["checkpoint"], done["job_id"]) == (20, 0, 20, None)
+    assert done["best_val_loss"] <= done["last_val_loss"]
+    assert rows["killed"]["checkpoint"] is not None and rows["killed"]["checkpoint"] % 20 == 0
+    assert "received no gradient" in rows["broken"]["error"] and "broken: " in table.stdout
+
+
+def test_runs_answers_without_importing_torch(tmp_path):
+    code = ("import sys; from qgtrain.cli import main; main(['runs', " + repr(str(tmp_path)) + "]); "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.strip() == "[]" and f"no runs in {tmp_path}" in result.stdout
+
+
+def test_plot_overlays_runs_with_labelled_axes(tmp_path):
+    for name, lr in (("lr-high", "0.01"), ("lr-low", "0.001")):
+        sets = ("train.max_steps=30", "train.eval_every=10", f"optim.lr={lr}", f"optim.min_lr={lr}")
+        assert run_ranks(1, train_rank, cfg(*sets), str(tmp_path / name))[0]["exit"] == 0
+    out = tmp_path / "curves.png"
+    result = qgtrain("plot", str(tmp_path / "lr-high"), str(tmp_path / "lr-low"), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    bad = qgtrain("plot", str(tmp_path / "lr-high"), "--out", str(out), "--metric", "loss,accuracy", cwd=tmp_path)
+    assert bad.returncode == 2 and "accuracy not logged by these runs; available: " in bad.stderr
+
+
+def test_doctor_lists_every_check_and_fails_on_an_error(tmp_path):
+    result = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    for name in ("python", "GPUs", "shared memory", "run directory", "rendezvous port", "Hugging Face"):
+        assert f" {name} " in result.stdout, result.stdout
+    assert result.returncode == (1 if " error " in result.stdout else 0)
+    broken = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path}", "model.pretrained=/no/such/model",
+                     cwd=tmp_path)
+    assert broken.returncode == 1 and "error    model.pretrained" in broken.stdout and "fix: point it" in broken.stdout
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_when_a_peer_dies_or_hangs_the_other_rank_stops_in_bounded_time_naming_it(tmp_path, how):
+    run = tmp_path / "run"
+    procs = start_cli_ranks(2, ["train", "--run-dir", str(run), "--set", *TINY, "train.max_steps=100000",
+                                "train.collective_timeout_s=10"], tmp_path)
+    try:
+        wait_for_step(run, 10, procs)
+        os.kill(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        assert procs[0].wait(timeout=60) == 1
+        elapsed = time.monotonic() - start
+    finally:
+        kill_ranks(procs)
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert "a collective failed in step" in log and "on rank 0: rank(s) [1] did not arrive" in log
+    assert "--- rank stacks at" in log and "File " in log, "rank 0 wrote its Python stacks to its log"
+    output = (tmp_path / "rank-0.out").read_text()
+    assert "qgtrain: error: a collective failed" in output and "Traceback" not in output
+    assert elapsed < (15 if how == "killed" else 10 + 30), f"took {elapsed:.0f}s"
+
+
+def test_a_dead_dataloader_worker_is_explained(tmp_path):
+    sets = ("data.name=factory", "data.factory=tests.factories:data_with_dying_worker", "data.num_workers=2",
+            "train.max_steps=200", "train.eval_every=0")
+    result = run_ranks(1, train_rank, cfg(*sets), str(tmp_path / "run"))[0]
+    assert result["exit"] == 1
+    assert "a DataLoader worker of rank 0 died in step" in result["error"]
+    assert "shared memory (/dev/shm has" in result["error"] and "data.num_workers" in result["error"]
+
+
+def test_out_of_memory_is_explained_with_the_fix(tmp_path):
+    result = run_ranks(1, train_rank, cfg("model.factory=tests.factories:out_of_memory_at_step_two",
+                                          "train.max_steps=5"), str(tmp_path / "run"))[0]
+    assert result["exit"] == 1 and "rank 0 ran out of GPU memory in step 2" in result["error"]
+    assert "train.grad_accum_steps" in result["error"]
+
+
+def test_parameters_unused_on_some_steps_are_explained(tmp_path):
+    results = run_ranks(2, train_rank, cfg("model.factory=tests.factories:sometimes_unused", "train.max_steps=6",
+                                           "train.eval_every=0"), str(tmp_path / "run"))
+    for result in results:
+        assert result["exit"] == 1
+        assert "received no gradient in step 2 on some rank(s): they were unused on that step only" in result["error"]
+        assert "train.find_unused_parameters: true" in result["error"]
+    fine = run_ranks(2, train_rank, cfg("model.factory=tests.factories:sometimes_unused", "train.max_steps=6",
+                                        "train.eval_every=0", "train.find_unused_parameters=true"),
+                     str(tmp_path / "run2"))
+    assert [r["exit"] for r in fine] == [0, 0]
+
+
+def test_memory_is_logged_and_a_limit_warns(tmp_path):
+    run = tmp_path / "run"
+    assert run_ranks(1, train_rank, cfg("train.max_steps=3", "logging.memory_warn_gb=0.01"), str(run))[0]["exit"] == 0
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["mem_rss_gb"] > 0.01
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert log.count("mem_rss_gb is") == 1 and "above logging.memory_warn_gb=0.01" in log
