@@ -44,6 +44,7 @@ class Checkpointer:
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
+        self._snapshot = CpuSnapshot()
         if env.is_main:
             for path in checkpoint.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
@@ -63,7 +64,7 @@ class Checkpointer:
         files = {**replicated(), **self.run_files} if self.env.is_main else {}
         files[rank_file(self.env.rank)] = per_rank
         if self.async_save and not blocking:
-            self._background(self._write_and_settle, step, _copy_to_cpu(files), meta)
+            self._background(self._write_and_settle, step, self._snapshot.copy(files), meta)
         else:
             ckpt = self._write(step, files, meta)
             if blocking:
@@ -186,12 +187,38 @@ class Checkpointer:
         return None
 
 
-def _copy_to_cpu(obj: Any) -> Any:
-    """A snapshot that training can no longer change: tensors copied to CPU memory, containers rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: _copy_to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_to_cpu(value) for value in obj)
-    return obj
+class CpuSnapshot:
+    """Copies state into CPU buffers kept from the previous save, so an async save's stall is one memcpy.
+
+    Fresh buffers would cost as much again in page faults on first touch; for CUDA state they are pinned,
+    so the device-to-host copy runs at full speed. Buffers are reused only after the previous save has
+    finished (Checkpointer.save waits for it first). Tensors sharing storage (tied embeddings) stay shared.
+    The price: one host copy of the state held for the whole run.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any) -> Any:
+        shared: dict[tuple[Any, ...], torch.Tensor] = {}
+        snapshot = self._copy(obj, (), shared)
+        if any(key[0] == "cuda" for key in shared):
+            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
+        return snapshot
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            alias = (obj.device.type, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape,
+                     obj.stride(), obj.dtype)
+            if alias not in shared:
+                buffer = self._buffers.get(path)
+                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                    self._buffers[path] = buffer
+                shared[alias] = buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+            return shared[alias]
+        if isinstance(obj, dict):
+            return {key: self._copy(value, (*path, key), shared) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value, (*path, index), shared) for index, value in enumerate(obj))
+        return obj

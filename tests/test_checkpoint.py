@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qgtrain import checkpoint
+from qgtrain.checkpointer import CpuSnapshot
 from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError
 from tests.ranks import run_ranks, train_rank
@@ -147,3 +148,20 @@ def test_a_checkpoint_of_another_model_shape_says_what_differs(tmp_path):
     assert result["exit"] == 2
     assert "does not fit the configured model: shapes differ (transformer.wte.weight: checkpoint (257, 32) vs " \
            "model (257, 64)" in result["error"]
+
+
+def test_an_async_snapshot_is_a_private_copy_that_keeps_tied_weights_tied_and_reuses_its_buffers():
+    tied = torch.nn.Linear(4, 4)
+    state = {"model.pt": {"wte": tied.weight.detach(), "lm_head": tied.weight.detach(), "b": tied.bias.detach()},
+             "optim.pt": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1}]}, "config": b"x: 1"}
+    snapshots = CpuSnapshot()
+    first = snapshots.copy(state)
+    with torch.no_grad():
+        tied.weight.add_(1.0)  # training goes on while the snapshot is written
+    assert not torch.equal(first["model.pt"]["wte"], tied.weight)
+    assert first["model.pt"]["wte"] is first["model.pt"]["lm_head"], "one tensor saved once, as torch.save would"
+    assert first["optim.pt"]["groups"] == [{"lr": 0.1}] and first["config"] == b"x: 1"
+    second = snapshots.copy(state)
+    assert second["model.pt"]["wte"] is first["model.pt"]["wte"], "the next save reuses the buffers"
+    assert torch.equal(second["model.pt"]["wte"], tied.weight)
+    assert torch.equal(second["optim.pt"]["state"][0]["step"], torch.tensor(3.0))
