@@ -15,8 +15,9 @@ def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.o
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                             fused=device.type == "cuda")
+    # fused=False would also switch off torch's default multi-tensor (foreach) kernels: say nothing on CPU
+    fused = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **fused)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
