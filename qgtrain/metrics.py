@@ -57,7 +57,7 @@ class MetricsLog:
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(_tb_tag(key), value, record["step"])
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ def plot_runs(runs: list[Path], out: Path, metrics: list[str]) -> Path:
             raise QgtrainError(f"plot: {run} has no metrics.jsonl; give run directories (e.g. runs/tiny-gpt2)")
         series[run.name if run.name not in series else str(run)] = read_metrics(path)
     available = sorted({k for records in series.values() for r in records for k, v in r.items()
-                        if isinstance(v, (int, float)) and k not in ("step", "epoch")})
+                        if isinstance(v, (int, float)) and k not in ("step", "epoch", "time")})
     unknown = [m for m in metrics if m not in available]
     if unknown:
         raise QgtrainError(f"plot --metric: {', '.join(unknown)} not logged by these runs; available: "

@@ -97,7 +97,7 @@ class Trainer:
             return Outcome(self.state.outcome)
         batches = self._batches()
         bad_loss_seen = torch.zeros((), dtype=torch.bool, device=self.device)
-        last_save, busy_s, tokens_at_log = time.monotonic(), 0.0, self.state.tokens_seen
+        last_save, busy_s, data_s, tokens_at_log = time.monotonic(), 0.0, 0.0, self.state.tokens_seen
         while self.state.step < t.max_steps:
             diagnose.arm_watchdog(watchdog_s)
             started, step = time.perf_counter(), self.state.step + 1
@@ -105,6 +105,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             micro_batches = [next(batches).to(self.device, non_blocking=True) for _ in range(t.grad_accum_steps)]
+            data_s += time.perf_counter() - started
             loss_sum = accumulate_gradients(self.model, micro_batches, self.precision, self.scaler)
             self.scaler.unscale_(self.optimizer)
             grad_norm = clip_gradients(self.raw_model, self.cfg.optim.grad_clip)
@@ -120,7 +121,7 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-            self.state.step, first = step, False
+            self.state.step, first_of_run, first = step, first, False
             self.metrics.advance(step)
             self.state.tokens_seen += self.samples_per_micro * t.grad_accum_steps * micro_batches[0].shape[1]
             busy_s += time.perf_counter() - started  # training time only: validation is not throughput
@@ -130,9 +131,10 @@ class Trainer:
             if final or early_stop:
                 self.state.test_loss = self.evaluate(self.test_loader, 0)
                 self.state.outcome = (Outcome.FINISHED if final else Outcome.EARLY_STOPPED).value
-            if evaluated or step % t.log_every == 0:
-                self._log(step, lr, loss_sum, grad_norm, (self.state.tokens_seen - tokens_at_log) / busy_s, evaluated)
-                busy_s, tokens_at_log = 0.0, self.state.tokens_seen
+            if evaluated or first_of_run or step % t.log_every == 0:  # the first step: an early sign of life
+                self._log(step, lr, loss_sum, grad_norm, (self.state.tokens_seen - tokens_at_log) / busy_s,
+                          data_s / busy_s, evaluated)
+                busy_s, data_s, tokens_at_log = 0.0, 0.0, self.state.tokens_seen
             periodic = bool(self.cfg.checkpoint.every_steps) and step % self.cfg.checkpoint.every_steps == 0
             if stop or final or early_stop or time_due or periodic:
                 self.save(self.state.val_loss if evaluated else None, blocking=stop or final or early_stop)
@@ -215,12 +217,13 @@ class Trainer:
         return bool(stop)
 
     def _log(self, step: int, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, tok_s: float,
-             evaluated: bool) -> None:
+             data_wait: float, evaluated: bool) -> None:
         loss, norm = distributed.sum_tensor([loss_sum.item(), grad_norm.item()], self.device)
         record: dict[str, Any] = {
             "step": step, "epoch": self.state.epoch, "loss": loss / self.env.world_size, "lr": lr,
             "grad_norm": norm / self.env.world_size, "tokens_per_s": tok_s * self.env.world_size,
-            "tokens_seen": self.state.tokens_seen, **memory_gb(self.device)}
+            "tokens_seen": self.state.tokens_seen, "data_wait_frac": data_wait, "time": time.time(),
+            **memory_gb(self.device)}
         self._warn_memory(step, record)
         if evaluated:
             record["val_loss"] = self.state.val_loss
