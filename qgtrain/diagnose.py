@@ -31,10 +31,32 @@ _COLLECTIVE_SIGNS = ("connection closed", "connection reset", "timed out", "time
 def arm_watchdog(seconds: float) -> None:
     """If this process is still alive `seconds` from now, dump every thread's stack to stderr and exit.
 
-    Re-armed each step with a generous bound, it catches hangs that no collective timeout sees (a stuck
-    data loader, a deadlocked thread); armed once more on a failure, it bounds the teardown.
+    faulthandler's timer thread needs no GIL, so it fires even when the main thread is stuck in C code.
     """
     faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+class ProgressWatchdog:
+    """Exits with every thread's stack when no step completes for `seconds`: it catches the hangs that no
+    collective timeout sees (a stuck data loader, a deadlocked thread).
+
+    Re-arming faulthandler's timer joins its thread and starts another: 0.1 ms on an idle machine, but a
+    median 1.8 ms (p90 6.6 ms) when every core is training, paid on every rank and waited for by all at
+    the next gradient all-reduce. So the timer is re-armed only once `slack` has passed since it was last
+    armed, for `seconds + slack`: a stuck rank exits between `seconds` and `seconds + slack` after its
+    last progress.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.slack = min(60.0, seconds / 10)
+        self._armed_at = -float("inf")
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if now - self._armed_at >= self.slack:
+            arm_watchdog(self.seconds + self.slack)
+            self._armed_at = now
 
 
 def disarm_watchdog() -> None:

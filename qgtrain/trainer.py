@@ -87,7 +87,7 @@ class Trainer:
     def _loop(self) -> Outcome:
         t, first = self.cfg.train, True
         # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
-        watchdog_s = 2 * t.collective_timeout_s + 300
+        watchdog = diagnose.ProgressWatchdog(2 * t.collective_timeout_s + 300)
         if self.state.outcome == Outcome.FINISHED.value and self.state.step < t.max_steps:
             self.state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
         if self.state.outcome:
@@ -99,7 +99,7 @@ class Trainer:
         bad_loss_seen = torch.zeros((), dtype=torch.bool, device=self.device)
         last_save, busy_s, data_s, tokens_at_log = time.monotonic(), 0.0, 0.0, self.state.tokens_seen
         while self.state.step < t.max_steps:
-            diagnose.arm_watchdog(watchdog_s)
+            watchdog.progress()
             started, step = time.perf_counter(), self.state.step + 1
             lr = lr_at(self.state.step, self.cfg.optim, t.max_steps)
             for group in self.optimizer.param_groups:

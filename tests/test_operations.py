@@ -119,6 +119,20 @@ def test_when_a_peer_dies_or_hangs_the_other_rank_stops_in_bounded_time_naming_i
     assert elapsed < (15 if how == "killed" else 10 + 30), f"took {elapsed:.0f}s"
 
 
+def test_a_rank_that_stops_making_progress_dumps_its_stacks_and_exits_within_the_bound():
+    """The per-step watchdog, in a real process: alive for longer than its bound while steps complete, then
+    its stacks and a non-zero exit between `seconds` and `seconds + slack` after the last step."""
+    code = ("import time\nfrom qgtrain.diagnose import ProgressWatchdog\nwatchdog = ProgressWatchdog(2.0)\n"
+            "for _ in range(30):\n    watchdog.progress()\n    time.sleep(0.1)\n"
+            "print('last progress', time.monotonic(), flush=True)\ntime.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    ended = time.monotonic()
+    assert result.returncode != 0 and "Timeout (0:00:02.200000)!" in result.stderr
+    assert 'File "<string>", line 8 in <module>' in result.stderr, "the stuck line is in the dump"
+    silent_for = ended - float(result.stdout.split()[-1])
+    assert 2.0 <= silent_for < 2.2 + 5, f"exited {silent_for:.1f}s after the last progress"
+
+
 def test_a_dead_dataloader_worker_is_explained(tmp_path):
     sets = ("data.name=factory", "data.factory=tests.factories:data_with_dying_worker", "data.num_workers=2",
             "train.max_steps=200", "train.eval_every=0")
