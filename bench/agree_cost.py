@@ -23,7 +23,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from qgtrain import distributed, rng
+    from qgtrain import cpu, distributed, rng
     from qgtrain.config import RunConfig
     from qgtrain.models import build_model
     from qgtrain.optim import adamw
@@ -31,7 +31,8 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
     from qgtrain.trainer import accumulate_gradients
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
-    distributed.set_cpu_threads(env, 0)
+    cpu.set_cpu_threads(env, 0)
+    cpu.keep_freed_memory()
     with distributed.process_group(env, device, 60, 60):
         rng.seed_everything(0)
         model = build_model(cfg.model, 257, cfg.data.seq_len, 256)

@@ -3,7 +3,7 @@
 qgtrain's side is the real path: a (one-rank) process group, Checkpointer.save with its staging folder,
 checksums, fsync, manifest and rename, then choose() (which verifies checksums) and loading into a model and
 optimizer. The baseline saves the same model and optimizer state dicts with torch.save and loads them back
-into the same objects. Usage: python bench/checkpoint_io.py [--params-m 25] [--repeats 7]
+into the same objects. Usage: python -m bench.checkpoint_io [--params-m 25] [--repeats 7] [--async-save]
 """
 
 from __future__ import annotations

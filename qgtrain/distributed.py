@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,18 +36,6 @@ def pick_device(env: DistEnv, preference: str) -> torch.device:
 def ddp_device_ids(env: DistEnv, device: torch.device) -> list[int] | None:
     """DDP's device_ids: the local rank as an int (never a torch.device, never the global rank); none on CPU."""
     return [env.device_index] if device.type == "cuda" else None
-
-
-def set_cpu_threads(env: DistEnv, configured: int) -> int:
-    """Give each rank its share of this node's CPUs, so N ranks on one node do not oversubscribe it."""
-    if configured:
-        threads = configured
-    elif env.cpus_per_task:
-        threads = env.cpus_per_task
-    else:
-        threads = max(1, len(os.sched_getaffinity(0)) // max(env.local_world_size, 1))
-    torch.set_num_threads(threads)
-    return threads
 
 
 @contextlib.contextmanager

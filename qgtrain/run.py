@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import corpus, distributed, log, rng, rundir
+from . import corpus, cpu, distributed, log, rng, rundir
 from .checkpointer import Checkpointer
 from .config import RunConfig
 from .configload import dump_yaml
@@ -34,7 +34,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     log.setup_console(env, cfg.logging.level)
     device = distributed.pick_device(env, cfg.train.device)
     if device.type == "cpu":
-        distributed.set_cpu_threads(env, cfg.train.cpu_threads)
+        cpu.set_cpu_threads(env, cfg.train.cpu_threads)
+        cpu.keep_freed_memory()
     # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
     stop = StopFlag([cfg.slurm.signal, "TERM"])
     try:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
 LAYERS = {
     0: {"errors", "config", "configload", "rendezvous", "schedule", "rundir", "sbatch", "signals",
         "factory", "tokenizer", "corpus", "metrics", "checkpoint", "runs", "log"},
-    1: {"distributed", "precision", "rng", "data", "models", "optim", "checkpointer", "diagnose", "train_state"},
+    1: {"cpu", "distributed", "precision", "rng", "data", "models", "optim", "checkpointer", "diagnose", "train_state"},
     2: {"trainer"},
     3: {"run", "export", "doctor", "plot", "submitit_launcher"},
     4: {"cli", "__main__", "__init__"},  # __init__: the public facade, whose qgtrain.submit loads lazily
