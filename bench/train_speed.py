@@ -1,0 +1,136 @@
+"""Training speed of qgtrain against the hand-written DDP loop (bench/handwritten_ddp.py), alternated in one
+invocation: steps/s, time from process start to the first optimizer step, and time spent waiting for data.
+
+Both train the same GPT-2 on the same token file, launched the same way (one process per rank, torchrun's
+variables), logging every 10 steps; qgtrain's periodic checkpoints and validations are off so the same work
+is timed. The default is the main job's model (config.yaml: 4 layers, 128 wide) on 2 gloo ranks on the CPU;
+`--preset gpt2-124m --device cuda --world 1` is GPT-2 124M's shape (12 layers, 768 wide, 1024 tokens) in
+bf16 with fused AdamW on one GPU (NCCL), where model FLOPs utilisation is reported too.
+Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m] [--device cpu|cuda]
+       [--world 2] [--precision fp32|bf16|fp16] [--compile] [--peak-tflops 989]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from qgtrain import corpus
+from qgtrain.configload import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {"main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},
+           "gpt2-124m": {"hidden": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 16}}
+VOCAB = 257
+
+
+def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, list[subprocess.Popen[str]]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.time()
+    procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in range(world)]
+    return start, procs
+
+
+def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
+    """Steps/s is the median over 10-step intervals after warm-up, before the last step (whose record
+    qgtrain writes after its final validation and test evaluation)."""
+    by_step = {r["step"]: r for r in records if "time" in r}
+    marks = list(range(10, steps, 10))
+    rates = [10 / (by_step[b]["time"] - by_step[a]["time"]) for a, b in zip(marks, marks[1:])]
+    return {"first_step_s": by_step[1]["time"] - start,
+            "steps_per_s": statistics.median(rates),
+            "data_wait": statistics.mean(r["data_wait_frac"] for r in records if "data_wait_frac" in r)
+            if any("data_wait_frac" in r for r in records) else float("nan")}
+
+
+def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, float]:
+    run, shape = work / name, PRESETS[args.preset]
+    start, procs = launch([sys.executable, "-m", "qgtrain", "train", "--config", str(ROOT / "config.yaml"),
+                           "--run-dir", str(run), "--set", f"train.max_steps={args.steps}", "train.log_every=10",
+                           "train.eval_every=0", "train.eval_batches=1", "checkpoint.every_steps=0",
+                           "logging.tensorboard=false", f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001",
+                           f"model.hidden={shape['hidden']}", f"model.layers={shape['layers']}",
+                           f"model.heads={shape['heads']}", f"data.seq_len={shape['seq']}", "model.dropout=0.0",
+                           f"train.batch_size={shape['batch']}", f"train.device={args.device}",
+                           f"train.precision={args.precision}", f"model.compile={str(args.compile).lower()}",
+                           *args.set], work, args.world)
+    for proc in procs:
+        proc.communicate()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return measure([r for r in records if "loss" in r], start, args.steps)
+
+
+def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[str, float]:
+    shape = PRESETS[args.preset]
+    start, procs = launch([sys.executable, str(ROOT / "bench" / "handwritten_ddp.py"), "--tokens", str(tokens),
+                           "--steps", str(args.steps), "--log_every", "10",
+                           *[f"--{key}={value}" for key, value in shape.items()], f"--device={args.device}",
+                           f"--precision={args.precision}", *(["--compile"] if args.compile else [])],
+                          work, args.world)
+    out = [proc.communicate()[0] for proc in procs][0]
+    return measure([json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps)
+
+
+def flops_per_token(shape: dict[str, int]) -> float:
+    """Training FLOPs per token as nanoGPT and PaLM estimate them: 6 x parameters plus attention."""
+    h, layers = shape["hidden"], shape["layers"]
+    params = layers * (12 * h * h + 13 * h) + VOCAB * h + 2 * h
+    return 6 * params + 12 * layers * h * shape["seq"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="main")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--world", type=int, default=2, help="ranks (processes) on this machine")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model on both sides")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the device's dense peak for --precision, for MFU (H100 SXM bf16: 989)")
+    parser.add_argument("--set", nargs="*", default=[], help="extra qgtrain settings, e.g. train.agree_every=1000")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="qgtrain-speed-"))
+    cfg = load_config([ROOT / "config.yaml"], [f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001"])
+    tokens = corpus.prepare(cfg.data).path("train")
+    results: dict[str, list[dict[str, float]]] = {"qgtrain": [], "hand-written": []}
+    for index in range(args.rounds):  # ABBA order: drift over the run favours neither side
+        for name in (["qgtrain", "hand-written"] if index % 2 == 0 else ["hand-written", "qgtrain"]):
+            results[name].append(run_qgtrain(work, args, f"run{index}") if name == "qgtrain"
+                                 else run_handwritten(work, args, tokens))
+        print(f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, hand-written {results['hand-written'][-1]}",
+              flush=True)
+    med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
+    q, h = med["qgtrain"], med["hand-written"]
+    shape = PRESETS[args.preset]
+    tokens_per_step = shape["batch"] * shape["seq"] * args.world
+    print(f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, compile={args.compile}, "
+          f"median of {args.rounds} alternated rounds")
+    print(f"steps/s: qgtrain {q['steps_per_s']:.3f}, hand-written {h['steps_per_s']:.3f}, ratio "
+          f"{q['steps_per_s'] / h['steps_per_s']:.3f} (goal >= 0.98 on CPU, >= 0.97 on a GPU); tokens/s: qgtrain "
+          f"{q['steps_per_s'] * tokens_per_step:.0f}, hand-written {h['steps_per_s'] * tokens_per_step:.0f}")
+    if args.device == "cuda":
+        for name, m in med.items():
+            mfu = m["steps_per_s"] * tokens_per_step * flops_per_token(shape) / (args.peak_tflops * 1e12 * args.world)
+            print(f"model FLOPs utilisation, {name}: {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s per GPU")
+    print(f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written {h['first_step_s']:.2f} s, "
+          f"difference {q['first_step_s'] - h['first_step_s']:+.2f} s (goal within 1 s)")
+    print(f"time waiting for data: {q['data_wait']:.2%} of qgtrain's step time (goal < 1%)")
+
+
+if __name__ == "__main__":
+    main()
