@@ -5,7 +5,8 @@ checksums, fsync, manifest and rename, then choose() (which verifies checksums) 
 optimizer. The baseline saves the same model and optimizer state dicts with torch.save and loads them back
 into the same objects. Like qgtrain (keep_last=2), it writes a new file per save and deletes the one
 before last: overwriting a single file reuses the pages it has just freed, which on a VM is measurably
-cheaper than writing fresh ones and would compare unlike with like. Usage: python -m bench.checkpoint_io [--params-m 25] [--repeats 7] [--async-save]
+cheaper than writing fresh ones and would compare unlike with like.
+Usage: python -m bench.checkpoint_io [--params-m 25] [--repeats 7] [--async-save] [--dir /dev/shm]
 """
 
 from __future__ import annotations
@@ -53,19 +54,18 @@ def main() -> None:
             saver.save(next(step), lambda: {"model.pt": model.state_dict(), "optim.pt": optimizer.state_dict()},
                        {"rng": torch.get_rng_state()}, {})
 
-        plain_step = iter(range(1, 10**6))
-
-        def plain_path(n: int) -> Path:
-            return root / f"plain-{n}.pt"
+        plain_written: list[Path] = []
 
         def plain_save(fsync: bool = False) -> None:
-            n = next(plain_step)
-            with open(plain_path(n), "wb") as f:
+            path = root / f"plain-{len(plain_written)}.pt"
+            with open(path, "wb") as f:
                 torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f)
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            plain_path(n - 2).unlink(missing_ok=True)
+            plain_written.append(path)
+            if len(plain_written) > 2:
+                plain_written[-3].unlink()
 
         def qgtrain_load() -> None:
             ckpt = saver.choose("auto")
@@ -74,7 +74,7 @@ def main() -> None:
             optimizer.load_state_dict(checkpoint.load_file(ckpt, "optim.pt"))
 
         def plain_load() -> None:
-            state = torch.load(max(root.glob("plain-*.pt"), key=lambda p: int(p.stem[6:])), weights_only=True)
+            state = torch.load(plain_written[-1], weights_only=True)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
 

@@ -121,7 +121,7 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-            self.state.step, first_of_run, first = step, first, False
+            self.state.step = step
             self.metrics.advance(step)
             self.state.tokens_seen += self.samples_per_micro * t.grad_accum_steps * micro_batches[0].shape[1]
             busy_s += time.perf_counter() - started  # training time only: validation is not throughput
@@ -131,7 +131,7 @@ class Trainer:
             if final or early_stop:
                 self.state.test_loss = self.evaluate(self.test_loader, 0)
                 self.state.outcome = (Outcome.FINISHED if final else Outcome.EARLY_STOPPED).value
-            if evaluated or first_of_run or step % t.log_every == 0:  # the first step: an early sign of life
+            if evaluated or first or step % t.log_every == 0:  # the first step: an early sign of life
                 self._log(step, lr, loss_sum, grad_norm, (self.state.tokens_seen - tokens_at_log) / busy_s,
                           data_s / busy_s, evaluated)
                 busy_s, data_s, tokens_at_log = 0.0, 0.0, self.state.tokens_seen
@@ -147,6 +147,7 @@ class Trainer:
                 log.info("early stopping at step %d: val_loss has not improved for %d validations (best %.4f)",
                          step, self.state.evals_since_best, self.state.best_val_loss)
                 return Outcome.EARLY_STOPPED
+            first = False
         log.info("finished at step %d: val_loss %s, test_loss %s", self.state.step, _fmt(self.state.val_loss),
                  _fmt(self.state.test_loss))
         return Outcome.FINISHED
