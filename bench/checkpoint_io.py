@@ -68,7 +68,7 @@ def main() -> None:
                 plain_written[-3].unlink()
 
         def qgtrain_load() -> None:
-            ckpt = saver.choose("auto")
+            ckpt = checkpoint.pick_for_resume(saver.root, saver.run_id, "auto", print)
             assert ckpt is not None
             model.load_state_dict(checkpoint.load_file(ckpt, "model.pt"))
             optimizer.load_state_dict(checkpoint.load_file(ckpt, "optim.pt"))

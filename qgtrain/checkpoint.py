@@ -19,6 +19,7 @@ import pickle
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,15 +133,66 @@ def read_manifest(folder: Path) -> Checkpoint | None:
 
 def list_committed(root: Path) -> list[Checkpoint]:
     """Committed checkpoints under root (any run), ordered by step number."""
+    found = [read_manifest(entry) for entry in _step_folders(root)]
+    return sorted((c for c in found if c is not None), key=lambda c: c.step)
+
+
+def list_unreadable(root: Path) -> list[Path]:
+    """Folders named like a committed checkpoint whose manifest is missing or damaged.
+
+    A commit renames a folder into place only after its manifest is written, so such a folder was
+    damaged afterwards (a manifest deleted by hand, a torn copy): it is reported, never used.
+    """
+    return sorted((entry for entry in _step_folders(root) if read_manifest(entry) is None),
+                  key=lambda p: int(p.name.split("-")[1]))
+
+
+def _step_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    found = []
-    for entry in root.iterdir():
-        if _COMMITTED.fullmatch(entry.name) and entry.is_dir():
-            ckpt = read_manifest(entry)
-            if ckpt is not None:
-                found.append(ckpt)
-    return sorted(found, key=lambda c: c.step)
+    return [entry for entry in root.iterdir() if _COMMITTED.fullmatch(entry.name) and entry.is_dir()]
+
+
+def pick_for_resume(root: Path, run_id: str | None, resume: str,
+                    warn: Callable[[str], None]) -> Checkpoint | None:
+    """The checkpoint a start resumes from: the newest verified one of this run, or the one named.
+
+    A corrupt newest checkpoint is passed over with a warning and the one before it is used. A run that
+    has checkpoints but none that can be used is refused, never silently restarted from scratch: the
+    error names each checkpoint and what is wrong with it, and nothing on disk has been touched yet.
+    """
+    if resume == "never":
+        return None
+    if resume != "auto":
+        ckpt = read_manifest(Path(resume))
+        if ckpt is None:
+            raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid {MANIFEST}); "
+                                  "expected a folder such as <run dir>/checkpoints/step-<N>, or 'auto' or 'never'")
+        problem = verify(ckpt)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume: {problem}")
+        return ckpt
+    committed = list_committed(root)
+    others = sorted({c.run_id for c in committed if c.run_id != run_id})
+    if others:
+        warn(f"ignoring checkpoints of other runs in {root} (run ids {', '.join(others)})")
+    problems = []
+    for folder in list_unreadable(root):
+        problems.append(f"{folder.name}: no valid {MANIFEST} (removed or damaged)")
+        warn(f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files cannot be "
+             "checked")
+    for ckpt in reversed([c for c in committed if c.run_id == run_id]):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        warn(f"skipping checkpoint {ckpt.path.name}: {problem}; trying the one before it")
+        problems.append(f"{ckpt.path.name}: {problem}")
+    if problems:
+        raise CheckpointError(
+            f"{root} holds {len(problems)} checkpoint(s) of this run and none can be resumed ("
+            f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
+            "afresh with checkpoint.resume: never or another train.run_name")
+    return None
 
 
 def verify(ckpt: Checkpoint) -> str | None:

@@ -5,8 +5,8 @@ the replicated state; rank 0 gathers every rank's file entries (or its error), c
 broadcasts the outcome, so all ranks succeed or fail together. The saver has its own gloo group: an
 asynchronous save runs these collectives in a background thread without interleaving with training's.
 
-Restore: rank 0 picks the checkpoint (skipping a corrupt newest one with a warning) and broadcasts it;
-each rank then reads the replicated files and its own.
+Restore: rank 0 picks the checkpoint before anything of the run is written (checkpoint.pick_for_resume)
+and broadcasts it; each rank then reads the replicated files and its own.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .distributed import gather_to_main, main_decides
-from .errors import CheckpointError, TrainingError
+from .distributed import gather_to_main
+from .errors import TrainingError
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
@@ -152,39 +152,6 @@ class Checkpointer:
                     log.info("rotated out %s", path.name)
             except OSError as exc:
                 log.warning("could not rotate old checkpoints in %s: %s", self.root, exc)
-
-    def choose(self, resume: str) -> checkpoint.Checkpoint | None:
-        """The checkpoint to resume from, decided on rank 0 and known to every rank (a collective)."""
-        def pick() -> str | None:
-            ckpt = self._pick(resume)
-            return str(ckpt.path) if ckpt else None
-
-        path = main_decides(pick)
-        return checkpoint.read_manifest(Path(path)) if path else None
-
-    def _pick(self, resume: str) -> checkpoint.Checkpoint | None:
-        if resume == "never":
-            return None
-        if resume != "auto":
-            ckpt = checkpoint.read_manifest(Path(resume))
-            if ckpt is None:
-                raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid "
-                                      f"{checkpoint.MANIFEST}); expected a folder such as <run dir>/checkpoints/"
-                                      "step-<N>, or 'auto' or 'never'")
-            problem = checkpoint.verify(ckpt)
-            if problem:
-                raise CheckpointError(f"checkpoint.resume: {problem}")
-            return ckpt
-        committed = checkpoint.list_committed(self.root)
-        others = sorted({c.run_id for c in committed if c.run_id != self.run_id})
-        if others:
-            log.warning("ignoring checkpoints of other runs in %s (run ids %s)", self.root, ", ".join(others))
-        for ckpt in reversed([c for c in committed if c.run_id == self.run_id]):
-            problem = checkpoint.verify(ckpt)
-            if problem is None:
-                return ckpt
-            log.warning("skipping checkpoint %s: %s; trying the one before it", ckpt.path.name, problem)
-        return None
 
 
 class CpuSnapshot:

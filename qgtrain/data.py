@@ -8,6 +8,7 @@ world size: a position can be resumed directly, and re-sharded when it divides b
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -138,5 +139,16 @@ def make_loader(dataset: Dataset[Any], sampler: Sampler[Any], batch_size: int, n
     """A loader whose iterator never draws from the global RNG, so resuming leaves the RNG stream intact."""
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=device.type == "cuda", drop_last=drop_last,
-                      persistent_workers=num_workers > 0,
+                      persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave stopping to their rank.
+
+    Slurm signals every process of a step when it preempts, cancels or warns of the time limit, workers
+    included, and torch's workers die of SIGTERM; the rank would then see a crashed worker instead of
+    taking the agreed checkpoint. A worker still ends when its rank shuts it down or dies.
+    """
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import corpus, cpu, distributed, log, rng, rundir
+from . import checkpoint, corpus, cpu, distributed, log, rng, rundir
 from .checkpointer import Checkpointer
 from .config import RunConfig
 from .configload import dump_yaml
@@ -38,6 +38,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
         cpu.keep_freed_memory()
     # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
     stop = StopFlag([cfg.slurm.signal, "TERM"])
+    cfg = _with_pretrained_tokenizer(cfg)  # before the config is recorded: the run's copies must agree
     try:
         with stop, distributed.process_group(env, device, cfg.train.startup_timeout_s,
                                              cfg.train.collective_timeout_s):
@@ -55,22 +56,31 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path | None,
                     stop: StopFlag) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as stack:
-        # Rank 0 picks the directory (absolute, as it sees it) and holds its lock while training.
-        def claim() -> tuple[Path, str]:
+        # Rank 0 picks the directory (absolute, as it sees it), holds its lock while training, and picks the
+        # checkpoint to resume from before it writes anything there: a refusal leaves the run as it was.
+        def claim() -> tuple[Path, str, str | None, list[str]]:
             path = (run_dir or rundir.default_run_dir(cfg)).resolve()
             stack.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
-            return path, rundir.open_run(path, cfg, dump_yaml(cfg))
+            warnings: list[str] = []  # logged once the run's log file is open
+            ckpt = checkpoint.pick_for_resume(path / "checkpoints", rundir.read_run_id(path), cfg.checkpoint.resume,
+                                              warnings.append)
+            return path, rundir.open_run(path, cfg, dump_yaml(cfg)), str(ckpt.path) if ckpt else None, warnings
 
-        path, run_id = distributed.main_decides(claim)
+        path, run_id, resume_from, warnings = distributed.main_decides(claim)
         if env.is_main:
             rundir.write_status(path, "running", job_id=env.requeue_id, restart=env.restart_count, error=None,
                                 host=env.node_name, ranks=env.world_size, started=time.time())
         try:
-            outcome = _train_in_run(cfg, env, device, path, run_id, stop)
+            ckpt = checkpoint.read_manifest(Path(resume_from)) if resume_from else None
+            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop)
         except QgtrainError as exc:
             logger.error("%s", exc)  # every rank records why it stopped
             if env.is_main:
                 rundir.write_status(path, "failed", error=str(exc))
+            raise
+        except BaseException as exc:  # a bug or an interrupt: recorded, then raised with its traceback
+            if env.is_main:
+                rundir.write_status(path, "failed", error=f"{type(exc).__name__}: {exc}"[:500])
             raise
         if env.is_main:
             rundir.write_status(path, {Outcome.FINISHED: "finished", Outcome.EARLY_STOPPED: "stopped early",
@@ -79,14 +89,15 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path 
 
 
 def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, run_id: str,
-                  stop: StopFlag) -> Outcome:
+                  ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
+    for warning in warnings if env.is_main else []:
+        logger.warning("%s", warning)
     logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", run_dir, run_id,
                 env.world_size, env.num_nodes, device)
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
                 env.master_addr, env.master_port,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
-    cfg = _with_pretrained_tokenizer(cfg)
     prepared = None
     if cfg.data.name == "corpus":
         # Rank 0 tokenizes (once per corpus and tokenizer); the others open the files it wrote.
@@ -108,7 +119,6 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
         extra["hf_config.json"] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, extra)
-    ckpt = checkpointer.choose(cfg.checkpoint.resume)
     bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
                          progress_bar=bar, max_steps=cfg.train.max_steps)

@@ -62,9 +62,7 @@ def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
             env: DistEnv, seed: int) -> TrainState:
     saved = load_json(ckpt, "state.json")
     load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
-    optim = load_file(ckpt, "optim.pt")
-    optimizer.load_state_dict(optim["optimizer"])
-    scaler.load_state_dict(optim["scaler"])
+    load_optimizer(ckpt, optimizer, scaler)
     state = TrainState(**saved["trainer"])
     if state.samples_in_epoch % env.world_size:
         raise CheckpointError(
@@ -80,3 +78,25 @@ def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
         rng.seed_everything(seed + 7919 * env.rank + state.step)
     log.info("resumed from %s: step %d, epoch %d", ckpt.path, state.step, state.epoch)
     return state
+
+
+def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    """Put back the optimizer and loss scaler, or say how the saved state does not fit the model.
+
+    torch checks only the number of parameters per group; a state tensor of the wrong shape would fail
+    later, inside the first step, so shapes are checked here against the parameters they belong to.
+    """
+    path = ckpt.path / "optim.pt"
+    saved = load_file(ckpt, "optim.pt")
+    try:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, values in saved["optimizer"]["state"].items():
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[index].shape:
+                    raise ValueError(f"state {name!r} of parameter {index} has shape {tuple(value.shape)}, "
+                                     f"the parameter {tuple(params[index].shape)}")
+        optimizer.load_state_dict(saved["optimizer"])
+        scaler.load_state_dict(saved["scaler"])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path} does not fit the configured model and optimizer ({exc}). HINT: resume with "
+                              "the model settings it was trained with, or set checkpoint.resume: never") from None

@@ -165,3 +165,57 @@ def test_an_async_snapshot_is_a_private_copy_that_keeps_tied_weights_tied_and_re
     assert second["model.pt"]["wte"] is first["model.pt"]["wte"], "the next save reuses the buffers"
     assert torch.equal(second["model.pt"]["wte"], tied.weight)
     assert torch.equal(second["optim.pt"]["state"][0]["step"], torch.tensor(3.0))
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under folder with its bytes, except the lock (its owner line changes with every start)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_a_run_whose_checkpoints_are_all_corrupt_is_refused_and_left_untouched(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    for step in (2, 4):
+        path = run / "checkpoints" / f"step-{step}" / "optim.pt"
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    before = tree(run)
+    result = train_once(small(tmp_path, "train.max_steps=8"), run)
+    assert result["exit"] == 2
+    assert "holds 2 checkpoint(s) of this run and none can be resumed" in result["error"]
+    for step in (2, 4):
+        assert f"step-{step}: {run / 'checkpoints' / f'step-{step}' / 'optim.pt'} does not match its checksum" \
+            in result["error"]
+    assert "checkpoint.resume: never" in result["error"]
+    assert tree(run) == before, "neither checkpoints, metrics, config nor status may change"
+
+
+def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_failed(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=2"), run)["exit"] == 0
+    folder = run / "checkpoints" / "step-2"
+    saved = torch.load(folder / "optim.pt", weights_only=True)
+    saved["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(saved, folder / "optim.pt")
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())  # a consistent file, checksum and all
+    manifest["files"]["optim.pt"] = {"size": (folder / "optim.pt").stat().st_size,
+                                     "xxh3": checkpoint._digest(folder / "optim.pt")}
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    result = train_once(small(tmp_path, "train.max_steps=4"), run)
+    assert result["exit"] == 2
+    assert f"{folder / 'optim.pt'} does not fit the configured model and optimizer (state 'exp_avg' of " \
+           "parameter 0 has shape (3, 3)" in result["error"]
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and "does not fit" in status["error"]
+
+
+def test_a_newest_checkpoint_without_its_manifest_is_passed_over_with_a_warning(tmp_path):
+    run = tmp_path / "run"
+    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    (run / "checkpoints" / "step-4" / checkpoint.MANIFEST).unlink()
+    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert f"passing over {run / 'checkpoints' / 'step-4'}: it has no valid manifest.json" in log
+    assert f"resumed from {run / 'checkpoints' / 'step-2'}: step 2" in log

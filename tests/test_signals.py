@@ -114,3 +114,29 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
         assert not calls.exists()
         assert "scontrol is not on PATH" in logs[0]
     assert elapsed < 30, f"stopping took {elapsed:.1f}s"
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_at_one_checkpoint(tmp_path):
+    """What Slurm does on preemption or scancel: SIGTERM to each rank and to each of its loader workers."""
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16", "data.num_workers=2",
+            "train.batch_size=4", "train.max_steps=100000", "train.log_every=1", "train.eval_every=0",
+            "checkpoint.every_steps=0", "logging.tensorboard=false", "model.factory=tests.factories:tiny"]
+    procs = start_cli_ranks(2, args, tmp_path)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
+        time.sleep(0.05)
+    members = subprocess.run(["pgrep", "-g", ",".join(str(p.pid) for p in procs)], capture_output=True,
+                             text=True).stdout.split()
+    assert len(members) == 6, f"each rank and its two workers: {members}"
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+    assert wait_ranks(procs, 60) == [EXIT_STOPPED, EXIT_STOPPED]
+    saved = sorted((run / "checkpoints").iterdir())
+    assert len(saved) == 1 and json.loads((saved[0] / "manifest.json").read_text())["step"] > 0
+    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
+    logs = "".join((run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1))
+    assert "DataLoader worker" not in logs
