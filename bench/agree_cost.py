@@ -23,12 +23,12 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from qgtrain import cpu, distributed, rng
     from qgtrain.config import RunConfig
-    from qgtrain.models import build_model
-    from qgtrain.optim import adamw
-    from qgtrain.rendezvous import from_environ
-    from qgtrain.trainer import accumulate_gradients
+    from qgtrain.runtime import cpu, distributed, rng
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.tasks.models import build_model
+    from qgtrain.training.optim import adamw
+    from qgtrain.training.trainer import accumulate_gradients
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
     cpu.set_cpu_threads(env, 0)

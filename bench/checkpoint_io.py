@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from bench.common import alternate, report
-from qgtrain import checkpoint
-from qgtrain.checkpointer import Checkpointer
-from qgtrain.distributed import process_group
-from qgtrain.rendezvous import DistEnv
+from qgtrain.runtime.distributed import process_group
+from qgtrain.runtime.rendezvous import DistEnv
+from qgtrain.state import checkpoint
+from qgtrain.state.checkpointer import Checkpointer
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ LR, MIN_LR, WARMUP = 2e-3, 2e-4, 50
 
 
 def get_lr(it: int, max_steps: int) -> float:
-    """qgtrain.schedule.lr_at written out again on purpose: the baseline imports nothing of qgtrain."""
+    """qgtrain.training.schedule.lr_at written out again on purpose: the baseline imports nothing of qgtrain."""
     if it < WARMUP:
         return LR * (it + 1) / WARMUP
     progress = min((it - WARMUP) / max(max_steps - WARMUP, 1), 1.0)

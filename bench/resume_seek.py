@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qgtrain.data import ResumableSampler, TokenWindows, make_loader
-from qgtrain.rendezvous import DistEnv
+from qgtrain.data.loaders import ResumableSampler, TokenWindows, make_loader
+from qgtrain.runtime.rendezvous import DistEnv
 
 WINDOWS, SEQ, BATCH = 400_000, 64, 16
 ENV = DistEnv(rank=0, world_size=2)

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from qgtrain import corpus
 from qgtrain.configload import load_config
+from qgtrain.data import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},

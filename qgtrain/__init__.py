@@ -5,12 +5,14 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__", "submit"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "submit":
-        from .submitit_launcher import submit
+        from .launch.submitit_launcher import submit
 
         return submit
     raise AttributeError(f"module 'qgtrain' has no attribute {name!r}")

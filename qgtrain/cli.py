@@ -105,16 +105,16 @@ def load_args_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
-    from .rendezvous import from_environ
     from .run import train
+    from .runtime.rendezvous import from_environ
 
     return train(cfg, from_environ(os.environ), args.run_dir)
 
 
 def _submit(args: argparse.Namespace) -> int:
     from .configload import dump_yaml
-    from .rundir import default_run_dir
-    from .sbatch import render, submit, validate
+    from .launch.sbatch import render, submit, validate
+    from .state.rundir import default_run_dir
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
@@ -122,11 +122,11 @@ def _submit(args: argparse.Namespace) -> int:
     job_dir = run_dir / "slurm"
     if args.launcher == "submitit":
         if args.dry_run:
-            from .submitit_launcher import executor_parameters
+            from .launch.submitit_launcher import executor_parameters
 
             print(json.dumps(executor_parameters(cfg), indent=1))
             return 0
-        from .submitit_launcher import submit as submit_python
+        from .launch.submitit_launcher import submit as submit_python
 
         job = submit_python(cfg)
         print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
@@ -146,7 +146,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import export_run
+    from .ops.export import export_run
 
     done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
     print(f"exported {done.checkpoint} to {done.folder}; reloaded with AutoModelForCausalLM, largest logit "
@@ -155,7 +155,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from .runs import as_json, as_table, find_runs, summarize
+    from .ops.runs import as_json, as_table, find_runs, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
     rows = [summarize(run) for run in find_runs(folder)]
@@ -164,7 +164,7 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .plot import plot_runs
+    from .ops.plot import plot_runs
 
     out = plot_runs(args.runs, args.out, [m.strip() for m in args.metric.split(",") if m.strip()])
     print(f"wrote {out}")
@@ -172,8 +172,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import exit_code, render, run_checks
-    from .rendezvous import from_environ
+    from .ops.doctor import exit_code, render, run_checks
+    from .runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
     checks = run_checks(cfg, env, os.environ)
@@ -200,7 +200,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .rendezvous import from_environ
+    from .runtime.rendezvous import from_environ
 
     print(json.dumps(from_environ(os.environ).describe(), indent=1))
     return 0

@@ -14,17 +14,19 @@ import sys
 import time
 from pathlib import Path
 
-from . import checkpoint, corpus, cpu, distributed, log, rng, rundir
-from .checkpointer import Checkpointer
 from .config import RunConfig
 from .configload import dump_yaml
-from .data import build_splits
+from .data import corpus
+from .data.loaders import build_splits
 from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, ConfigError, QgtrainError
-from .metrics import MetricsLog
-from .models import build_model, count_parameters
-from .rendezvous import DistEnv
-from .signals import StopFlag, job_state, reason_not_to_requeue, requeue
-from .trainer import Outcome, Trainer
+from .runtime import cpu, distributed, log, rng
+from .runtime.rendezvous import DistEnv
+from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
+from .state import checkpoint, rundir
+from .state.checkpointer import Checkpointer
+from .tasks.models import build_model
+from .training.metrics import MetricsLog
+from .training.trainer import Outcome, Trainer
 
 logger = logging.getLogger("qgtrain")
 
@@ -93,6 +95,8 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
     for warning in warnings if env.is_main else []:
         logger.warning("%s", warning)
+    if cfg.model.pretrained and cfg.data.tokenizer == cfg.model.pretrained:
+        logger.info("using the tokenizer of model.pretrained (%s)", cfg.model.pretrained)
     logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", run_dir, run_id,
                 env.world_size, env.num_nodes, device)
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
@@ -106,7 +110,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, prepared.eos_id if prepared else None)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
-    logger.info("model: %s with %.2fM parameters", type(model).__name__, count_parameters(model) / 1e6)
+    logger.info("model: %s with %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
@@ -138,7 +142,6 @@ def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
     different tokenization would silently feed the model the wrong ids."""
     pretrained = cfg.model.pretrained
     if pretrained and cfg.data.tokenizer == "byte" and Path(pretrained, "tokenizer.json").is_file():
-        logger.info("using the tokenizer of model.pretrained (%s)", pretrained)
         return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=pretrained))
     return cfg
 
@@ -176,6 +179,6 @@ def _decide_requeue(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> bool
 
 
 def _export_on_finish(cfg: RunConfig, run_dir: Path) -> None:
-    from .export import export_run
+    from .ops.export import export_run
 
     export_run(run_dir, Path(cfg.export.dir) if cfg.export.dir else run_dir / "export", force=True)

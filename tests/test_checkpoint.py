@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain import checkpoint
-from qgtrain.checkpointer import CpuSnapshot
 from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError
+from qgtrain.state import checkpoint
+from qgtrain.state.checkpointer import CpuSnapshot
 from tests.ranks import run_ranks, train_rank
 
 

@@ -9,9 +9,9 @@ import sys
 STEPS = """
 import resource, sys
 import torch
-from qgtrain import cpu, rng
+from qgtrain.runtime import cpu, rng
 from qgtrain.config import ModelConfig
-from qgtrain.models import build_model, lm_loss
+from qgtrain.tasks.models import build_model, lm_loss
 if sys.argv[1] == "keep":
     assert cpu.keep_freed_memory(), "glibc's mallopt refused the settings"
 torch.set_num_threads(1)

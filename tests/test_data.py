@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from qgtrain.data import EvalShard, ResumableSampler, make_loader
+from qgtrain.data.loaders import EvalShard, ResumableSampler, make_loader
 from qgtrain.errors import CheckpointError
-from qgtrain.rendezvous import DistEnv
+from qgtrain.runtime.rendezvous import DistEnv
 
 
 class Indices(Dataset):

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qgtrain import rng
 from qgtrain.config import ModelConfig
 from qgtrain.configload import load_config
-from qgtrain.distributed import process_group
-from qgtrain.models import build_model
-from qgtrain.rendezvous import from_environ
-from qgtrain.trainer import accumulate_gradients
+from qgtrain.runtime import rng
+from qgtrain.runtime.distributed import process_group
+from qgtrain.runtime.rendezvous import from_environ
+from qgtrain.tasks.models import build_model
+from qgtrain.training.trainer import accumulate_gradients
 from tests.ranks import run_ranks, train_rank
 
 SEQ, VOCAB = 16, 257

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qgtrain import checkpoint, export
 from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError, QgtrainError
+from qgtrain.ops import export
+from qgtrain.state import checkpoint
 from tests.ranks import run_ranks, train_rank
 
 

@@ -122,7 +122,7 @@ def test_when_a_peer_dies_or_hangs_the_other_rank_stops_in_bounded_time_naming_i
 def test_a_rank_that_stops_making_progress_dumps_its_stacks_and_exits_within_the_bound():
     """The per-step watchdog, in a real process: alive for longer than its bound while steps complete, then
     its stacks and a non-zero exit between `seconds` and `seconds + slack` after the last step."""
-    code = ("import time\nfrom qgtrain.diagnose import ProgressWatchdog\nwatchdog = ProgressWatchdog(2.0)\n"
+    code = ("import time\nfrom qgtrain.runtime.diagnose import ProgressWatchdog\nwatchdog = ProgressWatchdog(2.0)\n"
             "for _ in range(30):\n    watchdog.progress()\n    time.sleep(0.1)\n"
             "print('last progress', time.monotonic(), flush=True)\ntime.sleep(60)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -8,9 +8,16 @@ import subprocess
 import pytest
 import torch
 
-from qgtrain.distributed import ddp_device_ids
 from qgtrain.errors import RendezvousError
-from qgtrain.rendezvous import PORT_BASE, PORT_SPAN, expand_nodelist, from_environ, port_for_job, tasks_per_node
+from qgtrain.runtime.distributed import ddp_device_ids
+from qgtrain.runtime.rendezvous import (
+    PORT_BASE,
+    PORT_SPAN,
+    expand_nodelist,
+    from_environ,
+    port_for_job,
+    tasks_per_node,
+)
 
 NODELISTS = [
     ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),

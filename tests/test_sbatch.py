@@ -16,7 +16,7 @@ import pytest
 from qgtrain.config import SlurmConfig
 from qgtrain.configload import load_config
 from qgtrain.errors import QgtrainError
-from qgtrain.sbatch import parse_job_id, render, time_minutes
+from qgtrain.launch.sbatch import parse_job_id, render, time_minutes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
-from qgtrain.signals import StopFlag, job_state, reason_not_to_requeue, requeue
+from qgtrain.runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
 from tests.ranks import start_cli_ranks, wait_ranks
 
 

@@ -114,7 +114,7 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_pa
     assert job(job_id)["Restarts"] == "1", "the same job id came back once"
     log = rank_log(run, 0)
     signal = "SIGUSR2" if interrupt == "warning signal" else "SIGTERM"
-    stopped = int(log.split(f"stopping at step ")[1].split(" ")[0])
+    stopped = int(log.split("stopping at step ")[1].split(" ")[0])
     assert f"stopping at step {stopped} on {signal}: checkpoint saved" in log
     assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
         "the stop checkpoint was complete before the job was killed"
@@ -148,7 +148,7 @@ def test_a_real_time_limit_with_the_warning_signal_requeues_and_resumes_allocati
     assert wait_finished(job_id, timeout=120) == "CANCELLED"
 
 
-def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.submitit_launcher.TrainJob:  # type: ignore[name-defined]
+def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.launch.submitit_launcher.TrainJob:  # type: ignore[name-defined]
     return qgtrain.submit(overlay(tmp_path, max_steps), folder=tmp_path / "submitit", slurm__nodes=2,
                           slurm__cpus_per_task=1, train__run_name="submitit", train__device="cpu")
 

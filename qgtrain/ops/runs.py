@@ -11,9 +11,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import checkpoint, rundir
-from .errors import QgtrainError
-from .metrics import read_metrics
+from ..errors import QgtrainError
+from ..state import checkpoint, rundir
+from ..training.metrics import read_metrics
 
 
 @dataclass(frozen=True)

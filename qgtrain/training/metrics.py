@@ -14,7 +14,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from .errors import QgtrainError
+from ..errors import QgtrainError
 
 
 class MetricsLog:

@@ -14,8 +14,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import SlurmConfig
-from .errors import EXIT_REQUEUE_ME, QgtrainError
+from ..config import SlurmConfig
+from ..errors import EXIT_REQUEUE_ME, QgtrainError
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 

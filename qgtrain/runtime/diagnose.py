@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import logging
-import shutil
 import re
+import shutil
 import time
 import traceback
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import TrainingError
+from ..errors import TrainingError
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from ..config import DataConfig
+from ..errors import ConfigError
 from . import tokenizer
-from .config import DataConfig
-from .errors import ConfigError
 
 SPLITS = ("train", "val", "test")
 _SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3",

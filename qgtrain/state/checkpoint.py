@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"

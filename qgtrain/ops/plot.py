@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import QgtrainError
-from .metrics import read_metrics
+from ..errors import QgtrainError
+from ..training.metrics import read_metrics
 
 LABELS = {"loss": "training loss", "val_loss": "validation loss", "lr": "learning rate",
           "grad_norm": "gradient norm", "tokens_per_s": "tokens / s", "mem_rss_gb": "CPU memory (GB)",

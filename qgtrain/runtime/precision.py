@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, tokenizer
-from .configload import config_from_dict, dump_yaml
-from .errors import CheckpointError, QgtrainError
-from .metrics import read_metrics
-from .models import build_model, load_weights, strip_wrapper_prefixes
+from ..configload import config_from_dict, dump_yaml
+from ..data import tokenizer
+from ..errors import CheckpointError, QgtrainError
+from ..state import checkpoint
+from ..state.weights import load_weights, strip_wrapper_prefixes
+from ..tasks.models import build_model
+from ..training.metrics import read_metrics
 
 log = logging.getLogger("qgtrain")
 MAX_LOGIT_DIFF = 1e-4

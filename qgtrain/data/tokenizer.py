@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 EOS = "<|endoftext|>"
 BYTE = "byte"

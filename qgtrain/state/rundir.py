@@ -26,8 +26,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import RunConfig
-from .errors import QgtrainError
+from ..config import RunConfig
+from ..errors import QgtrainError
 
 RUN_FILE = "run.json"
 STATUS_FILE = "status.json"

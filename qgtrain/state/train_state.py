@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import rng
+from ..errors import CheckpointError
+from ..runtime import rng
+from ..runtime.rendezvous import DistEnv
 from .checkpoint import Checkpoint, load_file, load_json
 from .checkpointer import rank_file
-from .errors import CheckpointError
-from .models import load_weights, strip_wrapper_prefixes
-from .rendezvous import DistEnv
+from .weights import load_weights, strip_wrapper_prefixes
 
 log = logging.getLogger("qgtrain")
 
@@ -44,7 +44,7 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
                      state: TrainState, precision: str, world_size: int) -> dict[str, Any]:
     """The files rank 0 writes: the unwrapped model (no module. or _orig_mod. prefixes), the optimizer and
     loss scaler, and progress with the facts needed to judge a resume."""
-    from . import __version__
+    from ..version import __version__
 
     facts = {"trainer": asdict(state), "precision": precision, "world_size": world_size,
              "versions": {"qgtrain": __version__, "torch": torch.__version__}}

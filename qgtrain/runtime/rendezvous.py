@@ -16,7 +16,7 @@ from typing import Literal
 
 import hostlist
 
-from .errors import RendezvousError
+from ..errors import RendezvousError
 
 # Ports 20000-31999: below Linux's ephemeral range (32768-60999), so an outgoing connection never holds
 # the port we want to listen on. Each job id gets RESTART_SLOTS consecutive ports, one per restart, so

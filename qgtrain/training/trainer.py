@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,19 +18,20 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import diagnose, distributed, precision, train_state
-from .checkpoint import Checkpoint
-from .checkpointer import Checkpointer
-from .config import RunConfig
-from .data import EvalShard, ResumableSampler, Splits, make_loader
-from .errors import TrainingError
+from ..config import RunConfig
+from ..data.loaders import EvalShard, ResumableSampler, Splits, make_loader
+from ..errors import TrainingError
+from ..runtime import diagnose, distributed, precision
+from ..runtime.rendezvous import DistEnv
+from ..runtime.signals import StopFlag
+from ..state import train_state
+from ..state.checkpoint import Checkpoint
+from ..state.checkpointer import Checkpointer
+from ..state.train_state import TrainState
+from ..tasks.models import lm_loss
 from .metrics import MetricsLog, memory_gb
-from .models import lm_loss
 from .optim import adamw, clip_gradients
-from .rendezvous import DistEnv
 from .schedule import lr_at
-from .signals import StopFlag
-from .train_state import TrainState
 
 log = logging.getLogger("qgtrain")
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .config import OptimConfig
+from ..config import OptimConfig
 
 
 def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import QgtrainError, RendezvousError
+from ..errors import QgtrainError, RendezvousError
 from .rendezvous import DistEnv
 
 

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import RunConfig
-from .rendezvous import DistEnv
-from .rundir import default_run_dir
+from ..config import RunConfig
+from ..runtime.rendezvous import DistEnv
+from ..state.rundir import default_run_dir
 
 SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs",
                       "fuse.glusterfs", "glusterfs", "cifs", "smb3", "9p")
@@ -112,7 +112,7 @@ def _every_node_sees(env: DistEnv, folder: Path) -> Check:
     """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check)."""
     import torch
 
-    from . import distributed
+    from ..runtime import distributed
 
     with distributed.process_group(env, torch.device("cpu"), 120, 120):
         name = distributed.broadcast_from_main(f".qgtrain-doctor-{uuid.uuid4().hex[:8]}")

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import TrainingError
+from ..runtime.distributed import gather_to_main
+from ..runtime.rendezvous import DistEnv
 from . import checkpoint
-from .distributed import gather_to_main
-from .errors import TrainingError
-from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
 

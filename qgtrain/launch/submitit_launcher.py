@@ -21,12 +21,12 @@ import submitit
 from submitit.core.job_environment import JobEnvironment
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
-from .config import RunConfig
-from .configload import config_to_dict, load_config
-from .errors import EXIT_STOPPED, QgtrainError
-from .rundir import default_run_dir
+from ..config import RunConfig
+from ..configload import config_to_dict, load_config
+from ..errors import EXIT_STOPPED, QgtrainError
+from ..runtime.signals import job_state, reason_not_to_requeue
+from ..state.rundir import default_run_dir
 from .sbatch import tasks_per_node, time_minutes, validate
-from .signals import job_state, reason_not_to_requeue
 
 
 class TrainTask(submitit.helpers.Checkpointable):
@@ -36,9 +36,9 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.config, self.run_dir = config, run_dir
 
     def __call__(self) -> dict[str, Any]:
-        from .configload import config_from_dict
-        from .rendezvous import from_environ
-        from .run import train
+        from ..configload import config_from_dict
+        from ..run import train
+        from ..runtime.rendezvous import from_environ
 
         env = from_environ(os.environ)
         code = train(config_from_dict(self.config, "submitted config"), env, self.run_dir, requeue_on_stop=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .config import OptimConfig
+from ..config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:

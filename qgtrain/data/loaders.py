@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..config import DataConfig
+from ..errors import CheckpointError, ConfigError
+from ..factory import load_factory
+from ..runtime.rendezvous import DistEnv
 from . import corpus
-from .config import DataConfig
-from .errors import CheckpointError, ConfigError
-from .factory import load_factory
-from .rendezvous import DistEnv
 
 
 class TokenWindows(Dataset[torch.Tensor]):

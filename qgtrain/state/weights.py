@@ -1,0 +1,43 @@
+"""Putting saved weights into a model: wrapper prefixes removed, and a mismatch said in the model's terms.
+
+Checkpoints hold the unwrapped model, but a state dict written elsewhere may carry DDP's `module.` or
+torch.compile's `_orig_mod.` prefixes; both are stripped before loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import CheckpointError
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
+    """State-dict keys without `module.`/`_orig_mod.`, for checkpoints written by wrapped models elsewhere."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(_WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
+def load_weights(model: nn.Module, state: dict[str, Any], source: Path) -> None:
+    """Load weights, or say exactly how the checkpoint's model differs from the configured one."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        parts = ([f"shapes differ ({'; '.join(shapes[:3])})"] if shapes else []) + \
+                ([f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []) + \
+                ([f"not in the model: {', '.join(extra[:5])}"] if extra else [])
+        raise CheckpointError(f"{source} does not fit the configured model: {'; '.join(parts)}. HINT: resume "
+                              "with the model settings it was trained with, or set checkpoint.resume: never")
+    model.load_state_dict(state)

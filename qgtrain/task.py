@@ -1,0 +1,45 @@
+"""The contract between qgtrain and a user's work: a Task names the model, the data and how to score them.
+
+A task is made by a function the config names (`task: package.module:function`), called on every rank
+with the resolved RunConfig once the process group is up; it returns a Task. qgtrain owns everything
+around it: sharding and resumable data order, the device move, DDP, mixed precision, checkpoints, agreed
+stops, metrics exact over the whole split, early stopping, export. This module imports neither torch nor
+the user's code, so the CLI stays fast on a login node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+BUILTIN_LM = "qgtrain.tasks.causal_lm:causal_lm"
+
+
+@dataclass
+class Task:
+    """What a task function returns.
+
+    model: a torch.nn.Module, built on the CPU in fp32 (qgtrain moves and wraps it).
+    train, val, test: map-style datasets (`len` and indexing: the data position of a run is a sample
+        index, which is what makes resume exact). val and test may be None.
+    collate: turns a list of samples into a batch (default: torch's default_collate). A batch may be a
+        tensor, a dict, tuple, list or dataclass of them, or any object with its own `.to(device)`.
+    loss: loss(model, batch) -> scalar tensor (default: `model(**batch).loss` for a dict batch, else
+        `model(batch).loss`, as Hugging Face models compute it when given labels).
+    metrics: metrics(model, batch) -> {name: (sum, count)} on validation and test batches; each is
+        all-reduced over ranks and reported as val_<name> and test_<name> = sum / count.
+    tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a GPU,
+        e.g. a shape product). Without it only samples/s is reported.
+    tokenizer: anything with save_pretrained (a Hugging Face tokenizer), exported beside the model.
+    """
+
+    model: Any
+    train: Any
+    val: Any = None
+    test: Any = None
+    collate: Callable[[list[Any]], Any] | None = None
+    loss: Callable[[Any, Any], Any] | None = None
+    metrics: Callable[[Any, Any], Mapping[str, tuple[Any, Any]]] | None = None
+    tokens: Callable[[Any], int] | None = None
+    tokenizer: Any = None
