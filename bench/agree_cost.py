@@ -26,9 +26,9 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
     from qgtrain.config import RunConfig
     from qgtrain.runtime import cpu, distributed, rng
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.tasks.models import build_model
+    from qgtrain.tasks.models import build_model, lm_loss
     from qgtrain.training.optim import adamw
-    from qgtrain.training.trainer import accumulate_gradients
+    from qgtrain.training.gradients import accumulate_gradients
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
     cpu.set_cpu_threads(env, 0)
@@ -42,7 +42,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
         step_times, agree_times = [], []
         for _ in range(steps):
             start = time.perf_counter()
-            loss = accumulate_gradients(ddp, [batch], "fp32", scaler)
+            loss = accumulate_gradients(ddp, lm_loss, [batch], "fp32", scaler, device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)

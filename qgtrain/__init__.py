@@ -1,13 +1,16 @@
-"""qgtrain: PyTorch DDP training on Slurm clusters that survives time limits and preemption.
+"""qgtrain: PyTorch training on Slurm clusters that survives time limits and preemption.
 
-`import qgtrain` stays light (no torch, no submitit); `qgtrain.submit` loads its launcher when first used.
+`import qgtrain` stays light (no torch, no submitit): `Task` and `RunConfig` are plain dataclasses, and
+`qgtrain.train` and `qgtrain.submit` load what they need when first called.
 """
 
 from typing import Any
 
+from .config import RunConfig
+from .task import Task
 from .version import __version__
 
-__all__ = ["__version__", "submit"]
+__all__ = ["RunConfig", "Task", "__version__", "load_config", "submit", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +18,12 @@ def __getattr__(name: str) -> Any:
         from .launch.submitit_launcher import submit
 
         return submit
+    if name == "train":
+        from .api import train
+
+        return train
+    if name == "load_config":
+        from .configload import load_config
+
+        return load_config
     raise AttributeError(f"module 'qgtrain' has no attribute {name!r}")

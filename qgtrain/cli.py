@@ -149,8 +149,8 @@ def _export(args: argparse.Namespace) -> int:
     from .ops.export import export_run
 
     done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
-    print(f"exported {done.checkpoint} to {done.folder}; reloaded with AutoModelForCausalLM, largest logit "
-          f"difference {done.max_logit_diff:.3g}")
+    print(f"exported {done.checkpoint} to {done.folder}; reloaded and compared with the checkpoint, largest "
+          f"output difference {done.max_logit_diff:.3g}")
     return 0
 
 

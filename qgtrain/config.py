@@ -11,11 +11,23 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .task import BUILTIN_LM
 
 
 def setting(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
     """A config field with its documentation and numeric bounds (inclusive)."""
-    return field(default=default, metadata={"doc": doc, "min": min, "max": max})
+    metadata = {"doc": doc, "min": min, "max": max}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    factory: str = setting(BUILTIN_LM, "'package.module:function' called with the resolved config on every rank, "
+                           "returning a qgtrain.Task (default: the built-in causal LM, set up by model and data)")
+    options: dict[str, Any] = setting({}, "free-form settings for your task function, read as "
+                                      "cfg.task.options (--set task.options.NAME=VALUE)")
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class DataConfig:
     num_workers: int = setting(0, "DataLoader worker processes per rank", min=0)
     synthetic_samples: int = setting(4096, "samples in the synthetic set", min=1)
     factory: str | None = setting(None, "'package.module:function' called with (seq_len, seed), returning "
-                                 "(train, val, test, vocab_size)")
+                                  "(train, val, test, vocab_size)")
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class EarlyStoppingConfig:
     patience: int = setting(0, "validations without improvement before stopping (0 = off)", min=0)
-    min_delta: float = setting(0.0, "improvement in val_loss that counts", min=0.0)
+    min_delta: float = setting(0.0, "improvement in the metric that counts", min=0.0)
+    metric: str = setting("val_loss", "what early stopping and the best checkpoint follow: val_loss or "
+                          "val_<name> for a metric the task reports")
+    mode: Literal["min", "max"] = setting("min", "min: lower is better (losses); max: higher is better (accuracy)")
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -167,9 +183,10 @@ def check_rules(cfg: RunConfig, source: str) -> None:
         fail("model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
     if cfg.data.name == "factory" and not cfg.data.factory:
         fail("data.factory", "data.name is 'factory' but no 'package.module:function' is given")
-    for key, value in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
+    for key, value in (("task.factory", cfg.task.factory), ("model.factory", cfg.model.factory),
+                       ("data.factory", cfg.data.factory)):
         if value and (value.count(":") != 1 or not all(value.split(":"))):
-            fail(key, f"'{value}' is not of the form 'package.module:function'")
+            fail(key, f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
         fail("data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training")
     if cfg.optim.min_lr > cfg.optim.lr:
@@ -181,5 +198,8 @@ def check_rules(cfg: RunConfig, source: str) -> None:
         fail("train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU")
     if not cfg.train.run_name or "/" in cfg.train.run_name or cfg.train.run_name in (".", ".."):
         fail("train.run_name", f"'{cfg.train.run_name}' must be a plain directory name")
+    if not cfg.early_stopping.metric.startswith("val_"):
+        fail("early_stopping.metric", f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss or "
+             "val_<name> for a metric your task reports")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
         fail("early_stopping.patience", "early stopping needs validations: set train.eval_every > 0")

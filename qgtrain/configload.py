@@ -21,6 +21,7 @@ import yaml
 from .config import SECTIONS, RunConfig, check_rules
 from .errors import ConfigError
 
+OPTIONS = "task.options"
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
@@ -37,8 +38,15 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set train.max_steps=100")
-        _check_key(key, "--set")
-        values[key] = (text, "--set")
+        if key == "task":
+            key = "task.factory"
+        if key.startswith(OPTIONS + "."):  # one option of the user's task, merged into the others
+            options = dict(values.get(OPTIONS, ({}, ""))[0])
+            options[key.removeprefix(OPTIONS + ".")] = _parse_yaml_text(text, f"--set {key}")
+            values[OPTIONS] = (options, "--set")
+        else:
+            _check_key(key, "--set")
+            values[key] = (text, "--set")
         sources.append("--set")
     return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
 
@@ -95,6 +103,8 @@ def _flatten(raw: Any, source: str) -> dict[str, tuple[Any, str]]:
     out: dict[str, tuple[Any, str]] = {}
     for section, body in raw.items():
         _check_key(str(section), source)
+        if section == "task" and isinstance(body, str):  # `task: package.module:function`
+            body = {"factory": body}
         if body is None:
             continue
         if not isinstance(body, dict):
@@ -167,6 +177,13 @@ def _convert(raw: Any, hint: Any, spec: dataclasses.Field[Any], where: str, *, f
         if not isinstance(raw, str):
             raise ConfigError(f"{where}: expected text, got {_describe(raw)}")
         return raw
+    if typing.get_origin(hint) is dict:
+        if from_text and isinstance(raw, str):
+            raw = _parse_yaml_text(raw, where)
+        if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+            raise ConfigError(f"{where}: expected a mapping of names to values, e.g. {{hidden: 64}}, got "
+                              f"{_describe(raw)}")
+        return dict(raw)
     if typing.get_origin(hint) is tuple:
         if from_text:
             raw = _parse_text_list(raw, where)
@@ -215,3 +232,10 @@ def _parse_text_list(text: Any, where: str) -> Any:
         return yaml.safe_load(str(text))
     except yaml.YAMLError:
         raise ConfigError(f"{where}: expected a YAML list such as ['a', 'b'], got {text!r}") from None
+
+
+def _parse_yaml_text(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"{where}: {text!r} is not a YAML value (quote text that holds ':' or '#')") from None

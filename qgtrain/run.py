@@ -10,28 +10,35 @@ import contextlib
 import dataclasses
 import json
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 from .config import RunConfig
 from .configload import dump_yaml
-from .data import corpus
-from .data.loaders import build_splits
-from .errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, ConfigError, QgtrainError
-from .runtime import cpu, distributed, log, rng
+from .data.loaders import build_loaders
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from .runtime import cpu, distributed, log, precision, rng
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
 from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
-from .tasks.models import build_model
+from .task import Task
+from .tasks.build import TaskSource, build_task, task_spec
+from .training import parallel
 from .training.metrics import MetricsLog
-from .training.trainer import Outcome, Trainer
+from .training.optim import adamw
+from .training.trainer import Outcome, Parts, Settings, Trainer
 
 logger = logging.getLogger("qgtrain")
+EXPORT_TIMEOUT_S = 6 * 3600.0
 
 
-def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True) -> int:
+def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True,
+          task: TaskSource | None = None) -> int:
     """Train to the end, to an early stop, or to an agreed stop on a signal. Returns the exit code."""
     log.setup_console(env, cfg.logging.level)
     device = distributed.pick_device(env, cfg.train.device)
@@ -41,22 +48,28 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
     stop = StopFlag([cfg.slurm.signal, "TERM"])
     cfg = _with_pretrained_tokenizer(cfg)  # before the config is recorded: the run's copies must agree
+    if task is not None and (spec := task_spec(task)):
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, factory=spec))
+    elif task is not None:
+        logger.warning("the task was given as an object, so the run's config cannot name it: a requeued job, "
+                       "`qgtrain train` and `qgtrain export` would build %s instead. HINT: pass the function that "
+                       "makes the Task (task=my_task), defined at the top level of a module", cfg.task.factory)
     try:
         with stop, distributed.process_group(env, device, cfg.train.startup_timeout_s,
                                              cfg.train.collective_timeout_s):
-            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop)
+            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop, task)
             if outcome is Outcome.STOPPED_BY_SIGNAL:
                 return _after_stop(cfg, env, requeue_on_stop, run_dir)
-            if cfg.export.on_finish and env.is_main:
-                _export_on_finish(cfg, run_dir)
+            if cfg.export.on_finish:
+                return _export_on_finish(cfg, run_dir)
             distributed.barrier()
             return EXIT_OK
     finally:
         log.close()
 
 
-def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path | None,
-                    stop: StopFlag) -> tuple[Outcome, Path]:
+def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None, stop: StopFlag,
+                    task: TaskSource | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as stack:
         # Rank 0 picks the directory (absolute, as it sees it), holds its lock while training, and picks the
         # checkpoint to resume from before it writes anything there: a refusal leaves the run as it was.
@@ -74,7 +87,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path 
                                 host=env.node_name, ranks=env.world_size, started=time.time())
         try:
             ckpt = checkpoint.read_manifest(Path(resume_from)) if resume_from else None
-            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop)
+            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task)
         except QgtrainError as exc:
             logger.error("%s", exc)  # every rank records why it stopped
             if env.is_main:
@@ -90,8 +103,9 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path 
     return outcome, path
 
 
-def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, run_id: str,
-                  ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag) -> Outcome:
+def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path, run_id: str,
+                  ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag,
+                  task_source: TaskSource | None) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
     for warning in warnings if env.is_main else []:
         logger.warning("%s", warning)
@@ -102,32 +116,25 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
                 env.master_addr, env.master_port,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
-    prepared = None
-    if cfg.data.name == "corpus":
-        # Rank 0 tokenizes (once per corpus and tokenizer); the others open the files it wrote.
-        prepared = corpus.load(distributed.main_decides(lambda: corpus.prepare(cfg.data).folder))
-    splits = build_splits(cfg.data, prepared, cfg.train.seed)
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, prepared.eos_id if prepared else None)
+    task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
-    logger.info("model: %s with %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
-                          f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with")
-    facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "class": type(model).__name__,
-             "eos_id": prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None),
-             "tokenizer": {"corpus": cfg.data.tokenizer, "synthetic": "byte"}.get(cfg.data.name)}
-    extra = {"config.yaml": dump_yaml(cfg).encode(), "model.json": json.dumps(facts).encode()}
+    model = task.model
+    logger.info("task %s: model %s with %.2fM parameters", cfg.task.factory, type(model).__name__,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    extra = {"config.yaml": dump_yaml(cfg).encode(),
+             "model.json": json.dumps({"class": type(model).__name__, **task.facts}).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         extra["hf_config.json"] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, extra)
     bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
-                         progress_bar=bar, max_steps=cfg.train.max_steps)
+                         progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb)
     try:
-        trainer = Trainer(cfg, env, device, model, splits, checkpointer, metrics, stop)  # type: ignore[arg-type]
+        trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop),
+                          Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint,
+                                   precision.resolve(cfg.train.precision, device)), env, device)
         if ckpt is not None:
             trainer.restore(ckpt)
         outcome = trainer.fit()
@@ -135,6 +142,18 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: object, run_dir: Path, r
     finally:
         metrics.close()
     return outcome
+
+
+def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, checkpointer: Checkpointer,
+           metrics: MetricsLog, stop: StopFlag) -> Parts:
+    model = task.model.to(device)
+    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train.find_unused_parameters)
+    assert task.collate is not None
+    loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
+                            cfg.data.num_workers, device, cfg.train.seed)
+    resolved = precision.resolve(cfg.train.precision, device)
+    return Parts(task, model, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device),
+                 loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop)
 
 
 def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
@@ -178,7 +197,23 @@ def _decide_requeue(cfg: RunConfig, env: DistEnv, requeue_on_stop: bool) -> bool
     return True if done else None
 
 
-def _export_on_finish(cfg: RunConfig, run_dir: Path) -> None:
-    from .ops.export import export_run
+def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
+    """Rank 0 runs `qgtrain export` in a child process (a fresh one-process group on the CPU, and memory
+    of its own); every rank returns its outcome. Training is finished and checkpointed either way."""
+    out = Path(cfg.export.dir) if cfg.export.dir else run_dir / "export"
 
-    export_run(run_dir, Path(cfg.export.dir) if cfg.export.dir else run_dir / "export", force=True)
+    def export() -> tuple[int, str]:
+        logger.info("exporting the final checkpoint to %s", out)
+        argv = ["export", str(run_dir), "--out", str(out), "--force"]
+        code = f"import sys; sys.path[:0] = {sys.path!r}; from qgtrain.cli import main; sys.exit(main({argv!r}))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
+        return done.returncode, said
+
+    returncode, said = distributed.main_works_long(export, "export", EXPORT_TIMEOUT_S)
+    if returncode != 0:
+        logger.error("training finished, but the export failed (exit %d): %s. HINT: the checkpoints are intact; "
+                     "fix the cause and run `qgtrain export %s --out %s`", returncode, said, run_dir, out)
+        return EXIT_FAILED
+    logger.info("%s", said)
+    return EXIT_OK

@@ -10,7 +10,7 @@ the user's code, so the CLI stays fast on a login node.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 BUILTIN_LM = "qgtrain.tasks.causal_lm:causal_lm"
@@ -32,6 +32,8 @@ class Task:
     tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a GPU,
         e.g. a shape product). Without it only samples/s is reported.
     tokenizer: anything with save_pretrained (a Hugging Face tokenizer), exported beside the model.
+    facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of the
+        built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
     """
 
     model: Any
@@ -43,3 +45,4 @@ class Task:
     metrics: Callable[[Any, Any], Mapping[str, tuple[Any, Any]]] | None = None
     tokens: Callable[[Any], int] | None = None
     tokenizer: Any = None
+    facts: dict[str, Any] = field(default_factory=dict)

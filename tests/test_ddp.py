@@ -16,8 +16,8 @@ from qgtrain.configload import load_config
 from qgtrain.runtime import rng
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import from_environ
-from qgtrain.tasks.models import build_model
-from qgtrain.training.trainer import accumulate_gradients
+from qgtrain.tasks.models import build_model, lm_loss
+from qgtrain.training.gradients import accumulate_gradients
 from tests.ranks import run_ranks, train_rank
 
 SEQ, VOCAB = 16, 257
@@ -45,15 +45,16 @@ def ddp_gradients(micro_batches_per_rank: int, samples_per_micro: int) -> dict[s
         per_rank = micro_batches_per_rank * samples_per_micro
         mine = batch(per_rank * env.world_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            accumulate_gradients(ddp, list(mine.split(samples_per_micro)), "fp32",
-                                 torch.amp.GradScaler("cpu", enabled=False))
+            accumulate_gradients(ddp, lm_loss, list(mine.split(samples_per_micro)), "fp32",
+                                 torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"))
         reduces = sum(1 for event in prof.events() if "allreduce" in event.name.replace("_", "").lower())
         return {"grads": grads(model), "allreduce_calls": reduces}
 
 
 def single_process_gradients(samples: int) -> dict[str, torch.Tensor]:
     model = tiny_gpt2()
-    accumulate_gradients(model, [batch(samples)], "fp32", torch.amp.GradScaler("cpu", enabled=False))
+    accumulate_gradients(model, lm_loss, [batch(samples)], "fp32", torch.amp.GradScaler("cpu", enabled=False),
+                         torch.device("cpu"))
     return grads(model)
 
 

@@ -9,86 +9,42 @@ world size: a position can be resumed directly, and re-sharded when it divides b
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ..config import DataConfig
 from ..errors import CheckpointError, ConfigError
-from ..factory import load_factory
 from ..runtime.rendezvous import DistEnv
-from . import corpus
-
-
-class TokenWindows(Dataset[torch.Tensor]):
-    """Non-overlapping windows of seq_len tokens from a memory-mapped token file."""
-
-    def __init__(self, path: str, dtype: str, seq_len: int) -> None:
-        self.path, self.dtype, self.seq_len = path, dtype, seq_len
-        self._tokens: np.ndarray | None = None  # opened lazily: a memmap must not be pickled into workers
-        self._length = np.memmap(path, dtype=dtype, mode="r").shape[0] // seq_len
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
-        start = index * self.seq_len
-        return torch.from_numpy(self._tokens[start:start + self.seq_len].astype(np.int64))
-
-
-class SyntheticTokens(Dataset[torch.Tensor]):
-    """Learnable random sequences (each token is the previous one plus a per-sample stride), for tests."""
-
-    def __init__(self, samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        self.samples, self.seq_len, self.vocab_size, self.seed = samples, seq_len, vocab_size, seed
-
-    def __len__(self) -> int:
-        return self.samples
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start, stride = torch.randint(0, self.vocab_size, (2,), generator=gen).tolist()
-        return (start + (stride % 7 + 1) * torch.arange(self.seq_len)) % self.vocab_size
 
 
 @dataclass(frozen=True)
-class Splits:
-    train: Dataset[Any]
-    val: Dataset[Any]
-    test: Dataset[Any]
-    vocab_size: int
+class Loaders:
+    sampler: ResumableSampler
+    train: DataLoader[Any]
+    val: DataLoader[Any] | None
+    test: DataLoader[Any] | None
 
 
-def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
-    """The three splits named by data.name (the corpus must have been prepared on rank 0 first)."""
-    if data.name == "corpus":
-        assert prepared is not None
-        windows = {split: TokenWindows(str(prepared.path(split)), prepared.dtype, data.seq_len)
-                   for split in corpus.SPLITS}
-        for split, dataset in windows.items():
-            if split == "train" or getattr(data, f"{split}_fraction") > 0:
-                if len(dataset) == 0:
-                    raise ConfigError(f"data.corpus_mb: the {split} split has fewer than data.seq_len="
-                                      f"{data.seq_len} tokens; use more text or a shorter seq_len")
-        return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
-    if data.name == "synthetic":
-        n_val = max(1, int(data.synthetic_samples * data.val_fraction))
-        n_test = max(1, int(data.synthetic_samples * data.test_fraction))
-        vocab = 257
-        return Splits(SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
-                      SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
-                      SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
-    made = load_factory(str(data.factory), "data.factory")(seq_len=data.seq_len, seed=seed)
-    if not (isinstance(made, tuple) and len(made) == 4):
-        raise ConfigError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
-                          f"got {type(made).__name__}")
-    return Splits(*made)
+def build_loaders(train: Dataset[Any], val: Dataset[Any] | None, test: Dataset[Any] | None,
+                  collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
+                  device: torch.device, seed: int) -> Loaders:
+    """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
+    number of steps); validation and test batches each sample exactly once over all ranks."""
+    sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
+    if len(sampler) < batch_size:
+        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "  # type: ignore
+                          f"{env.world_size} rank(s) x train.batch_size={batch_size}")
+
+    def evaluation(split: Dataset[Any] | None) -> DataLoader[Any] | None:
+        if split is None:
+            return None
+        return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
+
+    return Loaders(sampler, make_loader(train, sampler, batch_size, num_workers, device, seed + env.rank, True,
+                                        collate), evaluation(val), evaluation(test))
 
 
 class ResumableSampler(DistributedSampler[Any]):
@@ -135,9 +91,10 @@ class EvalShard(Sampler[int]):
 
 
 def make_loader(dataset: Dataset[Any], sampler: Sampler[Any], batch_size: int, num_workers: int,
-                device: torch.device, seed: int, drop_last: bool) -> DataLoader[Any]:
+                device: torch.device, seed: int, drop_last: bool,
+                collate: Callable[[list[Any]], Any] | None = None) -> DataLoader[Any]:
     """A loader whose iterator never draws from the global RNG, so resuming leaves the RNG stream intact."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
                       pin_memory=device.type == "cuda", drop_last=drop_last,
                       persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
                       generator=torch.Generator().manual_seed(seed))

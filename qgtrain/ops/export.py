@@ -3,7 +3,7 @@
 Offline and on the CPU (no GPU, no process group): the checkpoint's model is rebuilt from the config it
 saved, written with save_pretrained (safetensors, sharded past a size), with its tokenizer and a model card,
 then reloaded with AutoModelForCausalLM and compared logit by logit with the checkpoint before the folder
-is moved into place.
+is moved into place. A user's task is exported through its own model class (export_task.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
 from ..state import checkpoint
 from ..state.weights import load_weights, strip_wrapper_prefixes
+from ..task import BUILTIN_LM
 from ..tasks.models import build_model
 from ..training.metrics import read_metrics
+from . import export_task
 
 log = logging.getLogger("qgtrain")
 MAX_LOGIT_DIFF = 1e-4
@@ -49,17 +51,25 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise QgtrainError(f"export: {out} is not empty; choose another --out or pass --force to replace it")
     saved = yaml_config(ckpt)
+    builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
-    model = _rebuild(ckpt, saved, model_facts)
+    task = None if builtin else export_task.rebuild_task(ckpt, saved)
+    model = _rebuild(ckpt, saved, model_facts) if task is None else task.model
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _save_model(model, staging, saved, model_facts)
-        if model_facts.get("tokenizer"):
-            tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-        (staging / "README.md").write_text(_model_card(ckpt, saved, model_facts))
-        diff = _verify(model, staging, saved.data.seq_len, model_facts)
+        if task is None:
+            _save_model(model, staging, saved, model_facts)
+            if model_facts.get("tokenizer"):
+                tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
+            (staging / "README.md").write_text(_model_card(ckpt, saved, model_facts))
+            diff = _verify(model, staging, saved.data.seq_len, model_facts)
+        else:
+            export_task.save_task_model(task, staging, saved.task.factory)
+            (staging / "README.md").write_text(export_task.model_card(
+                saved, model, facts_table(ckpt, None), dump_yaml(saved)))
+            diff = export_task.verify_task_model(task, staging)
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -93,10 +103,10 @@ def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint
                 steps = ", ".join(str(c.step) for c in checkpoint.list_committed(root))
                 raise QgtrainError(f"export: no checkpoint at step {step} in {root}; there are: {steps}")
         elif best:
-            scored = [c for c in committed if c.val_loss is not None]
+            scored = [c for c in committed if c.score is not None]
             if not scored:
-                raise QgtrainError(f"export --best: no checkpoint in {root} records a validation loss")
-            committed = [min(scored, key=lambda c: (c.val_loss, -c.step))]
+                raise QgtrainError(f"export --best: no checkpoint in {root} records a validation score")
+            committed = [min(scored, key=lambda c: (c.score, -c.step))]
         candidates = list(reversed(committed))
     for ckpt in candidates:
         problem = checkpoint.verify(ckpt)
@@ -178,7 +188,8 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _model_card(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> str:
+def facts_table(ckpt: checkpoint.Checkpoint, tokenizer_name: str | None) -> str:
+    """What a reader of the model card wants to know about the training, as a Markdown table."""
     state = checkpoint.load_json(ckpt, "state.json")
     trainer, versions = state["trainer"], state.get("versions", {})
     train_loss = None
@@ -190,6 +201,23 @@ def _model_card(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) ->
     def fmt(value: Any) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
+    val = trainer.get("val_metrics", {"loss": trainer.get("val_loss")})
+    test = trainer.get("test_metrics", {"loss": trainer.get("test_loss")})
+    rows = [("qgtrain", versions.get("qgtrain", "?")), ("torch", versions.get("torch", "?")),
+            ("checkpoint", f"`{ckpt.path}`"), ("steps", ckpt.step), ("epochs begun", trainer["epoch"] + 1),
+            ("final train loss", fmt(train_loss)),
+            *((f"final validation {name}", fmt(value)) for name, value in val.items()),
+            *((f"test {name}", fmt(value)) for name, value in test.items()),
+            ("precision", state.get("precision", "?")), ("ranks", state.get("world_size", "?"))]
+    if trainer.get("tokens_seen"):
+        rows.insert(5, ("tokens seen", f"{trainer['tokens_seen']:,}"))
+    if tokenizer_name is not None:
+        rows.append(("tokenizer", tokenizer_name))
+    return "| fact | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _model_card(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> str:
+    table = facts_table(ckpt, facts.get("tokenizer") or "none (the data came from a factory)")
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -197,20 +225,9 @@ tags: [qgtrain]
 ---
 # {cfg.train.run_name}
 
-Trained with qgtrain {versions.get('qgtrain', '?')} (torch {versions.get('torch', '?')}); exported from
-`{ckpt.path}`.
+A causal language model trained with qgtrain.
 
-| fact | value |
-|---|---|
-| steps | {ckpt.step} |
-| epochs begun | {trainer['epoch'] + 1} |
-| tokens seen | {trainer['tokens_seen']:,} |
-| final train loss | {fmt(train_loss)} |
-| final validation loss | {fmt(trainer.get('val_loss'))} |
-| test loss | {fmt(trainer.get('test_loss'))} |
-| precision | {state.get('precision', '?')} |
-| ranks | {state.get('world_size', '?')} |
-| tokenizer | {facts.get('tokenizer') or 'none (the data came from a factory)'} |
+{table}
 
 ```python
 from transformers import pipeline

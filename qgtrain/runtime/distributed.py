@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
+import pickle
+import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -63,7 +67,22 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
     try:
         yield
     finally:
+        _release_users()
         _destroy()
+
+
+def _release_users() -> None:
+    """Free what holds the group (DDP's reducer) while the group is still registered.
+
+    A reducer that outlives the group destroys it from its own deallocator, which joins gloo's worker
+    threads with the GIL held; a worker still finishing a collective needs the GIL to free its tensors,
+    and the rank hangs forever. The frames of an exception on its way out keep the model alive, so they
+    are cleared first (the traceback still prints), then cycles are collected.
+    """
+    error = sys.exc_info()[1]
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
 
 
 def _destroy() -> None:
@@ -114,6 +133,21 @@ def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     out: list[Any] | None = [None] * dist.get_world_size(group) if is_main else None
     dist.gather_object(obj, out, dst=0, group=group)
     return out
+
+
+def main_works_long(work: Callable[[], Any], key: str, timeout_s: float) -> Any:
+    """Run `work` on rank 0 and return its (picklable) result on every rank, however long it takes up to
+    `timeout_s`. The others wait on the rendezvous store, not in a collective, so the collective timeout
+    does not cut them off; if rank 0 dies, the store (which it hosts) goes and they fail at once."""
+    if dist.get_world_size() == 1:
+        return work()
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        result = work()
+        store.set(f"qgtrain/{key}", pickle.dumps(result))
+        return result
+    store.wait([f"qgtrain/{key}"], datetime.timedelta(seconds=timeout_s))
+    return pickle.loads(store.get(f"qgtrain/{key}"))
 
 
 def main_decides(decide: Callable[[], Any]) -> Any:

@@ -42,6 +42,15 @@ class Checkpoint:
     val_loss: float | None
     manifest: dict[str, Any]
 
+    @property
+    def score(self) -> float | None:
+        """How good this checkpoint is by the run's early_stopping.metric, lower being better; checkpoints
+        written without a validation have none. Older manifests recorded only val_loss."""
+        score = self.manifest.get("score")
+        if isinstance(score, dict) and isinstance(score.get("value"), (int, float)):
+            return float(score["value"]) * (-1.0 if score.get("mode") == "max" else 1.0)
+        return None if "score" in self.manifest else self.val_loss
+
 
 def staging_dir(root: Path, step: int, run_id: str) -> Path:
     return root / f".tmp-step-{step}-{run_id}"
@@ -232,15 +241,15 @@ def load_json(ckpt: Checkpoint, name: str) -> Any:
 
 
 def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:
-    """Delete this run's checkpoints beyond the newest `keep_last` and the best by val_loss.
+    """Delete this run's checkpoints beyond the newest `keep_last` and the best by its score.
 
     Ordered by step number, never by name or time; other runs' folders and anything uncommitted are left.
     """
     ours = [c for c in list_committed(root) if c.run_id == run_id]
     keep = {c.path for c in ours[-keep_last:]}
-    scored = [c for c in ours if c.val_loss is not None]
+    scored = [c for c in ours if c.score is not None]
     if scored:
-        keep.add(min(scored, key=lambda c: (c.val_loss, -c.step)).path)
+        keep.add(min(scored, key=lambda c: (c.score, -c.step)).path)
     removed = []
     for ckpt in ours:
         if ckpt.path not in keep:

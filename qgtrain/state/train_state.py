@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,10 +33,10 @@ class TrainState:
     epoch: int = 0
     samples_in_epoch: int = 0  # of all ranks together: the data position within `epoch`
     tokens_seen: int = 0
-    best_val_loss: float | None = None
+    best_metric: float | None = None  # the best value of early_stopping.metric so far
     evals_since_best: int = 0
-    val_loss: float | None = None
-    test_loss: float | None = None
+    val_metrics: dict[str, float | None] = field(default_factory=dict)  # the latest validation: loss, ...
+    test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
     outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
 
 
@@ -63,7 +63,7 @@ def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
     saved = load_json(ckpt, "state.json")
     load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
     load_optimizer(ckpt, optimizer, scaler)
-    state = TrainState(**saved["trainer"])
+    state = _state_from(saved["trainer"])
     if state.samples_in_epoch % env.world_size:
         raise CheckpointError(
             f"{ckpt.path} was saved by {saved['world_size']} rank(s) after {state.samples_in_epoch} samples of "
@@ -100,3 +100,13 @@ def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: t
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path} does not fit the configured model and optimizer ({exc}). HINT: resume with "
                               "the model settings it was trained with, or set checkpoint.resume: never") from None
+
+
+def _state_from(saved: dict[str, Any]) -> TrainState:
+    """Progress as saved, including by qgtrain 0.1.0 before tasks (val_loss fields, not metrics)."""
+    saved = dict(saved)
+    if "best_val_loss" in saved:
+        saved["best_metric"] = saved.pop("best_val_loss")
+        saved["val_metrics"] = {"loss": saved.pop("val_loss", None)}
+        saved["test_metrics"] = {"loss": test} if (test := saved.pop("test_loss", None)) is not None else {}
+    return TrainState(**saved)

@@ -19,9 +19,11 @@ from ..errors import QgtrainError
 
 class MetricsLog:
     def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None,
-                 progress_bar: bool = False, max_steps: int = 0) -> None:
+                 progress_bar: bool = False, max_steps: int = 0, memory_warn_gb: float = 0.0) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
+        self.memory_warn_gb = memory_warn_gb
+        self._memory_warned: set[str] = set()
         self._tb = None
         self._bar: Any = None
         self._redirect: Any = None
@@ -47,6 +49,15 @@ class MetricsLog:
         """Called every step; moves the progress bar (rank 0 on a terminal) and nothing else."""
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
+
+    def warn_memory(self, rank: int, step: int, record: dict[str, Any]) -> None:
+        """Each rank warns about its own memory, once per quantity that crosses logging.memory_warn_gb."""
+        limit = self.memory_warn_gb
+        for key in ("mem_rss_gb", "mem_gpu_peak_gb"):
+            if limit and record.get(key, 0.0) > limit and key not in self._memory_warned:
+                self._memory_warned.add(key)
+                logging.getLogger("qgtrain").warning("rank %d: %s is %.2f GB at step %d, above "
+                                                     "logging.memory_warn_gb=%.2f", rank, key, record[key], step, limit)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:

@@ -1,0 +1,92 @@
+"""Calling the task function the config names, and checking what it returns before any rank trains.
+
+A task is user code: everything qgtrain can check without running a step is checked here, on every
+rank alike, so a mistake ends the job with one line naming the task and the part, not a traceback from
+inside the loop. The defaults (torch's collate, the model's own `.loss`) are filled in here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.utils.data import default_collate
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..factory import load_factory
+from ..task import Task
+
+TaskSource = Task | Callable[[RunConfig], Task]
+
+
+def build_task(cfg: RunConfig, given: TaskSource | None = None) -> Task:
+    """The task of `cfg.task.factory` (or the Task or task function given in Python), checked, with its
+    defaults filled in."""
+    if given is None:
+        spec = cfg.task.factory
+        made = load_factory(spec, "task.factory")(cfg)
+    else:
+        spec = "the Task given in Python" if isinstance(given, Task) else getattr(given, "__qualname__", repr(given))
+        made = given if isinstance(given, Task) else given(cfg)
+    if not isinstance(made, Task):
+        raise ConfigError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
+                          "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
+    check_task(made, spec, cfg)
+    return dataclasses.replace(made, collate=made.collate or default_collate, loss=made.loss or model_loss)
+
+
+def task_spec(given: TaskSource) -> str | None:
+    """How the config can name a task function given in Python, so that a requeued job, `qgtrain train`
+    and `qgtrain export` rebuild the same task: 'module:function', or 'file.py:function' for a script."""
+    name = getattr(given, "__qualname__", "")
+    if isinstance(given, Task) or not name or "<" in name:  # an object, a lambda or a nested function
+        return None
+    if given.__module__ == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        return f"{Path(path).resolve()}:{name}" if path else None
+    return f"{given.__module__}:{name}"
+
+
+def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
+    def fail(problem: str) -> None:
+        raise ConfigError(f"task.factory: the task of {spec} {problem}")
+
+    if not isinstance(task.model, nn.Module):
+        fail(f"has model={type(task.model).__name__}; it must be a torch.nn.Module")
+    if not any(p.requires_grad for p in task.model.parameters()):
+        fail("has a model with no trainable parameters")
+    for split in ("train", "val", "test"):
+        dataset = getattr(task, split)
+        if dataset is None and split != "train":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            fail(f"has {split}={type(dataset).__name__}; it must be a map-style dataset (with __len__ and "
+                 "__getitem__: resuming at an exact sample needs indices)" + (", or None" if split != "train" else ""))
+    if len(task.train) == 0:
+        fail("has an empty train dataset")
+    for part in ("collate", "loss", "metrics", "tokens"):
+        value = getattr(task, part)
+        if value is not None and not callable(value):
+            fail(f"has {part}={type(value).__name__}, which cannot be called")
+    es = cfg.early_stopping
+    if task.val is None and (es.patience or es.metric != "val_loss"):
+        fail(f"has no val dataset, but early_stopping follows {es.metric}; give the task a val split or turn "
+             "early stopping off (early_stopping.patience: 0)")
+    if es.metric != "val_loss" and task.metrics is None:
+        fail(f"reports no metrics, but early_stopping.metric is {es.metric}; add a metrics function or use "
+             "val_loss")
+
+
+def model_loss(model: nn.Module, batch: Any) -> Any:
+    """The default loss: what the model returns as `loss` (Hugging Face models, when the batch has labels)."""
+    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise ConfigError(f"task: the model returned {type(out).__name__} without a loss. HINT: put labels in the "
+                          "batch (Hugging Face models then compute the loss), or give the task a loss function")
+    return loss

@@ -1,0 +1,77 @@
+"""The built-in task and qgtrain's main job: a causal language model on windows of tokens.
+
+The model and data come from the model and data sections of the config: a transformers model built
+from a config, a pretrained folder, or a factory; the built-in corpus, a synthetic set, or a factory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ..config import DataConfig, RunConfig
+from ..data import corpus
+from ..data.tokens import SyntheticTokens, TokenWindows
+from ..errors import ConfigError
+from ..factory import load_factory
+from ..runtime import distributed
+from ..task import Task
+from .models import build_model, lm_loss
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: Dataset[Any]
+    val: Dataset[Any]
+    test: Dataset[Any]
+    vocab_size: int
+
+
+def causal_lm(cfg: RunConfig) -> Task:
+    """Rank 0 tokenizes the corpus (once per corpus and tokenizer); the other ranks open what it wrote."""
+    prepared = None
+    if cfg.data.name == "corpus":
+        prepared = corpus.load(distributed.main_decides(lambda: corpus.prepare(cfg.data).folder))
+    splits = build_splits(cfg.data, prepared, cfg.train.seed)
+    eos_id = prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None)
+    model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
+                          f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with")
+    facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "eos_id": eos_id,
+             "tokenizer": {"corpus": cfg.data.tokenizer, "synthetic": "byte"}.get(cfg.data.name)}
+    return Task(model=model, train=splits.train, val=splits.val, test=splits.test, loss=lm_loss,
+                tokens=batch_tokens, facts=facts)
+
+
+def batch_tokens(batch: torch.Tensor) -> int:
+    return batch.numel()
+
+
+def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
+    """The three splits named by data.name (the corpus must have been prepared on rank 0 first)."""
+    if data.name == "corpus":
+        assert prepared is not None
+        windows = {split: TokenWindows(str(prepared.path(split)), prepared.dtype, data.seq_len)
+                   for split in corpus.SPLITS}
+        for split, dataset in windows.items():
+            if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
+                raise ConfigError(f"data.corpus_mb: the {split} split has fewer than data.seq_len="
+                                  f"{data.seq_len} tokens; use more text or a shorter seq_len")
+        return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
+    if data.name == "synthetic":
+        n_val = max(1, int(data.synthetic_samples * data.val_fraction))
+        n_test = max(1, int(data.synthetic_samples * data.test_fraction))
+        vocab = 257
+        return Splits(SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
+                      SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
+                      SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
+    made = load_factory(str(data.factory), "data.factory")(seq_len=data.seq_len, seed=seed)
+    if not (isinstance(made, tuple) and len(made) == 4):
+        raise ConfigError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
+                          f"got {type(made).__name__}")
+    return Splits(*made)

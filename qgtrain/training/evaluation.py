@@ -1,0 +1,86 @@
+"""Validation and test: the loss and the task's metrics, exact over the whole split on any world size.
+
+Every rank evaluates its own shard (each sample exactly once, so shards may be uneven) and keeps sums
+and counts on the device; one all-reduce of those sums at the end gives every rank the same values.
+A metric is sum / count of all ranks together, never a mean of per-rank means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..data.batches import to_device
+from ..errors import ConfigError
+from ..runtime import precision
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+             metrics_fn: Callable[[nn.Module, Any], Mapping[str, tuple[Any, Any]]] | None,
+             device: torch.device, precision_name: str, max_batches: int) -> dict[str, float | None]:
+    """{"loss": mean loss per sample, name: sum / count for each metric}, the same on every rank.
+
+    `model` must be the unwrapped module: DDP's forward would start collectives that uneven shards
+    cannot match. A collective: every rank calls it, also one whose shard is empty.
+    """
+    sizes = _batch_sizes(loader)
+    sums: dict[str, list[torch.Tensor]] = {"loss": [_zero(device), _zero(device)]}
+    was_training = model.training
+    model.eval()
+    try:
+        for index, batch in enumerate(loader):
+            if max_batches and index >= max_batches:
+                break
+            batch = to_device(batch, device)
+            with precision.autocast(precision_name, device):
+                loss = loss_fn(model, batch)
+                reported = metrics_fn(model, batch) if metrics_fn is not None else {}
+            sums["loss"][0] += loss.detach().double() * sizes[index]
+            sums["loss"][1] += sizes[index]
+            for name, pair in _checked(reported).items():
+                acc = sums.setdefault(name, [_zero(device), _zero(device)])
+                acc[0] += torch.as_tensor(pair[0], device=device).double().sum()
+                acc[1] += torch.as_tensor(pair[1], device=device).double().sum()
+    finally:
+        model.train(was_training)
+    names = _agreed_names(sums)
+    flat = torch.stack([value for name in names for value in sums.get(name, [_zero(device), _zero(device)])])
+    dist.all_reduce(flat)
+    totals = flat.tolist()
+    return {name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
+            for i, name in enumerate(names)}
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
+
+
+def _batch_sizes(loader: Any) -> list[int]:
+    """Samples in each batch of this rank's shard, known without looking inside the batches."""
+    total, size = len(loader.sampler), loader.batch_size
+    return [min(size, total - start) for start in range(0, total, size)]
+
+
+def _checked(reported: Any) -> Mapping[str, tuple[Any, Any]]:
+    if not isinstance(reported, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and len(v) == 2 for k, v in reported.items()):
+        raise ConfigError(f"task: metrics(model, batch) returned {type(reported).__name__} {str(reported)[:80]}; "
+                          "expected a dict of name -> (sum, count), e.g. {'accuracy': (correct, samples)}")
+    if "loss" in reported:
+        raise ConfigError("task: metrics(model, batch) reports 'loss', which qgtrain computes from Task.loss; "
+                          "give the metric another name")
+    return reported
+
+
+def _agreed_names(sums: dict[str, list[torch.Tensor]]) -> list[str]:
+    """The metric names of all ranks, in one order: a rank whose shard was empty reported none."""
+    if dist.get_world_size() == 1:
+        return ["loss", *sorted(set(sums) - {"loss"})]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(sums))
+    return ["loss", *sorted(set().union(*everyone) - {"loss"})]

@@ -1,0 +1,41 @@
+"""One step's gradients: the task's loss over the micro-batches, scaled, backward, reduced once under DDP."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import ConfigError
+from ..runtime import precision
+
+
+def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any], precision_name: str,
+                         scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
+    """Backward over the micro-batches of one step; the gradient equals one batch k times larger.
+
+    Under DDP gradients are all-reduced on the last micro-step only (no_sync before it). Returns the
+    step's mean loss as a device tensor, without synchronizing.
+    """
+    loss_sum: torch.Tensor | None = None
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
+            with precision.autocast(precision_name, device):
+                loss = checked_loss(loss_fn(model, batch)) / len(micro_batches)
+            scaler.scale(loss).backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    assert loss_sum is not None
+    return loss_sum
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """The task's loss, if it is one: a floating-point scalar tensor that backward can start from."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"task: loss(model, batch) returned {shown}; it must return a floating-point scalar "
+                          "tensor (reduce it, e.g. with .mean())")
+    return loss
