@@ -31,7 +31,7 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
     values: dict[str, tuple[Any, str]] = {}
     sources: list[str] = []
     for path in paths:
-        values.update(_flatten(_read_yaml(Path(path)), str(path)))
+        values.update(_anchored(_flatten(_read_yaml(Path(path)), str(path)), Path(path).parent))
         sources.append(str(path))
     for assignment in sets:
         key, sep, text = assignment.partition("=")
@@ -46,9 +46,22 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
             values[OPTIONS] = (options, "--set")
         else:
             _check_key(key, "--set")
-            values[key] = (text, "--set")
+            values.update(_anchored({key: (text, "--set")}, Path.cwd()))
         sources.append("--set")
     return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
+
+
+def _anchored(values: dict[str, tuple[Any, str]], base: Path) -> dict[str, tuple[Any, str]]:
+    """A task, model or data function named as 'file.py:function' with a relative path is relative to the
+    config file that names it (to the working directory for --set), and recorded absolute: a requeued
+    job, an export or a run started elsewhere finds the same file."""
+    for key in ("task.factory", "model.factory", "data.factory"):
+        raw, origin = values.get(key, (None, ""))
+        if isinstance(raw, str) and raw.count(":") == 1:
+            file, function = raw.split(":")
+            if file.endswith(".py") and not Path(file).is_absolute():
+                values[key] = (f"{(base / file).resolve()}:{function}", origin)
+    return values
 
 
 def build_config(values: Mapping[str, tuple[Any, str]], source: str) -> RunConfig:
