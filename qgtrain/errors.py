@@ -41,3 +41,7 @@ class TrainingError(QgtrainError):
     """Training was stopped on every rank for a diagnosed reason (non-finite loss, a hang, ...)."""
 
     exit_code = EXIT_FAILED
+
+
+class PeerFailure(TrainingError):
+    """This rank stopped because a collective could not complete: another rank died, hung or failed."""

@@ -20,7 +20,7 @@ import torch
 from .config import RunConfig
 from .configload import dump_yaml
 from .data.loaders import build_loaders
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, PeerFailure, QgtrainError
 from .runtime import cpu, distributed, log, precision, rng
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
@@ -88,14 +88,20 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
         try:
             ckpt = checkpoint.read_manifest(Path(resume_from)) if resume_from else None
             outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task)
-        except QgtrainError as exc:
-            logger.error("%s", exc)  # every rank records why it stopped
+        except PeerFailure as exc:  # another rank stopped first: say which, and why, if it left a note
+            note = rundir.read_failure_note(path, env.rank, env.world_size)
+            error = PeerFailure(f"{note}; rank {env.rank} stopped with it" if note else str(exc))
+            logger.error("%s", error)
             if env.is_main:
-                rundir.write_status(path, "failed", error=str(exc))
-            raise
-        except BaseException as exc:  # a bug or an interrupt: recorded, then raised with its traceback
+                rundir.write_status(path, "failed", error=str(error))
+            raise error from exc
+        except BaseException as exc:  # this rank's own failure: noted for the others before the group goes
+            rundir.write_failure_note(path, env.rank, _first_line(exc))
+            if isinstance(exc, QgtrainError):
+                logger.error("%s", exc)  # every rank records why it stopped
             if env.is_main:
-                rundir.write_status(path, "failed", error=f"{type(exc).__name__}: {exc}"[:500])
+                rundir.write_status(path, "failed", error=str(exc) if isinstance(exc, QgtrainError) else
+                                    _first_line(exc))
             raise
         if env.is_main:
             rundir.write_status(path, {Outcome.FINISHED: "finished", Outcome.EARLY_STOPPED: "stopped early",
@@ -107,6 +113,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
                   ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag,
                   task_source: TaskSource | None) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
+    rundir.clear_failure_note(run_dir, env.rank)
     for warning in warnings if env.is_main else []:
         logger.warning("%s", warning)
     if cfg.model.pretrained and cfg.data.tokenizer == cfg.model.pretrained:
@@ -154,6 +161,11 @@ def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, check
     resolved = precision.resolve(cfg.train.precision, device)
     return Parts(task, model, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device),
                  loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, QgtrainError) else f"{type(exc).__name__}: {exc}"
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:500]
 
 
 def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import TrainingError
+from ..errors import PeerFailure, TrainingError
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
@@ -87,7 +87,7 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
         missing = missing_ranks(env)
         who = (f"rank(s) {missing} did not arrive" if missing else "a peer rank failed")
         arm_watchdog(30.0)  # the teardown that follows may not hang on the broken group
-        return TrainingError(
+        return PeerFailure(
             f"a collective failed in step {step} on rank {env.rank}: {who} ({_first_line(text)}). Every "
             f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
             f"and the job's output for why they died or stalled; if steps are legitimately slower than "

@@ -111,6 +111,40 @@ def read_status(run_dir: Path) -> dict[str, object]:
         return {}
 
 
+def failure_note(run_dir: Path, rank: int) -> Path:
+    return run_dir / "logs" / f"failed-rank-{rank}.txt"
+
+
+def clear_failure_note(run_dir: Path, rank: int) -> None:
+    """Each rank removes its own note when it starts, so any note found later is from this attempt."""
+    failure_note(run_dir, rank).unlink(missing_ok=True)
+
+
+def write_failure_note(run_dir: Path, rank: int, message: str) -> None:
+    """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be told
+    through the process group that is breaking). Written before this rank leaves the group."""
+    try:
+        failure_note(run_dir, rank).write_text(message)
+    except OSError:
+        pass
+
+
+def read_failure_note(run_dir: Path, rank: int, world_size: int, wait_s: float = 2.0) -> str | None:
+    """'rank N failed: <why> (its log: ...)' for the first other rank that left a note, or None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for other in range(world_size):
+            try:
+                text = failure_note(run_dir, other).read_text().strip() if other != rank else ""
+            except OSError:
+                text = ""
+            if text:
+                return f"rank {other} failed: {text} (its log: {run_dir / 'logs' / f'rank_{other}.log'})"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+
+
 def is_locked(run_dir: Path) -> bool | None:
     """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
     try:

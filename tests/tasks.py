@@ -1,0 +1,112 @@
+"""Tasks for tests, named in configs as 'tests.tasks:<function>' like a user's own: a tiny regression
+and classification problem, and variants that break one rule of the Task contract each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import qgtrain
+
+
+class Points(Dataset):
+    """Point i is made from its own seed; its label says which side of a fixed plane it lies on."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(8, generator=torch.Generator().manual_seed(self.seed * 7919 + index))
+        return {"x": x, "label": (x[:3].sum() > 0).long()}
+
+
+def classify_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["label"])
+
+
+def accuracy(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    return {"accuracy": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(batch["label"]))}
+
+
+def points(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    size = int(cfg.task.options.get("size", 512))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
+    return qgtrain.Task(model=model, train=Points(size, 1), val=Points(size // 4 + 3, 2), test=Points(37, 3),
+                        loss=classify_loss, metrics=accuracy)
+
+
+def not_a_task(cfg: qgtrain.RunConfig) -> int:
+    return 42
+
+
+def model_is_not_a_module(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.model = "a model"
+    return task
+
+
+def loss_is_not_a_scalar(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.loss = lambda model, batch: F.cross_entropy(model(batch["x"]), batch["label"], reduction="none")
+    return task
+
+
+class Opaque:
+    """A batch part qgtrain cannot move: no .to(), not a container it knows."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+def batch_cannot_move(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.collate = lambda samples: {"x": Opaque(torch.stack([s["x"] for s in samples]))}
+    return task
+
+
+def without_metrics(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.metrics = None
+    return task
+
+
+def raises_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """The loss fails on rank 1 only, in its third training step, as a bad sample would make it."""
+    task = points(cfg)
+    calls = [0]
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if model.training:
+            calls[0] += 1
+            if dist.get_rank() == 1 and calls[0] == 3:
+                raise ValueError("sample 17 has no label")
+        return classify_loss(model, batch)
+
+    task.loss = loss
+    return task
+
+
+@dataclass
+class Pair:
+    """A dataclass batch, moved field by field."""
+
+    x: torch.Tensor
+    label: torch.Tensor
+
+
+def as_dataclass(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.collate = lambda samples: Pair(torch.stack([s["x"] for s in samples]),
+                                        torch.stack([s["label"] for s in samples]))
+    task.loss = lambda model, batch: F.cross_entropy(model(batch.x), batch.label)
+    task.metrics = lambda model, batch: {"accuracy": ((model(batch.x).argmax(1) == batch.label).sum(),
+                                                      len(batch.label))}
+    return task
