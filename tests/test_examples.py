@@ -1,0 +1,112 @@
+"""The ready examples in jobs/ keep every promise the causal LM does. Runs against: real 2-rank `qgtrain
+train` processes on jobs/graph.yaml (plain-torch message passing) and jobs/classifier.yaml (a transformers
+sequence classifier), SIGKILLed at random steps and resumed, signalled on one rank, and exported for
+transformers' own pipeline()."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qgtrain.errors import EXIT_STOPPED
+from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks
+from tests.test_resume import records, wait_for
+
+MAX_STEPS = 24
+EXAMPLES = {
+    "graph": ["task.options={graphs: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
+    "classifier": ["task.options={per_module: 60, max_length: 64, hidden: 32, layers: 1}", "train.batch_size=8"],
+}
+
+
+def example(name: str, run: Path, *sets: str) -> list[str]:
+    return ["train", "--config", str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / f"{name}.yaml"),
+            "--run-dir", str(run), "--set", *EXAMPLES[name], f"train.max_steps={MAX_STEPS}", "train.log_every=1",
+            "train.eval_every=8", "checkpoint.every_steps=4", "early_stopping.patience=0", "optim.warmup_steps=4",
+            "logging.tensorboard=false", *sets]
+
+
+def final_state(run: Path) -> dict[str, torch.Tensor]:
+    folder = run / "checkpoints" / f"step-{MAX_STEPS}"
+    flat = {f"model.{k}": v for k, v in torch.load(folder / "model.pt", weights_only=True).items()}
+    for index, state in torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"].items():
+        flat.update({f"optim.{index}.{k}": v for k, v in state.items()})
+    return flat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_sigkill_at_random_steps_then_resume_equals_the_uninterrupted_run(tmp_path, name):
+    seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
+    first, last = sorted(random.Random(seed).sample(range(2, MAX_STEPS - 4), 2))
+    reference, run = tmp_path / "reference", tmp_path / "killed"
+    assert wait_ranks(start_cli_ranks(2, example(name, reference), tmp_path, log_prefix="ref"), 300) == [0, 0]
+    for step in (first, last):
+        procs = start_cli_ranks(2, example(name, run), tmp_path, log_prefix="killed")
+        wait_for(lambda: any(r["step"] >= step for r in records(run)[-1:]), procs, f"step {step}")
+        kill_ranks(procs)
+    assert wait_ranks(start_cli_ranks(2, example(name, run), tmp_path, log_prefix="killed"), 300) == [0, 0]
+
+    context = f"(seed {seed}: kills at steps {first} and {last})"
+    expected, got = records(reference), records(run)
+    assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1)), context
+    for want, have in zip(expected, got):
+        compared = [k for k in want if k == "loss" or k.startswith(("val_", "test_"))]
+        assert {k: have.get(k) for k in compared} == {k: want[k] for k in compared}, f"step {want['step']} {context}"
+    assert "val_accuracy" in expected[-1] and "test_accuracy" in expected[-1]
+    want, have = final_state(reference), final_state(run)
+    assert want.keys() == have.keys()
+    assert all(torch.equal(want[k], have[k]) for k in want), context
+    assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_a_signal_to_one_rank_stops_both_at_one_checkpoint(tmp_path, name):
+    run = tmp_path / "run"
+    procs = start_cli_ranks(2, example(name, run, "train.max_steps=100000", "checkpoint.every_steps=0",
+                                       "train.eval_every=0"), tmp_path)
+    wait_for(lambda: len(records(run)) >= 3, procs, "three steps")
+    os.kill(procs[1].pid, signal.SIGUSR2)
+    assert wait_ranks(procs, 60) == [EXIT_STOPPED, EXIT_STOPPED]
+    saved = [p for p in (run / "checkpoints").iterdir()]
+    assert len(saved) == 1
+    step = json.loads((saved[0] / "manifest.json").read_text())["step"]
+    assert f"stopping at step {step} on a signal that reached another rank" in (run / "logs" / "rank_0.log").read_text()
+    assert f"stopping at step {step} on SIGUSR2" in (run / "logs" / "rank_1.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_classifier_exports_for_transformers_pipeline_and_the_graph_model_says_how(tmp_path):
+    runs = {name: tmp_path / name for name in EXAMPLES}
+    for name, run in runs.items():
+        assert wait_ranks(start_cli_ranks(2, example(name, run, "train.max_steps=8"), tmp_path), 300) == [0, 0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "classifier-export"
+    done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(runs["classifier"]), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "reloaded and compared with the checkpoint" in done.stdout
+    code = ("import json, sys\nfrom transformers import pipeline\n"
+            f"classify = pipeline('text-classification', model={str(out)!r})\n"
+            "print(json.dumps(classify(['import json\\nprint(json.dumps({}))', 'async def main():\\n    await x'])))")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={k: v for k, v in env.items() if k != "PYTHONPATH"}, cwd=tmp_path)  # plain transformers
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    labels = {item["label"] for item in json.loads(shown.stdout.strip().splitlines()[-1])}
+    assert labels <= {"json", "asyncio", "unittest", "email"} and labels
+    refused = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(runs["graph"]), "--out",
+                              str(tmp_path / "graph-export")], capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "is a GraphClassifier, neither a transformers PreTrainedModel nor a huggingface_hub " \
+           "PyTorchModelHubMixin" in refused.stderr and "PyTorchModelHubMixin)" in refused.stderr
+    assert not (tmp_path / "graph-export").exists()
