@@ -13,6 +13,8 @@ from typing import Any, Literal
 from .errors import ConfigError
 from .task import BUILTIN_LM
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit, within what timers can hold
+
 
 def setting(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
     """A config field with its documentation and numeric bounds (inclusive)."""
@@ -76,7 +78,7 @@ class OptimConfig:
 class TrainConfig:
     run_name: str = setting("tiny-gpt2", "the run directory is <logging.runs_dir>/<run_name>")
     max_steps: int = setting(600, "optimizer steps to train for", min=1)
-    seed: int = setting(1337, "seed for weights, data order and dropout", min=0)
+    seed: int = setting(1337, "seed for weights, data order and dropout", min=0, max=2**31 - 1)
     batch_size: int = setting(16, "samples per micro-batch, per rank", min=1)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", min=1)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
@@ -90,9 +92,9 @@ class TrainConfig:
     find_unused_parameters: bool = setting(False, "let DDP skip parameters that get no gradient (slower)")
     cpu_threads: int = setting(0, "torch threads per rank on CPU (0 = the CPUs of this task / ranks per node)",
                                min=0)
-    startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0)
+    startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0, max=MAX_TIMEOUT_S)
     collective_timeout_s: float = setting(300.0, "seconds a collective may wait for a peer before failing",
-                                          min=1.0)
+                                          min=1.0, max=MAX_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,11 @@ def check_rules(cfg: RunConfig, source: str) -> None:
              "half-written when a job dies, so the one before it must survive rotation")
     if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
         fail("train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU")
-    if not cfg.train.run_name or "/" in cfg.train.run_name or cfg.train.run_name in (".", ".."):
-        fail("train.run_name", f"'{cfg.train.run_name}' must be a plain directory name")
+    name = cfg.train.run_name
+    if not name.strip() or name != name.strip() or "/" in name or name in (".", "..") or \
+            any(ord(c) < 32 for c in name):
+        fail("train.run_name", f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
+             "trailing spaces, no control characters")
     if not cfg.early_stopping.metric.startswith("val_"):
         fail("early_stopping.metric", f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss or "
              "val_<name> for a metric your task reports")

@@ -185,6 +185,8 @@ def _convert(raw: Any, hint: Any, spec: dataclasses.Field[Any], where: str, *, f
     if hint is int or hint is float:
         return _to_number(raw, hint, spec, where, from_text)
     if hint is str:
+        if raw is None and spec.default == "":  # YAML's null for an optional text: its empty default
+            return ""
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return str(raw)
         if not isinstance(raw, str):

@@ -86,10 +86,30 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
     ("data:\n  name: factory\n", r"data.factory: data.name is 'factory' but no"),
     ("train:\n  run_name: a/b\n", r"train.run_name: 'a/b' must be a plain directory name"),
     ("early_stopping:\n  patience: 3\ntrain:\n  eval_every: 0\n", r"early stopping needs validations"),
+    ("train:\n  seed: 99999999999999999999\n", r"train.seed: 99999999999999999999 is out of range; expected an "
+                                               r"integer between 0 and 2147483647"),
+    ("train:\n  collective_timeout_s: 1.0e+12\n", r"train.collective_timeout_s: 1000000000000.0 is out of range"),
+    ("train:\n  run_name: ' '\n", r"train.run_name: ' ' must be a plain directory name: not empty"),
+    ("train:\n  run_name: ' x'\n", r"no leading or trailing spaces"),
+    ("early_stopping:\n  metric: test_accuracy\n", r"early_stopping.metric: 'test_accuracy' is not a validation"),
+    ("early_stopping:\n  mode: biggest\n", r"'biggest' is not allowed; choose one of min, max"),
+    ("task: mytasks.make\n", r"task.factory: 'mytasks.make' is not of the form 'package.module:function' or "
+                             r"'path/to/file.py:function'"),
+    ("task:\n  options: [1, 2]\n", r"task.options: expected a mapping of names to values"),
+    ("slurm:\n  job_name: null\n", r"slurm.job_name: expected text, got NoneType"),
 ])
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config([write(tmp_path, text)])
+
+
+def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_one_line(tmp_path):
+    cfg = load_config([write(tmp_path, "slurm:\n  partition: null\n  account: ~\ntask: jobs/t.py:make\n")],
+                      ["task.options.hidden=64", "task.options.name=tiny"])
+    assert cfg.slurm.partition == "" and cfg.slurm.account == ""
+    assert cfg.task.factory == f"{(tmp_path / 'jobs' / 't.py').resolve()}:make", "relative to the file naming it"
+    assert cfg.task.options == {"hidden": 64, "name": "tiny"}
+    assert load_config([], ["task=my.mod:build"]).task.factory == "my.mod:build"
 
 
 def test_missing_file_is_named(tmp_path):

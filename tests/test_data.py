@@ -3,13 +3,16 @@ samplers are built from DistEnv values (no process group is needed to shard indi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import Dataset
 
+from qgtrain.configload import load_config
 from qgtrain.data.loaders import EvalShard, ResumableSampler, make_loader
-from qgtrain.errors import CheckpointError
 from qgtrain.runtime.rendezvous import DistEnv
+from tests.ranks import run_ranks, train_rank
 
 
 class Indices(Dataset):
@@ -58,10 +61,18 @@ def test_consumed_samples_are_the_same_prefix_whatever_the_world_size():
         assert first_two_batches == sorted(one[:8 * world])
 
 
-def test_a_position_that_does_not_divide_by_the_world_size_is_refused():
-    sampler, _ = loader(Indices(40), 0, 3, 0)
-    with pytest.raises(CheckpointError, match="cannot be split evenly over 3 ranks"):
-        sampler.set_position(0, 8)
+def test_a_position_that_does_not_divide_by_the_new_world_size_is_refused(tmp_path):
+    """2 ranks x 4 samples: 8 samples into the epoch at step 1, which 3 ranks cannot continue exactly."""
+    cfg = load_config([], ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.max_steps=1",
+                           "train.eval_every=0", "logging.tensorboard=false", "model.factory=tests.factories:tiny",
+                           "checkpoint.every_steps=1"])
+    run = str(tmp_path / "run")
+    assert [r["exit"] for r in run_ranks(2, train_rank, cfg, run)] == [0, 0]
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=2))
+    for result in run_ranks(3, train_rank, more, run):
+        assert result["exit"] == 2
+        assert "was saved by 2 rank(s) after 8 samples of epoch 0, which 3 ranks cannot split evenly" in \
+            result["error"]
 
 
 def test_evaluation_shards_cover_every_sample_exactly_once_however_uneven():

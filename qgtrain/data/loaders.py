@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..runtime.rendezvous import DistEnv
 
 
@@ -60,12 +60,8 @@ class ResumableSampler(DistributedSampler[Any]):
         self.start = 0
 
     def set_position(self, epoch: int, samples_consumed: int) -> None:
-        """Continue epoch `epoch` after `samples_consumed` samples of all ranks together."""
-        if samples_consumed % self.num_replicas:
-            raise CheckpointError(
-                f"the checkpoint stopped after {samples_consumed} samples of epoch {epoch}, which cannot be "
-                f"split evenly over {self.num_replicas} ranks. HINT: resume with the world size it was saved "
-                "with, or from a checkpoint at an epoch boundary")
+        """Continue epoch `epoch` after `samples_consumed` samples of all ranks together, a multiple of the
+        world size (train_state.restore refuses a checkpoint whose position is not)."""
         super().set_epoch(epoch)
         self.start = samples_consumed // self.num_replicas
 

@@ -105,9 +105,9 @@ def missing_ranks(env: DistEnv, wait_s: float = 3.0) -> list[int] | None:
         store.set_timeout(datetime.timedelta(seconds=5))
         store.set(f"qgtrain/alive/{env.rank}", "1")
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while True:
             alive = [r for r in range(env.world_size) if store.check([f"qgtrain/alive/{r}"])]
-            if len(alive) == env.world_size:
+            if len(alive) == env.world_size or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
         return [r for r in range(env.world_size) if r not in alive]

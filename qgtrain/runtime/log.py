@@ -51,7 +51,8 @@ def _formatter(env: DistEnv) -> logging.Formatter:
 
 
 def _quiet_libraries() -> None:
-    """transformers and torch announce things users cannot act on; keep their warnings, drop their chatter."""
+    """transformers and torch announce things users cannot act on here (their info and warnings about
+    process groups and DDP internals): only their errors are shown."""
     for name in ("transformers", "torch.distributed", "torch.nn.parallel"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
