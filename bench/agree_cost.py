@@ -47,7 +47,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
             optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-            distributed.any_flags([~torch.isfinite(loss), False, False, False], device)
+            distributed.any_flags([~torch.isfinite(loss), False, False, False, False], device)
             agree_times.append(time.perf_counter() - start)
         if rank == 0:
             out["step"] = statistics.median(step_times[5:])

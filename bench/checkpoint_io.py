@@ -24,6 +24,7 @@ from bench.common import alternate, report
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.state import checkpoint
+from qgtrain.state.resume import pick_for_resume
 from qgtrain.state.checkpointer import Checkpointer
 
 
@@ -68,7 +69,7 @@ def main() -> None:
                 plain_written[-3].unlink()
 
         def qgtrain_load() -> None:
-            ckpt = checkpoint.pick_for_resume(saver.root, saver.run_id, "auto", print)
+            ckpt = pick_for_resume(saver.root, saver.run_id, "auto", print)
             assert ckpt is not None
             model.load_state_dict(checkpoint.load_file(ckpt, "model.pt"))
             optimizer.load_state_dict(checkpoint.load_file(ckpt, "optim.pt"))

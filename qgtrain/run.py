@@ -26,6 +26,7 @@ from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
 from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
+from .state.resume import pick_for_resume
 from .task import Task
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import parallel
@@ -75,11 +76,16 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
         # checkpoint to resume from before it writes anything there: a refusal leaves the run as it was.
         def claim() -> tuple[Path, str, str | None, list[str]]:
             path = (run_dir or rundir.default_run_dir(cfg)).resolve()
-            stack.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
-            warnings: list[str] = []  # logged once the run's log file is open
-            ckpt = checkpoint.pick_for_resume(path / "checkpoints", rundir.read_run_id(path), cfg.checkpoint.resume,
-                                              warnings.append)
-            return path, rundir.open_run(path, cfg, dump_yaml(cfg)), str(ckpt.path) if ckpt else None, warnings
+            try:
+                stack.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
+                warnings: list[str] = []  # logged once the run's log file is open
+                ckpt = pick_for_resume(path / "checkpoints", rundir.read_run_id(path), cfg.checkpoint.resume,
+                                       warnings.append)
+                return path, rundir.open_run(path, cfg, dump_yaml(cfg)), str(ckpt.path) if ckpt else None, warnings
+            except OSError as exc:
+                raise QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: "
+                                   f"{exc.filename or path}). HINT: choose a writable place with --run-dir or "
+                                   "logging.runs_dir, or free space there") from None
 
         path, run_id, resume_from, warnings = distributed.main_decides(claim)
         if env.is_main:

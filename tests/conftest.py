@@ -43,7 +43,22 @@ def slurm_cluster() -> Iterator[Path]:
         subprocess.run(["bash", str(CLUSTER / "stop.sh")], capture_output=True, timeout=300)
 
 
-def _cannot_start(reason: str) -> None:
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MB tmpfs mounted for the test (root only): a disk that fills up, and can be made read-only
+    with `mount -o remount,ro`."""
+    if os.geteuid() != 0:
+        _cannot_start("a tmpfs mount needs root", what="the full-disk tests")
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _cannot_start(reason: str, what: str = "the Slurm tests") -> None:
     if os.environ.get("CI"):
-        pytest.fail(f"CI must run the Slurm tests, but {reason}")
+        pytest.fail(f"CI must run {what}, but {reason}")
     pytest.skip(reason)

@@ -12,6 +12,7 @@ ranks; checkpointer.py decides who writes what.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -19,7 +20,6 @@ import pickle
 import re
 import shutil
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +75,34 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
             digests[name] = pool.submit(_digest, folder / name)
         return {name: {"size": (folder / name).stat().st_size, "xxh3": future.result()}
                 for name, future in digests.items()}
+
+
+def explain_write_error(exc: BaseException, staging: Path, files: dict[str, Any]) -> str:
+    """Why a write failed, in the user's terms: a full disk says how much room there is and is needed."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+        (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    try:
+        written = sum(p.stat().st_size for p in staging.iterdir())  # freed when the staging folder goes
+        free = shutil.disk_usage(staging.parent).free + written
+    except OSError:
+        return text
+    needed = _nbytes(files)
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or free < needed:
+        return (f"no space left on the filesystem of {staging.parent}: {free / 1e6:.1f} MB free, the checkpoint "
+                f"needs about {needed / 1e6:.1f} MB")
+    return text
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, bytes):
+        return len(obj)
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.element_size() * obj.numel())
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _digest(path: Path) -> str:
@@ -160,48 +188,6 @@ def _step_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return [entry for entry in root.iterdir() if _COMMITTED.fullmatch(entry.name) and entry.is_dir()]
-
-
-def pick_for_resume(root: Path, run_id: str | None, resume: str,
-                    warn: Callable[[str], None]) -> Checkpoint | None:
-    """The checkpoint a start resumes from: the newest verified one of this run, or the one named.
-
-    A corrupt newest checkpoint is passed over with a warning and the one before it is used. A run that
-    has checkpoints but none that can be used is refused, never silently restarted from scratch: the
-    error names each checkpoint and what is wrong with it, and nothing on disk has been touched yet.
-    """
-    if resume == "never":
-        return None
-    if resume != "auto":
-        ckpt = read_manifest(Path(resume))
-        if ckpt is None:
-            raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid {MANIFEST}); "
-                                  "expected a folder such as <run dir>/checkpoints/step-<N>, or 'auto' or 'never'")
-        problem = verify(ckpt)
-        if problem:
-            raise CheckpointError(f"checkpoint.resume: {problem}")
-        return ckpt
-    committed = list_committed(root)
-    others = sorted({c.run_id for c in committed if c.run_id != run_id})
-    if others:
-        warn(f"ignoring checkpoints of other runs in {root} (run ids {', '.join(others)})")
-    problems = []
-    for folder in list_unreadable(root):
-        problems.append(f"{folder.name}: no valid {MANIFEST} (removed or damaged)")
-        warn(f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files cannot be "
-             "checked")
-    for ckpt in reversed([c for c in committed if c.run_id == run_id]):
-        problem = verify(ckpt)
-        if problem is None:
-            return ckpt
-        warn(f"skipping checkpoint {ckpt.path.name}: {problem}; trying the one before it")
-        problems.append(f"{ckpt.path.name}: {problem}")
-    if problems:
-        raise CheckpointError(
-            f"{root} holds {len(problems)} checkpoint(s) of this run and none can be resumed ("
-            f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
-            "afresh with checkpoint.resume: never or another train.run_name")
-    return None
 
 
 def verify(ckpt: Checkpoint) -> str | None:

@@ -5,7 +5,7 @@ the replicated state; rank 0 gathers every rank's file entries (or its error), c
 broadcasts the outcome, so all ranks succeed or fail together. The saver has its own gloo group: an
 asynchronous save runs these collectives in a background thread without interleaving with training's.
 
-Restore: rank 0 picks the checkpoint before anything of the run is written (checkpoint.pick_for_resume)
+Restore: rank 0 picks the checkpoint before anything of the run is written (resume.pick_for_resume)
 and broadcasts it; each rank then reads the replicated files and its own.
 """
 
@@ -73,6 +73,11 @@ class Checkpointer:
                 self._background(self._settle, ckpt, list(files))
         self.last_step = step
 
+    @property
+    def failed(self) -> bool:
+        """A background save has failed and not been reported yet (agreed on by the trainer each step)."""
+        return self._failure is not None
+
     def wait(self) -> None:
         """Let the save in flight finish; raise its failure (the same on every rank)."""
         if self._thread is not None:
@@ -88,6 +93,8 @@ class Checkpointer:
                 work(*args)
             except TrainingError as exc:
                 self._failure = str(exc)
+            except BaseException as exc:  # recorded, so that the next wait reports it instead of success
+                self._failure = f"the background checkpoint writer failed: {type(exc).__name__}: {exc}"
 
         self._thread = threading.Thread(target=run, name="qgtrain-checkpoint", daemon=True)
         self._thread.start()
@@ -105,13 +112,15 @@ class Checkpointer:
                 staging.mkdir(parents=True)
             except OSError as exc:
                 error = f"rank 0 cannot create {staging}: {exc.strerror or exc}"
-        dist.barrier(group=self.group)
+        box: list[Any] = [error]
+        dist.broadcast_object_list(box, src=0, group=self.group)  # no rank writes into a folder that is not there
+        error = box[0]
         entries: dict[str, Any] = {}
         if error is None:
             try:
                 entries = checkpoint.write_files(staging, files)
-            except OSError as exc:
-                error = f"rank {self.env.rank} cannot write {staging}: {exc.strerror or exc}"
+            except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+                error = f"rank {self.env.rank} cannot write {staging}: {checkpoint.explain_write_error(exc, staging, files)}"
         gathered = gather_to_main((entries, error), group=self.group)
         outcome = self._commit(step, staging, gathered, meta) if gathered is not None else None
         box = [outcome]

@@ -125,8 +125,11 @@ class Trainer:
             if first or step % t.agree_every == 0:
                 due = self.env.is_main and bool(self.s.checkpoint.every_minutes) and \
                     time.monotonic() - last_save >= 60 * self.s.checkpoint.every_minutes
-                bad_loss, stop, time_due, unused = distributed.any_flags(
-                    [bad_loss_seen, self.p.stop.requested, due, first and self._has_unused()], self.device)
+                bad_loss, stop, time_due, unused, save_failed = distributed.any_flags(
+                    [bad_loss_seen, self.p.stop.requested, due, first and self._has_unused(),
+                     self.p.checkpointer.failed], self.device)
+                if save_failed:
+                    self.p.checkpointer.wait()  # raises the failure, the same on every rank
                 if bad_loss or unused:
                     self._fail(step, bad_loss, bool(bad_loss_seen.item()))
             self.p.scaler.step(self.p.optimizer)

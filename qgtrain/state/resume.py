@@ -1,0 +1,51 @@
+"""Which checkpoint a start resumes from, and the refusal when a run has checkpoints but none is usable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .checkpoint import MANIFEST, Checkpoint, list_committed, list_unreadable, read_manifest, verify
+
+
+def pick_for_resume(root: Path, run_id: str | None, resume: str,
+                    warn: Callable[[str], None]) -> Checkpoint | None:
+    """The checkpoint a start resumes from: the newest verified one of this run, or the one named.
+
+    A corrupt newest checkpoint is passed over with a warning and the one before it is used. A run that
+    has checkpoints but none that can be used is refused, never silently restarted from scratch: the
+    error names each checkpoint and what is wrong with it, and nothing on disk has been touched yet.
+    """
+    if resume == "never":
+        return None
+    if resume != "auto":
+        ckpt = read_manifest(Path(resume))
+        if ckpt is None:
+            raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid {MANIFEST}); "
+                                  "expected a folder such as <run dir>/checkpoints/step-<N>, or 'auto' or 'never'")
+        problem = verify(ckpt)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume: {problem}")
+        return ckpt
+    committed = list_committed(root)
+    others = sorted({c.run_id for c in committed if c.run_id != run_id})
+    if others:
+        warn(f"ignoring checkpoints of other runs in {root} (run ids {', '.join(others)})")
+    problems = []
+    for folder in list_unreadable(root):
+        problems.append(f"{folder.name}: no valid {MANIFEST} (removed or damaged)")
+        warn(f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files cannot be "
+             "checked")
+    for ckpt in reversed([c for c in committed if c.run_id == run_id]):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        warn(f"skipping checkpoint {ckpt.path.name}: {problem}; trying the one before it")
+        problems.append(f"{ckpt.path.name}: {problem}")
+    if problems:
+        raise CheckpointError(
+            f"{root} holds {len(problems)} checkpoint(s) of this run and none can be resumed ("
+            f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
+            "afresh with checkpoint.resume: never or another train.run_name")
+    return None
