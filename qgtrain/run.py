@@ -88,6 +88,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
                                    "logging.runs_dir, or free space there") from None
 
         path, run_id, resume_from, warnings = distributed.main_decides(claim)
+        _check_shared(path, run_id, env, device)
         if env.is_main:
             rundir.write_status(path, "running", job_id=env.requeue_id, restart=env.restart_count, error=None,
                                 host=env.node_name, ranks=env.world_size, started=time.time())
@@ -167,6 +168,17 @@ def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, check
     resolved = precision.resolve(cfg.train.precision, device)
     return Parts(task, model, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device),
                  loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop)
+
+
+def _check_shared(path: Path, run_id: str, env: DistEnv, device: torch.device) -> None:
+    """Every rank must see the run directory rank 0 just claimed: checkpoints are written into one folder
+    by all ranks. Checked before anything is built, on every rank (a collective)."""
+    blind = distributed.flagged_ranks(rundir.read_run_id(path) != run_id, device)
+    if blind:
+        raise QgtrainError(
+            f"rank(s) {blind} do not see the run directory {path} that rank 0 created on {env.master_addr}: each "
+            "node sees its own folder at that path. HINT: the run directory must be on a filesystem every node "
+            "mounts (a shared filesystem); point logging.runs_dir or --run-dir there (`srun qgtrain doctor` checks)")
 
 
 def _first_line(exc: BaseException) -> str:

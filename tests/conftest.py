@@ -44,11 +44,16 @@ def slurm_cluster() -> Iterator[Path]:
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+def root() -> None:
+    """For tests that mount filesystems or make namespaces."""
+    if os.geteuid() != 0:
+        _cannot_start("mounts and namespaces need root", what="the filesystem fault tests")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, root: None) -> Iterator[Path]:
     """A real 1 MB tmpfs mounted for the test (root only): a disk that fills up, and can be made read-only
     with `mount -o remount,ro`."""
-    if os.geteuid() != 0:
-        _cannot_start("a tmpfs mount needs root", what="the full-disk tests")
     mount = tmp_path / "small-disk"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)

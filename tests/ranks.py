@@ -107,9 +107,10 @@ def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
 
 
 def start_cli_ranks(world_size: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
-                    log_prefix: str = "rank") -> list[subprocess.Popen[bytes]]:
+                    log_prefix: str = "rank", wrap: dict[int, list[str]] | None = None) -> list[subprocess.Popen[bytes]]:
     """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each rank
-    leads its own process group, so a SIGKILL to the group takes its DataLoader workers too."""
+    leads its own process group, so a SIGKILL to the group takes its DataLoader workers too. `wrap` puts
+    a command in front of some ranks' (e.g. unshare, to give one rank a filesystem of its own)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -117,7 +118,8 @@ def start_cli_ranks(world_size: int, args: list[str], cwd: Path, env: dict[str, 
                     "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         output = open(cwd / f"{log_prefix}-{rank}.out", "ab")
-        procs.append(subprocess.Popen([sys.executable, "-m", "qgtrain", *args], cwd=cwd, env=rank_env,
+        procs.append(subprocess.Popen([*(wrap or {}).get(rank, []), sys.executable, "-m", "qgtrain", *args], cwd=cwd,
+                                      env=rank_env,
                                       stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

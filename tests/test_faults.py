@@ -53,3 +53,18 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_and_exit_2(tmp_path,
         output = (tmp_path / f"rank-{rank}.out").read_text()
         assert "Traceback" not in output
         assert f"the run directory {small_disk / 'run'} cannot be written (Read-only file system" in output
+
+
+def test_a_run_directory_that_another_node_does_not_share_is_refused_before_training(tmp_path, root):
+    """Rank 1 runs in a mount namespace of its own with a private tmpfs over the runs folder: the same
+    path, another filesystem, as on a node that mounts scratch space locally."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    procs = start_cli_ranks(2, args(runs / "run"), tmp_path,
+                            wrap={1: ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{runs}" && exec "$0" "$@"']})
+    assert wait_ranks(procs, 120) == [2, 2]
+    for rank in (0, 1):
+        last = (tmp_path / f"rank-{rank}.out").read_text().strip().splitlines()[-1]
+        assert f"rank(s) [1] do not see the run directory {runs / 'run'} that rank 0 created" in last
+        assert "must be on a filesystem every node mounts" in last
+    assert not (runs / "run" / "metrics.jsonl").exists(), "refused before training"
