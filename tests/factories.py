@@ -122,3 +122,21 @@ class WorkerDies(torch.utils.data.Dataset):
 
 def data_with_dying_worker(seq_len: int, seed: int) -> tuple:
     return WorkerDies(), WorkerDies(), WorkerDies(), 257
+
+
+class DriftsApart(TinyLM):
+    """A frozen scale that each rank changes in place differently: replicas silently diverge."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.scale.add_(0.1 * (dist.get_rank() + 1))
+        return super().forward(input_ids) * self.scale
+
+
+def drifts_apart(vocab_size: int, seq_len: int) -> nn.Module:
+    return DriftsApart(vocab_size)

@@ -135,3 +135,14 @@ def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unus
         assert "2 parameter(s) received no gradient in step 1 on rank(s) [0, 1]: unused_head.weight, " \
                "unused_head.bias" in result["error"]
         assert "train.find_unused_parameters: true" in result["error"]
+
+
+def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(tmp_path):
+    cfg = small(tmp_path, "model.factory=tests.factories:drifts_apart", "train.max_steps=10",
+                "checkpoint.every_steps=4")
+    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
+    for result in results:
+        assert result["exit"] == 1
+        assert "the ranks' copies of the model differ at step 4: scale; no checkpoint was written" in result["error"]
+    assert not (tmp_path / "run" / "checkpoints").exists() or \
+        not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -202,6 +202,18 @@ class Trainer:
             "(requires_grad_(False)); if they are unused only on some steps, set train.find_unused_parameters: "
             "true (slower)")
 
+    def _check_replicas(self) -> None:
+        """Every rank holds the same model under DDP; one that differs would be saved as rank 0's copy
+        and train on silently. Checked before each checkpoint, on every rank."""
+        differ = distributed.diverged([*self.p.model.named_parameters(), *self.p.model.named_buffers()],
+                                      self.device)
+        if differ:
+            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+            raise TrainingError(
+                f"the ranks' copies of the model differ at step {self.state.step}: {shown}; no checkpoint was "
+                "written. HINT: something changed them on some ranks only: an in-place update of a frozen "
+                "parameter or a buffer outside the forward pass, or weights set after the task was built")
+
     def _evaluate(self, loader: Any, max_batches: int) -> dict[str, float | None]:
         if loader is None:
             return {}
@@ -258,6 +270,8 @@ class Trainer:
 
     def save(self, evaluated: bool, blocking: bool = False) -> None:
         s, es = self.state, self.s.early_stopping
+        if self.env.world_size > 1:
+            self._check_replicas()
         if self.p.task.tokens is not None:  # every rank is here: sum what is pending
             self._count_tokens(int(distributed.sum_tensor([self._pending_tokens], self.device)[0]))
         score = s.val_metrics.get(es.metric.removeprefix("val_")) if evaluated else None
