@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
-from qgtrain.runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
+from qgtrain.runtime.signals import StopFlag, is_time_limit, job_state, reason_not_to_requeue, requeue, seconds_left
 from tests.ranks import start_cli_ranks, wait_ranks
 
 
@@ -140,3 +140,25 @@ def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"
     logs = "".join((run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1))
     assert "DataLoader worker" not in logs
+
+
+@pytest.mark.parametrize("left, ran, limit, lead, timed_out", [
+    (110.0, 10.0, 120.0, 120, True),     # a 2-minute job warned at its start: the time limit
+    (3000.0, 60.0, 3600.0, 120, False),  # an hour left: a preemption
+    (150.0, 3450.0, 3600.0, 120, True),  # warned 150 s before the end (Slurm's 30 s tick): the time limit
+    (None, 50.0, 120.0, 120, False),     # no end time known: half the limit, not submitit's -480 s
+    (None, 100.0, 300.0, 120, False),    # submitit's rule (threshold -300 s) called this a timeout
+    (None, 3500.0, 3600.0, 120, True),
+])
+def test_a_preemption_is_never_counted_as_a_timeout(left, ran, limit, lead, timed_out):
+    assert is_time_limit(left, ran, limit, lead) is timed_out
+
+
+def test_seconds_left_reads_the_end_time_slurm_reports():
+    def scontrol(cmd, **kwargs):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(cmd, 0, "JobId=9 JobState=RUNNING StartTime=2026-11-23T08:00:00 "
+                                                   "EndTime=2026-11-23T09:00:00 Restarts=0\n", "")
+
+    now = time.mktime(time.strptime("2026-11-23T08:58:00", "%Y-%m-%dT%H:%M:%S"))
+    assert seconds_left("9", run=scontrol, now=now) == 120.0
+    assert seconds_left("9", run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no job")) is None

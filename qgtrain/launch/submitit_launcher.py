@@ -24,7 +24,7 @@ from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 from ..config import RunConfig
 from ..configload import config_to_dict, load_config
 from ..errors import EXIT_STOPPED, QgtrainError
-from ..runtime.signals import job_state, reason_not_to_requeue
+from ..runtime.signals import is_time_limit, job_state, reason_not_to_requeue, seconds_left
 from ..state.rundir import default_run_dir
 from .sbatch import tasks_per_node, time_minutes, validate
 
@@ -41,9 +41,11 @@ class TrainTask(submitit.helpers.Checkpointable):
         from ..runtime.rendezvous import from_environ
 
         env = from_environ(os.environ)
-        code = train(config_from_dict(self.config, "submitted config"), env, self.run_dir, requeue_on_stop=False)
+        cfg = config_from_dict(self.config, "submitted config")
+        code = train(cfg, env, self.run_dir, requeue_on_stop=False)
         if code == EXIT_STOPPED:
-            _requeue_through_submitit(env.rank, str(env.job_id), env.restart_count)
+            _requeue_through_submitit(env.rank, str(env.job_id), env.restart_count, 60.0 * time_minutes(cfg.slurm.time),
+                                      cfg.slurm.signal_lead_s)
         return {"run_dir": self.run_dir, "exit_code": code}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -51,14 +53,19 @@ class TrainTask(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(TrainTask(self.config, self.run_dir))
 
 
-def _requeue_through_submitit(rank: int, job_id: str, restart: int) -> None:
+def _requeue_through_submitit(rank: int, job_id: str, restart: int, limit_s: float, lead_s: float) -> None:
     """Rank 0 runs submitit's own handler for its preemption signal (restored when training ended), which
     pickles checkpoint() and requeues the job; the other ranks just leave, writing no result. A cancelled
-    job (scancel sends SIGTERM too) is not requeued."""
+    job (scancel sends SIGTERM too) is not requeued. Whether the stop was the time limit or a preemption
+    is decided here (is_time_limit), so that preemptions never use up submitit's timeout budget."""
     signum = JobEnvironment._usr_sig()
     handler = signal.getsignal(signum)
     if rank == 0:
         reason = reason_not_to_requeue(job_state(job_id), restart)
+        owner = getattr(handler, "__self__", None)  # submitit's SignalHandler
+        if owner is not None and hasattr(owner, "has_timed_out"):
+            timed_out = is_time_limit(seconds_left(job_id), time.time() - owner._start_time, limit_s, lead_s)
+            owner.has_timed_out = lambda: timed_out
         if reason is None and callable(handler):
             print("qgtrain: stopped at a checkpoint; requeueing through submitit", file=sys.stderr, flush=True)
             handler(signum, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
@@ -53,6 +54,31 @@ def job_state(job_id: str, run: Runner = subprocess.run) -> tuple[str, int] | No
     if not state:
         return None
     return state.group(1), int(restarts.group(1)) if restarts else 0
+
+
+def seconds_left(job_id: str, run: Runner = subprocess.run, now: float | None = None) -> float | None:
+    """Seconds until the job's time limit, from scontrol's EndTime (local time), or None if unknown."""
+    try:
+        shown = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    end = re.search(r"\bEndTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", shown)
+    if not end:
+        return None
+    return time.mktime(time.strptime(end.group(1), "%Y-%m-%dT%H:%M:%S")) - (time.time() if now is None else now)
+
+
+def is_time_limit(left_s: float | None, ran_s: float, limit_s: float, lead_s: float) -> bool:
+    """Whether a stop signal is the warning before the time limit (a timeout) rather than a preemption.
+
+    The warning comes `lead_s` before the end, so with the end known that is the test. Without it, the
+    run time decides against a threshold that is never below half the limit: submitit's own rule,
+    min(0.8 x limit, limit - 10 min), is negative for jobs under 10 minutes and counts every preemption
+    as a timeout, using up the timeout budget.
+    """
+    if left_s is not None:
+        return left_s <= lead_s + 60
+    return ran_s >= max(limit_s - lead_s - 60, 0.5 * limit_s)
 
 
 def reason_not_to_requeue(state: tuple[str, int] | None, our_restart: int) -> str | None:
