@@ -33,6 +33,16 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
     for path in paths:
         values.update(_anchored(_flatten(_read_yaml(Path(path)), str(path)), Path(path).parent))
         sources.append(str(path))
+    from_files = values.get(OPTIONS, ({}, ""))[0]
+    parsed = _parse_sets(sets, dict(from_files) if isinstance(from_files, dict) else {})
+    values.update(parsed)
+    sources += ["--set"] if parsed else []
+    return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
+
+
+def _parse_sets(sets: Iterable[str], options: dict[str, Any] | None = None) -> dict[str, tuple[Any, str]]:
+    """`--set KEY=VALUE` as (text, '--set') per dotted key; task.options.NAME=VALUE merge into `options`."""
+    values: dict[str, tuple[Any, str]] = {}
     for assignment in sets:
         key, sep, text = assignment.partition("=")
         key = key.strip()
@@ -41,14 +51,13 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
         if key == "task":
             key = "task.factory"
         if key.startswith(OPTIONS + "."):  # one option of the user's task, merged into the others
-            options = dict(values.get(OPTIONS, ({}, ""))[0])
+            options = dict(options or {})
             options[key.removeprefix(OPTIONS + ".")] = _parse_yaml_text(text, f"--set {key}")
             values[OPTIONS] = (options, "--set")
         else:
             _check_key(key, "--set")
             values.update(_anchored({key: (text, "--set")}, Path.cwd()))
-        sources.append("--set")
-    return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
+    return values
 
 
 def _anchored(values: dict[str, tuple[Any, str]], base: Path) -> dict[str, tuple[Any, str]]:
@@ -75,6 +84,13 @@ def build_config(values: Mapping[str, tuple[Any, str]], source: str) -> RunConfi
     cfg = RunConfig(**{name: SECTIONS[name](**kw) for name, kw in sections.items()})
     check_rules(cfg, source)
     return cfg
+
+
+def with_overrides(cfg: RunConfig, sets: Iterable[str]) -> RunConfig:
+    """A resolved config with `--set KEY=VALUE` overrides applied, validated once more as a whole."""
+    values = _flatten(config_to_dict(cfg), "the given config")
+    values.update(_parse_sets(sets, dict(cfg.task.options)))
+    return build_config(values, "the given config, --set")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:

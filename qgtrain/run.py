@@ -71,6 +71,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 
 def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None, stop: StopFlag,
                     task: TaskSource | None) -> tuple[Outcome, Path]:
+    config_yaml = dump_yaml(cfg)  # one text for the run directory and, through it, every checkpoint
     with contextlib.ExitStack() as stack:
         # Rank 0 picks the directory (absolute, as it sees it), holds its lock while training, and picks the
         # checkpoint to resume from before it writes anything there: a refusal leaves the run as it was.
@@ -81,7 +82,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
                 warnings: list[str] = []  # logged once the run's log file is open
                 ckpt = pick_for_resume(path / "checkpoints", rundir.read_run_id(path), cfg.checkpoint.resume,
                                        warnings.append)
-                return path, rundir.open_run(path, cfg, dump_yaml(cfg)), str(ckpt.path) if ckpt else None, warnings
+                return path, rundir.open_run(path, cfg, config_yaml), str(ckpt.path) if ckpt else None, warnings
             except OSError as exc:
                 raise QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: "
                                    f"{exc.filename or path}). HINT: choose a writable place with --run-dir or "
@@ -136,7 +137,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     model = task.model
     logger.info("task %s: model %s with %.2fM parameters", cfg.task.factory, type(model).__name__,
                 sum(p.numel() for p in model.parameters()) / 1e6)
-    extra = {"config.yaml": dump_yaml(cfg).encode(),
+    extra = {"config.yaml": (run_dir / "config.yaml").read_bytes(),  # rank 0's record: the copies cannot differ
              "model.json": json.dumps({"class": type(model).__name__, **task.facts}).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         extra["hf_config.json"] = model.config.to_json_string().encode()

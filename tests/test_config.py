@@ -155,3 +155,19 @@ def test_config_get_prints_one_value(tmp_path):
     result = subprocess.run([sys.executable, "-m", "qgtrain", "config", "--get", "data.cache_dir",
                              "--set", "data.cache_dir=/tmp/x"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout == "/tmp/x\n"
+
+
+def test_a_resolved_config_with_overrides_is_not_turned_into_text_and_back():
+    """qgtrain.submit(RunConfig, **overrides): the given values stay what they are (a folder named 'None'
+    used to come back as no folder at all), and the overrides are validated with them."""
+    import dataclasses
+
+    from qgtrain.configload import with_overrides
+
+    given = dataclasses.replace(RunConfig(), model=dataclasses.replace(RunConfig().model, pretrained="None"),
+                                task=dataclasses.replace(RunConfig().task, options={"deep": {"list": [1, 2]}}))
+    cfg = with_overrides(given, ["train.max_steps=5", "task.options.extra=3"])
+    assert cfg.model.pretrained == "None" and cfg.train.max_steps == 5
+    assert cfg.task.options == {"deep": {"list": [1, 2]}, "extra": 3}
+    with pytest.raises(ConfigError, match=r"train.max_steps: 0 is out of range"):
+        with_overrides(given, ["train.max_steps=0"])

@@ -22,7 +22,7 @@ from submitit.core.job_environment import JobEnvironment
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
 from ..config import RunConfig
-from ..configload import config_to_dict, load_config
+from ..configload import config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
 from ..runtime.signals import is_time_limit, job_state, reason_not_to_requeue, seconds_left
 from ..state.rundir import default_run_dir
@@ -175,9 +175,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     config keys with `__` for the dot: `submit("config.yaml", train__max_steps=1000, slurm__nodes=2)`.
     """
     if isinstance(config, RunConfig):
-        base = config_to_dict(config)
-        cfg = load_config([], [f"{section}.{key}={_text(value)}" for section, values in base.items()
-                               for key, value in values.items()] + _sets(overrides))
+        cfg = with_overrides(config, _sets(overrides)) if overrides else config
     else:
         path = Path(config) if config else Path("config.yaml")
         cfg = load_config([path] if config or path.is_file() else [], _sets(overrides))
