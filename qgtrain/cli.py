@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from .config import RunConfig
 from .errors import EXIT_USAGE, QgtrainError
 
 DEFAULT_CONFIG = "config.yaml"
@@ -96,7 +97,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def load_args_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def load_args_config(args: argparse.Namespace) -> RunConfig:
     from .configload import load_config
 
     paths = args.config or ([Path(DEFAULT_CONFIG)] if Path(DEFAULT_CONFIG).is_file() else [])

@@ -7,6 +7,7 @@ deliberately absent: the scheduler supplies them (rendezvous.py).
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -171,7 +172,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)}
 
 
 def check_rules(cfg: RunConfig, source: str) -> None:

@@ -20,7 +20,14 @@ import torch
 from .config import RunConfig
 from .configload import dump_yaml
 from .data.loaders import build_loaders
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, PeerFailure, QgtrainError
+from .errors import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REQUEUE_ME,
+    EXIT_STOPPED,
+    PeerFailure,
+    QgtrainError,
+)
 from .runtime import cpu, distributed, log, precision, rng
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue

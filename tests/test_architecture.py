@@ -118,3 +118,9 @@ def test_what_the_seeds_got_wrong_stays_out():
     assert "find_unused_parameters: bool = setting(False" in (PACKAGE / "config.py").read_text()
     broad = [line for line in text.splitlines() if "except Exception" in line]
     assert all("raises bare Exceptions" in line for line in broad), broad
+
+
+def test_the_package_type_checks_strictly():
+    """mypy with the settings in pyproject.toml (strict, less what untyped libraries make impractical)."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:]

@@ -26,7 +26,8 @@ def to_device(batch: Any, device: torch.device, where: str = "batch") -> Any:
     if isinstance(batch, _PLAIN) or type(batch).__module__ == "numpy":
         return batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device, f"{where}[{k!r}]") for k, v in batch.items()})  # type: ignore
+        rebuild: Any = type(batch)
+        return rebuild({k: to_device(v, device, f"{where}[{k!r}]") for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device, f"{where}.{n}") for n, v in zip(batch._fields, batch)))
     if isinstance(batch, (list, tuple)):

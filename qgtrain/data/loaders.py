@@ -9,7 +9,7 @@ world size: a position can be resumed directly, and re-sharded when it divides b
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +28,17 @@ class Loaders:
     test: DataLoader[Any] | None
 
 
-def build_loaders(train: Dataset[Any], val: Dataset[Any] | None, test: Dataset[Any] | None,
+def build_loaders(train: Any, val: Any, test: Any,
                   collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
                   device: torch.device, seed: int) -> Loaders:
     """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
     number of steps); validation and test batches each sample exactly once over all ranks."""
     sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
     if len(sampler) < batch_size:
-        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "  # type: ignore
+        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "
                           f"{env.world_size} rank(s) x train.batch_size={batch_size}")
 
-    def evaluation(split: Dataset[Any] | None) -> DataLoader[Any] | None:
+    def evaluation(split: Any) -> DataLoader[Any] | None:
         if split is None:
             return None
         return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
@@ -76,8 +76,8 @@ class ResumableSampler(DistributedSampler[Any]):
 class EvalShard(Sampler[int]):
     """Rank r evaluates samples r, r + W, r + 2W, ...: every sample exactly once, so shards may be uneven."""
 
-    def __init__(self, dataset: Dataset[Any], env: DistEnv) -> None:
-        self.indices = range(env.rank, len(dataset), env.world_size)  # type: ignore[arg-type]
+    def __init__(self, dataset: Sized, env: DistEnv) -> None:
+        self.indices = range(env.rank, len(dataset), env.world_size)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

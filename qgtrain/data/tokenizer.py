@@ -12,10 +12,14 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:  # imported where used: describing a tokenizer needs no tokenizers library
+    import tokenizers
 
 EOS = "<|endoftext|>"
 BYTE = "byte"
@@ -53,7 +57,7 @@ def encode(spec: str, documents: Iterable[str]) -> np.ndarray:
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
 
 
-def byte_level() -> "tokenizers.Tokenizer":  # type: ignore[name-defined]  # noqa: F821
+def byte_level() -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _bytes_to_unicode()
@@ -80,7 +84,7 @@ def save(spec: str, out_dir: Path, model_max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def _load_folder(spec: str) -> "tokenizers.Tokenizer":  # type: ignore[name-defined]  # noqa: F821
+def _load_folder(spec: str) -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer
 
     path = Path(spec, "tokenizer.json")
@@ -93,7 +97,7 @@ def _load_folder(spec: str) -> "tokenizers.Tokenizer":  # type: ignore[name-defi
         raise ConfigError(f"data.tokenizer: {path} could not be read as a tokenizer ({exc})") from None
 
 
-def _eos_id(spec: str, tok: "tokenizers.Tokenizer") -> int:  # type: ignore[name-defined]  # noqa: F821
+def _eos_id(spec: str, tok: tokenizers.Tokenizer) -> int:
     config = Path(spec, "tokenizer_config.json")
     candidates = []
     if config.is_file():
@@ -101,8 +105,9 @@ def _eos_id(spec: str, tok: "tokenizers.Tokenizer") -> int:  # type: ignore[name
         candidates.append(eos.get("content") if isinstance(eos, dict) else eos)
     candidates += [EOS, "</s>", "<eos>"]
     for token in candidates:
-        if token and tok.token_to_id(token) is not None:
-            return int(tok.token_to_id(token))
+        found = tok.token_to_id(token) if token else None
+        if found is not None:
+            return int(found)
     raise ConfigError(f"data.tokenizer: {spec} has no end-of-text token (eos_token in tokenizer_config.json)")
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import submitit
 from submitit.core.job_environment import JobEnvironment
@@ -24,7 +24,12 @@ from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 from ..config import RunConfig
 from ..configload import config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
-from ..runtime.signals import is_time_limit, job_state, reason_not_to_requeue, seconds_left
+from ..runtime.signals import (
+    is_time_limit,
+    job_state,
+    reason_not_to_requeue,
+    seconds_left,
+)
 from ..state.rundir import default_run_dir
 from .sbatch import tasks_per_node, time_minutes, validate
 
@@ -123,19 +128,19 @@ def _from_squeue(ids: list[str]) -> dict[str, dict[str, str]]:
     return info
 
 
-class TrainJob(SlurmJob):  # type: ignore[type-arg]
+class TrainJob(SlurmJob[Any]):
     """A submitit Slurm job whose waits end: by state from squeue/scontrol, or by a deadline."""
 
     watcher = SqueueFallbackWatcher(delay_s=60)
 
-    def wait(self, timeout: float | None = None) -> None:  # type: ignore[override]
+    def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done():
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.job_id} is still {self.state} after {timeout:.0f}s")
             time.sleep(1)
 
-    def result(self, timeout: float | None = None) -> Any:  # type: ignore[override]
+    def result(self, timeout: float | None = None) -> Any:
         """Rank 0's result (every rank returns the same); raises if the job failed or was cancelled."""
         self.wait(timeout)
         if self._sub_jobs:  # one per task (rank) in a multi-task job
@@ -187,8 +192,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
                            "or train directly with `qgtrain train`")
     executor.update_parameters(**executor_parameters(cfg))
     executor._executor.job_class = TrainJob  # our watcher and deadlines, same submission path
-    job: TrainJob = executor.submit(TrainTask(config_to_dict(cfg), str(target)))
-    return job
+    return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 
 
 def _sets(overrides: dict[str, Any]) -> list[str]:

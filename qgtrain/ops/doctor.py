@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from ..config import RunConfig
 from ..runtime.rendezvous import DistEnv
@@ -41,8 +42,8 @@ def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list
     return checks
 
 
-def _gpus(cfg: RunConfig, env: DistEnv, torch: object) -> list[Check]:
-    cuda = torch.cuda  # type: ignore[attr-defined]
+def _gpus(cfg: RunConfig, env: DistEnv, torch: ModuleType) -> list[Check]:
+    cuda = torch.cuda
     wanted = cfg.train.device == "cuda" or cfg.slurm.gpus_per_node > 0
     if not cuda.is_available():
         if not wanted:
@@ -54,7 +55,7 @@ def _gpus(cfg: RunConfig, env: DistEnv, torch: object) -> list[Check]:
     visible = cuda.device_count()
     need = env.local_world_size if env.in_slurm_job else max(cfg.slurm.gpus_per_node, 1)
     nccl = ".".join(map(str, cuda.nccl.version())) if hasattr(cuda, "nccl") else "?"
-    facts = f"{visible} visible ({cuda.get_device_name(0)}), CUDA {torch.version.cuda}, NCCL {nccl}"  # type: ignore[attr-defined]
+    facts = f"{visible} visible ({cuda.get_device_name(0)}), CUDA {torch.version.cuda}, NCCL {nccl}"
     if visible < need:
         return [Check("error", "GPUs", f"{facts}; {need} rank(s) on this node need one each",
                       "request as many GPUs per node as tasks per node (slurm.gpus_per_node)")]

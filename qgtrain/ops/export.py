@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..config import RunConfig
 from ..configload import config_from_dict, dump_yaml
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
@@ -77,7 +78,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     return Exported(out, ckpt.path, diff)
 
 
-def yaml_config(ckpt: checkpoint.Checkpoint):  # type: ignore[no-untyped-def]
+def yaml_config(ckpt: checkpoint.Checkpoint) -> RunConfig:
     import yaml
 
     return config_from_dict(yaml.safe_load((ckpt.path / "config.yaml").read_text()), str(ckpt.path / "config.yaml"))
@@ -135,18 +136,17 @@ def _rebuild(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> to
 
 
 def _save_model(model: torch.nn.Module, folder: Path, cfg: Any, facts: dict[str, Any]) -> None:
-    if hasattr(model, "save_pretrained") and hasattr(model, "generation_config") and hasattr(model, "config"):
+    from huggingface_hub import PyTorchModelHubMixin
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
         eos = facts.get("eos_id")
         if eos is not None and model.generation_config is not None:
             model.generation_config.eos_token_id = eos
             model.generation_config.pad_token_id = eos
         model.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD_SIZE)
         return
-    try:
-        from huggingface_hub import PyTorchModelHubMixin
-    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
-        PyTorchModelHubMixin = None  # noqa: N806
-    if PyTorchModelHubMixin is not None and isinstance(model, PyTorchModelHubMixin):
+    if isinstance(model, PyTorchModelHubMixin):
         model.save_pretrained(folder)
         return
     raise QgtrainError(
@@ -166,7 +166,8 @@ def _verify(model: torch.nn.Module, folder: Path, seq_len: int, facts: dict[str,
 
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         else:
-            reloaded = type(model).from_pretrained(folder).eval()  # type: ignore[attr-defined]
+            hub_class: Any = type(model)  # a PyTorchModelHubMixin, checked when it was saved
+            reloaded = hub_class.from_pretrained(folder).eval()
         diff = float((_logits(reloaded, tokens) - expected).abs().max())
     if not diff <= MAX_LOGIT_DIFF:
         raise QgtrainError(f"export: the reloaded model's logits differ from the checkpoint's by {diff:.3g} "

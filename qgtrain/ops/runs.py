@@ -66,7 +66,9 @@ def _status(run: Path, status: dict[str, object]) -> str:
         return "running" if locked in (True, None) else "interrupted"
     if recorded == "preempted":
         requeued = status.get("requeued")
-        return {True: "preempted, requeued", None: "preempted, requeue pending"}.get(requeued, "stopped")  # type: ignore[call-overload]
+        if requeued is None:
+            return "preempted, requeue pending"
+        return "preempted, requeued" if requeued is True else "stopped"
     return recorded
 
 

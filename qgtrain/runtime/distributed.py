@@ -49,7 +49,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     try:
         if env.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,  # type: ignore[attr-defined]
                                     timeout=datetime.timedelta(seconds=collective_timeout_s))
         else:
             dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
@@ -98,7 +98,7 @@ def barrier() -> None:
     dist.barrier()
 
 
-def any_flags(flags: Sequence[bool | int], device: torch.device) -> list[bool]:
+def any_flags(flags: Sequence[bool | int | torch.Tensor], device: torch.device) -> list[bool]:
     """Each flag is true on every rank if it is true on any rank: the stop decisions all ranks must share."""
     tensor = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -157,10 +157,10 @@ def main_works_long(work: Callable[[], Any], key: str, timeout_s: float) -> Any:
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         result = work()
-        store.set(f"qgtrain/{key}", pickle.dumps(result))
+        store.set(f"qgtrain/{key}", pickle.dumps(result).hex())
         return result
     store.wait([f"qgtrain/{key}"], datetime.timedelta(seconds=timeout_s))
-    return pickle.loads(store.get(f"qgtrain/{key}"))
+    return pickle.loads(bytes.fromhex(store.get(f"qgtrain/{key}").decode()))
 
 
 def main_decides(decide: Callable[[], Any]) -> Any:

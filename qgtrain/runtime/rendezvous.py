@@ -12,7 +12,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 import hostlist
 
@@ -119,7 +119,15 @@ def tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
-def _slurm_job(env: Mapping[str, str]) -> dict[str, object]:
+class JobFacts(TypedDict, total=False):
+    job_id: str
+    array_job_id: str | None
+    array_task_id: str | None
+    restart_count: int
+    cpus_per_task: int | None
+
+
+def _slurm_job(env: Mapping[str, str]) -> JobFacts:
     """The job facts that hold whichever launcher started the ranks (requeue needs them under torchrun too)."""
     if "SLURM_JOB_ID" not in env:
         return {}
@@ -133,7 +141,7 @@ def _slurm_job(env: Mapping[str, str]) -> dict[str, object]:
     }
 
 
-def _from_torchrun(env: Mapping[str, str], node_name: str, job: dict[str, object]) -> DistEnv:
+def _from_torchrun(env: Mapping[str, str], node_name: str, job: JobFacts) -> DistEnv:
     missing = [name for name in _TORCHRUN_VARS if name not in env]
     if missing:
         present = ", ".join(f"{n}={env[n]}" for n in _TORCHRUN_VARS if n in env)
@@ -152,13 +160,13 @@ def _from_torchrun(env: Mapping[str, str], node_name: str, job: dict[str, object
         node_name=node_name,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),
-        **job,  # type: ignore[arg-type]
+        **job,
     )
     _check_ranks(dist, "RANK", "WORLD_SIZE", "LOCAL_RANK")
     return dist
 
 
-def _from_slurm_step(env: Mapping[str, str], node_name: str, job: dict[str, object]) -> DistEnv:
+def _from_slurm_step(env: Mapping[str, str], node_name: str, job: JobFacts) -> DistEnv:
     world_size = _int(env, "SLURM_NTASKS", 1)
     step_tasks = _int(env, "SLURM_STEP_NUM_TASKS", world_size)
     if step_tasks != world_size:
@@ -189,8 +197,8 @@ def _from_slurm_step(env: Mapping[str, str], node_name: str, job: dict[str, obje
         num_nodes=len(hosts),
         node_name=node_name,
         master_addr=env.get("MASTER_ADDR") or hosts[0],
-        master_port=_int(env, "MASTER_PORT", 0) or port_for_job(str(job["job_id"]), int(job["restart_count"])),
-        **job,  # type: ignore[arg-type]
+        master_port=_int(env, "MASTER_PORT", 0) or port_for_job(job.get("job_id", ""), job.get("restart_count", 0)),
+        **job,
     )
     _check_ranks(dist, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
     return dist

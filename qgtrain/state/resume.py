@@ -6,7 +6,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .checkpoint import MANIFEST, Checkpoint, list_committed, list_unreadable, read_manifest, verify
+from .checkpoint import (
+    MANIFEST,
+    Checkpoint,
+    list_committed,
+    list_unreadable,
+    read_manifest,
+    verify,
+)
 
 
 def pick_for_resume(root: Path, run_id: str | None, resume: str,

@@ -20,7 +20,7 @@ from ..runtime import precision
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
              metrics_fn: Callable[[nn.Module, Any], Mapping[str, tuple[Any, Any]]] | None,
              device: torch.device, precision_name: str, max_batches: int) -> dict[str, float | None]:
     """{"loss": mean loss per sample, name: sum / count for each metric}, the same on every rank.

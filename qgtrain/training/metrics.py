@@ -12,7 +12,10 @@ import logging
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time torch is imported only where needed: `qgtrain runs` reads metrics without it
+    import torch
 
 from ..errors import QgtrainError
 
@@ -102,7 +105,7 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def memory_gb(device: "torch.device") -> dict[str, float]:  # type: ignore[name-defined]  # noqa: F821
+def memory_gb(device: torch.device) -> dict[str, float]:
     """This rank's resident CPU memory, and GPU memory allocated now and at peak."""
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -17,7 +19,7 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     DDP gets the local rank as an integer device id (never a torch.device, never the global rank); one
     process is not wrapped at all, so a laptop run has no DDP overhead.
     """
-    compiled = torch.compile(model) if compile_model else model
+    compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled
     return DDP(compiled, device_ids=distributed.ddp_device_ids(env, device),

@@ -217,6 +217,7 @@ class Trainer:
     def _evaluate(self, loader: Any, max_batches: int) -> dict[str, float | None]:
         if loader is None:
             return {}
+        assert self.p.task.loss is not None  # filled in by build_task
         return evaluate(self.p.model, loader, self.p.task.loss, self.p.task.metrics, self.device,
                         self.s.precision, max_batches)
 
