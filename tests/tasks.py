@@ -78,19 +78,45 @@ def without_metrics(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     return task
 
 
+class BadSampleOnRankOne(Points):
+    """The dataset fails on rank 1 only, at its 20th sample, as a corrupt record would make it."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        super().__init__(size, seed)
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        if dist.get_rank() == 1 and self.reads == 20:
+            raise ValueError("sample 17 has no label")
+        return super().__getitem__(index)
+
+
 def raises_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
-    """The loss fails on rank 1 only, in its third training step, as a bad sample would make it."""
-    task = points(cfg)
-    calls = [0]
+    """The loss, the collate or the dataset (task.options.where) fails on rank 1 only, in its third
+    training step, as a bad sample would make it."""
+    task, where, calls = points(cfg), cfg.task.options.get("where", "loss"), [0]
+
+    def third_step_on_rank_one() -> bool:
+        calls[0] += 1
+        return dist.get_rank() == 1 and calls[0] == 3
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if model.training:
-            calls[0] += 1
-            if dist.get_rank() == 1 and calls[0] == 3:
-                raise ValueError("sample 17 has no label")
+        if model.training and third_step_on_rank_one():
+            raise ValueError("sample 17 has no label")
         return classify_loss(model, batch)
 
-    task.loss = loss
+    def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if third_step_on_rank_one():
+            raise ValueError("sample 17 has no label")
+        return torch.utils.data.default_collate(samples)
+
+    if where == "loss":
+        task.loss = loss
+    elif where == "collate":
+        task.collate = collate
+    else:
+        task.train = BadSampleOnRankOne(len(task.train), 1)
     return task
 
 

@@ -110,3 +110,17 @@ def test_the_classifier_exports_for_transformers_pipeline_and_the_graph_model_sa
     assert "is a GraphClassifier, neither a transformers PreTrainedModel nor a huggingface_hub " \
            "PyTorchModelHubMixin" in refused.stderr and "PyTorchModelHubMixin)" in refused.stderr
     assert not (tmp_path / "graph-export").exists()
+
+
+@pytest.mark.slow
+def test_an_export_on_finish_that_fails_ends_every_rank_with_its_outcome(tmp_path):
+    """The graph model cannot be exported: training finishes, rank 0's export fails, and both ranks say so
+    with exit 1 instead of one waiting in a barrier for the other."""
+    run = tmp_path / "run"
+    procs = start_cli_ranks(2, example("graph", run, "train.max_steps=8", "export.on_finish=true"), tmp_path)
+    assert wait_ranks(procs, 300) == [1, 1]
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank_{rank}.log").read_text()
+        assert "training finished, but the export failed (exit 2): qgtrain: error: export: the model of task" in log
+    assert json.loads((run / "status.json").read_text())["status"] == "finished"
+    assert (run / "checkpoints" / f"step-8").is_dir()

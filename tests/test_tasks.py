@@ -139,11 +139,13 @@ def test_a_dataclass_batch_trains_and_reports_exact_metrics_with_early_stopping_
 
 
 @pytest.mark.slow
-def test_a_task_that_raises_on_one_rank_stops_every_rank_with_that_ranks_message(tmp_path):
+@pytest.mark.parametrize("where", ["loss", "collate", "dataset"])
+def test_a_task_that_raises_on_one_rank_stops_every_rank_with_that_ranks_message(tmp_path, where):
     run = tmp_path / "run"
     started = time.monotonic()
     procs = start_cli_ranks(2, ["train", "--run-dir", str(run), "--set", "task=tests.tasks:raises_on_rank_one",
-                                *BASE, "train.max_steps=1000", "train.collective_timeout_s=120"], tmp_path)
+                                f"task.options.where={where}", *BASE, "train.max_steps=1000",
+                                "train.collective_timeout_s=120"], tmp_path)
     assert wait_ranks(procs, 100) == [1, 1]
     assert time.monotonic() - started < 60, "the other rank learns of the failure at once, not at a timeout"
     rank0 = (tmp_path / "rank-0.out").read_text()
