@@ -7,6 +7,7 @@ deliberately absent: the scheduler supplies them (rendezvous.py).
 
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -93,6 +94,10 @@ class TrainConfig:
     find_unused_parameters: bool = setting(False, "let DDP skip parameters that get no gradient (slower)")
     cpu_threads: int = setting(0, "torch threads per rank on CPU (0 = the CPUs of this task / ranks per node)",
                                min=0)
+    max_time: str = setting("", "stop at a checkpoint before this much time has passed, e.g. 3h30m or 2:00:00 "
+                            "('' = none; under Slurm the job's own time limit is always kept)")
+    stop_margin_s: float = setting(60.0, "seconds kept free before a time limit, beyond the measured time of "
+                                   "a step and a checkpoint", min=0.0, max=MAX_TIMEOUT_S)
     startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0, max=MAX_TIMEOUT_S)
     collective_timeout_s: float = setting(300.0, "seconds a collective may wait for a peer before failing",
                                           min=1.0, max=MAX_TIMEOUT_S)
@@ -175,6 +180,31 @@ class RunConfig:
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)}
 
 
+_UNITS = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+_SLURM = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def duration_s(text: str) -> float | None:
+    """Seconds in '3h30m', '45m', '90s', '1d2h', or Slurm's forms (minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]);
+    None if the text is none of them or not positive."""
+    text = text.strip()
+    units = _UNITS.fullmatch(text)
+    if text and units and any(units.groups()):
+        days, hours, minutes, seconds = (int(g or 0) for g in units.groups())
+    elif (slurm := _SLURM.fullmatch(text)) is not None:
+        days_text, first, second, third = slurm.groups()
+        if days_text is not None:
+            days, hours, minutes, seconds = int(days_text), int(first), int(second or 0), int(third or 0)
+        elif third is not None:
+            days, hours, minutes, seconds = 0, int(first), int(second), int(third)
+        else:
+            days, hours, minutes, seconds = 0, 0, int(first), int(second or 0)
+    else:
+        return None
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    return float(total) if total > 0 else None
+
+
 def check_rules(cfg: RunConfig, source: str) -> None:
     """Rules that involve more than one field; `source` names where the values came from."""
     def fail(key: str, problem: str) -> None:
@@ -207,5 +237,8 @@ def check_rules(cfg: RunConfig, source: str) -> None:
     if not cfg.early_stopping.metric.startswith("val_"):
         fail("early_stopping.metric", f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss or "
              "val_<name> for a metric your task reports")
+    if cfg.train.max_time and duration_s(cfg.train.max_time) is None:
+        fail("train.max_time", f"{cfg.train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, "
+             "or Slurm's HH:MM:SS or D-HH:MM:SS")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
         fail("early_stopping.patience", "early stopping needs validations: set train.eval_every > 0")

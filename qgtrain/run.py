@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, duration_s
 from .configload import dump_yaml
 from .data.loaders import build_loaders
 from .errors import (
@@ -30,7 +30,8 @@ from .errors import (
 )
 from .runtime import cpu, distributed, log, precision, rng
 from .runtime.rendezvous import DistEnv
-from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue
+from .runtime.deadline import Deadline
+from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue, seconds_left
 from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
 from .state.resume import pick_for_resume
@@ -47,7 +48,9 @@ EXPORT_TIMEOUT_S = 6 * 3600.0
 
 def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True,
           task: TaskSource | None = None) -> int:
-    """Train to the end, to an early stop, or to an agreed stop on a signal. Returns the exit code."""
+    """Train to the end, to an early stop, or to an agreed stop on a signal or before the time limit.
+    Returns the exit code."""
+    deadline = _deadline(cfg, env, time.time())  # train.max_time counts from here
     log.setup_console(env, cfg.logging.level)
     device = distributed.pick_device(env, cfg.train.device)
     if device.type == "cpu":
@@ -65,7 +68,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     try:
         with stop, distributed.process_group(env, device, cfg.train.startup_timeout_s,
                                              cfg.train.collective_timeout_s):
-            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop, task)
+            outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop, task,
+                                               deadline)
             if outcome is Outcome.STOPPED_BY_SIGNAL:
                 return _after_stop(cfg, env, requeue_on_stop, run_dir)
             if cfg.export.on_finish:
@@ -73,11 +77,12 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
             distributed.barrier()
             return EXIT_OK
     finally:
+        deadline.close()
         log.close()
 
 
 def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None, stop: StopFlag,
-                    task: TaskSource | None) -> tuple[Outcome, Path]:
+                    task: TaskSource | None, deadline: Deadline) -> tuple[Outcome, Path]:
     config_yaml = dump_yaml(cfg)  # one text for the run directory and, through it, every checkpoint
     with contextlib.ExitStack() as stack:
         # Rank 0 picks the directory (absolute, as it sees it), holds its lock while training, and picks the
@@ -102,7 +107,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
                                 host=env.node_name, ranks=env.world_size, started=time.time())
         try:
             ckpt = checkpoint.read_manifest(Path(resume_from)) if resume_from else None
-            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task)
+            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task, deadline)
         except PeerFailure as exc:  # another rank stopped first: say which, and why, if it left a note
             note = rundir.read_failure_note(path, env.rank, env.world_size)
             error = PeerFailure(f"{note}; rank {env.rank} stopped with it" if note else str(exc))
@@ -126,7 +131,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
 
 def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path, run_id: str,
                   ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag,
-                  task_source: TaskSource | None) -> Outcome:
+                  task_source: TaskSource | None, deadline: Deadline) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
     rundir.clear_failure_note(run_dir, env.rank)
     for warning in warnings if env.is_main else []:
@@ -154,7 +159,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
                          progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb)
     try:
-        trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop),
+        trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop, deadline),
                           Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint,
                                    precision.resolve(cfg.train.precision, device)), env, device)
         if ckpt is not None:
@@ -167,7 +172,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
 
 
 def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, checkpointer: Checkpointer,
-           metrics: MetricsLog, stop: StopFlag) -> Parts:
+           metrics: MetricsLog, stop: StopFlag, deadline: Deadline) -> Parts:
     model = task.model.to(device)
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train.find_unused_parameters)
     assert task.collate is not None
@@ -175,7 +180,23 @@ def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, check
                             cfg.data.num_workers, device, cfg.train.seed)
     resolved = precision.resolve(cfg.train.precision, device)
     return Parts(task, model, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device),
-                 loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop)
+                 loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop, deadline)
+
+
+def _deadline(cfg: RunConfig, env: DistEnv, started: float) -> Deadline:
+    """Rank 0's: train.max_time from this process's start, and the Slurm job's limit, read again now and then."""
+    if not env.is_main:
+        return Deadline(None, None, cfg.train.stop_margin_s)
+    max_time = duration_s(cfg.train.max_time) if cfg.train.max_time else None
+    local_end = started + max_time if max_time else None
+    if not env.in_slurm_job:
+        return Deadline(local_end, None, cfg.train.stop_margin_s)
+
+    def job_end() -> float | None:
+        left = seconds_left(str(env.job_id))
+        return None if left is None else time.time() + left
+
+    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end)
 
 
 def _check_shared(path: Path, run_id: str, env: DistEnv, device: torch.device) -> None:

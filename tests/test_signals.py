@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
+from qgtrain.runtime.deadline import Deadline
 from qgtrain.runtime.signals import StopFlag, is_time_limit, job_state, reason_not_to_requeue, requeue, seconds_left
 from tests.ranks import start_cli_ranks, wait_ranks
 
@@ -108,7 +109,8 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
     assert f"stopping at step {step} on {signal.Signals(sig).name}" in logs[1]
     if scontrol_on_path:
         lines = calls.read_text().splitlines()
-        assert lines == ["show job -o 4242", "requeue 4200_3"], "rank 0 alone checks, then requeues by array id"
+        # rank 0 alone reads the job's time limit at start, checks its state, then requeues by array id
+        assert lines == ["show job -o 4242", "show job -o 4242", "requeue 4200_3"]
         assert "requeued job 4200_3" in logs[0]
     else:
         assert not calls.exists()
@@ -162,3 +164,41 @@ def test_seconds_left_reads_the_end_time_slurm_reports():
     now = time.mktime(time.strptime("2026-11-23T08:58:00", "%Y-%m-%dT%H:%M:%S"))
     assert seconds_left("9", run=scontrol, now=now) == 120.0
     assert seconds_left("9", run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no job")) is None
+
+
+def test_the_deadline_follows_a_limit_that_is_extended_while_the_job_runs():
+    ends = iter([1000.0, 5000.0])
+    deadline = Deadline(None, None, margin_s=60.0, read_job_end=lambda: next(ends, 5000.0), every_s=0.05)
+    try:
+        assert deadline.end == 1000.0 and deadline.due(work_s=50.0, now=900.0)  # 100 s left < 50 + 60
+        assert not deadline.due(work_s=30.0, now=900.0)
+        end = time.monotonic() + 5
+        while deadline.end != 5000.0 and time.monotonic() < end:  # an admin's `scontrol update TimeLimit=`
+            time.sleep(0.02)
+        assert deadline.end == 5000.0 and not deadline.due(work_s=50.0, now=900.0)
+    finally:
+        deadline.close()
+    assert Deadline(2000.0, 5000.0, 0.0).end == 2000.0, "train.max_time and the job's limit: the earlier"
+    assert not Deadline(None, None, 0.0).due(1e9), "no limit at all"
+
+
+@pytest.mark.slow
+def test_train_max_time_stops_every_rank_at_one_checkpoint_without_any_signal(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16", "train.batch_size=4",
+            "train.max_steps=100000", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=0",
+            "logging.tensorboard=false", "model.factory=tests.factories:tiny", "train.max_time=8s",
+            "train.stop_margin_s=1"]
+    started = time.monotonic()
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 60) == [EXIT_STOPPED, EXIT_STOPPED]
+    assert time.monotonic() - started < 8 + 5, "stopped before the limit (plus process exit)"
+    saved = sorted((run / "checkpoints").iterdir())
+    assert len(saved) == 1
+    step = json.loads((saved[0] / "manifest.json").read_text())["step"]
+    logs = [(run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
+    assert f"stopping at step {step} on the time limit: checkpoint saved" in logs[0]
+    assert "the time limit is" in logs[0] and "s away" in logs[0]
+    assert f"stopping at step {step} on the time limit: checkpoint saved" in logs[1], "rank 1 follows rank 0"
+    assert wait_ranks(start_cli_ranks(2, [*args, "train.max_time=", f"train.max_steps={step + 3}"], tmp_path),
+                      60) == [0, 0]
+    assert f"resumed from {saved[0]}: step {step}" in (run / "logs" / "rank_0.log").read_text()

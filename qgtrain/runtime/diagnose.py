@@ -95,6 +95,33 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
     return exc
 
 
+def non_finite_loss(step: int, agree_every: int, ranks: list[int]) -> TrainingError:
+    checked = "" if agree_every == 1 else f" (or up to {agree_every - 1} before)"
+    return TrainingError(
+        f"the loss became non-finite at step {step}{checked} on rank(s) {ranks}; the step was not applied "
+        "and no checkpoint was written. HINT: lower optim.lr or raise optim.warmup_steps, keep "
+        "optim.grad_clip on, prefer bf16 to fp16, and check the data; then resume from the last checkpoint")
+
+
+def unused_parameters(step: int, ranks: list[int], names: list[str]) -> TrainingError:
+    return TrainingError(
+        f"{len(names)} parameter(s) received no gradient in step {step} on rank(s) {ranks}: {_some(names, 10)}. "
+        "DDP cannot reduce gradients that never arrive. HINT: remove the unused parameters or freeze them "
+        "(requires_grad_(False)); if they are unused only on some steps, set train.find_unused_parameters: "
+        "true (slower)")
+
+
+def diverged_replicas(step: int, names: list[str]) -> TrainingError:
+    return TrainingError(
+        f"the ranks' copies of the model differ at step {step}: {_some(names, 5)}; no checkpoint was written. "
+        "HINT: something changed them on some ranks only: an in-place update of a frozen parameter or a buffer "
+        "outside the forward pass, or weights set after the task was built")
+
+
+def _some(names: list[str], most: int) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def missing_ranks(env: DistEnv, wait_s: float = 3.0) -> list[int] | None:
     """The ranks that do not answer: each surviving rank posts to the rendezvous store, waits a moment,
     and lists who posted. If the store (hosted by rank 0) is gone, rank 0 is what is missing."""

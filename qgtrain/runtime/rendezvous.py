@@ -48,6 +48,7 @@ class DistEnv:
     array_task_id: str | None = None
     restart_count: int = 0
     cpus_per_task: int | None = None
+    job_end_time: float | None = None  # Unix time of the job's time limit, where Slurm says (SLURM_JOB_END_TIME)
 
     @property
     def is_main(self) -> bool:
@@ -125,6 +126,7 @@ class JobFacts(TypedDict, total=False):
     array_task_id: str | None
     restart_count: int
     cpus_per_task: int | None
+    job_end_time: float | None
 
 
 def _slurm_job(env: Mapping[str, str]) -> JobFacts:
@@ -138,6 +140,7 @@ def _slurm_job(env: Mapping[str, str]) -> JobFacts:
         # unset on a job's first run, then 1, 2, ... after each requeue
         "restart_count": _int(env, "SLURM_RESTART_COUNT", 0),
         "cpus_per_task": _int(env, "SLURM_CPUS_PER_TASK", 0) or None,
+        "job_end_time": float(_int(env, "SLURM_JOB_END_TIME", 0)) or None,
     }
 
 

@@ -131,3 +131,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return records
+
+
+def prefixed(split: str, metrics: dict[str, float | None]) -> dict[str, float | None]:
+    return {f"{split}_{name}": value for name, value in metrics.items()}
+
+
+def format_metrics(metrics: dict[str, float | None]) -> str:
+    return " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items()) or "no metrics"

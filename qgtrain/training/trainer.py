@@ -8,6 +8,7 @@ The trainer receives its parts (built by qgtrain/run.py) and the settings of the
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import time
@@ -22,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
 from ..data.batches import to_device
 from ..data.loaders import ResumableSampler
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError
 from ..runtime import diagnose, distributed
+from ..runtime.deadline import Deadline
 from ..runtime.rendezvous import DistEnv
 from ..runtime.signals import StopFlag
 from ..state import train_state
@@ -33,7 +35,7 @@ from ..state.train_state import TrainState
 from ..task import Task
 from .evaluation import evaluate
 from .gradients import accumulate_gradients
-from .metrics import MetricsLog, memory_gb
+from .metrics import MetricsLog, format_metrics, memory_gb, prefixed
 from .optim import clip_gradients
 from .schedule import lr_at
 
@@ -63,6 +65,7 @@ class Parts:
     checkpointer: Checkpointer
     metrics: MetricsLog
     stop: StopFlag
+    deadline: Deadline  # rank 0's; the others follow its agreed decision
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Trainer:
         self.state = TrainState()
         self.samples_per_micro = settings.train.batch_size * env.world_size
         self._pending_tokens = 0  # this rank's tokens since they were last summed over ranks
+        self._step_s: collections.deque[float] = collections.deque(maxlen=20)  # recent steps, for the deadline
+        self._save_s = 0.0  # the longest checkpoint so far
 
     def fit(self) -> Outcome:
         """Train; a failure we can explain becomes a TrainingError naming its cause, step and fix."""
@@ -111,6 +116,7 @@ class Trainer:
         while self.state.step < t.max_steps:
             watchdog.progress()
             started, step = time.perf_counter(), self.state.step + 1
+            time_up = False
             lr = lr_at(self.state.step, self.s.optim, t.max_steps)
             for group in self.p.optimizer.param_groups:
                 group["lr"] = lr
@@ -125,9 +131,10 @@ class Trainer:
             if first or step % t.agree_every == 0:
                 due = self.env.is_main and bool(self.s.checkpoint.every_minutes) and \
                     time.monotonic() - last_save >= 60 * self.s.checkpoint.every_minutes
-                bad_loss, stop, time_due, unused, save_failed = distributed.any_flags(
+                bad_loss, stop, time_due, unused, save_failed, time_up = distributed.any_flags(
                     [bad_loss_seen, self.p.stop.requested, due, first and self._has_unused(),
-                     self.p.checkpointer.failed], self.device)
+                     self.p.checkpointer.failed, self.env.is_main and self._out_of_time()], self.device)
+                stop = stop or time_up
                 if save_failed:
                     self.p.checkpointer.wait()  # raises the failure, the same on every rank
                 if bad_loss or unused:
@@ -150,20 +157,23 @@ class Trainer:
                 self._log(step, lr, loss_sum, grad_norm, step - steps_at_log, busy_s, data_s, evaluated)
                 busy_s, data_s, steps_at_log = 0.0, 0.0, step
             periodic = bool(self.s.checkpoint.every_steps) and step % self.s.checkpoint.every_steps == 0
+            self._step_s.append(time.perf_counter() - started)
             if stop or final or early_stop or time_due or periodic:
+                saving = time.perf_counter()
                 self.save(evaluated, blocking=stop or final or early_stop)
-                last_save = time.monotonic()
+                self._save_s, last_save = max(self._save_s, time.perf_counter() - saving), time.monotonic()
             if stop:
-                log.warning("stopping at step %d on %s: checkpoint saved", step,
-                            ", ".join(self.p.stop.received) or "a signal that reached another rank")
+                cause = ", ".join(self.p.stop.received) or ("the time limit" if time_up else
+                                                            "a signal that reached another rank")
+                log.warning("stopping at step %d on %s: checkpoint saved", step, cause)
                 return Outcome.STOPPED_BY_SIGNAL
             if early_stop:
                 log.info("early stopping at step %d: %s has not improved for %d validations (best %.4f)", step,
                          self.s.early_stopping.metric, self.state.evals_since_best, self.state.best_metric)
                 return Outcome.EARLY_STOPPED
             first = False
-        log.info("finished at step %d: %s", self.state.step, _fmt_metrics(
-            {**_prefixed("val", self.state.val_metrics), **_prefixed("test", self.state.test_metrics)}))
+        log.info("finished at step %d: %s", self.state.step, format_metrics(
+            {**prefixed("val", self.state.val_metrics), **prefixed("test", self.state.test_metrics)}))
         return Outcome.FINISHED
 
     def _batches(self) -> Iterator[Any]:
@@ -177,6 +187,16 @@ class Trainer:
             self.state.samples_in_epoch = 0
             self.p.sampler.set_epoch(self.state.epoch)
 
+    def _out_of_time(self) -> bool:
+        """Rank 0: the steps until the next agreement and a checkpoint would no longer fit before the end."""
+        step_s = max(self._step_s, default=0.0)
+        due = self.p.deadline.due(step_s * self.s.train.agree_every + self._save_s)
+        if due:
+            log.warning("the time limit is %.0f s away (a step takes up to %.2f s, a checkpoint %.1f s, margin "
+                        "%.0f s): stopping at a checkpoint", self.p.deadline.left_s() or 0.0, step_s, self._save_s,
+                        self.p.deadline.margin_s)
+        return due
+
     def _has_unused(self) -> bool:
         return isinstance(self.p.wrapped, DDP) and not self.s.train.find_unused_parameters and \
             bool(self._unused_names())
@@ -188,19 +208,8 @@ class Trainer:
         """Raise the same diagnosed error on every rank (the collective below is taken by all)."""
         ranks = distributed.flagged_ranks(bad_here if bad_loss else self._has_unused(), self.device)
         if bad_loss:
-            every = self.s.train.agree_every
-            checked = "" if every == 1 else f" (or up to {every - 1} before)"
-            raise TrainingError(
-                f"the loss became non-finite at step {step}{checked} on rank(s) {ranks}; the step was not applied "
-                "and no checkpoint was written. HINT: lower optim.lr or raise optim.warmup_steps, keep "
-                "optim.grad_clip on, prefer bf16 to fp16, and check the data; then resume from the last checkpoint")
-        names = self._unused_names()
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        raise TrainingError(
-            f"{len(names)} parameter(s) received no gradient in step {step} on rank(s) {ranks}: {shown}. DDP "
-            "cannot reduce gradients that never arrive. HINT: remove the unused parameters or freeze them "
-            "(requires_grad_(False)); if they are unused only on some steps, set train.find_unused_parameters: "
-            "true (slower)")
+            raise diagnose.non_finite_loss(step, self.s.train.agree_every, ranks)
+        raise diagnose.unused_parameters(step, ranks, self._unused_names())
 
     def _check_replicas(self) -> None:
         """Every rank holds the same model under DDP; one that differs would be saved as rank 0's copy
@@ -208,11 +217,7 @@ class Trainer:
         differ = distributed.diverged([*self.p.model.named_parameters(), *self.p.model.named_buffers()],
                                       self.device)
         if differ:
-            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
-            raise TrainingError(
-                f"the ranks' copies of the model differ at step {self.state.step}: {shown}; no checkpoint was "
-                "written. HINT: something changed them on some ranks only: an in-place update of a frozen "
-                "parameter or a buffer outside the forward pass, or weights set after the task was built")
+            raise diagnose.diverged_replicas(self.state.step, differ)
 
     def _evaluate(self, loader: Any, max_batches: int) -> dict[str, float | None]:
         if loader is None:
@@ -255,14 +260,14 @@ class Trainer:
         record.update(data_wait_frac=data_s / busy_s, time=time.time(), **memory_gb(self.device))
         self.p.metrics.warn_memory(self.env.rank, step, record)
         if evaluated:
-            record.update(_prefixed("val", self.state.val_metrics))
+            record.update(prefixed("val", self.state.val_metrics))
         if self.state.outcome:
-            record.update(_prefixed("test", self.state.test_metrics))
+            record.update(prefixed("test", self.state.test_metrics))
         self.p.metrics.write(record)
         speed = f"{record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record else \
             f"{record['samples_per_s']:.1f} samples/s"
         log.info("step %d/%d epoch %d loss %.4f%s lr %.2e %s", step, self.s.train.max_steps, self.state.epoch,
-                 record["loss"], f" {_fmt_metrics(_prefixed('val', self.state.val_metrics))}" if evaluated else "",
+                 record["loss"], f" {format_metrics(prefixed('val', self.state.val_metrics))}" if evaluated else "",
                  lr, speed)
 
     def _count_tokens(self, all_ranks: int) -> None:
@@ -288,11 +293,3 @@ class Trainer:
         self.state = train_state.restore(ckpt, self.p.model, self.p.optimizer, self.p.scaler, self.env,
                                          self.s.train.seed)
         self.p.checkpointer.last_step = ckpt.step
-
-
-def _prefixed(split: str, metrics: dict[str, float | None]) -> dict[str, float | None]:
-    return {f"{split}_{name}": value for name, value in metrics.items()}
-
-
-def _fmt_metrics(metrics: dict[str, float | None]) -> str:
-    return " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items()) or "no metrics"

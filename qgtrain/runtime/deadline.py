@@ -1,0 +1,51 @@
+"""When a job must have stopped, even if no signal ever comes: the Slurm time limit or train.max_time.
+
+Signals get lost (a site that sends none, a `--signal=B:` that reaches only the batch shell, a launcher
+in between), and then the hard limit kills the job with everything since the last checkpoint. So rank
+0 keeps the deadline itself and the trainer stops, at a step agreed by all ranks, while the time left
+still holds the next steps, the checkpoint, its commit and the requeue, plus a margin. The Slurm limit
+is read again every few minutes in a background thread: an admin may extend it while the job runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class Deadline:
+    def __init__(self, local_end: float | None, job_end: float | None, margin_s: float,
+                 read_job_end: Callable[[], float | None] | None = None, every_s: float = 300.0) -> None:
+        """`local_end`: from train.max_time; `job_end`: the Slurm limit now (Unix times, None if none);
+        `read_job_end` reads the Slurm limit again, every `every_s` seconds."""
+        self.local_end, self.job_end, self.margin_s = local_end, job_end, margin_s
+        self._stopped = threading.Event()
+        if read_job_end is not None:
+            if job_end is None:
+                self.job_end = read_job_end()
+            threading.Thread(target=self._follow, args=(read_job_end, every_s), name="qgtrain-deadline",
+                             daemon=True).start()
+
+    @property
+    def end(self) -> float | None:
+        ends = [e for e in (self.local_end, self.job_end) if e is not None]
+        return min(ends) if ends else None
+
+    def left_s(self, now: float | None = None) -> float | None:
+        end = self.end
+        return None if end is None else end - (time.time() if now is None else now)
+
+    def due(self, work_s: float, now: float | None = None) -> bool:
+        """Whether `work_s` (the steps until the next agreement, a checkpoint) plus the margin no longer fit."""
+        left = self.left_s(now)
+        return left is not None and left <= work_s + self.margin_s
+
+    def close(self) -> None:
+        self._stopped.set()
+
+    def _follow(self, read_job_end: Callable[[], float | None], every_s: float) -> None:
+        while not self._stopped.wait(every_s):
+            end = read_job_end()
+            if end is not None:
+                self.job_end = end
