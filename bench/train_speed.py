@@ -27,7 +27,10 @@ from qgtrain.configload import load_config
 from qgtrain.data import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = {"main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},
+PRESETS = {"tiny": {"hidden": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1},  # the step costs ~nothing: fixed cost
+           "small": {"hidden": 128, "layers": 2, "heads": 4, "seq": 128, "batch": 8},
+           "main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},
+           "large": {"hidden": 256, "layers": 6, "heads": 4, "seq": 256, "batch": 16},
            "gpt2-124m": {"hidden": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 16}}
 VOCAB = 257
 
@@ -116,6 +119,7 @@ def main() -> None:
               flush=True)
     med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     q, h = med["qgtrain"], med["hand-written"]
+    ratios = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results["qgtrain"], results["hand-written"])]
     shape = PRESETS[args.preset]
     tokens_per_step = shape["batch"] * shape["seq"] * args.world
     print(f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, compile={args.compile}, "
@@ -127,6 +131,9 @@ def main() -> None:
         for name, m in med.items():
             mfu = m["steps_per_s"] * tokens_per_step * flops_per_token(shape) / (args.peak_tflops * 1e12 * args.world)
             print(f"model FLOPs utilisation, {name}: {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s per GPU")
+    print(f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, hand-written {1e6 / h['steps_per_s']:.0f} "
+          f"us, difference {1e6 / q['steps_per_s'] - 1e6 / h['steps_per_s']:+.0f} us per step (goal <= 1000 us; "
+          f"ratio spread over rounds {min(ratios):.3f} to {max(ratios):.3f})")
     print(f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written {h['first_step_s']:.2f} s, "
           f"difference {q['first_step_s'] - h['first_step_s']:+.2f} s (goal within 1 s)")
     print(f"time waiting for data: {q['data_wait']:.2%} of qgtrain's step time (goal < 1%)")

@@ -97,8 +97,10 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
 
 def non_finite_loss(step: int, agree_every: int, ranks: list[int]) -> TrainingError:
     checked = "" if agree_every == 1 else f" (or up to {agree_every - 1} before)"
+    where = f"the loss became non-finite at step {step}{checked} on rank(s) {ranks}" if ranks else \
+        f"the gradients became non-finite at step {step}{checked} (the loss was finite on every rank)"
     return TrainingError(
-        f"the loss became non-finite at step {step}{checked} on rank(s) {ranks}; the step was not applied "
+        f"{where}; the step was not applied "
         "and no checkpoint was written. HINT: lower optim.lr or raise optim.warmup_steps, keep "
         "optim.grad_clip on, prefer bf16 to fp16, and check the data; then resume from the last checkpoint")
 

@@ -105,6 +105,21 @@ def any_flags(flags: Sequence[bool | int | torch.Tensor], device: torch.device) 
     return [bool(v) for v in tensor.tolist()]
 
 
+def any_flags_later(flags: Sequence[bool | torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """any_flags, started now and finished by the returned call, which gives the agreed flags as a device
+    tensor (no host sync): the all-reduce runs while the caller computes (a step's forward and backward),
+    so agreeing costs no round trip on the step's path. One process starts no collective."""
+    tensor = torch.stack([torch.as_tensor(f, device=device).reshape(()) for f in flags]).to(torch.int32)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True) if dist.get_world_size() > 1 else None
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return tensor
+
+    return finish
+
+
 def flagged_ranks(flag: bool, device: torch.device) -> list[int]:
     """The ranks on which `flag` is true, known to every rank (for error messages)."""
     tensor = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)

@@ -111,34 +111,44 @@ class Trainer:
                         self.state.step, self.state.outcome)
             return Outcome(self.state.outcome)
         batches = self._batches()
-        bad_loss_seen = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Non-finite gradients are the same on every rank once they are all-reduced, so each rank sees them
+        # without agreeing (with fp16 they are the loss scaler's to skip); the loss says which rank began it.
+        bad_grads_seen = torch.zeros((), dtype=torch.bool, device=self.device)
+        bad_loss_here = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Each agreement runs during the steps until the next one, where it is read: the stop decisions
+        # land one agreement later, but no step waits for a round trip between ranks.
+        agreed = distributed.any_flags_later([False] * 5, self.device)
         last_save, busy_s, data_s, steps_at_log = time.monotonic(), 0.0, 0.0, self.state.step
         while self.state.step < t.max_steps:
             watchdog.progress()
             started, step = time.perf_counter(), self.state.step + 1
-            time_up = False
-            lr = lr_at(self.state.step, self.s.optim, t.max_steps)
+            stop = time_due = time_up = False
+            if agree := first or step % t.agree_every == 0:
+                due = self.env.is_main and bool(self.s.checkpoint.every_minutes) and \
+                    time.monotonic() - last_save >= 60 * self.s.checkpoint.every_minutes
+                previous, agreed = agreed, distributed.any_flags_later(
+                    [self.p.stop.requested, due, self.p.checkpointer.failed, self.env.is_main and self._out_of_time(),
+                     bad_loss_here], self.device)
             for group in self.p.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr = lr_at(self.state.step, self.s.optim, t.max_steps)
             micro_batches = [to_device(next(batches), self.device) for _ in range(t.grad_accum_steps)]
             data_s += time.perf_counter() - started
             loss_sum = accumulate_gradients(self.p.wrapped, self.p.task.loss, micro_batches, self.s.precision,
                                             self.p.scaler, self.device)
             self.p.scaler.unscale_(self.p.optimizer)
             grad_norm = clip_gradients(self.p.model, self.s.optim.grad_clip)
-            bad_loss_seen |= ~torch.isfinite(loss_sum)  # on the device: no sync until the ranks agree
-            stop = time_due = False
-            if first or step % t.agree_every == 0:
-                due = self.env.is_main and bool(self.s.checkpoint.every_minutes) and \
-                    time.monotonic() - last_save >= 60 * self.s.checkpoint.every_minutes
-                bad_loss, stop, time_due, unused, save_failed, time_up = distributed.any_flags(
-                    [bad_loss_seen, self.p.stop.requested, due, first and self._has_unused(),
-                     self.p.checkpointer.failed, self.env.is_main and self._out_of_time()], self.device)
+            if not self.p.scaler.is_enabled():
+                bad_grads_seen |= ~torch.isfinite(grad_norm)  # on the device: no sync until the agreement
+            bad_loss_here |= ~torch.isfinite(loss_sum)
+            if agree:  # one host sync: the previous agreement and this step's gradients
+                stop, time_due, save_failed, time_up, bad_loss, bad_grads = (
+                    bool(v) for v in torch.cat([previous(), bad_grads_seen.reshape(1).to(torch.int32)]).tolist())
                 stop = stop or time_up
                 if save_failed:
                     self.p.checkpointer.wait()  # raises the failure, the same on every rank
-                if bad_loss or unused:
-                    self._fail(step, bad_loss, bool(bad_loss_seen.item()))
+                unused = first and distributed.any_flags([self._has_unused()], self.device)[0]
+                if bad_loss or bad_grads or unused:
+                    self._fail(step, not unused, bool(bad_loss_here.item()))
             self.p.scaler.step(self.p.optimizer)
             self.p.scaler.update()
             self.p.optimizer.zero_grad(set_to_none=True)
@@ -162,6 +172,8 @@ class Trainer:
                 saving = time.perf_counter()
                 self.save(evaluated, blocking=stop or final or early_stop)
                 self._save_s, last_save = max(self._save_s, time.perf_counter() - saving), time.monotonic()
+            if stop or early_stop or final:
+                agreed()  # the group outlives no collective of ours
             if stop:
                 cause = ", ".join(self.p.stop.received) or ("the time limit" if time_up else
                                                             "a signal that reached another rank")
@@ -188,9 +200,10 @@ class Trainer:
             self.p.sampler.set_epoch(self.state.epoch)
 
     def _out_of_time(self) -> bool:
-        """Rank 0: the steps until the next agreement and a checkpoint would no longer fit before the end."""
+        """Rank 0: the steps until the agreement started now is read (two agreements away) and a checkpoint
+        would no longer fit before the end."""
         step_s = max(self._step_s, default=0.0)
-        due = self.p.deadline.due(step_s * self.s.train.agree_every + self._save_s)
+        due = self.p.deadline.due(step_s * 2 * self.s.train.agree_every + self._save_s)
         if due:
             log.warning("the time limit is %.0f s away (a step takes up to %.2f s, a checkpoint %.1f s, margin "
                         "%.0f s): stopping at a checkpoint", self.p.deadline.left_s() or 0.0, step_s, self._save_s,
@@ -210,14 +223,6 @@ class Trainer:
         if bad_loss:
             raise diagnose.non_finite_loss(step, self.s.train.agree_every, ranks)
         raise diagnose.unused_parameters(step, ranks, self._unused_names())
-
-    def _check_replicas(self) -> None:
-        """Every rank holds the same model under DDP; one that differs would be saved as rank 0's copy
-        and train on silently. Checked before each checkpoint, on every rank."""
-        differ = distributed.diverged([*self.p.model.named_parameters(), *self.p.model.named_buffers()],
-                                      self.device)
-        if differ:
-            raise diagnose.diverged_replicas(self.state.step, differ)
 
     def _evaluate(self, loader: Any, max_batches: int) -> dict[str, float | None]:
         if loader is None:
@@ -250,7 +255,7 @@ class Trainer:
              busy_s: float, data_s: float, evaluated: bool) -> None:
         loss, norm, tokens = distributed.sum_tensor([loss_sum.item(), grad_norm.item(), self._pending_tokens],
                                                     self.device)
-        self._count_tokens(int(tokens))
+        self.state.tokens_seen, self._pending_tokens = self.state.tokens_seen + int(tokens), 0
         world = self.env.world_size
         record: dict[str, Any] = {
             "step": step, "epoch": self.state.epoch, "loss": loss / world, "lr": lr, "grad_norm": norm / world,
@@ -270,16 +275,16 @@ class Trainer:
                  record["loss"], f" {format_metrics(prefixed('val', self.state.val_metrics))}" if evaluated else "",
                  lr, speed)
 
-    def _count_tokens(self, all_ranks: int) -> None:
-        self.state.tokens_seen += all_ranks
-        self._pending_tokens = 0
-
     def save(self, evaluated: bool, blocking: bool = False) -> None:
         s, es = self.state, self.s.early_stopping
-        if self.env.world_size > 1:
-            self._check_replicas()
+        if self.env.world_size > 1:  # replicas that drifted apart would be saved as rank 0's copy
+            differ = distributed.diverged([*self.p.model.named_parameters(), *self.p.model.named_buffers()],
+                                          self.device)
+            if differ:
+                raise diagnose.diverged_replicas(s.step, differ)
         if self.p.task.tokens is not None:  # every rank is here: sum what is pending
-            self._count_tokens(int(distributed.sum_tensor([self._pending_tokens], self.device)[0]))
+            pending = int(distributed.sum_tensor([self._pending_tokens], self.device)[0])
+            self.state.tokens_seen, self._pending_tokens = self.state.tokens_seen + pending, 0
         score = s.val_metrics.get(es.metric.removeprefix("val_")) if evaluated else None
         meta = {"epoch": s.epoch, "val_loss": s.val_metrics.get("loss") if evaluated else None,
                 "tokens_seen": s.tokens_seen, "outcome": s.outcome,
