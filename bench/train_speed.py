@@ -53,7 +53,8 @@ def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
     by_step = {r["step"]: r for r in records if "time" in r}
     marks = list(range(10, steps, 10))
     rates = [10 / (by_step[b]["time"] - by_step[a]["time"]) for a, b in zip(marks, marks[1:])]
-    return {"first_step_s": by_step[1]["time"] - start,
+    startup = {f"start: {name}": seconds for name, seconds in by_step[1].get("startup_s", {}).items()}
+    return {**startup, "first_step_s": by_step[1]["time"] - start,
             "steps_per_s": statistics.median(rates),
             "data_wait": statistics.mean(r["data_wait_frac"] for r in records if "data_wait_frac" in r)
             if any("data_wait_frac" in r for r in records) else float("nan")}
@@ -137,6 +138,8 @@ def main() -> None:
     print(f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written {h['first_step_s']:.2f} s, "
           f"difference {q['first_step_s'] - h['first_step_s']:+.2f} s (goal within 1 s)")
     print(f"time waiting for data: {q['data_wait']:.2%} of qgtrain's step time (goal < 1%)")
+    print("qgtrain's start, medians: " + ", ".join(f"{key.removeprefix('start: ')} {value:.2f} s"
+                                                   for key, value in q.items() if key.startswith("start: ")))
 
 
 if __name__ == "__main__":

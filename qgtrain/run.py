@@ -29,9 +29,16 @@ from .errors import (
     QgtrainError,
 )
 from .runtime import cpu, distributed, log, precision, rng
-from .runtime.rendezvous import DistEnv
 from .runtime.deadline import Deadline
-from .runtime.signals import StopFlag, job_state, reason_not_to_requeue, requeue, seconds_left
+from .runtime.rendezvous import DistEnv
+from .runtime.signals import (
+    StopFlag,
+    job_state,
+    reason_not_to_requeue,
+    requeue,
+    seconds_left,
+)
+from .runtime.startup import Timeline
 from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
 from .state.resume import pick_for_resume
@@ -51,6 +58,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     """Train to the end, to an early stop, or to an agreed stop on a signal or before the time limit.
     Returns the exit code."""
     deadline = _deadline(cfg, env, time.time())  # train.max_time counts from here
+    timeline = Timeline()
     log.setup_console(env, cfg.logging.level)
     device = distributed.pick_device(env, cfg.train.device)
     if device.type == "cpu":
@@ -68,8 +76,9 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     try:
         with stop, distributed.process_group(env, device, cfg.train.startup_timeout_s,
                                              cfg.train.collective_timeout_s):
+            timeline.mark("process group")
             outcome, run_dir = _train_in_group(cfg, env, device, Path(run_dir) if run_dir else None, stop, task,
-                                               deadline)
+                                               deadline, timeline)
             if outcome is Outcome.STOPPED_BY_SIGNAL:
                 return _after_stop(cfg, env, requeue_on_stop, run_dir)
             if cfg.export.on_finish:
@@ -82,7 +91,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 
 
 def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None, stop: StopFlag,
-                    task: TaskSource | None, deadline: Deadline) -> tuple[Outcome, Path]:
+                    task: TaskSource | None, deadline: Deadline, timeline: Timeline) -> tuple[Outcome, Path]:
     config_yaml = dump_yaml(cfg)  # one text for the run directory and, through it, every checkpoint
     with contextlib.ExitStack() as stack:
         # Rank 0 picks the directory (absolute, as it sees it), holds its lock while training, and picks the
@@ -102,12 +111,13 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
 
         path, run_id, resume_from, warnings = distributed.main_decides(claim)
         _check_shared(path, run_id, env, device)
+        timeline.mark("run directory")
         if env.is_main:
             rundir.write_status(path, "running", job_id=env.requeue_id, restart=env.restart_count, error=None,
                                 host=env.node_name, ranks=env.world_size, started=time.time())
         try:
             ckpt = checkpoint.read_manifest(Path(resume_from)) if resume_from else None
-            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task, deadline)
+            outcome = _train_in_run(cfg, env, device, path, run_id, ckpt, warnings, stop, task, deadline, timeline)
         except PeerFailure as exc:  # another rank stopped first: say which, and why, if it left a note
             note = rundir.read_failure_note(path, env.rank, env.world_size)
             error = PeerFailure(f"{note}; rank {env.rank} stopped with it" if note else str(exc))
@@ -131,7 +141,7 @@ def _train_in_group(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir:
 
 def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path, run_id: str,
                   ckpt: checkpoint.Checkpoint | None, warnings: list[str], stop: StopFlag,
-                  task_source: TaskSource | None, deadline: Deadline) -> Outcome:
+                  task_source: TaskSource | None, deadline: Deadline, timeline: Timeline) -> Outcome:
     log.add_rank_file(env, run_dir / "logs", cfg.logging.level)
     rundir.clear_failure_note(run_dir, env.rank)
     for warning in warnings if env.is_main else []:
@@ -146,6 +156,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
+    timeline.mark("task")
     model = task.model
     logger.info("task %s: model %s with %.2fM parameters", cfg.task.factory, type(model).__name__,
                 sum(p.numel() for p in model.parameters()) / 1e6)
@@ -157,13 +168,16 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
                                 cfg.checkpoint.async_save, extra)
     bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
-                         progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb)
+                         progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb,
+                         timeline=timeline)
     try:
         trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop, deadline),
                           Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint,
                                    precision.resolve(cfg.train.precision, device)), env, device)
+        timeline.mark("wrapping and loaders")
         if ckpt is not None:
             trainer.restore(ckpt)
+            timeline.mark("restore")
         outcome = trainer.fit()
         checkpointer.wait()
     finally:

@@ -17,12 +17,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # at run time torch is imported only where needed: `qgtrain runs` reads metrics without it
     import torch
 
+    from ..runtime.startup import Timeline
+
 from ..errors import QgtrainError
 
 
 class MetricsLog:
     def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None,
-                 progress_bar: bool = False, max_steps: int = 0, memory_warn_gb: float = 0.0) -> None:
+                 progress_bar: bool = False, max_steps: int = 0, memory_warn_gb: float = 0.0,
+                 timeline: Timeline | None = None) -> None:
+        self.timeline = timeline  # reported with the first record, then dropped
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
@@ -65,6 +69,11 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
+        if self.timeline is not None:  # the first step: where the time before it went
+            self.timeline.mark("first step")
+            record["startup_s"] = dict(self.timeline.intervals)
+            logging.getLogger("qgtrain").info("%s", self.timeline.describe())
+            self.timeline = None
         if self._bar is not None and "loss" in record:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self._file.write(json.dumps(record) + "\n")
