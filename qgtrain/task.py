@@ -32,6 +32,8 @@ class Task:
     tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a GPU,
         e.g. a shape product). Without it only samples/s is reported.
     tokenizer: anything with save_pretrained (a Hugging Face tokenizer), exported beside the model.
+    flops_per_sample: training FLOPs (forward and backward) per sample, for model FLOPs utilisation
+        (`mfu` in the metrics, on GPUs whose peak is known).
     facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of the
         built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
     """
@@ -45,4 +47,5 @@ class Task:
     metrics: Callable[[Any, Any], Mapping[str, tuple[Any, Any]]] | None = None
     tokens: Callable[[Any], int] | None = None
     tokenizer: Any = None
+    flops_per_sample: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)

@@ -169,3 +169,16 @@ def test_memory_is_logged_and_a_limit_warns(tmp_path):
     assert record["mem_rss_gb"] > 0.01
     log = (run / "logs" / "rank_0.log").read_text()
     assert log.count("mem_rss_gb is") == 1 and "above logging.memory_warn_gb=0.01" in log
+
+
+def test_model_flops_utilisation_uses_the_peak_of_the_device_kind():
+    from qgtrain.tasks.causal_lm import training_flops
+    from qgtrain.tasks.models import build_model
+    from qgtrain.training.metrics import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("Some Future Accelerator") is None
+    model = build_model(load_config([]).model, 257, 128, 256)  # the main job's GPT-2
+    params = sum(p.numel() for p in model.parameters())
+    assert training_flops(model, 128) == 128 * (6 * params + 12 * 4 * 128 * 128)

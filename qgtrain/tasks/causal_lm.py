@@ -45,7 +45,16 @@ def causal_lm(cfg: RunConfig) -> Task:
     facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "eos_id": eos_id,
              "tokenizer": {"corpus": cfg.data.tokenizer, "synthetic": "byte"}.get(cfg.data.name)}
     return Task(model=model, train=splits.train, val=splits.val, test=splits.test, loss=lm_loss,
-                tokens=batch_tokens, facts=facts)
+                tokens=batch_tokens, facts=facts, flops_per_sample=training_flops(model, cfg.data.seq_len))
+
+
+def training_flops(model: torch.nn.Module, seq_len: int) -> float:
+    """Per sample of seq_len tokens: 6 x parameters per token (forward and backward matrix products),
+    plus attention's 12 x layers x width x seq_len per token (PaLM's appendix B, as nanoGPT counts)."""
+    params = sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    layers, width = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
+    return float(seq_len * (6 * params + 12 * layers * width * seq_len))
 
 
 def batch_tokens(batch: torch.Tensor) -> int:

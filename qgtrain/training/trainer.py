@@ -35,7 +35,7 @@ from ..state.train_state import TrainState
 from ..task import Task
 from .evaluation import evaluate
 from .gradients import accumulate_gradients
-from .metrics import MetricsLog, format_metrics, memory_gb, prefixed
+from .metrics import MetricsLog, format_metrics, memory_gb, prefixed, utilisation
 from .optim import clip_gradients
 from .schedule import lr_at
 
@@ -262,15 +262,15 @@ class Trainer:
             "samples_per_s": steps * self.s.train.grad_accum_steps * self.samples_per_micro / busy_s}
         if self.p.task.tokens is not None:
             record.update(tokens_per_s=tokens / busy_s, tokens_seen=self.state.tokens_seen)
-        record.update(data_wait_frac=data_s / busy_s, time=time.time(), **memory_gb(self.device))
+        record.update(data_wait_frac=data_s / busy_s, time=time.time(), **memory_gb(self.device),
+                      **utilisation(self.p.task.flops_per_sample, record["samples_per_s"], self.device, world))
         self.p.metrics.warn_memory(self.env.rank, step, record)
         if evaluated:
             record.update(prefixed("val", self.state.val_metrics))
         if self.state.outcome:
             record.update(prefixed("test", self.state.test_metrics))
         self.p.metrics.write(record)
-        speed = f"{record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record else \
-            f"{record['samples_per_s']:.1f} samples/s"
+        speed = f"{record['tokens_per_s']:.0f} tok/s" if tokens else f"{record['samples_per_s']:.1f} samples/s"
         log.info("step %d/%d epoch %d loss %.4f%s lr %.2e %s", step, self.s.train.max_steps, self.state.epoch,
                  record["loss"], f" {format_metrics(prefixed('val', self.state.val_metrics))}" if evaluated else "",
                  lr, speed)
