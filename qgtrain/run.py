@@ -28,7 +28,7 @@ from .errors import (
     PeerFailure,
     QgtrainError,
 )
-from .runtime import cpu, distributed, log, precision, rng
+from .runtime import compile_cache, cpu, distributed, log, precision, rng
 from .runtime.deadline import Deadline
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import (
@@ -153,6 +153,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
                 env.master_addr, env.master_port,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
+    stack = contextlib.ExitStack()
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
@@ -170,6 +171,9 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
                          progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb,
                          timeline=timeline)
+    if cfg.model.compile:
+        folder = stack.enter_context(compile_cache.in_run_dir(run_dir, env.rank))
+        logger.info("torch.compile caches in %s, for the next start of this rank", folder)
     try:
         trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop, deadline),
                           Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint,
@@ -182,6 +186,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
         checkpointer.wait()
     finally:
         metrics.close()
+        stack.close()
     return outcome
 
 

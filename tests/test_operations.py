@@ -182,3 +182,17 @@ def test_model_flops_utilisation_uses_the_peak_of_the_device_kind():
     model = build_model(load_config([]).model, 257, 128, 256)  # the main job's GPT-2
     params = sum(p.numel() for p in model.parameters())
     assert training_flops(model, 128) == 128 * (6 * params + 12 * 4 * 128 * 128)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_keeps_its_compile_cache_in_the_run_directory(tmp_path):
+    """Each rank's inductor cache goes under the run directory (a requeue on another node finds it there),
+    and a start that finds it resumes from it."""
+    run = tmp_path / "run"
+    sets = ["--set", *TINY, "model.factory=null", "model.layers=1", "model.hidden=32", "model.heads=2",
+            "model.compile=true", "train.eval_every=0", "checkpoint.every_steps=0"]
+    assert qgtrain("train", "--run-dir", str(run), *sets, "train.max_steps=2", cwd=tmp_path).returncode == 0
+    cached = [p for p in (run / "compile-cache" / "rank-0").rglob("*") if p.is_file()]
+    assert cached, "compiled kernels are kept in the run directory"
+    again = qgtrain("train", "--run-dir", str(run), *sets, "train.max_steps=4", cwd=tmp_path)
+    assert again.returncode == 0 and f"torch.compile caches in {run / 'compile-cache' / 'rank-0'}" in again.stderr
