@@ -24,13 +24,20 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1")
 
 
-def overlay(tmp_path: Path, max_steps: int, every_steps: int = 0) -> Path:
+def overlay(tmp_path: Path, max_steps: int, every_steps: int = 0,
+            task_options: dict[str, object] | None = None) -> Path:
+    """A small run under tmp_path: the built-in LM, or with task_options the task of a job file laid under
+    it (its own options, its validations kept, early stopping off so the step count is fixed)."""
     path = tmp_path / "small.yaml"
-    path.write_text(f"""
+    path.write_text((f"""
 data: {{name: synthetic, seq_len: 32, synthetic_samples: 2048}}
 model: {{layers: 1, hidden: 32, heads: 2}}
 train: {{max_steps: {max_steps}, batch_size: 8, log_every: 50, eval_every: 0}}
-checkpoint: {{every_steps: {every_steps}}}
+""" if task_options is None else f"""
+task: {{options: {json.dumps(task_options)}}}
+train: {{max_steps: {max_steps}, log_every: 10}}
+early_stopping: {{patience: 0}}
+""") + f"""checkpoint: {{every_steps: {every_steps}}}
 logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}
 """)
     (tmp_path / "jobs" / "out").mkdir(parents=True, exist_ok=True)
@@ -120,6 +127,51 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_pa
         "the stop checkpoint was complete before the job was killed"
     assert f"Slurm job {job_id} restart 1" in log
     resumed = final_weights(run, LONG)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
+
+
+GRAPH_STEPS = 1500
+GRAPH_OPTIONS = {"graphs": 1024, "hidden": 32, "layers": 2}
+
+
+def graph_configs(tmp: Path) -> list[Path]:
+    """jobs/graph.yaml's task (a factory given as a file path relative to the yaml) on the CPU job's
+    settings; its run_name, graph, comes after cpu.yaml's and wins."""
+    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "graph.yaml",
+            overlay(tmp, GRAPH_STEPS, every_steps=500, task_options=GRAPH_OPTIONS)]
+
+
+@pytest.fixture(scope="module")
+def graph_reference(tmp_path_factory) -> Path:
+    """The uninterrupted graph classifier run, on the same two nodes (so the same thread counts)."""
+    tmp = tmp_path_factory.mktemp("graph-reference")
+    job_id = sbatch(tmp, *TWO_NODES, "--time=10", configs=graph_configs(tmp))
+    assert wait_finished(job_id) == "COMPLETED"
+    return tmp / "runs" / "graph"
+
+
+def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped(tmp_path, graph_reference):
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=graph_configs(tmp_path))
+    run = tmp_path / "runs" / "graph"
+    wait_until(lambda: logged_step(run) >= 50, 120, "training to pass step 50")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # the warning signal, or a preemption
+    assert wait_finished(job_id) == "COMPLETED"
+    assert job(job_id)["Restarts"] == "1", "the same job id came back once"
+    log = rank_log(run, 0)
+    assert log.count(f"task {ROOT / 'jobs' / 'examples' / 'graph.py'}:graph_classifier") == 2, \
+        "both allocations found the factory, given relative to jobs/graph.yaml, from the job's own directory"
+    stopped = int(log.split("stopping at step ")[1].split(" ")[0])
+    assert 50 <= stopped < GRAPH_STEPS
+    assert f"stopping at step {stopped} on SIGUSR2: checkpoint saved" in log
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
+    assert f"Slurm job {job_id} restart 1" in log
+    final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    expected = json.loads((graph_reference / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["step"] == GRAPH_STEPS and {"val_accuracy", "test_accuracy"} <= final.keys()
+    assert {k: v for k, v in final.items() if k.startswith(("val_", "test_"))} == \
+        {k: v for k, v in expected.items() if k.startswith(("val_", "test_"))}
+    reference, resumed = final_weights(graph_reference, GRAPH_STEPS), final_weights(run, GRAPH_STEPS)
+    assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
 
 
