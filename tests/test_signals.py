@@ -167,18 +167,21 @@ def test_seconds_left_reads_the_end_time_slurm_reports():
 
 
 def test_the_deadline_follows_a_limit_that_is_extended_while_the_job_runs():
-    ends = iter([1000.0, 5000.0])
-    deadline = Deadline(None, None, margin_s=60.0, read_job_end=lambda: next(ends, 5000.0), every_s=0.05)
+    start = time.time()
+    ends = iter([start + 1000.0, start + 5000.0])
+    deadline = Deadline(None, None, margin_s=60.0, read_job_end=lambda: next(ends, start + 5000.0), every_s=0.05)
     try:
-        assert deadline.end == 1000.0 and deadline.due(work_s=50.0, now=900.0)  # 100 s left < 50 + 60
-        assert not deadline.due(work_s=30.0, now=900.0)
+        assert deadline.end == start + 1000.0 and deadline.due(work_s=50.0, now=start + 900.0)  # 100 < 50 + 60
+        assert not deadline.due(work_s=30.0, now=start + 900.0)
         end = time.monotonic() + 5
-        while deadline.end != 5000.0 and time.monotonic() < end:  # an admin's `scontrol update TimeLimit=`
+        while deadline.end != start + 5000.0 and time.monotonic() < end:  # `scontrol update TimeLimit=`
             time.sleep(0.02)
-        assert deadline.end == 5000.0 and not deadline.due(work_s=50.0, now=900.0)
+        assert deadline.end == start + 5000.0 and not deadline.due(work_s=50.0, now=start + 900.0)
     finally:
         deadline.close()
-    assert Deadline(2000.0, 5000.0, 0.0).end == 2000.0, "train.max_time and the job's limit: the earlier"
+    short = Deadline(None, start + 120.0, margin_s=60.0)  # a 2-minute job: a margin of 12 s, not 60
+    assert not short.due(work_s=1.0, now=start + 100.0) and short.due(work_s=1.0, now=start + 108.0)
+    assert Deadline(start + 2000.0, start + 5000.0, 0.0).end == start + 2000.0, "max_time and the limit: earlier"
     assert not Deadline(None, None, 0.0).due(1e9), "no limit at all"
 
 

@@ -20,6 +20,7 @@ class Deadline:
         """`local_end`: from train.max_time; `job_end`: the Slurm limit now (Unix times, None if none);
         `read_job_end` reads the Slurm limit again, every `every_s` seconds."""
         self.local_end, self.job_end, self.margin_s = local_end, job_end, margin_s
+        self.started = time.time()
         self._stopped = threading.Event()
         if read_job_end is not None:
             if job_end is None:
@@ -37,9 +38,14 @@ class Deadline:
         return None if end is None else end - (time.time() if now is None else now)
 
     def due(self, work_s: float, now: float | None = None) -> bool:
-        """Whether `work_s` (the steps until the next agreement, a checkpoint) plus the margin no longer fit."""
-        left = self.left_s(now)
-        return left is not None and left <= work_s + self.margin_s
+        """Whether `work_s` (the steps until the next agreement, a checkpoint) plus the margin no longer fit.
+
+        The margin is at most a tenth of the time this process was given, so a short job still trains
+        (a 2-minute test job would otherwise stop at its first step, requeue after requeue)."""
+        end, left = self.end, self.left_s(now)
+        if end is None or left is None:
+            return False
+        return left <= work_s + min(self.margin_s, 0.1 * max(end - self.started, 0.0))
 
     def close(self) -> None:
         self._stopped.set()
