@@ -238,3 +238,27 @@ def test_doctor_under_srun_checks_that_every_node_sees_the_run_directory(tmp_pat
     assert "qgtrain doctor on node1 (rank 0 of 2)" in result.stdout, result.stderr
     assert f"ok       shared filesystem  all 2 node(s) see {tmp_path}" in result.stdout
     assert result.stdout.count("qgtrain doctor on") == 1, "only rank 0 prints"
+
+
+def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_start_resumes(tmp_path):
+    """node2's link to the cluster's bridge goes down mid-run: each rank's collective times out after
+    train.collective_timeout_s and names the rank that did not arrive; the next job resumes."""
+    bounded = tmp_path / "timeout.yaml"
+    bounded.write_text("train: {collective_timeout_s: 20}\n")
+    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, LONG, every_steps=100), bounded]
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", "--no-requeue", configs=configs)
+    run = tmp_path / "runs" / "cpu"
+    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    subprocess.run(["ip", "link", "set", "veth-qg2", "down"], check=True)
+    cut = time.monotonic()
+    try:
+        for rank, other in ((0, 1), (1, 0)):
+            wait_until(lambda: f"rank(s) [{other}] did not arrive" in rank_log(run, rank), 90,
+                       f"rank {rank} to name rank {other}")
+        assert time.monotonic() - cut < 90, "within the collective timeout and the teardown bound"
+    finally:
+        subprocess.run(["ip", "link", "set", "veth-qg2", "up"], check=True)
+    assert wait_finished(job_id, timeout=600) != "COMPLETED"
+    again = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs)
+    assert wait_finished(again) == "COMPLETED"
+    assert f"resumed from {run / 'checkpoints'}" in rank_log(run, 0) and logged_step(run) == LONG

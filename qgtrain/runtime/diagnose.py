@@ -13,6 +13,7 @@ import faulthandler
 import logging
 import re
 import shutil
+import threading
 import time
 import traceback
 from typing import Any
@@ -126,9 +127,21 @@ def _some(names: list[str], most: int) -> str:
 
 def missing_ranks(env: DistEnv, wait_s: float = 3.0) -> list[int] | None:
     """The ranks that do not answer: each surviving rank posts to the rendezvous store, waits a moment,
-    and lists who posted. If the store (hosted by rank 0) is gone, rank 0 is what is missing."""
+    and lists who posted. If the store (hosted by rank 0) is gone or cannot be reached, rank 0 is what is
+    missing. The store's client can block for minutes on a cut network, so the probe runs in a thread
+    and is given up on after a few seconds."""
     if env.world_size == 1:
         return []
+    answer: list[list[int] | None] = []
+    probe = threading.Thread(target=lambda: answer.append(_unanswered(env, wait_s)), daemon=True)
+    probe.start()
+    probe.join(wait_s + 5.0)
+    if answer and answer[0] is not None:
+        return answer[0]
+    return [0] if env.rank != 0 else None
+
+
+def _unanswered(env: DistEnv, wait_s: float) -> list[int] | None:
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=5))
@@ -141,7 +154,7 @@ def missing_ranks(env: DistEnv, wait_s: float = 3.0) -> list[int] | None:
             time.sleep(0.2)
         return [r for r in range(env.world_size) if r not in alive]
     except (RuntimeError, dist.DistError, TimeoutError, OSError):  # the store's host, rank 0, is gone
-        return [0] if env.rank != 0 else None
+        return None
 
 
 def _dump_stacks(exc: BaseException) -> None:

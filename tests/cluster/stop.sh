@@ -29,7 +29,12 @@ for file in "$LAB"/run/slurmd-*.pid; do [ -e "$file" ] && stop_pid "$file" slurm
 stop_pid "$LAB/run/slurmctld.pid" slurmctld
 stop_pid "$LAB/run/munged.pid" munged
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^qgtrain-node[0-9]*$'); do
+    # a job step that lost its node (slurmstepd, its tasks) would keep the namespace and its link alive
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
     ip netns del "$ns"
+done
+for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep '^veth-qg[0-9]*$'); do
+    ip link del "$link" 2>/dev/null
 done
 ip link show br-qgtrain >/dev/null 2>&1 && ip link del br-qgtrain
 rm -f "$LAB/run/shape"
