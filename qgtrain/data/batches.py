@@ -19,26 +19,32 @@ from ..errors import ConfigError
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
-def to_device(batch: Any, device: torch.device, where: str = "batch") -> Any:
-    """`batch` with every tensor on `device` (non-blocking: pinned CPU memory copies asynchronously)."""
+def to_device(batch: Any, device: torch.device, where: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """`batch` with every tensor on `device` (non-blocking: pinned CPU memory copies asynchronously).
+    `where` is the path to this part of the batch, turned into text only for an error."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, _PLAIN) or type(batch).__module__ == "numpy":
         return batch
     if isinstance(batch, Mapping):
         rebuild: Any = type(batch)
-        return rebuild({k: to_device(v, device, f"{where}[{k!r}]") for k, v in batch.items()})
+        return rebuild({k: to_device(v, device, (*where, ("key", k))) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device, f"{where}.{n}") for n, v in zip(batch._fields, batch)))
+        return type(batch)(*(to_device(v, device, (*where, ("attr", n))) for n, v in zip(batch._fields, batch)))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, f"{where}[{i}]") for i, v in enumerate(batch))
+        return type(batch)(to_device(v, device, (*where, ("index", i))) for i, v in enumerate(batch))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        moved = {f.name: to_device(getattr(batch, f.name), device, f"{where}.{f.name}")
+        moved = {f.name: to_device(getattr(batch, f.name), device, (*where, ("attr", f.name)))
                  for f in dataclasses.fields(batch) if f.init}
         return dataclasses.replace(batch, **moved)
     if callable(getattr(batch, "to", None)):
         return batch.to(device)
     raise ConfigError(
-        f"task: the {where} is a {type(batch).__module__}.{type(batch).__qualname__}, which qgtrain cannot move "
-        f"to {device}. HINT: make the collate return tensors, or dicts, lists, tuples or dataclasses of them, "
-        "or give the class a .to(device) method")
+        f"task: the batch{_path(where)} is a {type(batch).__module__}.{type(batch).__qualname__}, which qgtrain "
+        f"cannot move to {device}. HINT: make the collate return tensors, or dicts, lists, tuples or dataclasses of "
+        "them, or give the class a .to(device) method")
+
+
+def _path(where: tuple[tuple[str, Any], ...]) -> str:
+    return "".join(f"[{key!r}]" if kind == "key" else f".{key}" if kind == "attr" else f"[{key}]"
+                   for kind, key in where)
