@@ -153,7 +153,6 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
                 env.master_addr, env.master_port,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
-    stack = contextlib.ExitStack()
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
@@ -171,34 +170,32 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
                          progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb,
                          timeline=timeline)
-    if cfg.model.compile:
-        folder = stack.enter_context(compile_cache.in_run_dir(run_dir, env.rank))
-        logger.info("torch.compile caches in %s, for the next start of this rank", folder)
+    resolved = precision.resolve(cfg.train.precision, device)
     try:
-        trainer = Trainer(_parts(cfg, env, device, task, checkpointer, metrics, stop, deadline),
-                          Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint,
-                                   precision.resolve(cfg.train.precision, device)), env, device)
-        timeline.mark("wrapping and loaders")
-        if ckpt is not None:
-            trainer.restore(ckpt)
-            timeline.mark("restore")
-        outcome = trainer.fit()
-        checkpointer.wait()
+        with compile_cache.in_run_dir(run_dir, env.rank) if cfg.model.compile else contextlib.nullcontext():
+            trainer = Trainer(_parts(cfg, env, device, task, resolved, checkpointer, metrics, stop, deadline),
+                              Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved), env,
+                              device)
+            timeline.mark("wrapping and loaders")
+            if ckpt is not None:
+                trainer.restore(ckpt)
+                timeline.mark("restore")
+            outcome = trainer.fit()
+            checkpointer.wait()
     finally:
         metrics.close()
-        stack.close()
     return outcome
 
 
-def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, checkpointer: Checkpointer,
-           metrics: MetricsLog, stop: StopFlag, deadline: Deadline) -> Parts:
+def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, resolved_precision: str,
+           checkpointer: Checkpointer, metrics: MetricsLog, stop: StopFlag, deadline: Deadline) -> Parts:
     model = task.model.to(device)
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train.find_unused_parameters)
     assert task.collate is not None
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)
-    resolved = precision.resolve(cfg.train.precision, device)
-    return Parts(task, model, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device),
+    return Parts(task, model, wrapped, adamw(model, cfg.optim, device),
+                 precision.grad_scaler(resolved_precision, device),
                  loaders.sampler, loaders.train, loaders.val, loaders.test, checkpointer, metrics, stop, deadline)
 
 

@@ -11,6 +11,7 @@ compiled C++, and saved 3 s of the 14.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,5 +22,6 @@ def in_run_dir(run_dir: Path, rank: int) -> Iterator[Path]:
 
     folder = run_dir / "compile-cache" / f"rank-{rank}"
     folder.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("qgtrain").info("torch.compile caches in %s, for the next start of this rank", folder)
     with temporary_cache_dir(str(folder)):
         yield folder
