@@ -97,6 +97,7 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
                              r"'path/to/file.py:function'"),
     ("task:\n  options: [1, 2]\n", r"task.options: expected a mapping of names to values"),
     ("slurm:\n  job_name: null\n", r"slurm.job_name: expected text, got NoneType"),
+    ("train:\n  max_time: soon\n", r"train.max_time: 'soon' is not a duration; use e.g. 45m, 3h30m"),
 ])
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -110,6 +111,15 @@ def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_o
     assert cfg.task.factory == f"{(tmp_path / 'jobs' / 't.py').resolve()}:make", "relative to the file naming it"
     assert cfg.task.options == {"hidden": 64, "name": "tiny"}
     assert load_config([], ["task=my.mod:build"]).task.factory == "my.mod:build"
+
+
+@pytest.mark.parametrize("text, seconds", [("3h30m", 12600), ("45m", 2700), ("90s", 90), ("1d2h", 93600),
+                                           ("2:00:00", 7200), ("1-12", 129600), ("90", 5400), ("0", None),
+                                           ("x", None)])
+def test_durations_in_units_or_slurm_forms(text, seconds):
+    from qgtrain.config import duration_s
+
+    assert duration_s(text) == seconds
 
 
 def test_missing_file_is_named(tmp_path):

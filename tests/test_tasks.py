@@ -136,6 +136,9 @@ def test_a_dataclass_batch_trains_and_reports_exact_metrics_with_early_stopping_
     assert manifest["score"] == {"metric": "val_accuracy", "mode": "max", "value": evaluated[-1]["val_accuracy"]}
     state = json.loads((run / "checkpoints" / "step-12" / "state.json").read_text())["trainer"]
     assert state["outcome"] == "stopped early" and state["best_metric"] == evaluated[0]["val_accuracy"]
+    shown = subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(run), "--json"], capture_output=True,
+                           text=True, check=True)
+    assert json.loads(shown.stdout)[0]["last_val_metrics"] == {"val_accuracy": evaluated[-1]["val_accuracy"]}
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ class RunSummary:
     epoch: int | None
     best_val_loss: float | None
     last_val_loss: float | None
+    last_val_metrics: dict[str, float]  # the task's own metrics at the latest validation (val_accuracy, ...)
     checkpoint: int | None
     restarts: int | None
     job_id: str | None
@@ -46,6 +47,9 @@ def summarize(run: Path) -> RunSummary:
     records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
     trained = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    evaluated = [r for r in records if any(k.startswith("val_") for k in r)]
+    metrics = {k: v for k, v in (evaluated[-1] if evaluated else {}).items()
+               if k.startswith("val_") and k != "val_loss" and isinstance(v, (int, float))}
     committed = checkpoint.list_committed(run / "checkpoints")
     run_id = rundir.read_run_id(run)
     ours = [c for c in committed if c.run_id == run_id]
@@ -53,7 +57,7 @@ def summarize(run: Path) -> RunSummary:
     return RunSummary(
         name=run.name, path=str(run), status=_status(run, status), step=trained[-1]["step"] if trained else None,
         epoch=trained[-1]["epoch"] if trained else None, best_val_loss=min(vals) if vals else None,
-        last_val_loss=vals[-1] if vals else None, checkpoint=ours[-1].step if ours else None,
+        last_val_loss=vals[-1] if vals else None, last_val_metrics=metrics, checkpoint=ours[-1].step if ours else None,
         restarts=int(restart) if isinstance(restart, (int, float)) else None,
         job_id=str(status["job_id"]) if status.get("job_id") else None,
         error=str(status["error"]) if status.get("error") else None)
@@ -82,9 +86,10 @@ def as_table(rows: list[RunSummary]) -> str:
             return "-"
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
-    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB")
+    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB", "METRICS")
     cells = [header] + [(r.name, r.status, fmt(r.step), fmt(r.epoch), fmt(r.best_val_loss), fmt(r.last_val_loss),
-                         fmt(r.checkpoint), fmt(r.restarts), fmt(r.job_id)) for r in rows]
+                         fmt(r.checkpoint), fmt(r.restarts), fmt(r.job_id),
+                         " ".join(f"{k} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-") for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
     lines += [f"{r.name}: {r.error}" for r in rows if r.status == "failed" and r.error]
