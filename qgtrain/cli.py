@@ -78,6 +78,21 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(doctor)
     doctor.set_defaults(func=_doctor)
 
+    data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
+    data.set_defaults(func=lambda _: _usage(data))
+    actions = data.add_subparsers(metavar="ACTION")
+    prepare = actions.add_parser("prepare", help="tokenize the configured data into data.cache_dir, e.g. on a "
+                                 "CPU partition before the GPU job")
+    _config_args(prepare)
+    prepare.add_argument("--workers", type=int, help="tokenizing processes (default: data.prepare_workers)")
+    prepare.set_defaults(func=_data_prepare)
+    info = actions.add_parser("info", help="what a token cache holds: documents, tokens, splits, tokenizer, files")
+    info.add_argument("path", nargs="?", type=Path, help="a cache entry, or a cache folder (default: "
+                      "data.cache_dir)")
+    info.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _config_args(info)
+    info.set_defaults(func=_data_info)
+
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
@@ -86,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print the rendezvous this process would use (run it inside srun)")
     env.set_defaults(func=_env)
     return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return EXIT_USAGE
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +201,41 @@ def _doctor(args: argparse.Namespace) -> int:
     if env.is_main:
         print(render(checks, env))
     return exit_code(checks)
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    import logging
+
+    from .errors import ConfigError
+
+    cfg = load_args_config(args)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logging.getLogger("qgtrain").addHandler(handler)
+    logging.getLogger("qgtrain").setLevel(logging.INFO)
+    if cfg.data.name == "files":
+        from .data.prepare import prepare
+
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers: {args.workers} is below 1")
+        files, made = prepare(cfg.data, args.workers or cfg.data.prepare_workers)
+    elif cfg.data.name == "corpus":
+        from .data import corpus
+
+        files, made = corpus.prepare(cfg.data), True
+    else:
+        raise ConfigError(f"data.name: '{cfg.data.name}' has nothing to prepare; use data.name: files (or corpus)")
+    counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
+    print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens {counts}")
+    return 0
+
+
+def _data_info(args: argparse.Namespace) -> int:
+    from .ops.data_info import describe, render
+
+    entries = describe(args.path or Path(load_args_config(args).data.cache_dir))
+    print(json.dumps(entries, indent=1) if args.json else render(entries))
+    return 0
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ def describe(spec: str) -> TokenizerInfo:
     """Facts about the tokenizer named by data.tokenizer, without importing transformers."""
     if spec == BYTE:
         return TokenizerInfo(BYTE, 257, 256, "byte-v1")
-    tok = _load_folder(spec)
+    tok = load_folder(spec)
     return TokenizerInfo(spec, tok.get_vocab_size(with_added_tokens=True), _eos_id(spec, tok),
                          "sha-" + _digest(Path(spec, "tokenizer.json").read_bytes()))
 
@@ -51,7 +51,7 @@ def encode(spec: str, documents: Iterable[str]) -> np.ndarray:
         for part in parts:
             part[-1] = info.eos_id
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-    tok = _load_folder(spec)
+    tok = load_folder(spec)
     docs = list(documents)
     ids = [np.asarray(enc.ids + [info.eos_id], dtype=np.uint32) for enc in tok.encode_batch(docs)]
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
@@ -84,7 +84,7 @@ def save(spec: str, out_dir: Path, model_max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def _load_folder(spec: str) -> tokenizers.Tokenizer:
+def load_folder(spec: str) -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer
 
     path = Path(spec, "tokenizer.json")

@@ -9,8 +9,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import itertools
+import logging
 import pickle
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -176,6 +180,64 @@ def main_works_long(work: Callable[[], Any], key: str, timeout_s: float) -> Any:
         return result
     store.wait([f"qgtrain/{key}"], datetime.timedelta(seconds=timeout_s))
     return pickle.loads(bytes.fromhex(store.get(f"qgtrain/{key}").decode()))
+
+
+_calls = itertools.count()
+
+
+def once_per_filesystem(work: Callable[[], Any], visible: Callable[[Any], bool], what: str,
+                        timeout: tuple[str, float]) -> Any:
+    """Rank 0 runs `work` (say, tokenizing data into a cache folder) and every rank gets its result. A rank
+    on a node that cannot see that result (`visible` says no: a node-local folder) has the work done once
+    for its node, by the first of its ranks to ask. Waiting ranks poll the store, not a collective, so hours
+    of work are not cut off by the collective timeout; they say what they wait for, and give up after
+    `timeout` (the setting that holds it, and seconds). A QgtrainError raised by the work is raised on every rank that waits for it."""
+    if dist.get_world_size() == 1:
+        return work()
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    key = f"qgtrain/once/{next(_calls)}"
+    if rank == 0:
+        _publish(store, key, work)
+    value = _collect(store, key, f"rank 0, which {what}", timeout)
+    if not visible(value):
+        host = socket.gethostname()
+        if store.add(f"{key}/{host}/asked", 1) == 1:
+            _publish(store, f"{key}/{host}", work)
+        value = _collect(store, f"{key}/{host}", f"another rank on {host}, which {what}", timeout)
+    store.set(f"{key}/done/{rank}", "1")
+    _wait_keys(store, [f"{key}/done/{r}" for r in range(dist.get_world_size())], f"the ranks of other nodes, "
+               f"where one {what}", timeout)
+    return value
+
+
+def _publish(store: Any, key: str, work: Callable[[], Any]) -> None:
+    try:
+        outcome: tuple[str, Any] = ("ok", work())
+    except QgtrainError as exc:
+        outcome = ("error", (type(exc), str(exc)))
+    store.set(key, pickle.dumps(outcome).hex())
+
+
+def _collect(store: Any, key: str, waiting_for: str, timeout: tuple[str, float]) -> Any:
+    _wait_keys(store, [key], waiting_for, timeout)
+    kind, value = pickle.loads(bytes.fromhex(store.get(key).decode()))
+    if kind == "error":
+        error_type, message = value
+        raise error_type(message)
+    return value
+
+
+def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str, float]) -> None:
+    start, said = time.monotonic(), 0.0
+    while not store.check(keys):
+        waited = time.monotonic() - start
+        if waited > timeout[1]:
+            raise QgtrainError(f"{timeout[0]}: waited {waited:.0f} s for {waiting_for}; raise {timeout[0]}, or "
+                               "do the work before the job")
+        if waited >= said:
+            logging.getLogger("qgtrain").info("waiting for %s (%.0f s so far)", waiting_for, waited)
+            said = waited + 60
+        time.sleep(0.2)
 
 
 def main_decides(decide: Callable[[], Any]) -> Any:

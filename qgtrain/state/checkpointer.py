@@ -120,7 +120,8 @@ class Checkpointer:
             try:
                 entries = checkpoint.write_files(staging, files)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-                error = f"rank {self.env.rank} cannot write {staging}: {checkpoint.explain_write_error(exc, staging, files)}"
+                why = checkpoint.explain_write_error(exc, staging, files)
+                error = f"rank {self.env.rank} cannot write {staging}: {why}"
         gathered = gather_to_main((entries, error), group=self.group)
         outcome = self._commit(step, staging, gathered, meta) if gathered is not None else None
         box = [outcome]

@@ -7,13 +7,14 @@ from a config, a pretrained folder, or a factory; the built-in corpus, a synthet
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from ..config import DataConfig, RunConfig
-from ..data import corpus
+from ..data import corpus, prepare
 from ..data.tokens import SyntheticTokens, TokenWindows
 from ..errors import ConfigError
 from ..factory import load_factory
@@ -31,10 +32,15 @@ class Splits:
 
 
 def causal_lm(cfg: RunConfig) -> Task:
-    """Rank 0 tokenizes the corpus (once per corpus and tokenizer); the other ranks open what it wrote."""
+    """Rank 0 tokenizes the text (once per text and tokenizer); the other ranks open what it wrote, or on a
+    node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes it again."""
     prepared = None
-    if cfg.data.name == "corpus":
-        prepared = corpus.load(distributed.main_decides(lambda: corpus.prepare(cfg.data).folder))
+    if cfg.data.name in ("corpus", "files"):
+        folder = distributed.once_per_filesystem(
+            lambda: str(_prepare(cfg.data)), lambda folder: Path(folder, "meta.json").is_file(),
+            f"is tokenizing the data into {cfg.data.cache_dir}",
+            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s))
+        prepared = corpus.load(Path(folder))
     splits = build_splits(cfg.data, prepared, cfg.train.seed)
     eos_id = prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None)
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
@@ -42,10 +48,18 @@ def causal_lm(cfg: RunConfig) -> Task:
     if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
                           f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with")
+    tokenizer_spec = "byte" if cfg.data.name == "synthetic" else \
+        cfg.data.tokenizer if cfg.data.name in ("corpus", "files") else None
     facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "eos_id": eos_id,
-             "tokenizer": {"corpus": cfg.data.tokenizer, "synthetic": "byte"}.get(cfg.data.name)}
+             "tokenizer": tokenizer_spec}
     return Task(model=model, train=splits.train, val=splits.val, test=splits.test, loss=lm_loss,
                 tokens=batch_tokens, facts=facts, flops_per_sample=training_flops(model, cfg.data.seq_len))
+
+
+def _prepare(data: DataConfig) -> Path:
+    if data.name == "files":
+        return prepare.prepare(data, data.prepare_workers)[0].folder
+    return corpus.prepare(data).folder
 
 
 def training_flops(model: torch.nn.Module, seq_len: int) -> float:
@@ -63,14 +77,16 @@ def batch_tokens(batch: torch.Tensor) -> int:
 
 def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
     """The three splits named by data.name (the corpus must have been prepared on rank 0 first)."""
-    if data.name == "corpus":
+    if data.name in ("corpus", "files"):
         assert prepared is not None
         windows = {split: TokenWindows(str(prepared.path(split)), prepared.dtype, data.seq_len)
                    for split in corpus.SPLITS}
         for split, dataset in windows.items():
             if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
-                raise ConfigError(f"data.corpus_mb: the {split} split has fewer than data.seq_len="
-                                  f"{data.seq_len} tokens; use more text or a shorter seq_len")
+                source = "data.corpus_mb" if data.name == "corpus" else "data.files" if split == "train" else \
+                    f"data.{split}_files" if getattr(data, f"{split}_files") else f"data.{split}_fraction"
+                raise ConfigError(f"{source}: the {split} split has {prepared.tokens[split]} tokens, fewer than "
+                                  f"data.seq_len={data.seq_len}; use more text or a shorter seq_len")
         return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
     if data.name == "synthetic":
         n_val = max(1, int(data.synthetic_samples * data.val_fraction))

@@ -1,0 +1,276 @@
+"""Data files tokenized once into a cache that every later job, rank and requeue reuses.
+
+A cache entry is named by a key of everything that decides its bytes: each file's path, size and modification
+time, the tokenizer, the text field and the split settings. A changed file gives a new key, so a stale cache is
+never trained on; it is prepared again. The entry is written to a temporary folder and renamed into place
+(a job killed mid-way leaves no entry a later job would trust), under a lock file so that concurrent jobs wait
+for one another instead of doing the work twice (where the filesystem has no locks, the rename alone keeps
+them from corrupting each other).
+
+Documents stream through: the main process reads them and groups about a megabyte of text per batch, worker
+processes tokenize the batches, and the results are written in order, so the output does not depend on the
+number of workers and memory stays bounded by the batches in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..config import DataConfig
+from ..errors import ConfigError
+from . import sources, tokenizer
+from .corpus import SPLITS, TokenFiles, load
+from .progress import Progress
+
+FORMAT_VERSION = 1
+BATCH_BYTES = 1 << 20
+log = logging.getLogger("qgtrain")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one cache entry is made of: the files of each split, and the fractions held out of data.files."""
+
+    folder: Path
+    files: dict[str, list[sources.SourceFile]]
+    held_out: dict[str, float]
+    data: DataConfig
+    tokenizer: tokenizer.TokenizerInfo
+
+    def sources(self) -> Iterator[tuple[str | None, sources.SourceFile]]:
+        """(split, file), where split None means the file's documents are divided by the held-out fractions."""
+        for split, files in self.files.items():
+            for file in files:
+                yield (None if split == "train" else split), file
+
+
+def plan(data: DataConfig) -> Plan:
+    files = {"train": sources.find(data.files, "data.files")}
+    held_out = {}
+    for split in ("val", "test"):
+        patterns = getattr(data, f"{split}_files")
+        files[split] = sources.find(patterns, f"data.{split}_files") if patterns else []
+        held_out[split] = 0.0 if patterns else getattr(data, f"{split}_fraction")
+    info = tokenizer.describe(data.tokenizer)
+    identity = {"version": FORMAT_VERSION, "tokenizer": info.fingerprint, "text_field": data.text_field,
+                "held_out": held_out, "split_seed": data.split_seed,
+                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group] for split, group in files.items()}}
+    key = xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:24]
+    return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
+
+
+def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
+    """The cache entry for data.files, and whether this call made it (False: it was already there)."""
+    todo = plan(data)
+    if _ready(todo.folder):
+        return load(todo.folder), False
+    todo.folder.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(todo.folder, data.prepare_timeout_s) as locked:
+        if _ready(todo.folder):
+            return load(todo.folder), False
+        if locked:  # whoever left a temporary folder behind is gone: the lock was free
+            for leftover in todo.folder.parent.glob(f"{todo.folder.name}.tmp-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        tmp = todo.folder.with_name(f"{todo.folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+        try:
+            _tokenize(todo, tmp, workers or len(os.sched_getaffinity(0)))
+            try:
+                tmp.rename(todo.folder)
+            except OSError:  # another job without the lock finished first: its entry is identical
+                pass
+            _fsync(todo.folder.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load(todo.folder), True
+
+
+def _ready(folder: Path) -> bool:
+    return (folder / "meta.json").is_file()
+
+
+@contextlib.contextmanager
+def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
+    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed without)."""
+    path = folder.with_name(f"{folder.name}.lock")
+    with open(path, "a+") as handle:
+        start, said = time.monotonic(), 0.0
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                    yield False
+                    return
+                raise
+            waited = time.monotonic() - start
+            if _ready(folder):  # the other job finished: nothing left to hold the lock for
+                yield False
+                return
+            if waited > timeout_s:
+                handle.seek(0)
+                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for {handle.read().strip()} to "
+                                  f"finish tokenizing into {folder}; remove {path} if that job is gone")
+            if waited >= said:
+                handle.seek(0)
+                log.info("data: waiting for %s, which is tokenizing into %s", handle.read().strip(), folder)
+                said = waited + 60
+            time.sleep(0.5)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
+    tmp.mkdir(parents=True)
+    info = todo.tokenizer
+    dtype = np.dtype(np.uint16 if info.vocab_size <= 65535 else np.uint32)
+    files = {split: open(tmp / f"{split}.bin", "wb") for split in SPLITS}
+    tokens, documents = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    progress = Progress(sum(f.size for _, f in todo.sources()), len(list(todo.sources())))
+    started = time.time()
+    with _Encoder(todo.data.tokenizer, info.eos_id, workers) as encoder, progress:
+        def write(done: Iterator[tuple[str, np.ndarray]]) -> None:
+            for split, ids in done:
+                files[split].write(ids.astype(dtype).tobytes())
+                tokens[split] += len(ids)
+                progress.add_tokens(len(ids))
+
+        for split, texts, ends in _batches(todo, documents, progress):
+            write(encoder.submit(split, texts, ends))
+        write(encoder.finish())
+    for handle in files.values():
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+    meta = {"kind": "files", "version": FORMAT_VERSION, "dtype": dtype.name, "vocab_size": info.vocab_size,
+            "eos_id": info.eos_id, "tokens": tokens, "documents": documents, "tokenizer": todo.data.tokenizer,
+            "text_field": todo.data.text_field, "held_out": todo.held_out, "split_seed": todo.data.split_seed,
+            "sources": {split: [vars(f) for f in group] for split, group in todo.files.items()},
+            "created": started, "seconds": round(time.time() - started, 3)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    _fsync(tmp / "meta.json")
+    _fsync(tmp)
+
+
+def _batches(todo: Plan, documents: dict[str, int],
+             progress: Progress) -> Iterator[tuple[str, list[str], list[bool]]]:
+    """About BATCH_BYTES of text at a time for one split, in the files' order."""
+    pending: dict[str, tuple[list[str], list[bool], int]] = {s: ([], [], 0) for s in SPLITS}
+    seed = todo.data.split_seed
+    for fixed_split, source in todo.sources():
+        for piece, done in sources.pieces(source, todo.data.text_field):
+            split = fixed_split or _held_out_split(seed, source.path, piece.document, todo.held_out)
+            texts, ends, size = pending[split]
+            texts.append(piece.text)
+            ends.append(piece.ends_document)
+            size += len(piece.text)
+            if piece.ends_document:
+                documents[split] += 1
+                progress.add_document()
+            progress.read(done)
+            if size >= BATCH_BYTES:
+                yield split, texts, ends
+                texts, ends, size = [], [], 0
+            pending[split] = (texts, ends, size)
+        if not source.unchanged():
+            raise ConfigError(f"{source.path} changed while it was being tokenized; nothing was kept; run again "
+                              "once the file is complete")
+        progress.next_file(source.size)
+    for split, (texts, ends, _) in pending.items():
+        if texts:
+            yield split, texts, ends
+
+
+def _held_out_split(seed: int, path: str, document: int, held_out: dict[str, float]) -> str:
+    """A document's split, from a hash of the seed and its place: the same on every run and machine."""
+    draw = xxhash.xxh3_64_intdigest(f"{seed}\0{path}\0{document}".encode()) / 2.0**64
+    if draw < held_out["val"]:
+        return "val"
+    return "test" if draw < held_out["val"] + held_out["test"] else "train"
+
+
+class _Encoder:
+    """Tokenizes batches in worker processes (or in this one, for one worker), returning them in order."""
+
+    def __init__(self, spec: str, eos_id: int, workers: int) -> None:
+        self.spec, self.eos_id = spec, eos_id
+        self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) \
+            if workers > 1 and spec != tokenizer.BYTE else None
+        self.window: deque[tuple[str, Future[np.ndarray]]] = deque()
+        self.limit = 2 * workers
+
+    def __enter__(self) -> _Encoder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool:
+            self.pool.shutdown(cancel_futures=True)
+
+    def submit(self, split: str, texts: list[str], ends: list[bool]) -> Iterator[tuple[str, np.ndarray]]:
+        if self.pool is None:
+            yield split, encode_batch(self.spec, self.eos_id, texts, ends)
+            return
+        self.window.append((split, self.pool.submit(encode_batch, self.spec, self.eos_id, texts, ends)))
+        while len(self.window) >= self.limit:
+            split, future = self.window.popleft()
+            yield split, future.result()
+
+    def finish(self) -> Iterator[tuple[str, np.ndarray]]:
+        while self.window:
+            split, future = self.window.popleft()
+            yield split, future.result()
+
+
+_loaded: dict[str, Any] = {}
+
+
+def encode_batch(spec: str, eos_id: int, texts: list[str], ends: list[bool]) -> np.ndarray:
+    """Token ids of the texts, each document followed by the end-of-text token (no other special tokens)."""
+    eos = np.array([eos_id], dtype=np.uint32)
+    if spec == tokenizer.BYTE:
+        encoded = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for text in texts]
+    else:
+        if spec not in _loaded:
+            _loaded[spec] = tokenizer.load_folder(spec)
+        tok = _loaded[spec]
+        # One text at a time: encode_batch would start its own threads in every worker process, and it is
+        # no faster on one thread.
+        encoded = [np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32) for text in texts]
+    parts: list[np.ndarray] = []
+    for ids, end in zip(encoded, ends):
+        parts += [ids, eos] if end else [ids]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,223 @@
+"""A user's data files: found from globs, then read one document at a time, never a whole file at once.
+
+The format comes from the extension. A folder written by Hugging Face `datasets`' save_to_disk is read with
+pyarrow, because that is what datasets stores (Arrow stream files listed in state.json); reading it needs no
+`datasets` import. Every problem a user can fix names the file (and line), what was found and what is allowed.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+            ".parquet": "parquet", ".arrow": "arrow"}
+ALLOWED = ".txt, .md, .jsonl, .ndjson, .json (each also .gz), .parquet, .arrow, a save_to_disk folder"
+TEXT_PIECE_BYTES = 1 << 20  # a long text file is read in pieces of about this size, split at line ends
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of text, and the identity that decides whether a cache made from it is still current."""
+
+    path: str
+    kind: str
+    size: int
+    mtime_ns: int
+
+    def unchanged(self) -> bool:
+        stat = os.stat(self.path)
+        return (stat.st_size, stat.st_mtime_ns) == (self.size, self.mtime_ns)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text to tokenize. A document is one piece, or several (a long text file) of which the last ends it."""
+
+    text: str
+    document: int
+    ends_document: bool
+
+
+def find(patterns: Sequence[str], key: str) -> list[SourceFile]:
+    """Every file the patterns name, in order (each glob sorted), each once."""
+    found: dict[str, SourceFile] = {}
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else \
+            [expanded] if os.path.exists(expanded) else []
+        if not matches:
+            raise ConfigError(f"{key}: {pattern!r} matches no file or folder")
+        for match in matches:
+            for path, kind in _expand(Path(match).resolve(), key):
+                stat = path.stat()
+                found.setdefault(str(path), SourceFile(str(path), kind, stat.st_size, stat.st_mtime_ns))
+    return list(found.values())
+
+
+def kind_of(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        kind = SUFFIXES.get(Path(name[:-3]).suffix)
+        return kind if kind in ("text", "jsonl") else None
+    return SUFFIXES.get(path.suffix.lower())
+
+
+def pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    """The source's text, with how many of its bytes on disk have been read so far."""
+    reader = {"text": _text_pieces, "jsonl": _json_pieces, "parquet": _parquet_pieces,
+              "arrow": _arrow_pieces}[source.kind]
+    empty = True
+    for piece, done in reader(source, text_field):
+        empty = False
+        yield piece, done
+    if empty:
+        raise ConfigError(f"{source.path}: the file holds no documents; remove it from data.files")
+
+
+def _expand(path: Path, key: str) -> Iterator[tuple[Path, str]]:
+    if not path.is_dir():
+        kind = kind_of(path)
+        if kind is None:
+            raise ConfigError(f"{key}: {path} is not a data file qgtrain reads; allowed: {ALLOWED}")
+        yield path, kind
+        return
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise ConfigError(f"{key}: {path} holds a DatasetDict with splits {', '.join(splits)}; name the split "
+                          f"folders, e.g. data.files: ['{path}/train'] and data.val_files: ['{path}/validation']")
+    if (path / "state.json").is_file():
+        state = json.loads((path / "state.json").read_text())
+        for entry in state.get("_data_files", []):
+            yield path / entry["filename"], "arrow"
+        return
+    inside = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and kind_of(p))
+    if not inside:
+        raise ConfigError(f"{key}: the folder {path} holds no data files; allowed: {ALLOWED}")
+    for file in inside:
+        yield file, str(kind_of(file))
+
+
+def _open(source: SourceFile) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
+    """The readable stream and the raw file under it, whose position counts bytes on disk."""
+    raw = open(source.path, "rb")
+    return (gzip.open(raw) if source.path.lower().endswith(".gz") else raw), raw
+
+
+def _text_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    stream, raw = _open(source)
+    with raw, stream:
+        pending, produced = b"", False
+        while True:
+            block = stream.read(TEXT_PIECE_BYTES)
+            text = pending + block
+            if not block:  # the end of the file: what is left ends the document
+                if text or produced:
+                    yield Piece(text.decode("utf-8", "replace"), 0, True), raw.tell()
+                return
+            cut = text.rfind(b"\n") + 1
+            pending = text[cut:]
+            if cut:  # pieces end at a line end, so no word is cut in two
+                yield Piece(text[:cut].decode("utf-8", "replace"), 0, False), raw.tell()
+                produced = True
+
+
+def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    stream, raw = _open(source)
+    with raw, stream:
+        first = stream.peek(64).lstrip()[:1] if hasattr(stream, "peek") else b""
+        if first == b"[":  # a JSON array of objects rather than JSON Lines: read whole
+            try:
+                rows = json.load(stream)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{source.path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+            for index, row in enumerate(rows):
+                yield Piece(_field(row, text_field, f"{source.path}: item {index}"), index, True), raw.tell()
+            return
+        document = 0
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            where = f"{source.path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") \
+                    from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"{where}: not UTF-8 text") from None
+            yield Piece(_field(row, text_field, where), document, True), raw.tell()
+            document += 1
+
+
+def _field(row: Any, text_field: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object with a '{text_field}' field, got "
+                          f"{type(row).__name__}")
+    if text_field not in row:
+        raise ConfigError(f"{where}: no field '{text_field}' (fields there: {', '.join(map(str, row)) or 'none'}); "
+                          "set data.text_field")
+    value = row[text_field]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field '{text_field}' holds {type(value).__name__}, not text")
+    return value
+
+
+def _parquet_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(source.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"{source.path}: not a readable parquet file ({exc})") from None
+    _check_column(file.schema_arrow.names, text_field, source.path)
+    rows, document = max(1, file.metadata.num_rows), 0
+    for batch in file.iter_batches(columns=[text_field], batch_size=4096):
+        for text in _column_texts(batch.column(0).to_pylist(), text_field, source.path, document):
+            document += 1
+            yield Piece(text, document - 1, True), source.size * document // rows
+
+
+def _arrow_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    import pyarrow as pa
+
+    mapped = pa.memory_map(source.path)
+    try:
+        reader = pa.ipc.open_stream(mapped)
+    except pa.ArrowInvalid:
+        try:
+            reader = pa.ipc.open_file(mapped)
+        except (pa.ArrowException, OSError) as exc:
+            raise ConfigError(f"{source.path}: not a readable Arrow file ({exc})") from None
+    _check_column(reader.schema.names, text_field, source.path)
+    batches = reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
+        (reader.get_batch(i) for i in range(reader.num_record_batches))
+    document = 0
+    for batch in batches:
+        for text in _column_texts(batch.column(text_field).to_pylist(), text_field, source.path, document):
+            document += 1
+            yield Piece(text, document - 1, True), mapped.tell()
+
+
+def _check_column(names: list[str], text_field: str, path: str) -> None:
+    if text_field not in names:
+        raise ConfigError(f"{path}: no column '{text_field}' (columns there: {', '.join(names)}); "
+                          "set data.text_field")
+
+
+def _column_texts(values: list[Any], text_field: str, path: str, first: int) -> Iterator[str]:
+    for offset, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: row {first + offset}: column '{text_field}' holds "
+                              f"{type(value).__name__}, not text")
+        yield value
