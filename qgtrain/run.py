@@ -41,7 +41,7 @@ from .runtime.signals import (
 from .runtime.startup import Timeline
 from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
-from .state.resume import pick_for_resume
+from .state.resume import data_change, pick_for_resume
 from .task import Task
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import parallel
@@ -156,6 +156,9 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
+    changed = data_change(ckpt, task.facts) if ckpt is not None and env.is_main else None
+    if changed:
+        logger.warning("%s", changed)
     timeline.mark("task")
     model = task.model
     logger.info("task %s: model %s with %.2fM parameters", cfg.task.factory, type(model).__name__,

@@ -339,3 +339,17 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     assert [(r["loss"], r.get("val_loss")) for r in got] == [(r["loss"], r.get("val_loss")) for r in expected], context
     want, have = final_state(reference), final_state(run)
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_its_data_changed_says_so(tmp_path):
+    write_jsonl(tmp_path / "shard0.jsonl.gz", documents(200, 0))
+    run = tmp_path / "run"
+    args = [*train_args(tmp_path, run), "train.max_steps=4", "train.eval_every=0", "checkpoint.every_steps=2"]
+    assert cli(*args, cwd=tmp_path).returncode == 0
+    write_jsonl(tmp_path / "shard0.jsonl.gz", documents(220, 5))
+    resumed = cli(*args[:-3], "train.max_steps=6", "train.eval_every=0", "checkpoint.every_steps=2", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert "resumed from" in log and "the data changed since checkpoint step 4: it was trained on " in log
+    assert log.count("the data changed") == 1

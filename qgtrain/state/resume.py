@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,3 +57,18 @@ def pick_for_resume(root: Path, run_id: str | None, resume: str,
             f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
             "afresh with checkpoint.resume: never or another train.run_name")
     return None
+
+
+def data_change(ckpt: Checkpoint, facts: dict[str, object]) -> str | None:
+    """A warning when the task's data is not what the checkpoint was trained on (a data file changed, so
+    its cache was prepared again): the run goes on, from the same sample position, on the new data."""
+    try:
+        saved = json.loads((ckpt.path / "model.json").read_text()).get("data")
+    except (OSError, ValueError):
+        return None
+    now = facts.get("data")
+    if saved is None or now is None or saved == now:
+        return None
+    return (f"the data changed since checkpoint step {ckpt.step}: it was trained on {saved}, this start reads "
+            f"{now} (a data file was changed or added); training continues on the new data from the same "
+            "sample position, so its order is not the uninterrupted run's")

@@ -51,7 +51,7 @@ def causal_lm(cfg: RunConfig) -> Task:
     tokenizer_spec = "byte" if cfg.data.name == "synthetic" else \
         cfg.data.tokenizer if cfg.data.name in ("corpus", "files") else None
     facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "eos_id": eos_id,
-             "tokenizer": tokenizer_spec}
+             "tokenizer": tokenizer_spec, "data": str(prepared.folder) if prepared else None}
     return Task(model=model, train=splits.train, val=splits.val, test=splits.test, loss=lm_loss,
                 tokens=batch_tokens, facts=facts, flops_per_sample=training_flops(model, cfg.data.seq_len))
 
