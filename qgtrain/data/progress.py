@@ -33,7 +33,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         if exc[0] is None:
-            log.info("data: tokenized %s", self.summary())
+            log.info("data: tokenized %s", self.summary(final=True))
 
     def read(self, done_in_file: int) -> None:
         position = self.finished_bytes + done_in_file
@@ -59,13 +59,14 @@ class Progress:
     def add_tokens(self, count: int) -> None:
         self.tokens += count
 
-    def summary(self) -> str:
+    def summary(self, final: bool = False) -> str:
         elapsed = max(1e-9, time.monotonic() - self.start)
         rate = self.bytes / elapsed
         left = (self.total - self.bytes) / rate if rate > 0 else 0.0
-        return (f"{_size(self.bytes)} of {_size(self.total)} ({100 * self.bytes / self.total:.0f}%), "
-                f"{self.files_done}/{self.files} files, {self.documents:,} documents, {self.tokens:,} tokens, "
-                f"{rate / 1e6:.1f} MB/s, {elapsed:.0f} s so far, about {left:.0f} s left")
+        done = f"{_size(self.bytes)} of {_size(self.total)} ({100 * self.bytes / self.total:.0f}%), " \
+            f"{self.files_done}/{self.files} files" if not final else f"{self.files} files, {_size(self.total)}"
+        return (f"{done}, {self.documents:,} documents, {self.tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+                + (f"{elapsed:.1f} s" if final else f"{elapsed:.0f} s so far, about {left:.0f} s left"))
 
 
 def _size(count: float) -> str:
