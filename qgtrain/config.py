@@ -105,6 +105,13 @@ class TrainConfig:
     agree_every: int = setting(1, "steps between the all-reduce that agrees on stop signals and bad losses",
                                min=1)
     find_unused_parameters: bool = setting(False, "let DDP skip parameters that get no gradient (slower)")
+    parallel: Literal["ddp", "fsdp"] = setting(
+        "ddp", "ddp: a full copy of the model on every rank; fsdp: weights, gradients and optimizer state "
+        "sharded over the ranks (FSDP2), for models too big for ddp")
+    shard_modules: tuple[str, ...] = setting((), "with fsdp: class names of the blocks sharded one by one "
+                                             "([] = the model's _no_split_modules, as Hugging Face models name them)")
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in the backward pass: "
+                                             "less memory, about a third more compute")
     cpu_threads: int = setting(0, "torch threads per rank on CPU (0 = the CPUs of this task / ranks per node)",
                                min=0)
     max_time: str = setting("", "stop at a checkpoint before this much time has passed, e.g. 3h30m or 2:00:00 "
@@ -243,6 +250,12 @@ def check_rules(cfg: RunConfig, source: str) -> None:
     if cfg.checkpoint.keep_last < 2:
         fail("checkpoint.keep_last", f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
              "half-written when a job dies, so the one before it must survive rotation")
+    if cfg.train.parallel == "fsdp" and cfg.train.precision == "fp16":
+        fail("train.precision", "fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use bf16 "
+             "with train.parallel: fsdp")
+    if cfg.train.parallel == "fsdp" and cfg.model.compile:
+        fail("model.compile", "torch.compile with train.parallel: fsdp is not supported yet; use ddp to compile, "
+             "or turn model.compile off")
     if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
         fail("train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU")
     name = cfg.train.run_name

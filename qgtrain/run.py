@@ -193,7 +193,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
 def _parts(cfg: RunConfig, env: DistEnv, device: torch.device, task: Task, resolved_precision: str,
            checkpointer: Checkpointer, metrics: MetricsLog, stop: StopFlag, deadline: Deadline) -> Parts:
     model = task.model.to(device)
-    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train.find_unused_parameters)
+    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved_precision)
     assert task.collate is not None
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)

@@ -22,8 +22,7 @@ from ..config import RunConfig
 from ..configload import config_from_dict, dump_yaml
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint
-from ..state.weights import load_weights, strip_wrapper_prefixes
+from ..state import checkpoint, sharded
 from ..task import BUILTIN_LM
 from ..tasks.models import build_model
 from ..training.metrics import read_metrics
@@ -112,7 +111,8 @@ def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint
     for ckpt in candidates:
         problem = checkpoint.verify(ckpt)
         if problem is None:
-            if not (ckpt.path / "model.pt").exists() or not (ckpt.path / "config.yaml").exists():
+            weights = (ckpt.path / "model.pt").exists() or sharded.is_sharded_checkpoint(ckpt)
+            if not weights or not (ckpt.path / "config.yaml").exists():
                 raise CheckpointError(f"export: {ckpt.path} has no model weights or config to export")
             return ckpt
         if len(candidates) == 1:
@@ -131,7 +131,7 @@ def _rebuild(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> to
         model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         model = build_model(cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id"))
-    load_weights(model, strip_wrapper_prefixes(checkpoint.load_file(ckpt, "model.pt")), ckpt.path)
+    sharded.load_model(ckpt, model)
     return model.float().eval()
 
 

@@ -19,8 +19,7 @@ from torch import nn
 from ..errors import QgtrainError
 from ..runtime import distributed, rng
 from ..runtime.rendezvous import DistEnv
-from ..state import checkpoint
-from ..state.weights import load_weights, strip_wrapper_prefixes
+from ..state import checkpoint, sharded
 from ..task import Task
 from ..tasks.build import build_task
 
@@ -34,7 +33,7 @@ def rebuild_task(ckpt: checkpoint.Checkpoint, cfg: Any) -> Task:
     with distributed.process_group(DistEnv(), torch.device("cpu"), 60.0, 600.0):
         rng.seed_everything(cfg.train.seed)
         task = build_task(cfg)
-    load_weights(task.model, strip_wrapper_prefixes(checkpoint.load_file(ckpt, "model.pt")), ckpt.path)
+    sharded.load_model(ckpt, task.model)
     task.model.float().eval()
     return task
 

@@ -191,7 +191,8 @@ def once_per_filesystem(work: Callable[[], Any], visible: Callable[[Any], bool],
     on a node that cannot see that result (`visible` says no: a node-local folder) has the work done once
     for its node, by the first of its ranks to ask. Waiting ranks poll the store, not a collective, so hours
     of work are not cut off by the collective timeout; they say what they wait for, and give up after
-    `timeout` (the setting that holds it, and seconds). A QgtrainError raised by the work is raised on every rank that waits for it."""
+    `timeout` (the setting that holds it, and seconds). A QgtrainError raised by the work is raised on
+    every rank that waits for it."""
     if dist.get_world_size() == 1:
         return work()
     store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()

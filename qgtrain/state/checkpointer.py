@@ -24,13 +24,20 @@ import torch.distributed as dist
 from ..errors import TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint
+from . import checkpoint, sharded
 
 log = logging.getLogger("qgtrain")
 
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank}.pt"
+
+
+def dcp_error() -> type[BaseException]:
+    """What torch.distributed.checkpoint raises on every rank when one rank's write fails (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 class Checkpointer:
@@ -50,8 +57,9 @@ class Checkpointer:
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
-             meta: dict[str, Any], *, blocking: bool = False) -> None:
-        """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only.
+             meta: dict[str, Any], *, blocking: bool = False, shards: dict[str, Any] | None = None) -> None:
+        """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only; `shards`, a
+        sharded model's and optimizer's state, is written by every rank (sharded.py).
 
         Synchronous: files are written and committed now; fsync and rotation finish in the background.
         Asynchronous (checkpoint.async_save): state is copied to CPU memory now and everything else runs
@@ -63,14 +71,16 @@ class Checkpointer:
             return
         files = {**replicated(), **self.run_files} if self.env.is_main else {}
         files[rank_file(self.env.rank)] = per_rank
+        if shards is not None:
+            files[sharded.FOLDER] = shards
         if self.async_save and not blocking:
             self._background(self._write_and_settle, step, self._snapshot.copy(files), meta)
         else:
-            ckpt = self._write(step, files, meta)
+            ckpt, names = self._write(step, files, meta)
             if blocking:
-                self._settle(ckpt, list(files))
+                self._settle(ckpt, names)
             else:
-                self._background(self._settle, ckpt, list(files))
+                self._background(self._settle, ckpt, names)
         self.last_step = step
 
     @property
@@ -100,10 +110,11 @@ class Checkpointer:
         self._thread.start()
 
     def _write_and_settle(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
-        self._settle(self._write(step, files, meta), list(files))
+        self._settle(*self._write(step, files, meta))
 
-    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives)."""
+    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> tuple[Path, list[str]]:
+        """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives). Returns the
+        checkpoint and the names of the files this rank wrote."""
         staging = checkpoint.staging_dir(self.root, step, self.run_id)
         error = None
         if self.env.is_main:
@@ -116,12 +127,19 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0, group=self.group)  # no rank writes into a folder that is not there
         error = box[0]
         entries: dict[str, Any] = {}
+        shards, staged = files.pop(sharded.FOLDER, None), error is None
         if error is None:
             try:
                 entries = checkpoint.write_files(staging, files)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 why = checkpoint.explain_write_error(exc, staging, files)
                 error = f"rank {self.env.rank} cannot write {staging}: {why}"
+        if shards is not None and staged:  # a collective: every rank takes part, also one whose files failed
+            try:
+                entries.update(sharded.write(staging, shards, self.env.rank, self.group))
+            except (OSError, RuntimeError, dcp_error()) as exc:
+                why = checkpoint.explain_write_error(exc, staging, shards)
+                error = error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
         gathered = gather_to_main((entries, error), group=self.group)
         outcome = self._commit(step, staging, gathered, meta) if gathered is not None else None
         box = [outcome]
@@ -129,7 +147,7 @@ class Checkpointer:
         if box[0] is not None:
             raise TrainingError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is intact; "
                                 "HINT: check free space and permissions where the run directory lives")
-        return self.root / f"step-{step}"
+        return self.root / f"step-{step}", list(entries)
 
     def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any]) -> str | None:
         errors = [error for _, error in gathered if error]
@@ -184,6 +202,12 @@ class CpuSnapshot:
         return snapshot
 
     def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):  # a shard: copy the local part, keep where it lies in the full tensor
+            local = self._copy(obj.to_local(), path, shared)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             alias = (obj.device.type, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape,
                      obj.stride(), obj.dtype)

@@ -1,7 +1,8 @@
 """What a checkpoint of training holds, and putting it back: progress, weights, optimizer, scaler, RNG.
 
 Rank 0 writes the replicated part (model, optimizer and scaler, progress as JSON); every rank writes its
-own RNG streams and data position. Restoring on a different world size re-shards the data position where
+own RNG streams and data position. Under FSDP the model and optimizer are every rank's shards instead
+(sharded.py). Restoring on a different world size re-shards the data position where
 it divides evenly and re-seeds the random streams, with a warning that the run will not repeat exactly.
 """
 
@@ -18,8 +19,10 @@ from torch import nn
 from ..errors import CheckpointError
 from ..runtime import rng
 from ..runtime.rendezvous import DistEnv
+from . import sharded
 from .checkpoint import Checkpoint, load_file, load_json
 from .checkpointer import rank_file
+from .sharded import is_sharded_checkpoint, is_sharded_model
 from .weights import load_weights, strip_wrapper_prefixes
 
 log = logging.getLogger("qgtrain")
@@ -48,9 +51,19 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
 
     facts = {"trainer": asdict(state), "precision": precision, "world_size": world_size,
              "versions": {"qgtrain": __version__, "torch": torch.__version__}}
+    progress = {"state.json": json.dumps(facts, indent=1).encode()}
+    if is_sharded_model(model):  # the weights and optimizer are every rank's shards (sharded.write)
+        return progress
     return {"model.pt": model.state_dict(),
-            "optim.pt": {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()},
-            "state.json": json.dumps(facts, indent=1).encode()}
+            "optim.pt": {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, **progress}
+
+
+def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -> dict[str, Any]:
+    """What a checkpoint's manifest says of it: `qgtrain runs`, rotation and export --best read these."""
+    score = state.val_metrics.get(metric.removeprefix("val_")) if evaluated else None
+    return {"epoch": state.epoch, "val_loss": state.val_metrics.get("loss") if evaluated else None,
+            "tokens_seen": state.tokens_seen, "outcome": state.outcome,
+            "score": None if score is None else {"metric": metric, "mode": mode, "value": score}}
 
 
 def rank_state(state: TrainState) -> dict[str, Any]:
@@ -61,8 +74,11 @@ def rank_state(state: TrainState) -> dict[str, Any]:
 def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
             env: DistEnv, seed: int) -> TrainState:
     saved = load_json(ckpt, "state.json")
-    load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
-    load_optimizer(ckpt, optimizer, scaler)
+    if is_sharded_checkpoint(ckpt) or is_sharded_model(model):
+        sharded.load(ckpt, model, optimizer)
+    else:
+        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
+        load_optimizer(ckpt, optimizer, scaler)
     state = _state_from(saved["trainer"])
     if state.samples_in_epoch % env.world_size:
         raise CheckpointError(

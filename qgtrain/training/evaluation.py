@@ -22,24 +22,37 @@ from ..runtime import precision
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
              metrics_fn: Callable[[nn.Module, Any], Mapping[str, tuple[Any, Any]]] | None,
-             device: torch.device, precision_name: str, max_batches: int) -> dict[str, float | None]:
+             device: torch.device, precision_name: str, max_batches: int,
+             lockstep: bool = False) -> dict[str, float | None]:
     """{"loss": mean loss per sample, name: sum / count for each metric}, the same on every rank.
 
     `model` must be the unwrapped module: DDP's forward would start collectives that uneven shards
-    cannot match. A collective: every rank calls it, also one whose shard is empty.
+    cannot match. A sharded (FSDP) model gathers its weights in every forward, so there all ranks run
+    in `lockstep`: as many batches as the largest shard, a rank whose shard has ended repeating a batch
+    whose results it drops. A collective: every rank calls it, also one whose shard is empty.
     """
     sizes = _batch_sizes(loader)
+    own = min(len(sizes), max_batches) if max_batches else len(sizes)
+    rounds = own
+    if lockstep:
+        most = torch.tensor([own], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        rounds = int(most.item())
     sums: dict[str, list[torch.Tensor]] = {"loss": [_zero(device), _zero(device)]}
     was_training = model.training
     model.eval()
     try:
-        for index, batch in enumerate(loader):
-            if max_batches and index >= max_batches:
-                break
-            batch = to_device(batch, device)
+        batches, batch = iter(loader), None
+        for index in range(rounds):
+            if index < own:
+                batch = to_device(next(batches), device)
+            elif batch is None:  # an empty shard: any sample will do, its results are dropped
+                batch = to_device(loader.collate_fn([loader.dataset[0]]), device)
             with precision.autocast(precision_name, device):
                 loss = loss_fn(model, batch)
                 reported = metrics_fn(model, batch) if metrics_fn is not None else {}
+            if index >= own:
+                continue
             sums["loss"][0] += loss.detach().double() * sizes[index]
             sums["loss"][1] += sizes[index]
             for name, pair in _checked(reported).items():

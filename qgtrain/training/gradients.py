@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
@@ -17,12 +18,16 @@ def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any
                          scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
     """Backward over the micro-batches of one step; the gradient equals one batch k times larger.
 
-    Under DDP gradients are all-reduced on the last micro-step only (no_sync before it). Returns the
-    step's mean loss as a device tensor, without synchronizing.
+    Under DDP gradients are all-reduced on the last micro-step only (no_sync before it); under FSDP they
+    are reduce-scattered on the last only. Returns the step's mean loss as a device tensor, without
+    synchronizing.
     """
     loss_sum: torch.Tensor | None = None
+    sharded = isinstance(model, FSDPModule)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
+        if sharded and len(micro_batches) > 1:
+            cast(FSDPModule, model).set_requires_gradient_sync(last)
         with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
             with precision.autocast(precision_name, device):
                 loss = checked_loss(loss_fn(model, batch)) / len(micro_batches)

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import OptimConfig
 
@@ -21,6 +22,14 @@ def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.o
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor (no sync)."""
+    """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor (no host sync).
+
+    Sharded (FSDP) gradients give each rank the norm of its shards: the global norm is reduced over the
+    ranks before clipping, so every rank clips by the same factor as an unsharded run would.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else math.inf, norm)
+    return norm

@@ -1,26 +1,41 @@
-"""Wrapping the user's module for data-parallel training: torch.compile, then DDP across ranks."""
+"""Wrapping the user's module for data-parallel training: DDP (a replica per rank) or FSDP2 (shards), with
+torch.compile and activation checkpointing where asked."""
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..config import TrainConfig
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
+from . import sharding
+
+log = logging.getLogger("qgtrain")
 
 
-def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bool,
-         find_unused_parameters: bool) -> nn.Module:
+def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bool, train: TrainConfig,
+         precision: str) -> nn.Module:
     """What forward and backward go through. `model` must already be on `device`.
 
-    DDP gets the local rank as an integer device id (never a torch.device, never the global rank); one
-    process is not wrapped at all, so a laptop run has no DDP overhead.
+    DDP gets the local rank as an integer device id (never a torch.device, never the global rank). FSDP
+    shards `model` in place, so it is both the module and what is wrapped. One process is not wrapped at
+    all, so a laptop run has no DDP or FSDP overhead (fsdp on one rank shards nothing).
     """
+    if train.activation_checkpointing or (train.parallel == "fsdp" and env.world_size > 1):
+        blocks = sharding.find_blocks(model, train.shard_modules)
+        if train.activation_checkpointing:
+            sharding.checkpoint_activations(blocks)
+        if train.parallel == "fsdp" and env.world_size > 1:
+            log.info("fsdp: sharding %d %s blocks and the root over %d ranks", len(blocks),
+                     type(blocks[0]).__name__, env.world_size)
+            return sharding.shard(model, blocks, precision, device)
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled
     return DDP(compiled, device_ids=distributed.ddp_device_ids(env, device),
-               find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True)
+               find_unused_parameters=train.find_unused_parameters, gradient_as_bucket_view=True)

@@ -31,6 +31,7 @@ from ..runtime.signals import StopFlag
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.checkpointer import Checkpointer
+from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from ..task import Task
 from .evaluation import evaluate
@@ -229,7 +230,7 @@ class Trainer:
             return {}
         assert self.p.task.loss is not None  # filled in by build_task
         return evaluate(self.p.model, loader, self.p.task.loss, self.p.task.metrics, self.device,
-                        self.s.precision, max_batches)
+                        self.s.precision, max_batches, lockstep=is_sharded_model(self.p.model))
 
     def _validate(self) -> bool:
         """Evaluate; rank 0 alone decides early stopping from the all-reduced metric and broadcasts it."""
@@ -277,7 +278,7 @@ class Trainer:
 
     def save(self, evaluated: bool, blocking: bool = False) -> None:
         s, es = self.state, self.s.early_stopping
-        if self.env.world_size > 1:  # replicas that drifted apart would be saved as rank 0's copy
+        if self.env.world_size > 1 and not is_sharded_model(self.p.model):  # drifted replicas: saved as rank 0's
             differ = distributed.diverged([*self.p.model.named_parameters(), *self.p.model.named_buffers()],
                                           self.device)
             if differ:
@@ -285,14 +286,11 @@ class Trainer:
         if self.p.task.tokens is not None:  # every rank is here: sum what is pending
             pending = int(distributed.sum_tensor([self._pending_tokens], self.device)[0])
             self.state.tokens_seen, self._pending_tokens = self.state.tokens_seen + pending, 0
-        score = s.val_metrics.get(es.metric.removeprefix("val_")) if evaluated else None
-        meta = {"epoch": s.epoch, "val_loss": s.val_metrics.get("loss") if evaluated else None,
-                "tokens_seen": s.tokens_seen, "outcome": s.outcome,
-                "score": None if score is None else {"metric": es.metric, "mode": es.mode, "value": score}}
         self.p.checkpointer.save(
             s.step, lambda: train_state.replicated_files(self.p.model, self.p.optimizer, self.p.scaler, s,
                                                          self.s.precision, self.env.world_size),
-            train_state.rank_state(s), meta, blocking=blocking)
+            train_state.rank_state(s), train_state.manifest_facts(s, evaluated, es.metric, es.mode), blocking=blocking,
+            shards=sharded_state(self.p.model, self.p.optimizer) if is_sharded_model(self.p.model) else None)
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.p.model, self.p.optimizer, self.p.scaler, self.env,

@@ -1,0 +1,118 @@
+"""Sharded checkpoints (FSDP): the model and optimizer written by every rank at once, as its own shard.
+
+torch.distributed.checkpoint (DCP) writes one file per rank plus a `.metadata` index into `sharded/` inside
+the staging folder. Each file gets a manifest entry (size, checksum) like any other, so commit, verification,
+rotation and the refusal of incomplete checkpoints treat it as they treat model.pt. DCP records where each
+shard lies in the full tensor, so a sharded checkpoint loads on any number of ranks, sharded or not, and a
+replicated one (model.pt, optim.pt from ddp) loads into a sharded model: the two modes resume each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import CheckpointError
+from .checkpoint import Checkpoint, file_entry, load_file
+from .weights import load_weights, strip_wrapper_prefixes
+
+FOLDER = "sharded"
+
+
+def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
+    return f"{FOLDER}/.metadata" in ckpt.manifest.get("files", {})
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state keyed by parameter name: this rank's shards (DTensors) under FSDP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def write(staging: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Every rank writes its shard (a collective on `group`); returns this rank's manifest entries."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    folder = staging / FOLDER
+    folder.mkdir(exist_ok=True)
+    save(state, storage_writer=FileSystemWriter(folder, single_file_per_rank=True, sync_files=False, thread_count=1),
+         process_group=group)
+    mine = sorted(p for p in folder.iterdir() if p.name.startswith(f"__{rank}_"))
+    if rank == 0:
+        mine.append(folder / ".metadata")
+    return {f"{FOLDER}/{path.name}": file_entry(path) for path in mine}
+
+
+def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Put a checkpoint of either kind into a model of either kind (a collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if is_sharded_checkpoint(ckpt):
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+        state = sharded_state(model, optimizer)
+        try:
+            load_shards(state, storage_reader=FileSystemReader(ckpt.path / FOLDER))
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
+                                  f"({_first_line(exc)}). HINT: resume with the model settings it was trained "
+                                  "with, or set checkpoint.resume: never") from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return
+    # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its shards.
+    full = StateDictOptions(full_state_dict=True, strict=True)
+    names = _names_by_index(model, optimizer)
+    saved = load_file(ckpt, "optim.pt")["optimizer"]
+    by_name: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    try:
+        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, "model.pt"), optim_state_dict=by_name,
+                       options=full)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{ckpt.path} does not fit the configured model and optimizer "
+                              f"({_first_line(exc)}). HINT: resume with the model settings it was trained with, "
+                              "or set checkpoint.resume: never") from None
+
+
+def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's order, the order optim.pt's integer ids follow."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
+    """The checkpoint's full weights into an unsharded model, in place, in one process (export): a sharded
+    checkpoint's shards are read straight into the model's own tensors, so no second copy is ever held."""
+    if not is_sharded_checkpoint(ckpt):
+        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
+        return
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+    try:
+        load_shards({"model": model.state_dict()}, storage_reader=FileSystemReader(ckpt.path / FOLDER),
+                    no_dist=True)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
+                              f"({_first_line(exc)})") from None
