@@ -266,3 +266,48 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
     again = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs)
     assert wait_finished(again) == "COMPLETED"
     assert f"resumed from {run / 'checkpoints'}" in rank_log(run, 0) and logged_step(run) == LONG
+
+
+FSDP_STEPS = 600
+
+
+def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
+    sharded = tmp / "fsdp.yaml"
+    sharded.write_text("train: {parallel: fsdp}\nmodel: {layers: 2}\n")
+    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, max_steps, every_steps=200), sharded]
+
+
+def sharded_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = run_dir / "checkpoints" / f"step-{step}"
+    dcp_to_torch_save(folder / "sharded", folder.parent / "full.pt")
+    return torch.load(folder.parent / "full.pt", weights_only=False)["model"]
+
+
+def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_one_node(tmp_path):
+    """Two nodes shard the model; the warning signal stops them at a sharded checkpoint, the requeued job
+    resumes bit for bit (against an uninterrupted job), and a later one-node job continues the run."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert wait_finished(sbatch(reference, *TWO_NODES, "--time=10", configs=fsdp_configs(reference))) == "COMPLETED"
+
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=fsdp_configs(tmp_path))
+    run = tmp_path / "runs" / "cpu"
+    wait_until(lambda: logged_step(run) >= 100, 180, "training to pass step 100")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    assert wait_finished(job_id) == "COMPLETED"
+    assert job(job_id)["Restarts"] == "1"
+    log = rank_log(run, 0)
+    stopped = int(log.split("stopping at step ")[1].split(" ")[0])
+    assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
+    assert (run / "checkpoints" / f"step-{FSDP_STEPS}" / "sharded" / "__1_0.distcp").is_file()
+    want, have = sharded_weights(reference / "runs" / "cpu", FSDP_STEPS), sharded_weights(run, FSDP_STEPS)
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), "final weights differ"
+
+    one_node = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
+                      configs=fsdp_configs(tmp_path, FSDP_STEPS + 100))
+    assert wait_finished(one_node) == "COMPLETED"
+    log = rank_log(run, 0)
+    assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 100
