@@ -49,7 +49,10 @@ def test_fsdp_trains_like_ddp_on_the_same_model_data_and_seed(tmp_path):
     steps = ["train.max_steps=50", "checkpoint.every_steps=0", "train.eval_every=25"]
     run_cli(2, train(tmp_path / "ddp", *steps), tmp_path, "ddp")
     run_cli(2, train(tmp_path / "fsdp", *steps, "train.parallel=fsdp"), tmp_path, "fsdp")
+    run_cli(2, train(tmp_path / "fsdp-ac", *steps, "train.parallel=fsdp", "train.activation_checkpointing=true"),
+            tmp_path, "fsdp-ac")
     ddp, fsdp = records(tmp_path / "ddp"), records(tmp_path / "fsdp")
+    assert [r["loss"] for r in records(tmp_path / "fsdp-ac")] == [r["loss"] for r in fsdp]  # recomputed, same
     assert [r["step"] for r in fsdp] == list(range(1, 51))
     assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in (tmp_path / "fsdp-0.out").read_text()
     for a, b in zip(ddp, fsdp):  # the same sums in another order: fp32 rounding, nothing more
@@ -169,3 +172,37 @@ def test_fsdp_without_blocks_to_shard_and_incomplete_shards_are_explained(tmp_pa
     run_cli(2, train(run, "train.max_steps=10", "train.parallel=fsdp"), tmp_path, "again")
     log = (run / "logs" / "rank_0.log").read_text()
     assert "step-8/sharded/__1_0.distcp cannot be read" in log and f"resumed from {run}/checkpoints/step-4" in log
+
+
+def saved_activation_bytes(checkpointed: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps from one forward of a GPT-2 for backward, and the gradients that backward gives."""
+    from qgtrain.config import ModelConfig, TrainConfig
+    from qgtrain.runtime import rng
+    from qgtrain.runtime.rendezvous import DistEnv
+    from qgtrain.tasks.models import build_model
+    from qgtrain.training.parallel import wrap
+
+    rng.seed_everything(0)
+    model = build_model(ModelConfig(layers=2, heads=2, hidden=32, dropout=0.1), 257, 16, 256)
+    model.train()
+    wrap(model, DistEnv(), torch.device("cpu"), False, TrainConfig(activation_checkpointing=checkpointed), "fp32")
+    kept: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    ids = torch.randint(0, 257, (8, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(3)  # dropout: checkpointing replays the same random numbers in the recomputation
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(kept), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_keeps_less_for_backward_and_gives_the_same_gradients():
+    plain_bytes, plain_grads = saved_activation_bytes(False)
+    checkpointed_bytes, checkpointed_grads = saved_activation_bytes(True)
+    assert checkpointed_bytes < 0.6 * plain_bytes, (checkpointed_bytes, plain_bytes)
+    assert plain_grads.keys() == checkpointed_grads.keys()
+    assert all(torch.equal(plain_grads[k], checkpointed_grads[k]) for k in plain_grads)
