@@ -10,7 +10,7 @@ from .config import RunConfig
 from .task import Task
 from .version import __version__
 
-__all__ = ["RunConfig", "Task", "__version__", "load_config", "submit", "train"]
+__all__ = ["RunConfig", "Task", "__version__", "load_config", "submit", "submit_sweep", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from .launch.submitit_launcher import submit
 
         return submit
+    if name == "submit_sweep":
+        from .launch.submitit_launcher import submit_sweep
+
+        return submit_sweep
     if name == "train":
         from .api import train
 

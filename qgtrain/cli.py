@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--launcher", choices=("sbatch", "submitit"), default="sbatch",
                         help="sbatch: the rendered train.slurm (default); submitit: a Python job")
     submit.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
+    submit.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="one job array, a task per combination of the swept values (repeat for more keys)")
+    submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
     submit.set_defaults(func=_submit)
 
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
@@ -139,6 +142,8 @@ def _submit(args: argparse.Namespace) -> int:
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
+    if args.sweep or args.max_parallel is not None:
+        return _submit_sweep(args, cfg)
     run_dir = default_run_dir(cfg).resolve()
     job_dir = run_dir / "slurm"
     if args.launcher == "submitit":
@@ -166,6 +171,25 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _submit_sweep(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from .errors import ConfigError
+    from .launch import sweep
+
+    if not args.sweep:
+        raise ConfigError("--max-parallel: only with --sweep")
+    planned = sweep.expand(cfg, sweep.parse(args.sweep))
+    if args.launcher == "sbatch" or args.dry_run:
+        sys.stdout.write(sweep.submit_array(planned, args.max_parallel, dry_run=args.dry_run,
+                                            launcher=args.launcher))
+        return 0
+    from .launch.submitit_launcher import submit_sweep
+
+    jobs = submit_sweep(cfg, planned, max_parallel=args.max_parallel)
+    print(f"submitted job array {jobs[0].job_id.split('_')[0]} (submitit) with {len(jobs)} tasks; runs in "
+          f"{Path(cfg.logging.runs_dir).resolve()}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from .ops.export import export_run
 
@@ -176,10 +200,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    from .launch.sweep import swept_values
     from .ops.runs import as_json, as_table, find_runs, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
-    rows = [summarize(run) for run in find_runs(folder)]
+    swept = swept_values(folder)
+    rows = [summarize(run, swept.get(run.name, {})) for run in find_runs(folder)]
     print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
     return 0
 

@@ -30,7 +30,7 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.part
 NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.config", "qgtrain.configload", "qgtrain.task",
             "qgtrain.runtime.rendezvous", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
-            "qgtrain.ops.data_info"]
+            "qgtrain.ops.data_info", "qgtrain.launch.sweep"]
 
 
 def dotted(path: Path) -> str:

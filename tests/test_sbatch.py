@@ -155,3 +155,47 @@ def test_submit_without_slurm_says_so(tmp_path):
     result = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"),
                              "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, env=env)
     assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr and "Traceback" not in result.stderr
+
+
+def qgtrain_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qgtrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_sweep_renders_one_job_array_whose_tasks_train_their_own_configs(tmp_path):
+    result = qgtrain_cli("submit", "--dry-run", "--config", str(ROOT / "config.yaml"), "--sweep", "optim.lr=1e-3,3e-4",
+                         "--sweep", "train.seed=1,2", "--max-parallel", "2", "--set", f"logging.runs_dir={tmp_path}",
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert "#SBATCH --array=0-3%2" in script and "#SBATCH --output=jobs/out/%x-%A_%a.out" in script
+    assert f'default_config={tmp_path}/.sweeps/tiny-gpt2/task-"${{SLURM_ARRAY_TASK_ID}}".yaml' in script
+    tasks = [line for line in script.splitlines() if line.startswith("# task ")]
+    assert tasks == ["# task 0: tiny-gpt2-lr_1e-3-seed_1: optim.lr=1e-3 train.seed=1",
+                     "# task 1: tiny-gpt2-lr_1e-3-seed_2: optim.lr=1e-3 train.seed=2",
+                     "# task 2: tiny-gpt2-lr_3e-4-seed_1: optim.lr=3e-4 train.seed=1",
+                     "# task 3: tiny-gpt2-lr_3e-4-seed_2: optim.lr=3e-4 train.seed=2"]
+    (tmp_path / "array.sbatch").write_text(script)
+    shellcheck(tmp_path / "array.sbatch")
+    assert not (tmp_path / ".sweeps").exists(), "a dry run writes nothing"
+
+
+@pytest.mark.parametrize("sweeps, expected", [
+    (["optim.lrr=1e-3,3e-4"], r"--sweep optim.lrr=1e-3: .*unknown key 'optim.lrr'. Did you mean 'optim.lr'"),
+    (["train.seed=1,two"], r"--sweep train.seed=two: .*train.seed: expected an integer"),
+    (["optim.lr="], r"--sweep 'optim.lr=': expected KEY=VALUE\[,VALUE...\]"),
+    (["optim.lr=1e-3", "optim.lr=3e-4"], r"--sweep optim.lr: given twice"),
+    (["train.seed=" + ",".join(map(str, range(1002)))], r"1002 combinations, but this cluster's MaxArraySize "
+                                                          r"allows 1001 tasks"),
+])
+def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, expected):
+    import re
+
+    args = [arg for sweep in sweeps for arg in ("--sweep", sweep)]
+    env_path = str(Path(sys.executable).parent)  # no scontrol, no sbatch: the checks come first
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"),
+                             *args, "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True,
+                            cwd=tmp_path, env={**os.environ, "PATH": env_path, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(expected, result.stderr), result.stderr
+    assert not (tmp_path / ".sweeps").exists()

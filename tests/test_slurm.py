@@ -311,3 +311,33 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert wait_finished(one_node) == "COMPLETED"
     log = rank_log(run, 0)
     assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 100
+
+
+def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(tmp_path):
+    """Four combinations, two at a time on the two nodes; task 1 gets the warning signal mid-run, saves,
+    is requeued alone and resumes; every task ends with its own settings in its own run directory."""
+    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 400, every_steps=100)]
+    submitted = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "submit", *[arg for c in configs for arg in ("--config", str(c))],
+         "--sweep", "optim.lr=1e-3,3e-3", "--sweep", "train.seed=1,2", "--max-parallel", "2", "--set",
+         "slurm.nodes=1", "slurm.cpus_per_task=1", "slurm.tasks_per_node=1", "slurm.time=10",
+         "train.run_name=sweep"], cwd=tmp_path, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.split("submitted job array ")[1].split()[0]
+    runs = tmp_path / "runs"
+    names = ["sweep-lr_1e-3-seed_1", "sweep-lr_1e-3-seed_2", "sweep-lr_3e-3-seed_1", "sweep-lr_3e-3-seed_2"]
+    wait_until(lambda: logged_step(runs / names[1]) >= 100, 180, "task 1 to pass step 100")
+    running = [name for name in names if (runs / name / "metrics.jsonl").exists()]
+    assert len(running) <= 2, "at most two tasks at once"
+    subprocess.run(["scancel", "--signal=USR2", f"{array}_1"], check=True)
+    for task in range(4):
+        assert wait_finished(f"{array}_{task}", timeout=600) == "COMPLETED", task
+    assert job(f"{array}_1")["Restarts"] == "1" and job(f"{array}_0")["Restarts"] == "0"
+    log = rank_log(runs / names[1], 0)
+    stopped = int(log.split("stopping at step ")[1].split(" ")[0])
+    assert f"resumed from {runs / names[1] / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
+    for name, (lr, seed) in zip(names, [(1e-3, 1), (1e-3, 2), (3e-3, 1), (3e-3, 2)]):
+        saved = (runs / name / "config.yaml").read_text()
+        assert f"lr: {lr}" in saved and f"seed: {seed}" in saved and logged_step(runs / name) == 400
+    table = subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(runs)], capture_output=True, text=True)
+    assert "optim.lr=3e-3 train.seed=2" in table.stdout and table.stdout.count("finished") == 4, table.stdout

@@ -77,8 +77,9 @@ def validate(slurm: SlurmConfig) -> None:
             raise QgtrainError(f"slurm.setup: {line!r} holds a line break; give one list item per line")
 
 
-def render(slurm: SlurmConfig, config_path: str) -> str:
-    """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another."""
+def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> str:
+    """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another. With
+    `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml."""
     validate(slurm)
     options = [f"--job-name={slurm.job_name}", f"--nodes={slurm.nodes}",
                f"--ntasks-per-node={tasks_per_node(slurm)}", f"--cpus-per-task={slurm.cpus_per_task}"]
@@ -88,9 +89,14 @@ def render(slurm: SlurmConfig, config_path: str) -> str:
                 if getattr(slurm, key)]
     options += [f"--time={slurm.time}", "--requeue" if slurm.requeue else "--no-requeue",
                 f"--signal={slurm.signal}@{slurm.signal_lead_s}", "--open-mode=append",
-                f"--output={slurm.output_dir}/%x-%j.out", *slurm.extra_sbatch]
+                f"--output={slurm.output_dir}/%x-{'%A_%a' if array else '%j'}.out", *slurm.extra_sbatch]
+    if array is not None:
+        if not re.fullmatch(r"\d+-\d+(%\d+)?", array):
+            raise QgtrainError(f"--array {array!r}: expected FIRST-LAST[%PARALLEL]")
+        options.append(f"--array={array}")
     header = "\n".join(f"#SBATCH {option}" for option in options)
     setup = "".join(f"{line}\n" for line in slurm.setup)
+    default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -102,7 +108,7 @@ def render(slurm: SlurmConfig, config_path: str) -> str:
 {header}
 
 set -u
-{setup}default_config={shlex.quote(config_path)}
+{setup}default_config={default}
 if [ "$#" -gt 0 ]; then configs=("$@"); else configs=("${{CONFIG:-$default_config}}"); fi
 args=()
 for file in "${{configs[@]}}"; do args+=(--config "$file"); done

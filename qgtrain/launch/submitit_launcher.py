@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,7 +32,9 @@ from ..runtime.signals import (
     seconds_left,
 )
 from ..state.rundir import default_run_dir
+from . import sweep
 from .sbatch import tasks_per_node, time_minutes, validate
+from .sweep import Sweep
 
 
 class TrainTask(submitit.helpers.Checkpointable):
@@ -193,6 +196,34 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     executor.update_parameters(**executor_parameters(cfg))
     executor._executor.job_class = TrainJob  # our watcher and deadlines, same submission path
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
+
+
+def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Sequence[Any]] | Sweep, *,
+                 max_parallel: int | None = None) -> list[TrainJob]:
+    """Submit one job array, a task (and a run) per combination of `values`, e.g.
+    `submit_sweep("config.yaml", {"optim.lr": [1e-3, 3e-4], "train.seed": [1, 2]}, max_parallel=2)`.
+    Every combination is checked before anything is submitted; each task is requeued on its own."""
+    if isinstance(values, Sweep):
+        planned = values
+    else:
+        base = config if isinstance(config, RunConfig) else load_config(
+            [Path(config)] if config else ([Path("config.yaml")] if Path("config.yaml").is_file() else []))
+        planned = sweep.expand(base, sweep.parse([f"{k}={','.join(map(_text, v))}" for k, v in values.items()]))
+    sweep.array_spec(len(planned.configs), max_parallel)
+    sweep.check_size(len(planned.configs))
+    first = planned.configs[0]
+    where = sweep.folder(planned)
+    sweep.write(planned, where)
+    executor = submitit.AutoExecutor(folder=where / "submitit", slurm_max_num_timeout=first.slurm.max_restarts)
+    if executor.cluster != "slurm":
+        raise QgtrainError("submit_sweep: no Slurm found here (srun is not on PATH); run this on a Slurm login node")
+    executor.update_parameters(**executor_parameters(first),
+                               slurm_array_parallelism=max_parallel or len(planned.configs))
+    executor._executor.job_class = TrainJob
+    with executor.batch():
+        jobs = [executor.submit(TrainTask(config_to_dict(cfg), str(default_run_dir(cfg).resolve())))
+                for cfg in planned.configs]
+    return cast(list[TrainJob], jobs)
 
 
 def _sets(overrides: dict[str, Any]) -> list[str]:

@@ -30,6 +30,7 @@ class RunSummary:
     restarts: int | None
     job_id: str | None
     error: str | None
+    swept: dict[str, str]  # the values its sweep gave it (empty outside a sweep)
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -42,7 +43,7 @@ def find_runs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / rundir.RUN_FILE).exists())
 
 
-def summarize(run: Path) -> RunSummary:
+def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
     status = rundir.read_status(run)
     records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
     trained = [r for r in records if "loss" in r]
@@ -60,7 +61,7 @@ def summarize(run: Path) -> RunSummary:
         last_val_loss=vals[-1] if vals else None, last_val_metrics=metrics, checkpoint=ours[-1].step if ours else None,
         restarts=int(restart) if isinstance(restart, (int, float)) else None,
         job_id=str(status["job_id"]) if status.get("job_id") else None,
-        error=str(status["error"]) if status.get("error") else None)
+        error=str(status["error"]) if status.get("error") else None, swept=swept or {})
 
 
 def _status(run: Path, status: dict[str, object]) -> str:
@@ -86,10 +87,12 @@ def as_table(rows: list[RunSummary]) -> str:
             return "-"
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
-    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB", "METRICS")
+    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB", "METRICS",
+              "SWEPT")
     cells = [header] + [(r.name, r.status, fmt(r.step), fmt(r.epoch), fmt(r.best_val_loss), fmt(r.last_val_loss),
                          fmt(r.checkpoint), fmt(r.restarts), fmt(r.job_id),
-                         " ".join(f"{k} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-") for r in rows]
+                         " ".join(f"{k} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-",
+                         " ".join(f"{k}={v}" for k, v in r.swept.items()) or "-") for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
     lines += [f"{r.name}: {r.error}" for r in rows if r.status == "failed" and r.error]
