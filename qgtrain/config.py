@@ -177,6 +177,13 @@ class LoggingConfig:
     runs_dir: str = setting("runs", "parent of every run directory")
     level: Literal["DEBUG", "INFO", "WARNING"] = setting("INFO", "console and log-file level")
     tensorboard: bool = setting(True, "write TensorBoard events to <run dir>/tb (rank 0)")
+    trackers: tuple[str, ...] = setting((), "experiment trackers besides TensorBoard: wandb, mlflow (optional "
+                                        "extras); one tracker run per qgtrain run, across requeues")
+    wandb_project: str = setting("qgtrain", "the W&B project")
+    wandb_mode: Literal["offline", "online"] = setting(
+        "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often have no network)")
+    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns)")
+    mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
     memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
@@ -269,5 +276,9 @@ def check_rules(cfg: RunConfig, source: str) -> None:
     if cfg.train.max_time and duration_s(cfg.train.max_time) is None:
         fail("train.max_time", f"{cfg.train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, "
              "or Slurm's HH:MM:SS or D-HH:MM:SS")
+    for tracker in cfg.logging.trackers:
+        if tracker not in ("tensorboard", "wandb", "mlflow"):
+            fail("logging.trackers", f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, wandb, "
+                 "mlflow")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
         fail("early_stopping.patience", "early stopping needs validations: set train.eval_every > 0")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig, duration_s
-from .configload import dump_yaml
+from .configload import config_to_dict, dump_yaml
 from .data.loaders import build_loaders
 from .errors import (
     EXIT_FAILED,
@@ -44,7 +44,7 @@ from .state.checkpointer import Checkpointer
 from .state.resume import data_change, pick_for_resume
 from .task import Task
 from .tasks.build import TaskSource, build_task, task_spec
-from .training import parallel
+from .training import parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optim import adamw
 from .training.trainer import Outcome, Parts, Settings, Trainer
@@ -156,8 +156,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     task = build_task(cfg, task_source)
     rng.seed_everything(cfg.train.seed + 7919 * env.rank)  # dropout differs per rank, reproducibly
-    changed = data_change(ckpt, task.facts) if ckpt is not None and env.is_main else None
-    if changed:
+    if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)
     timeline.mark("task")
     model = task.model
@@ -170,10 +169,14 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
     checkpointer = Checkpointer(run_dir / "checkpoints", run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, extra)
     bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
-    metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard, ckpt.step if ckpt else None,
-                         progress_bar=bar, max_steps=cfg.train.max_steps, memory_warn_gb=cfg.logging.memory_warn_gb,
-                         timeline=timeline)
+    trackers.check_installed(cfg.logging.trackers)
+    metrics = MetricsLog(run_dir, env.is_main, cfg.logging.tensorboard or "tensorboard" in cfg.logging.trackers,
+                         ckpt.step if ckpt else None, progress_bar=bar, max_steps=cfg.train.max_steps,
+                         memory_warn_gb=cfg.logging.memory_warn_gb, timeline=timeline,
+                         trackers=trackers.open_trackers(cfg.logging, run_dir, run_dir.name, config_to_dict(cfg))
+                         if env.is_main else [])
     resolved = precision.resolve(cfg.train.precision, device)
+    outcome = None
     try:
         with compile_cache.in_run_dir(run_dir, env.rank) if cfg.model.compile else contextlib.nullcontext():
             trainer = Trainer(_parts(cfg, env, device, task, resolved, checkpointer, metrics, stop, deadline),
@@ -186,7 +189,7 @@ def _train_in_run(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: P
             outcome = trainer.fit()
             checkpointer.wait()
     finally:
-        metrics.close()
+        metrics.close(finished=outcome in (Outcome.FINISHED, Outcome.EARLY_STOPPED))
     return outcome
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # at run time torch is imported only where needed: `qgtrain r
     import torch
 
     from ..runtime.startup import Timeline
+    from .trackers import Tracker
 
 from ..errors import QgtrainError
 
@@ -25,8 +26,9 @@ from ..errors import QgtrainError
 class MetricsLog:
     def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None,
                  progress_bar: bool = False, max_steps: int = 0, memory_warn_gb: float = 0.0,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, trackers: list[Tracker] | None = None) -> None:
         self.timeline = timeline  # reported with the first record, then dropped
+        self.trackers = trackers or []  # W&B, MLflow: rank 0's, each guarded against its own failures
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
@@ -46,6 +48,8 @@ class MetricsLog:
         # Records past the starting step come from an attempt that died before its next checkpoint.
         start = resume_step or 0
         _truncate_after(self.path, start)
+        for tracker in self.trackers:
+            tracker.replay(read_metrics(self.path) if self.path.exists() else [])
         self._file = open(self.path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -82,8 +86,12 @@ class MetricsLog:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(_tb_tag(key), value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        for tracker in self.trackers:
+            tracker.close(finished)
         if self._bar is not None:
             self._redirect.__exit__(None, None, None)
             self._bar.close()

@@ -1,0 +1,136 @@
+"""W&B and MLflow trackers across kills and resumes. Runs against: the real libraries, W&B in offline mode
+(its transaction log read back record by record) and MLflow's file store, and real `qgtrain train`
+processes SIGKILLed after a checkpoint and started again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ranks import ROOT
+from tests.test_resume import records
+
+SETS = ["data.name=synthetic", "data.synthetic_samples=1024", "data.seq_len=32", "model.hidden=32", "model.layers=1",
+        "model.heads=2", "train.batch_size=4", "train.log_every=2", "train.eval_every=0", "checkpoint.every_steps=10",
+        "logging.tensorboard=false", "logging.trackers=[wandb, mlflow]"]
+
+
+def command(tmp_path: Path, *sets: str) -> list[str]:
+    return [sys.executable, "-m", "qgtrain", "train", "--config", str(ROOT / "config.yaml"), "--set", *SETS,
+            f"logging.runs_dir={tmp_path / 'runs'}", *sets]
+
+
+def run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command(tmp_path, *sets), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"})
+
+
+def wandb_steps(offline_run: Path) -> tuple[set[str], list[int]]:
+    """Run ids and history steps of one offline W&B run folder, in the order written."""
+    from wandb.proto import wandb_internal_pb2
+
+    ids, steps = set(), []
+    for path in sorted(offline_run.glob("run-*.wandb")):
+        for raw in _log_records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "history":
+                steps.append(record.history.step.num)
+    return ids, steps
+
+
+def _log_records(data: bytes) -> list[bytes]:
+    """W&B's .wandb file: a 7-byte header, then LevelDB's log format (32 KiB blocks of CRC, length, type,
+    payload; types 1 full, 2 first, 3 middle, 4 last)."""
+    out, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            out.append(pending + chunk)
+    return out
+
+
+def mlflow_metric(tmp_path: Path, run_id: str, key: str) -> list[tuple[int, float]]:
+    (path,) = (tmp_path / "runs" / "mlruns").glob(f"*/{run_id}/metrics/{key}")
+    return [(int(step), float(value)) for _, value, step in (line.split() for line in path.read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path):
+    run_dir = tmp_path / "runs" / "tiny-gpt2"
+    output = open(tmp_path / "killed.out", "w")
+    proc = subprocess.Popen(command(tmp_path, "train.max_steps=400"), cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"},
+                            stdout=output, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not any(r["step"] >= 16 for r in records(run_dir)[-1:]):  # past the checkpoint at 10
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.out").read_text()[-3000:]
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = json.loads((run_dir / "trackers.json").read_text())
+    assert first["wandb_last_step"] >= 16
+
+    done = run(tmp_path, "train.max_steps=30")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stderr and "could not start" not in done.stderr
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert (state["wandb_id"], state["mlflow_id"]) == (first["wandb_id"], first["mlflow_id"])
+
+    losses = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+    assert list(losses) == [1, *range(2, 11, 2), 11, *range(12, 31, 2)]  # a start always logs its first step
+    # W&B offline buffers (a killed job may leave nothing on disk): the newest offline file replays the
+    # history up to the resumed step, so it alone holds the whole axis, whatever the killed one kept.
+    files = sorted(run_dir.glob("wandb/offline-run-*"))
+    ids, steps = wandb_steps(files[-1])
+    assert len(files) == 2 and ids == {state["wandb_id"]} == wandb_steps(files[0])[0] | ids
+    assert steps == list(losses), "one step axis: nothing twice, nothing backwards, nothing lost"
+    # MLflow writes as it is called: the killed job's steps up to first["mlflow_last_step"] (>= 16) stay;
+    # the resumed one starts at 11, which would go backwards, and sends only what is new.
+    expected = [step for step in losses if step != 11]
+    logged = mlflow_metric(tmp_path, state["mlflow_id"], "loss")
+    assert [step for step, _ in logged] == expected
+    assert [value for _, value in logged] == [losses[step] for step in expected], "resume is exact"
+
+
+def test_a_tracker_that_fails_warns_once_and_training_finishes(tmp_path):
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "mlruns").write_text("a file where MLflow needs a folder")
+    done = run(tmp_path, "train.max_steps=6", "logging.trackers=[mlflow]",
+               f"logging.mlflow_uri=file://{tmp_path / 'locked' / 'mlruns'}")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("logging.trackers: mlflow") == 1 and "training goes on without it" in done.stderr
+    assert records(tmp_path / "runs" / "tiny-gpt2")[-1]["step"] == 6
+
+
+def test_an_unknown_tracker_is_refused_before_anything_runs(tmp_path):
+    done = run(tmp_path, "logging.trackers=[wandb, comet]")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "logging.trackers: 'comet' is not a tracker qgtrain knows; choose from tensorboard, wandb, mlflow" \
+        in done.stderr
+    assert not (tmp_path / "runs").exists()
