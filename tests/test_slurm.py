@@ -329,7 +329,9 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
     wait_until(lambda: logged_step(runs / names[1]) >= 100, 180, "task 1 to pass step 100")
     running = [name for name in names if (runs / name / "metrics.jsonl").exists()]
     assert len(running) <= 2, "at most two tasks at once"
-    subprocess.run(["scancel", "--signal=USR2", f"{array}_1"], check=True)
+    # To the training step only: scancel retries a job-level signal while the job is being requeued (it
+    # answers "try again later"), which would deliver it a second time to the next allocation.
+    subprocess.run(["scancel", "--signal=USR2", f"{array}_1.0"], check=True)
     for task in range(4):
         assert wait_finished(f"{array}_{task}", timeout=600) == "COMPLETED", task
     assert job(f"{array}_1")["Restarts"] == "1" and job(f"{array}_0")["Restarts"] == "0"
