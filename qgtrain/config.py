@@ -118,6 +118,8 @@ class TrainConfig:
                             "('' = none; under Slurm the job's own time limit is always kept)")
     stop_margin_s: float = setting(60.0, "seconds kept free before a time limit, beyond the measured time of "
                                    "a step and a checkpoint", min=0.0, max=MAX_TIMEOUT_S)
+    time_limit_check_s: float = setting(300.0, "seconds between readings of the Slurm job's time limit, which an "
+                                        "admin may extend while it runs", min=5.0, max=MAX_TIMEOUT_S)
     startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0, max=MAX_TIMEOUT_S)
     collective_timeout_s: float = setting(300.0, "seconds a collective may wait for a peer before failing",
                                           min=1.0, max=MAX_TIMEOUT_S)

@@ -218,7 +218,7 @@ def _deadline(cfg: RunConfig, env: DistEnv, started: float) -> Deadline:
         left = seconds_left(str(env.job_id))
         return None if left is None else time.time() + left
 
-    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end)
+    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end, cfg.train.time_limit_check_s)
 
 
 def _check_shared(path: Path, run_id: str, env: DistEnv, device: torch.device) -> None:

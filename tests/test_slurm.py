@@ -343,3 +343,26 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
         assert f"lr: {lr}" in saved and f"seed: {seed}" in saved and logged_step(runs / name) == 400
     table = subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(runs)], capture_output=True, text=True)
     assert "optim.lr=3e-3 train.seed=2" in table.stdout and table.stdout.count("finished") == 4, table.stdout
+
+
+def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
+    """A 2-minute job whose warning never reaches the ranks (URG) gets a 3-minute limit once it trains:
+    qgtrain reads the new end time (every 5 s here) and stops at a checkpoint before it, well past the
+    2 minutes the job started with, instead of stopping early or being killed at them."""
+    checks = tmp_path / "checks.yaml"
+    checks.write_text("train: {time_limit_check_s: 5}\n")
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=2", "--signal=URG@10",
+                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
+                             overlay(tmp_path, 10**7), checks])
+    run = tmp_path / "runs" / "preemptible"
+    try:
+        wait_until(lambda: logged_step(run) >= 1, 120, "training to start")
+        started = time.mktime(time.strptime(job(job_id)["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=3"], check=True)
+        wait_until(lambda: "stopping at step" in rank_log(run, 0), 240, "the stop before the new limit")
+        stopped_at = time.time()
+    finally:
+        subprocess.run(["scancel", job_id], check=True)
+    assert "on the time limit: checkpoint saved" in rank_log(run, 0)
+    assert 125 < stopped_at - started < 180, "after the old limit, before the new one"
+    assert "Slurm job" in rank_log(run, 0) and "restart 0" in rank_log(run, 0)
