@@ -366,3 +366,17 @@ def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
     assert "on the time limit: checkpoint saved" in rank_log(run, 0)
     assert 125 < stopped_at - started < 180, "after the old limit, before the new one"
     assert "Slurm job" in rank_log(run, 0) and "restart 0" in rank_log(run, 0)
+
+
+def test_a_sweep_from_python_with_submitit_gives_each_task_its_run_and_result(tmp_path):
+    base = qgtrain.load_config([overlay(tmp_path, 60)], ["slurm.nodes=1", "slurm.cpus_per_task=1",
+                                                         "train.run_name=py", "train.device=cpu"])
+    jobs = qgtrain.submit_sweep(base, {"optim.lr": [1e-3, 3e-3]}, max_parallel=2)
+    assert len(jobs) == 2 and len({job.job_id.split("_")[0] for job in jobs}) == 1, "one job array"
+    runs = tmp_path / "runs"
+    results = [job.result(timeout=300) for job in jobs]
+    assert results == [{"run_dir": str(runs / name), "exit_code": 0} for name in ("py-lr_0.001", "py-lr_0.003")]
+    for name, lr in (("py-lr_0.001", "0.001"), ("py-lr_0.003", "0.003")):
+        assert f"lr: {lr}" in (runs / name / "config.yaml").read_text() and logged_step(runs / name) == 60
+    listed = json.loads((runs / ".sweeps" / "py" / "sweep.json").read_text())
+    assert [run["values"] for run in listed["runs"]] == [{"optim.lr": "0.001"}, {"optim.lr": "0.003"}]

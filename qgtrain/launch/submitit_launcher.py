@@ -223,7 +223,8 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
     with executor.batch():
         jobs = [executor.submit(TrainTask(config_to_dict(cfg), str(default_run_dir(cfg).resolve())))
                 for cfg in planned.configs]
-    return cast(list[TrainJob], jobs)
+    # submitit makes an array's jobs plain SlurmJobs: the same jobs, seen through our watcher and deadlines
+    return [TrainJob(folder=executor.folder, job_id=job.job_id, tasks=list(range(job.num_tasks))) for job in jobs]
 
 
 def _sets(overrides: dict[str, Any]) -> list[str]:
