@@ -20,7 +20,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ os.environ["RAYON_NUM_THREADS"] = "1"
 
 import numpy as np  # noqa: E402
 
+from bench.common import alternate  # noqa: E402
 from qgtrain.config import DataConfig  # noqa: E402
 from qgtrain.data.prepare import prepare  # noqa: E402
 
@@ -95,12 +95,7 @@ def tokenization(work: Path, rounds: int, megabytes: float) -> None:
 
     candidates = {"plain loop": lambda: plain_loop(paths, tokenizer_dir, work / "plain.bin")}
     candidates.update({f"qgtrain, {n} process(es)": (lambda n=n: ours(n)) for n in counts})
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, run in candidates.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    times = alternate(candidates, rounds, warmup=0)
     ours_1 = np.fromfile(next((work / "cache-1").glob("files-*/train.bin")), dtype=np.uint16)
     assert np.array_equal(ours_1, np.fromfile(work / "plain.bin", dtype=np.uint16)), "different tokens"
     med = {name: statistics.median(values) for name, values in times.items()}

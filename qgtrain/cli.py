@@ -230,15 +230,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    import logging
-
     from .errors import ConfigError
+    from .runtime.log import setup_console
+    from .runtime.rendezvous import DistEnv
 
     cfg = load_args_config(args)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    logging.getLogger("qgtrain").addHandler(handler)
-    logging.getLogger("qgtrain").setLevel(logging.INFO)
+    setup_console(DistEnv(), cfg.logging.level)
     if cfg.data.name == "files":
         from .data.prepare import prepare
 

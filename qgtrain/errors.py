@@ -45,3 +45,8 @@ class TrainingError(QgtrainError):
 
 class PeerFailure(TrainingError):
     """This rank stopped because a collective could not complete: another rank died, hung or failed."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The gist of an exception for a one-line message: its first line, or its type when it says nothing."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]

@@ -291,7 +291,7 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
         said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
         return done.returncode, said
 
-    returncode, said = distributed.main_works_long(export, "export", EXPORT_TIMEOUT_S)
+    returncode, said = distributed.main_works_long(export, f"is exporting to {out}", ("its limit", EXPORT_TIMEOUT_S))
     if returncode != 0:
         logger.error("training finished, but the export failed (exit %d): %s. HINT: the checkpoints are intact; "
                      "fix the cause and run `qgtrain export %s --out %s`", returncode, said, run_dir, out)

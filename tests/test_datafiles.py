@@ -283,7 +283,7 @@ def test_a_dataset_dict_folder_asks_for_its_split_folders(tmp_path):
     assert (decoded(files, "train"), decoded(files, "val")) == (["a"], ["b"])
 
 
-def run_once_per_filesystem(tmp: str, hidden_on_rank_1: bool) -> object:
+def run_main_works_long(tmp: str, hidden_on_rank_1: bool) -> object:
     """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's folder."""
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
@@ -297,13 +297,13 @@ def run_once_per_filesystem(tmp: str, hidden_on_rank_1: bool) -> object:
         return f"{tmp}/result-by-{env.rank}"
 
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        return distributed.once_per_filesystem(work, lambda value: not (hidden_on_rank_1 and env.rank == 1),
-                                               "works", ("data.prepare_timeout_s", 60.0))
+        return distributed.main_works_long(work, "works", ("data.prepare_timeout_s", 60.0),
+                                           lambda value: not (hidden_on_rank_1 and env.rank == 1))
 
 
 @pytest.mark.parametrize("hidden", [False, True])
 def test_one_rank_works_and_a_node_that_cannot_see_the_result_works_once_itself(tmp_path, hidden):
-    results = run_ranks(2, run_once_per_filesystem, str(tmp_path), hidden)
+    results = run_ranks(2, run_main_works_long, str(tmp_path), hidden)
     workers = sorted(p.name for p in tmp_path.glob("worked-*"))
     if hidden:
         assert workers == ["worked-0", "worked-1"] and results == [f"{tmp_path}/result-by-0", f"{tmp_path}/result-by-1"]

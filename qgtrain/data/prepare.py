@@ -152,7 +152,8 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     dtype = np.dtype(np.uint16 if info.vocab_size <= 65535 else np.uint32)
     files = {split: open(tmp / f"{split}.bin", "wb") for split in SPLITS}
     tokens, documents = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
-    progress = Progress(sum(f.size for _, f in todo.sources()), len(list(todo.sources())))
+    files_in = [file for _, file in todo.sources()]
+    progress = Progress(sum(f.size for f in files_in), len(files_in))
     started = time.time()
     with _Encoder(todo.data.tokenizer, info.eos_id, workers) as encoder, progress:
         def write(done: Iterator[tuple[str, np.ndarray]]) -> None:
@@ -234,9 +235,9 @@ class _Encoder:
 
     def submit(self, split: str, texts: list[str], ends: list[bool]) -> Iterator[tuple[str, np.ndarray]]:
         if self.pool is None:
-            yield split, encode_batch(self.spec, self.eos_id, texts, ends)
+            yield split, tokenizer.encode_pieces(self.spec, self.eos_id, texts, ends)
             return
-        self.window.append((split, self.pool.submit(encode_batch, self.spec, self.eos_id, texts, ends)))
+        self.window.append((split, self.pool.submit(tokenizer.encode_pieces, self.spec, self.eos_id, texts, ends)))
         while len(self.window) >= self.limit:
             split, future = self.window.popleft()
             yield split, future.result()
@@ -245,27 +246,6 @@ class _Encoder:
         while self.window:
             split, future = self.window.popleft()
             yield split, future.result()
-
-
-_loaded: dict[str, Any] = {}
-
-
-def encode_batch(spec: str, eos_id: int, texts: list[str], ends: list[bool]) -> np.ndarray:
-    """Token ids of the texts, each document followed by the end-of-text token (no other special tokens)."""
-    eos = np.array([eos_id], dtype=np.uint32)
-    if spec == tokenizer.BYTE:
-        encoded = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for text in texts]
-    else:
-        if spec not in _loaded:
-            _loaded[spec] = tokenizer.load_folder(spec)
-        tok = _loaded[spec]
-        # One text at a time: encode_batch would start its own threads in every worker process, and it is
-        # no faster on one thread.
-        encoded = [np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32) for text in texts]
-    parts: list[np.ndarray] = []
-    for ids, end in zip(encoded, ends):
-        parts += [ids, eos] if end else [ids]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
 def _fsync(path: Path) -> None:

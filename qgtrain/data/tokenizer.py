@@ -37,24 +37,37 @@ def describe(spec: str) -> TokenizerInfo:
     """Facts about the tokenizer named by data.tokenizer, without importing transformers."""
     if spec == BYTE:
         return TokenizerInfo(BYTE, 257, 256, "byte-v1")
-    tok = load_folder(spec)
+    tok = _load_folder(spec)
     return TokenizerInfo(spec, tok.get_vocab_size(with_added_tokens=True), _eos_id(spec, tok),
                          "sha-" + _digest(Path(spec, "tokenizer.json").read_bytes()))
 
 
 def encode(spec: str, documents: Iterable[str]) -> np.ndarray:
     """Token ids of every document, each followed by the end-of-text token, as one uint32 array."""
-    info = describe(spec)
-    if spec == BYTE:
-        parts = [np.frombuffer(doc.encode("utf-8") + b"\x00", dtype=np.uint8).astype(np.uint32)
-                 for doc in documents]
-        for part in parts:
-            part[-1] = info.eos_id
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-    tok = load_folder(spec)
     docs = list(documents)
-    ids = [np.asarray(enc.ids + [info.eos_id], dtype=np.uint32) for enc in tok.encode_batch(docs)]
-    return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
+    return encode_pieces(spec, describe(spec).eos_id, docs, [True] * len(docs))
+
+
+_loaded: dict[str, tokenizers.Tokenizer] = {}  # per process: the preparation's workers load a folder once
+
+
+def encode_pieces(spec: str, eos_id: int, texts: list[str], ends: list[bool]) -> np.ndarray:
+    """Token ids of the texts, each text that ends a document followed by the end-of-text token and no
+    other special token (a long document comes in several texts; only its last ends it)."""
+    eos = np.array([eos_id], dtype=np.uint32)
+    if spec == BYTE:
+        encoded = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for text in texts]
+    else:
+        if spec not in _loaded:
+            _loaded[spec] = _load_folder(spec)
+        tok = _loaded[spec]
+        # One text at a time: encode_batch would start its own threads in every worker process, and it is
+        # no faster on one thread.
+        encoded = [np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32) for text in texts]
+    parts: list[np.ndarray] = []
+    for ids, end in zip(encoded, ends):
+        parts += [ids, eos] if end else [ids]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
 def byte_level() -> tokenizers.Tokenizer:
@@ -84,7 +97,7 @@ def save(spec: str, out_dir: Path, model_max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def load_folder(spec: str) -> tokenizers.Tokenizer:
+def _load_folder(spec: str) -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer
 
     path = Path(spec, "tokenizer.json")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ..data.sources import SourceFile
 from ..errors import ConfigError
 
 
@@ -74,7 +74,6 @@ def _per_split(documents: Any) -> dict[str, int]:
 
 def _changed(file: dict[str, Any]) -> bool:
     try:
-        stat = os.stat(file["path"])
-    except OSError:
+        return not SourceFile(**file).unchanged()
+    except OSError:  # removed since
         return True
-    return (stat.st_size, stat.st_mtime_ns) != (file["size"], file["mtime_ns"])

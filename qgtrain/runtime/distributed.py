@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import QgtrainError, RendezvousError
+from ..errors import QgtrainError, RendezvousError, first_line
 from .rendezvous import DistEnv
 
 
@@ -65,7 +65,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
         _destroy()
         raise RendezvousError(
             f"rank {env.rank} could not join {env.world_size} ranks at {env.master_addr}:{env.master_port} within "
-            f"{startup_timeout_s:.0f}s ({_first_line(exc)}). HINT: were all tasks started together by srun "
+            f"{startup_timeout_s:.0f}s ({first_line(exc)}). HINT: were all tasks started together by srun "
             "(train.slurm) or torchrun? Is the port free and the master host reachable from every node? "
             "`qgtrain env` inside srun prints what each rank sees") from None
     try:
@@ -92,10 +92,6 @@ def _release_users() -> None:
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def barrier() -> None:
@@ -167,32 +163,17 @@ def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     return out
 
 
-def main_works_long(work: Callable[[], Any], key: str, timeout_s: float) -> Any:
-    """Run `work` on rank 0 and return its (picklable) result on every rank, however long it takes up to
-    `timeout_s`. The others wait on the rendezvous store, not in a collective, so the collective timeout
-    does not cut them off; if rank 0 dies, the store (which it hosts) goes and they fail at once."""
-    if dist.get_world_size() == 1:
-        return work()
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 0:
-        result = work()
-        store.set(f"qgtrain/{key}", pickle.dumps(result).hex())
-        return result
-    store.wait([f"qgtrain/{key}"], datetime.timedelta(seconds=timeout_s))
-    return pickle.loads(bytes.fromhex(store.get(f"qgtrain/{key}").decode()))
-
-
 _calls = itertools.count()
 
 
-def once_per_filesystem(work: Callable[[], Any], visible: Callable[[Any], bool], what: str,
-                        timeout: tuple[str, float]) -> Any:
-    """Rank 0 runs `work` (say, tokenizing data into a cache folder) and every rank gets its result. A rank
-    on a node that cannot see that result (`visible` says no: a node-local folder) has the work done once
-    for its node, by the first of its ranks to ask. Waiting ranks poll the store, not a collective, so hours
-    of work are not cut off by the collective timeout; they say what they wait for, and give up after
-    `timeout` (the setting that holds it, and seconds). A QgtrainError raised by the work is raised on
-    every rank that waits for it."""
+def main_works_long(work: Callable[[], Any], what: str, timeout: tuple[str, float],
+                    visible: Callable[[Any], bool] | None = None) -> Any:
+    """Rank 0 runs `work` (tokenizing data, an export) and every rank gets its picklable result, however long
+    it takes up to `timeout` (what sets the limit, and seconds). Waiting ranks poll the rendezvous store,
+    not a collective, so the collective timeout does not cut them off, and say what they wait for; if rank
+    0 dies, the store it hosts goes and they fail at once. A QgtrainError raised by the work is raised on
+    every rank. With `visible`, a rank on a node that cannot see the result (a node-local folder) has the
+    work done once for its node, by the first of its ranks to ask."""
     if dist.get_world_size() == 1:
         return work()
     store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
@@ -200,7 +181,7 @@ def once_per_filesystem(work: Callable[[], Any], visible: Callable[[Any], bool],
     if rank == 0:
         _publish(store, key, work)
     value = _collect(store, key, f"rank 0, which {what}", timeout)
-    if not visible(value):
+    if visible is not None and not visible(value):
         host = socket.gethostname()
         if store.add(f"{key}/{host}/asked", 1) == 1:
             _publish(store, f"{key}/{host}", work)
@@ -233,8 +214,8 @@ def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str
     while not store.check(keys):
         waited = time.monotonic() - start
         if waited > timeout[1]:
-            raise QgtrainError(f"{timeout[0]}: waited {waited:.0f} s for {waiting_for}; raise {timeout[0]}, or "
-                               "do the work before the job")
+            raise QgtrainError(f"waited {waited:.0f} s for {waiting_for}, longer than {timeout[0]} "
+                               f"({timeout[1]:.0f} s)")
         if waited >= said:
             logging.getLogger("qgtrain").info("waiting for %s (%.0f s so far)", waiting_for, waited)
             said = waited + 60

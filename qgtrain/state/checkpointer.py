@@ -202,12 +202,10 @@ class CpuSnapshot:
         return snapshot
 
     def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(obj, DTensor):  # a shard: copy the local part, keep where it lies in the full tensor
-            local = self._copy(obj.to_local(), path, shared)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
+        if (shard := sharded.shard_of(obj)) is not None:  # copy the local part, keep where it lies in the whole
+            local = self._copy(shard.to_local(), path, shared)
+            return type(shard).from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                                          shape=shard.shape, stride=shard.stride())
         if isinstance(obj, torch.Tensor):
             alias = (obj.device.type, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape,
                      obj.stride(), obj.dtype)

@@ -9,6 +9,7 @@ replicated one (model.pt, optim.pt from ddp) loads into a sharded model: the two
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from .checkpoint import Checkpoint, file_entry, load_file
 from .weights import load_weights, strip_wrapper_prefixes
 
@@ -28,9 +29,16 @@ def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
 
 
 def is_sharded_model(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    """Asked without importing FSDP (about half a second at every start): a model can be sharded only
+    once FSDP has been loaded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
-    return isinstance(model, FSDPModule)
+
+def shard_of(tensor: Any) -> Any:
+    """A DTensor (a shard with its place in the full tensor), or None; asked without importing DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return tensor if module is not None and isinstance(tensor, module.DTensor) else None
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -70,7 +78,7 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
             load_shards(state, storage_reader=FileSystemReader(ckpt.path / FOLDER))
         except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
-                                  f"({_first_line(exc)}). HINT: resume with the model settings it was trained "
+                                  f"({first_line(exc)}). HINT: resume with the model settings it was trained "
                                   "with, or set checkpoint.resume: never") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return
@@ -86,7 +94,7 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
                        options=full)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path} does not fit the configured model and optimizer "
-                              f"({_first_line(exc)}). HINT: resume with the model settings it was trained with, "
+                              f"({first_line(exc)}). HINT: resume with the model settings it was trained with, "
                               "or set checkpoint.resume: never") from None
 
 
@@ -94,10 +102,6 @@ def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     """Parameter names in the optimizer's order, the order optim.pt's integer ids follow."""
     names = {id(param): name for name, param in model.named_parameters()}
     return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
@@ -115,4 +119,4 @@ def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
                     no_dist=True)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
-                              f"({_first_line(exc)})") from None
+                              f"({first_line(exc)})") from None

@@ -36,10 +36,9 @@ def causal_lm(cfg: RunConfig) -> Task:
     node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes it again."""
     prepared = None
     if cfg.data.name in ("corpus", "files"):
-        folder = distributed.once_per_filesystem(
-            lambda: str(_prepare(cfg.data)), lambda folder: Path(folder, "meta.json").is_file(),
-            f"is tokenizing the data into {cfg.data.cache_dir}",
-            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s))
+        folder = distributed.main_works_long(
+            lambda: str(_prepare(cfg.data)), f"is tokenizing the data into {cfg.data.cache_dir}",
+            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s), lambda folder: Path(folder, "meta.json").is_file())
         prepared = corpus.load(Path(folder))
     splits = build_splits(cfg.data, prepared, cfg.train.seed)
     eos_id = prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None)

@@ -7,11 +7,11 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
 from ..runtime import precision
+from ..state.sharded import is_sharded_model
 
 
 def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any], precision_name: str,
@@ -23,11 +23,11 @@ def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any
     synchronizing.
     """
     loss_sum: torch.Tensor | None = None
-    sharded = isinstance(model, FSDPModule)
+    sharded = is_sharded_model(model)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         if sharded and len(micro_batches) > 1:
-            cast(FSDPModule, model).set_requires_gradient_sync(last)
+            cast(Any, model).set_requires_gradient_sync(last)  # FSDPModule's
         with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
             with precision.autocast(precision_name, device):
                 loss = checked_loss(loss_fn(model, batch)) / len(micro_batches)

@@ -6,9 +6,9 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..config import OptimConfig
+from ..state.sharded import shard_of
 
 
 def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -29,7 +29,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     """
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    if (sharded := shard_of(norm)) is not None:
+        norm = sharded.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else math.inf, norm)
     return norm

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LoggingConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 
 log = logging.getLogger("qgtrain")
 STATE = "trackers.json"
@@ -76,7 +76,7 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             self.broken = True
             log.warning("logging.trackers: %s failed to %s (%s: %s); training goes on without it", self.name,
-                        what, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                        what, type(exc).__name__, first_line(exc, 200))
             return False
 
 
@@ -102,7 +102,7 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
             run_id, send, close = starter(cfg, run_dir, run_name, config, state.get(f"{name}_id"))
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             log.warning("logging.trackers: %s could not start (%s: %s); training goes on without it", name,
-                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                        type(exc).__name__, first_line(exc, 200))
             continue
         _update(state_path, {f"{name}_id": run_id})
         replays = name == "wandb" and cfg.wandb_mode == "offline"
