@@ -80,7 +80,8 @@ def test_no_sync_accumulation_equals_one_k_times_larger_batch_and_reduces_once()
 def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
     """A config for fast multi-rank runs: synthetic data, a tiny model, no TensorBoard."""
     return load_config([], ["data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=101",
-                            "train.batch_size=4", "train.log_every=1", "train.eval_every=2", "logging.tensorboard=false",
+                            "train.batch_size=4", "train.log_every=1", "train.eval_every=2",
+                            "logging.tensorboard=false",
                             "model.factory=tests.factories:tiny", "optim.warmup_steps=0", "checkpoint.every_steps=0",
                             f"data.cache_dir={tmp_path / 'data'}", *sets])
 
@@ -146,3 +147,30 @@ def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(
         assert "the ranks' copies of the model differ at step 4: scale; no checkpoint was written" in result["error"]
     assert not (tmp_path / "run" / "checkpoints").exists() or \
         not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def join_after(delays: dict[int, float]) -> int:
+    import time
+
+    env = from_environ(os.environ)
+    time.sleep(delays.get(env.rank, 0.0))
+    with process_group(env, torch.device("cpu"), 60, 60):
+        return int(torch.distributed.get_world_size())
+
+
+def test_a_rank_that_starts_before_rank_0_opens_the_store_still_joins():
+    """The other ranks probe rank 0's port before joining; they must wait through a late rank 0, not fail."""
+    assert run_ranks(2, join_after, {0: 1.5}) == [2, 2]
+
+
+def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint():
+    from qgtrain.errors import RendezvousError
+    from tests.ranks import free_port
+
+    port = free_port()
+    env = from_environ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    with pytest.raises(RendezvousError, match=rf"rank 1 could not join 2 ranks at 127.0.0.1:{port} within 2s.*HINT"):
+        with process_group(env, torch.device("cpu"), 2, 60):
+            pass
+    assert not torch.distributed.is_initialized()
