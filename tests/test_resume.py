@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
@@ -72,7 +73,8 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
                       300) == [0] * world
 
     run = tmp_path / "killed"
-    cmd = [*args, f"checkpoint.async_save={str(async_save).lower()}", "--run-dir", str(run)]
+    cmd = [*args, f"checkpoint.async_save={str(async_save).lower()}", "logging.tensorboard=true", "--run-dir",
+           str(run)]
     # The last kill comes after step 8, whose save waits for step 4's: by then a checkpoint is committed
     # whatever the earlier kills hit, so the last restart surely resumes.
     last_kill = picker.randrange(9, MAX_STEPS - 4)
@@ -95,6 +97,11 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
     for want, have in zip(expected, got):
         assert have["loss"] == want["loss"], f"step {want['step']} {context}"
         assert have.get("val_loss") == want.get("val_loss"), f"step {want['step']} {context}"
+    # TensorBoard too: what a killed attempt wrote after its last checkpoint is purged, each step once.
+    board = EventAccumulator(str(run / "tb"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == \
+        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in expected], context
     reference_state, resumed_state = final_state(reference), final_state(run)
     assert reference_state.keys() == resumed_state.keys()
     for name, tensor in reference_state.items():

@@ -33,7 +33,8 @@ class MetricsLog:
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
         self._memory_warned: set[str] = set()
-        self._tb = None
+        self._tb: Any = None
+        self._tb_dir: tuple[Path, int] | None = None
         self._bar: Any = None
         self._redirect: Any = None
         if not is_main:
@@ -51,10 +52,9 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.replay(read_metrics(self.path) if self.path.exists() else [])
         self._file = open(self.path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1)
+        # TensorBoard's writer is opened with the first record, after the first step: its import costs a
+        # start about a third of a second that the first step does not need.
+        self._tb_dir = (run_dir / "tb", start + 1) if tensorboard else None
 
     def advance(self, step: int) -> None:
         """Called every step; moves the progress bar (rank 0 on a terminal) and nothing else."""
@@ -82,6 +82,10 @@ class MetricsLog:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tb_dir is not None and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self._tb_dir[0]), purge_step=self._tb_dir[1])
         if self._tb is not None:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)):
