@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM
 
+STARTED = {"imports": time.time()}  # wall-clock marks of the start, for the bench's side-by-side breakdown
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LR, MIN_LR, WARMUP = 2e-3, 2e-4, 50
 
@@ -48,6 +50,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
+    STARTED["process group"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     if not cuda:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
@@ -57,6 +60,7 @@ def main() -> None:
                                   eos_token_id=256, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0)
     model = AutoModelForCausalLM.from_config(config).to(device)
+    STARTED["task"] = time.time()
     ddp = DDP(torch.compile(model) if args.compile else model, device_ids=[local_rank] if cuda else None)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -68,6 +72,7 @@ def main() -> None:
     data = np.memmap(args.tokens, dtype=np.uint16, mode="r")
     windows = len(data) // args.seq
     order = torch.randperm(windows, generator=torch.Generator().manual_seed(1337))[rank::world]
+    STARTED["wrapping and loaders"] = time.time()
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step - 1, args.steps)
@@ -87,7 +92,9 @@ def main() -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             if rank == 0:
-                print(json.dumps({"step": step, "loss": mean.item() / world, "time": time.time()}), flush=True)
+                now = time.time()
+                marks = {"marks": {**STARTED, "first step": now}} if step == 1 else {}
+                print(json.dumps({"step": step, "loss": mean.item() / world, "time": now, **marks}), flush=True)
     dist.destroy_process_group()
 
 
