@@ -27,8 +27,8 @@ def rank_main(rank: int, world: int, port: int, steps: int, out: dict) -> None:
     from qgtrain.runtime import cpu, distributed, rng
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.tasks.models import build_model, lm_loss
-    from qgtrain.training.optim import adamw
     from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.optim import adamw
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
     cpu.set_cpu_threads(env, 0)

@@ -24,8 +24,8 @@ from bench.common import alternate, report
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.state import checkpoint
-from qgtrain.state.resume import pick_for_resume
 from qgtrain.state.checkpointer import Checkpointer
+from qgtrain.state.resume import pick_for_resume
 
 
 def main() -> None:

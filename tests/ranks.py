@@ -107,7 +107,8 @@ def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
 
 
 def start_cli_ranks(world_size: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
-                    log_prefix: str = "rank", wrap: dict[int, list[str]] | None = None) -> list[subprocess.Popen[bytes]]:
+                    log_prefix: str = "rank",
+                    wrap: dict[int, list[str]] | None = None) -> list[subprocess.Popen[bytes]]:
     """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each rank
     leads its own process group, so a SIGKILL to the group takes its DataLoader workers too. `wrap` puts
     a command in front of some ranks' (e.g. unshare, to give one rank a filesystem of its own)."""

@@ -123,4 +123,4 @@ def test_an_export_on_finish_that_fails_ends_every_rank_with_its_outcome(tmp_pat
         log = (run / "logs" / f"rank_{rank}.log").read_text()
         assert "training finished, but the export failed (exit 2): qgtrain: error: export: the model of task" in log
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
-    assert (run / "checkpoints" / f"step-8").is_dir()
+    assert (run / "checkpoints" / "step-8").is_dir()

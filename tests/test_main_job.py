@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def qgtrain(tmp_path: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def qgtrain(tmp_path: Path, *args: str, launcher: tuple[str, ...] = (),
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
     cmd = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
     cmd += ["train", "--config", str(ROOT / "config.yaml"), "--set", f"data.cache_dir={tmp_path / 'data'}",
             f"logging.runs_dir={tmp_path / 'runs'}", *args]
