@@ -24,11 +24,13 @@ def args(run: Path, *sets: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("parallel, async_save", [("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)])
 def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_previous_one(
-        tmp_path, small_disk, async_save):
+        tmp_path, small_disk, parallel, async_save):
+    """Under fsdp every rank writes its own shard (torch.distributed.checkpoint): the same outcome."""
     run = small_disk / "run"
-    procs = start_cli_ranks(2, args(run, f"checkpoint.async_save={str(async_save).lower()}"), tmp_path)
+    procs = start_cli_ranks(2, args(run, f"checkpoint.async_save={str(async_save).lower()}",
+                                    f"train.parallel={parallel}"), tmp_path)
     assert wait_ranks(procs, 120) == [1, 1]
     outputs = [(tmp_path / f"rank-{r}.out").read_text() for r in (0, 1)]
     for output in outputs:
@@ -41,6 +43,7 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_pr
     for folder in folders:
         ckpt = checkpoint.read_manifest(run / "checkpoints" / folder)
         assert ckpt is not None and checkpoint.verify(ckpt) is None, f"{folder} stays valid"
+        assert (run / "checkpoints" / folder / "sharded").is_dir() == (parallel == "fsdp")
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and "no space left" in status["error"]
 

@@ -73,13 +73,18 @@ def stand_in_scontrol(tmp_path: Path) -> tuple[Path, Path]:
     return bin_dir, calls
 
 
+MODELS = {"ddp": ["model.factory=tests.factories:tiny"],  # fsdp shards GPT-2's blocks, so it gets a small GPT-2
+          "fsdp": ["train.parallel=fsdp", "model.hidden=32", "model.heads=2", "model.layers=2"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, scontrol_on_path, expected_exit", [
-    (signal.SIGUSR2, True, EXIT_STOPPED),
-    (signal.SIGTERM, False, EXIT_REQUEUE_ME),
+@pytest.mark.parametrize("sig, scontrol_on_path, expected_exit, parallel", [
+    (signal.SIGUSR2, True, EXIT_STOPPED, "ddp"),
+    (signal.SIGTERM, False, EXIT_REQUEUE_ME, "ddp"),
+    (signal.SIGUSR2, True, EXIT_STOPPED, "fsdp"),
 ])
 def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_requeues(
-        tmp_path, sig, scontrol_on_path, expected_exit):
+        tmp_path, sig, scontrol_on_path, expected_exit, parallel):
     bin_dir, calls = stand_in_scontrol(tmp_path)
     empty = tmp_path / "empty-bin"
     empty.mkdir()
@@ -88,7 +93,7 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16",
             "train.batch_size=4", "train.max_steps=100000", "train.log_every=1", "train.eval_every=0",
-            "checkpoint.every_steps=0", "logging.tensorboard=false", "model.factory=tests.factories:tiny"]
+            "checkpoint.every_steps=0", "logging.tensorboard=false", *MODELS[parallel]]
     procs = start_cli_ranks(2, args, tmp_path, env=env)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -104,6 +109,7 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
     assert len(saved) == 1, "exactly one checkpoint, at the agreed step"
     step = json.loads((saved[0] / "manifest.json").read_text())["step"]
     assert saved[0].name == f"step-{step}"
+    assert (saved[0] / "sharded").is_dir() == (parallel == "fsdp")
     logs = [(run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
     assert f"stopping at step {step} on a signal that reached another rank" in logs[0]
     assert f"stopping at step {step} on {signal.Signals(sig).name}" in logs[1]
@@ -119,12 +125,14 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
 
 
 @pytest.mark.slow
-def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_at_one_checkpoint(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_at_one_checkpoint(tmp_path,
+                                                                                                   parallel):
     """What Slurm does on preemption or scancel: SIGTERM to each rank and to each of its loader workers."""
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16", "data.num_workers=2",
             "train.batch_size=4", "train.max_steps=100000", "train.log_every=1", "train.eval_every=0",
-            "checkpoint.every_steps=0", "logging.tensorboard=false", "model.factory=tests.factories:tiny"]
+            "checkpoint.every_steps=0", "logging.tensorboard=false", *MODELS[parallel]]
     procs = start_cli_ranks(2, args, tmp_path)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -139,6 +147,7 @@ def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_
     assert wait_ranks(procs, 60) == [EXIT_STOPPED, EXIT_STOPPED]
     saved = sorted((run / "checkpoints").iterdir())
     assert len(saved) == 1 and json.loads((saved[0] / "manifest.json").read_text())["step"] > 0
+    assert (saved[0] / "sharded").is_dir() == (parallel == "fsdp")
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"
     logs = "".join((run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1))
     assert "DataLoader worker" not in logs
