@@ -81,7 +81,7 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     """Return once rank 0's store accepts connections (or at the deadline, leaving the error to the join).
 
     A rank that reaches the store before rank 0 has opened it is refused, and torch's client then backs off
-    for about half a second, longer on each retry: most starts paid that, as every rank imports the same
+    for about half a second, longer on each retry: many starts paid that, as every rank imports the same
     modules at nearly the same moment. Probing with a plain connect every few milliseconds costs the store
     one closed connection per rank.
     """
