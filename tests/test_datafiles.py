@@ -24,7 +24,7 @@ import torch
 from qgtrain.config import DataConfig
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
-from qgtrain.errors import ConfigError
+from qgtrain.errors import ConfigError, QgtrainError
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 from tests.test_resume import final_state, records, wait_for
 
@@ -283,8 +283,9 @@ def test_a_dataset_dict_folder_asks_for_its_split_folders(tmp_path):
     assert (decoded(files, "train"), decoded(files, "val")) == (["a"], ["b"])
 
 
-def run_main_works_long(tmp: str, hidden_on_rank_1: bool) -> object:
-    """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's folder."""
+def run_main_works_long(tmp: str, hidden_on_rank_1: bool, limit_s: float = 60.0) -> object:
+    """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's folder.
+    A rank that gives up waiting returns its error's text."""
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
 
@@ -297,8 +298,11 @@ def run_main_works_long(tmp: str, hidden_on_rank_1: bool) -> object:
         return f"{tmp}/result-by-{env.rank}"
 
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        return distributed.main_works_long(work, "works", ("data.prepare_timeout_s", 60.0),
-                                           lambda value: not (hidden_on_rank_1 and env.rank == 1))
+        try:
+            return distributed.main_works_long(work, "works", ("data.prepare_timeout_s", limit_s),
+                                               lambda value: not (hidden_on_rank_1 and env.rank == 1))
+        except QgtrainError as exc:
+            return str(exc)
 
 
 @pytest.mark.parametrize("hidden", [False, True])
@@ -309,6 +313,13 @@ def test_one_rank_works_and_a_node_that_cannot_see_the_result_works_once_itself(
         assert workers == ["worked-0", "worked-1"] and results == [f"{tmp_path}/result-by-0", f"{tmp_path}/result-by-1"]
     else:
         assert workers == ["worked-0"] and results == [f"{tmp_path}/result-by-0"] * 2
+
+
+def test_ranks_that_wait_past_the_limit_stop_naming_the_setting_with_a_hint(tmp_path):
+    results = run_ranks(2, run_main_works_long, str(tmp_path), False, 0.3)
+    assert results[1].startswith("waited 0 s for rank 0, which works, longer than data.prepare_timeout_s (0 s)")
+    assert "HINT: rank 0's log says whether it is still at work" in results[1]
+    assert "longer than data.prepare_timeout_s" in results[0], "rank 0 then waits for rank 1 in vain"
 
 
 def train_args(tmp_path: Path, run: Path) -> list[str]:

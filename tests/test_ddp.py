@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -150,8 +151,6 @@ def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(
 
 
 def join_after(delays: dict[int, float]) -> int:
-    import time
-
     env = from_environ(os.environ)
     time.sleep(delays.get(env.rank, 0.0))
     with process_group(env, torch.device("cpu"), 60, 60):

@@ -85,14 +85,23 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     modules at nearly the same moment. Probing with a plain connect every few milliseconds costs the store
     one closed connection per rank.
     """
-    pause = 0.005
-    while time.monotonic() < deadline:
+    for pause in _pauses(0.005, 0.1):
+        if time.monotonic() >= deadline:
+            return
         try:
             socket.create_connection((host, port), timeout=max(0.01, min(1.0, deadline - time.monotonic()))).close()
             return
         except OSError:
             time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
+
+
+def _pauses(first_s: float, longest_s: float) -> Iterator[float]:
+    """Sleeps between looks that grow by half each time: a wait that ends soon is seen at once, and a long
+    one costs few looks."""
+    pause = first_s
+    while True:
+        yield pause
+        pause = min(pause * 1.5, longest_s)
 
 
 def _release_users() -> None:
@@ -232,17 +241,19 @@ def _collect(store: Any, key: str, waiting_for: str, timeout: tuple[str, float])
 def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str, float]) -> None:
     """Poll, first every few milliseconds: most waits are short (rank 0 finds the data already prepared),
     and a fixed 0.2 s pause cost every start about that much on every rank."""
-    start, said, pause = time.monotonic(), 5.0, 0.002  # a wait shorter than said goes unmentioned
-    while not store.check(keys):
+    start, said = time.monotonic(), 5.0  # a wait shorter than said goes unmentioned
+    for pause in _pauses(0.002, 0.2):
+        if store.check(keys):
+            return
         waited = time.monotonic() - start
         if waited > timeout[1]:
             raise QgtrainError(f"waited {waited:.0f} s for {waiting_for}, longer than {timeout[0]} "
-                               f"({timeout[1]:.0f} s)")
+                               f"({timeout[1]:.0f} s). HINT: rank 0's log says whether it is still at work; if "
+                               "it is, allow more time or do the work before the job")
         if waited >= said:
             logging.getLogger("qgtrain").info("waiting for %s (%.0f s so far)", waiting_for, waited)
             said = waited + 60
         time.sleep(pause)
-        pause = min(pause * 1.5, 0.2)
 
 
 def main_decides(decide: Callable[[], Any]) -> Any:
