@@ -94,7 +94,9 @@ def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = json.loads((run_dir / "trackers.json").read_text())
-    assert first["wandb_last_step"] >= 16
+    assert set(first) == {"wandb_id", "mlflow_id"}, "the ids, written before the first value; steps are the trackers'"
+    killed_steps = [step for step, _ in mlflow_metric(tmp_path, first["mlflow_id"], "loss")]
+    assert killed_steps[-1] >= 14 and killed_steps == sorted(set(killed_steps))
 
     done = run(tmp_path, "train.max_steps=30")
     assert done.returncode == 0, done.stderr
@@ -110,12 +112,81 @@ def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path
     ids, steps = wandb_steps(files[-1])
     assert len(files) == 2 and ids == {state["wandb_id"]} == wandb_steps(files[0])[0] | ids
     assert steps == list(losses), "one step axis: nothing twice, nothing backwards, nothing lost"
-    # MLflow writes as it is called: the killed job's steps up to first["mlflow_last_step"] (>= 16) stay;
-    # the resumed one starts at 11, which would go backwards, and sends only what is new.
+    # MLflow writes as it is called: the killed job's steps (up to at least 14) stay; the resumed one starts
+    # at 11, which would go backwards, and sends only what MLflow does not hold yet.
     expected = [step for step in losses if step != 11]
     logged = mlflow_metric(tmp_path, state["mlflow_id"], "loss")
     assert [step for step, _ in logged] == expected
     assert [value for _, value in logged] == [losses[step] for step in expected], "resume is exact"
+
+
+def test_a_resumed_mlflow_run_sends_each_metric_from_where_mlflow_has_it(tmp_path):
+    """A kill can land between MLflow's write and anything we would record about it, or half-way through one
+    step's metrics: what a start skips comes from MLflow's own history, per metric, so nothing is sent twice
+    and nothing is lost."""
+    from qgtrain.config import LoggingConfig
+    from qgtrain.training.trackers import open_trackers
+
+    cfg = LoggingConfig(runs_dir=str(tmp_path / "runs"), trackers=("mlflow",))
+    (first,) = open_trackers(cfg, tmp_path, "run", {"train": {"seed": 1}}, environ={})
+    for step in (2, 4, 6):
+        first.log({"step": step, "loss": step / 10, "lr": 1e-3, "time": 0.0})
+    first.opened.send(8, {"loss": 0.8})  # killed after the loss of step 8 was written, before its lr
+    (again,) = open_trackers(cfg, tmp_path, "run", {}, environ={})
+    assert again.opened.run_id == first.opened.run_id and again.opened.last_steps == {"loss": 8, "lr": 6}
+    for step in (6, 8, 10):  # the resumed run logs from its checkpoint at step 5
+        again.log({"step": step, "loss": step / 10, "lr": 2e-3, "time": 0.0})
+    run_id = first.opened.run_id
+    assert mlflow_metric(tmp_path, run_id, "loss") == [(2, 0.2), (4, 0.4), (6, 0.6), (8, 0.8), (10, 1.0)]
+    assert [step for step, _ in mlflow_metric(tmp_path, run_id, "lr")] == [2, 4, 6, 8, 10]
+
+
+def test_trackers_follow_their_own_environment_variables(tmp_path, caplog):
+    """A site that runs an MLflow server, or keeps W&B files elsewhere, sets the libraries' own variables
+    once for every tool; qgtrain honours them where its config keeps the default, and says which it used."""
+    from qgtrain.config import LoggingConfig
+    from qgtrain.training.trackers import open_trackers
+
+    store, wandb_dir, run_dir = tmp_path / "site-mlruns", tmp_path / "site-wandb", tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    wandb_dir.mkdir()
+    environ = {"MLFLOW_TRACKING_URI": store.as_uri(), "MLFLOW_EXPERIMENT_NAME": "site-experiment",
+               "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_PROJECT": "site-project"}
+    cfg = LoggingConfig(runs_dir=str(tmp_path / "runs"), trackers=("mlflow", "wandb"))
+    with caplog.at_level("INFO", logger="qgtrain"):
+        opened = open_trackers(cfg, run_dir, "run", {}, environ=environ)
+    assert [t.name for t in opened] == ["mlflow", "wandb"] and not any(t.broken for t in opened)
+    for tracker in opened:
+        tracker.log({"step": 1, "loss": 1.5})
+        tracker.close(True)
+    run_id = opened[0].opened.run_id
+    (experiment,) = [p.parent for p in store.glob("*/meta.yaml") if "name: site-experiment" in p.read_text()]
+    assert (experiment / run_id / "metrics" / "loss").read_text().split()[1:] == ["1.5", "1"]
+    assert not (tmp_path / "runs" / "mlruns").exists()
+    (offline,) = wandb_dir.glob("wandb/offline-run-*")
+    assert wandb_steps(offline) == ({opened[1].opened.run_id}, [1]) and not (run_dir / "wandb").exists()
+    assert f"using MLFLOW_TRACKING_URI={store.as_uri()} from the environment" in caplog.text
+    assert "using WANDB_PROJECT=site-project from the environment" in caplog.text
+
+
+@pytest.mark.parametrize("configured, environment, used", [
+    ("qgtrain", None, "qgtrain"),            # nothing set anywhere: the default
+    ("qgtrain", "site", "site"),             # the config keeps the default: the site's variable
+    ("mine", "site", "mine"),                # a value in the config wins
+    ("mine", None, "mine"),
+])
+def test_a_config_value_wins_over_the_trackers_variable_and_the_default_does_not(configured, environment, used,
+                                                                                   caplog):
+    from qgtrain.config import LoggingConfig
+    from qgtrain.training.trackers import tracker_setting
+
+    environ = {"MLFLOW_EXPERIMENT_NAME": environment} if environment else {}
+    with caplog.at_level("INFO", logger="qgtrain"):
+        value = tracker_setting(LoggingConfig(mlflow_experiment=configured), "mlflow_experiment",
+                                "MLFLOW_EXPERIMENT_NAME", environ)
+    assert value == used
+    if environment and used != environment:
+        assert "the environment's MLFLOW_EXPERIMENT_NAME=site is not used" in caplog.text
 
 
 def test_a_tracker_that_fails_warns_once_and_training_finishes(tmp_path):

@@ -1,12 +1,14 @@
 """Experiment trackers (Weights & Biases, MLflow) that keep one tracker run per qgtrain run across requeues.
 
-Each tracker's run id is kept in <run dir>/trackers.json, so every restart and resume continues the same
-tracker run. Steps never go backwards: trackers.json also keeps the last step each tracker received, and a
-resumed run skips the steps it has already sent. A killed job logs past its last checkpoint, and resume is
-exact, so the values it sent for those steps are the ones the resumed run would send again. W&B's offline
-mode is the exception: it buffers, so a killed job may leave nothing on disk, and every start writes a new
-offline file; each start therefore replays the run's history (metrics.jsonl up to the resumed step) into
-its file before logging on, so the newest file alone holds the whole step axis. A tracker that
+Each tracker's run id is kept in <run dir>/trackers.json (written once, before the first value is sent),
+so every restart and resume continues the same tracker run. Steps never go backwards and none is sent
+twice: at each start the last step of every metric is read from the tracker's own record (MLflow's metric
+history, W&B's step counter), never from a file of ours that a kill could leave one step behind the
+tracker. A resumed run skips what the tracker already has; a killed job logs past its last checkpoint,
+and resume is exact, so those values are the ones the resumed run would send again. W&B's offline mode
+keeps no record a new start can read: it buffers, so a killed job may leave nothing on disk, and every
+start writes a new offline file; each start therefore replays the run's history (metrics.jsonl up to
+the resumed step) into its file before logging on, so the newest file alone holds the whole step axis. A tracker that
 fails (no library, bad credentials, no network in online mode) warns once and is dropped: training never
 stops for a tracker. Neither library is imported unless configured; both work without a network (W&B's
 offline mode, synced later with `wandb sync`; MLflow's file store).
@@ -18,8 +20,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,45 +31,48 @@ from ..errors import ConfigError, first_line
 log = logging.getLogger("qgtrain")
 STATE = "trackers.json"
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
+Send = Callable[[int, dict[str, float]], None]
+Close = Callable[[bool], None]
+
+
+@dataclass
+class Opened:
+    """A tracker run as its library gave it: the id, how to send and close, and what it already holds."""
+
+    run_id: str
+    send: Send
+    close: Close
+    last_steps: dict[str, int] = field(default_factory=dict)  # per metric, from the tracker's own record
+    floor: int = 0  # no metric may be sent at or below this step (W&B online: its step counter)
+    replays: bool = False  # W&B offline: resend the history at each start (see the module's docstring)
 
 
 @dataclass
 class Tracker:
-    """One tracker run: `send(step, values)` and `close(finished)`, guarded so that a failure only warns."""
+    """One tracker run: `log(record)` and `close(finished)`, guarded so that a failure only warns."""
 
     name: str
-    send: Callable[[int, dict[str, float]], None]
-    close_run: Callable[[bool], None]
-    last_step: int
-    state: Path
-    replays: bool = False  # W&B offline: resend the history at each start (see the module's docstring)
+    opened: Opened
     broken: bool = False
 
     def replay(self, history: list[dict[str, Any]]) -> None:
         """Called once the run's history has been cut back to the step it resumes from."""
-        if self.replays and history:
+        if self.opened.replays:
             for record in history:
-                self._send(record)
-            _update(self.state, {f"{self.name}_last_step": self.last_step})
+                self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._send(record):
-            _update(self.state, {f"{self.name}_last_step": self.last_step})
-
-    def _send(self, record: dict[str, Any]) -> bool:
-        step = int(record["step"])
-        if self.broken or step <= self.last_step:
-            return False
+        step, sent = int(record["step"]), self.opened.last_steps
+        if self.broken or step <= self.opened.floor:
+            return
         values = {k: float(v) for k, v in record.items() if k not in ("step", "time") and
-                  isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if not self._guard("log", lambda: self.send(step, values)):
-            return False
-        self.last_step = step
-        return True
+                  isinstance(v, (int, float)) and not isinstance(v, bool) and step > sent.get(k, 0)}
+        if values and self._guard("log", lambda: self.opened.send(step, values)):
+            sent.update(dict.fromkeys(values, step))
 
     def close(self, finished: bool) -> None:
         if not self.broken:
-            self._guard("close", lambda: self.close_run(finished))
+            self._guard("close", lambda: self.opened.close(finished))
 
     def _guard(self, what: str, action: Callable[[], None]) -> bool:
         try:
@@ -91,7 +96,8 @@ def check_installed(names: tuple[str, ...]) -> None:
                               f"(or {module}), or remove it from logging.trackers")
 
 
-def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any]) -> list[Tracker]:
+def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any],
+                  environ: Mapping[str, str] = os.environ) -> list[Tracker]:
     """The configured trackers, continuing the tracker runs recorded in the run directory (rank 0 only)."""
     state_path = run_dir / STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -99,39 +105,59 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
     for name in (n for n in cfg.trackers if n in EXTRAS):
         starter = {"wandb": _wandb, "mlflow": _mlflow}[name]
         try:
-            run_id, send, close = starter(cfg, run_dir, run_name, config, state.get(f"{name}_id"))
+            run = starter(cfg, run_dir, run_name, config, state.get(f"{name}_id"), environ)
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             log.warning("logging.trackers: %s could not start (%s: %s); training goes on without it", name,
                         type(exc).__name__, first_line(exc, 200))
             continue
-        _update(state_path, {f"{name}_id": run_id})
-        replays = name == "wandb" and cfg.wandb_mode == "offline"
-        last = 0 if replays else int(state.get(f"{name}_last_step", 0))
-        opened.append(Tracker(name, send, close, last, state_path, replays))
-        log.info("logging to %s run %s", name, run_id)
+        state[f"{name}_id"] = run.run_id
+        _write(state_path, state)
+        opened.append(Tracker(name, run))
+        log.info("logging to %s run %s", name, run.run_id)
     return opened
 
 
-def _wandb(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any],
-           run_id: str | None) -> tuple[str, Callable[[int, dict[str, float]], None], Callable[[bool], None]]:
+def tracker_setting(cfg: LoggingConfig, key: str, variable: str, environ: Mapping[str, str]) -> str:
+    """The tracker's own environment variable where the config leaves `key` at its default (a site sets
+    them once for every tool); a value set in the config wins. The log says which was used."""
+    value, default = getattr(cfg, key), next(f.default for f in fields(LoggingConfig) if f.name == key)
+    if value == default and environ.get(variable):
+        log.info("logging.%s: using %s=%s from the environment", key, variable, environ[variable])
+        return environ[variable]
+    if value != default and environ.get(variable) and environ[variable] != value:
+        log.info("logging.%s: %s from the config (the environment's %s=%s is not used)", key, value, variable,
+                 environ[variable])
+    return str(value)
+
+
+def _wandb(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any], run_id: str | None,
+           environ: Mapping[str, str]) -> Opened:
     import wandb
 
-    run = wandb.init(project=cfg.wandb_project, name=run_name, id=run_id,
-                     resume="allow", dir=str(run_dir), mode=cfg.wandb_mode, config=config,
+    mode = tracker_setting(cfg, "wandb_mode", "WANDB_MODE", environ)
+    run = wandb.init(project=tracker_setting(cfg, "wandb_project", "WANDB_PROJECT", environ),
+                     entity=environ.get("WANDB_ENTITY") or None, name=run_name, id=run_id, resume="allow",
+                     dir=environ.get("WANDB_DIR") or str(run_dir), mode=mode, config=config,
                      settings=wandb.Settings(silent=True, console="off"))
 
     def close(finished: bool) -> None:
         run.finish(exit_code=0 if finished else 1)
 
-    return str(run.id), lambda step, values: run.log(values, step=step), close
+    def send(step: int, values: dict[str, float]) -> None:
+        run.log(values, step=step)
+
+    if mode == "offline":
+        return Opened(str(run.id), send, close, replays=True)
+    return Opened(str(run.id), send, close, floor=max(int(run.step) - 1, 0))  # step: that of the next log()
 
 
-def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any],
-            run_id: str | None) -> tuple[str, Callable[[int, dict[str, float]], None], Callable[[bool], None]]:
+def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any], run_id: str | None,
+            environ: Mapping[str, str]) -> Opened:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    uri = cfg.mlflow_uri or Path(cfg.runs_dir).resolve().joinpath("mlruns").as_uri()
+    uri = tracker_setting(cfg, "mlflow_uri", "MLFLOW_TRACKING_URI", environ) or \
+        Path(cfg.runs_dir).resolve().joinpath("mlruns").as_uri()
     if uri.startswith("file:"):  # MLflow 3 keeps the file store only on request; on a cluster's shared
         from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # filesystem it beats SQLite's locks
 
@@ -139,8 +165,9 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
             MLFLOW_ALLOW_FILE_STORE.set("true")
     client = MlflowClient(tracking_uri=uri)
     if run_id is None:
-        experiment = client.get_experiment_by_name(cfg.mlflow_experiment)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.mlflow_experiment)
+        name = tracker_setting(cfg, "mlflow_experiment", "MLFLOW_EXPERIMENT_NAME", environ)
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
         run_id = str(client.create_run(experiment_id, run_name=run_name).info.run_id)
         flat = [Param(f"{section}.{key}", str(value)[:500]) for section, values in config.items()
                 for key, value in values.items()]
@@ -149,6 +176,8 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
     else:
         client.update_run(run_id, status="RUNNING")
     own_id = run_id
+    last_steps = {key: max(m.step for m in client.get_metric_history(own_id, key))
+                  for key in client.get_run(own_id).data.metrics}
 
     def send(step: int, values: dict[str, float]) -> None:
         now = int(time.time() * 1000)
@@ -157,12 +186,10 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
     def close(finished: bool) -> None:
         client.set_terminated(own_id, status="FINISHED" if finished else "KILLED")
 
-    return own_id, send, close
+    return Opened(own_id, send, close, last_steps)
 
 
-def _update(path: Path, changes: dict[str, Any]) -> None:
-    state = json.loads(path.read_text()) if path.exists() else {}
-    state.update(changes)
+def _write(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)
