@@ -5,6 +5,7 @@ a suite that silently skipped its cluster tests must not pass there."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -25,6 +26,9 @@ def slurm_cluster() -> Iterator[Path]:
         _cannot_start("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         _cannot_start("Slurm is not installed and there is no apt-get to install it")
+    # One cluster per machine: a second test session waits for the first to stop it instead of sharing it.
+    lock = open("/tmp/qgtrain-slurm.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", "2"], capture_output=True, text=True,
                              timeout=600)
     if started.returncode != 0:
@@ -41,6 +45,7 @@ def slurm_cluster() -> Iterator[Path]:
             else:
                 os.environ[key] = value
         subprocess.run(["bash", str(CLUSTER / "stop.sh")], capture_output=True, timeout=300)
+        lock.close()
 
 
 @pytest.fixture
