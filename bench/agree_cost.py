@@ -81,7 +81,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
                 for step in range(args.steps):
                     start = time.perf_counter()
                     flags = [False, False, False, False, False]
-                    finish = distributed.any_flags_later(flags, device) if way == "async" else None
+                    finish = distributed.any_flags_later(torch.tensor(flags, dtype=torch.int32, device=device)) \
+                        if way == "async" else None
                     if way == "fold":
                         hook_state["flags"] = torch.tensor(flags, dtype=torch.float32)
                     accumulate_gradients(ddp, lm_loss, [batch], "fp32", scaler, device)

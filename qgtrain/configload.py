@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from .config import SECTIONS, RunConfig, check_rules
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 
 OPTIONS = "task.options"
 _TRUE = {"true", "yes", "on", "1"}
@@ -120,7 +120,7 @@ def _read_yaml(path: Path) -> Any:
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(exc)
         raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from None
 
 

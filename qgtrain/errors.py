@@ -50,3 +50,11 @@ class PeerFailure(TrainingError):
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The gist of an exception for a one-line message: its first line, or its type when it says nothing."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
+def summary(exc: BaseException, limit: int = 500) -> str:
+    """One line on why something stopped: a QgtrainError's own message, else the type and its first line
+    (a bug's type is half of what it says)."""
+    if isinstance(exc, QgtrainError):
+        return first_line(exc, limit)
+    return f"{type(exc).__name__}: {first_line(exc, limit)}"[:limit]

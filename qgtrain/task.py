@@ -49,3 +49,11 @@ class Task:
     tokenizer: Any = None
     flops_per_sample: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ReadyTask(Task):
+    """A Task as qgtrain trains it: checked, with collate and loss filled in (tasks/build.py makes it)."""
+
+    collate: Callable[[list[Any]], Any]
+    loss: Callable[[Any, Any], Any]

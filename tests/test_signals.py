@@ -15,7 +15,8 @@ import pytest
 
 from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
 from qgtrain.runtime.deadline import Deadline
-from qgtrain.runtime.signals import StopFlag, is_time_limit, job_state, reason_not_to_requeue, requeue, seconds_left
+from qgtrain.runtime.signals import StopFlag
+from qgtrain.runtime.slurm import is_time_limit, job_state, reason_not_to_requeue, requeue, seconds_left
 from tests.ranks import start_cli_ranks, wait_ranks
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -45,6 +45,38 @@ def build_loaders(train: Any, val: Any, test: Any,
 
     return Loaders(sampler, make_loader(train, sampler, batch_size, num_workers, device, seed + env.rank, True,
                                         collate), evaluation(val), evaluation(test))
+
+
+class TrainBatches:
+    """Training micro-batches forever, across epochs, from a data position the caller keeps.
+
+    `position` is the run's (epoch, samples of all ranks in that epoch); `next` advances it by one
+    micro-batch of every rank, and starts the next epoch when the loader runs out, so the position a
+    checkpoint saves is always the one the next batch starts from.
+    """
+
+    def __init__(self, loaders: Loaders, samples_per_micro_batch: int) -> None:
+        self.loader, self.sampler, self.samples = loaders.train, loaders.sampler, samples_per_micro_batch
+        self._batches: Iterator[Any] | None = None
+
+    def next(self, position: Position) -> Any:
+        if self._batches is None:
+            self.sampler.set_position(position.epoch, position.samples_in_epoch)
+            self._batches = iter(self.loader)
+        try:
+            batch = next(self._batches)
+        except StopIteration:  # the epoch is over
+            position.epoch, position.samples_in_epoch = position.epoch + 1, 0
+            self.sampler.set_epoch(position.epoch)
+            self._batches = iter(self.loader)
+            batch = next(self._batches)
+        position.samples_in_epoch += self.samples
+        return batch
+
+
+class Position(Protocol):
+    epoch: int
+    samples_in_epoch: int
 
 
 class ResumableSampler(DistributedSampler[Any]):

@@ -25,7 +25,7 @@ from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 from ..config import RunConfig
 from ..configload import config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
-from ..runtime.signals import (
+from ..runtime.slurm import (
     is_time_limit,
     job_state,
     reason_not_to_requeue,

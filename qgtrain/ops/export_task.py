@@ -20,7 +20,7 @@ from ..errors import QgtrainError
 from ..runtime import distributed, rng
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, sharded
-from ..task import Task
+from ..task import ReadyTask
 from ..tasks.build import build_task
 
 log = logging.getLogger("qgtrain")
@@ -28,7 +28,7 @@ MAX_OUTPUT_DIFF = 1e-4
 SHARD_SIZE = "2GB"
 
 
-def rebuild_task(ckpt: checkpoint.Checkpoint, cfg: Any) -> Task:
+def rebuild_task(ckpt: checkpoint.Checkpoint, cfg: Any) -> ReadyTask:
     """The task of the checkpoint's config, with the checkpoint's weights in its model (CPU, fp32, eval)."""
     with distributed.process_group(DistEnv(), torch.device("cpu"), 60.0, 600.0):
         rng.seed_everything(cfg.train.seed)
@@ -38,7 +38,7 @@ def rebuild_task(ckpt: checkpoint.Checkpoint, cfg: Any) -> Task:
     return task
 
 
-def save_task_model(task: Task, folder: Path, spec: str) -> None:
+def save_task_model(task: ReadyTask, folder: Path, spec: str) -> None:
     model = task.model
     from huggingface_hub import PyTorchModelHubMixin
     from transformers import PreTrainedModel
@@ -57,10 +57,9 @@ def save_task_model(task: Task, folder: Path, spec: str) -> None:
         task.tokenizer.save_pretrained(folder)
 
 
-def verify_task_model(task: Task, folder: Path) -> float:
+def verify_task_model(task: ReadyTask, folder: Path) -> float:
     """Reload `folder` with the model class's from_pretrained and compare outputs on a task batch."""
     split = task.val if task.val is not None and len(task.val) else task.train
-    assert task.collate is not None and task.loss is not None
     batch = task.collate([split[i] for i in range(min(4, len(split)))])
     reloaded = type(task.model).from_pretrained(folder).float().eval()
     expected, got = _outputs(task, task.model, batch), _outputs(task, reloaded, batch)
@@ -75,12 +74,11 @@ def verify_task_model(task: Task, folder: Path) -> float:
 
 
 @torch.no_grad()
-def _outputs(task: Task, model: nn.Module, batch: Any) -> list[torch.Tensor]:
+def _outputs(task: ReadyTask, model: nn.Module, batch: Any) -> list[torch.Tensor]:
     """Every tensor the model's forward returns while the task computes its loss on `batch`."""
     seen: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda module, args, out: seen.extend(_tensors(out)))
     try:
-        assert task.loss is not None
         task.loss(model, batch)
     finally:
         hook.remove()

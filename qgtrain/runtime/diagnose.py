@@ -74,7 +74,7 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
             "data.seq_len; emptying the CUDA cache does not help")
     if "DataLoader worker" in text or (isinstance(exc, ConnectionError) and num_workers > 0):
         return TrainingError(
-            f"a DataLoader worker of rank {env.rank} died in step {step} ({_first_line(text)}). Likely cause: "
+            f"a DataLoader worker of rank {env.rank} died in step {step} ({_gist(text)}). Likely cause: "
             f"shared memory (/dev/shm has {_shm_gb():.1f} GB for data.num_workers={num_workers} worker(s) x "
             f"{env.local_world_size} rank(s) on this node) or the worker ran out of memory. HINT: set "
             "data.num_workers to 0 or fewer workers, or request more shared memory (a container's --shm-size)")
@@ -89,7 +89,7 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
         who = (f"rank(s) {missing} did not arrive" if missing else "a peer rank failed")
         arm_watchdog(30.0)  # the teardown that follows may not hang on the broken group
         return PeerFailure(
-            f"a collective failed in step {step} on rank {env.rank}: {who} ({_first_line(text)}). Every "
+            f"a collective failed in step {step} on rank {env.rank}: {who} ({_gist(text)}). Every "
             f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
             f"and the job's output for why they died or stalled; if steps are legitimately slower than "
             f"{timeout_s:.0f}s, raise train.collective_timeout_s")
@@ -180,7 +180,7 @@ def _shm_gb() -> float:
         return 0.0
 
 
-def _first_line(text: str) -> str:
+def _gist(text: str) -> str:
     """The gist of a library's message: first line, without gloo's source location and advice."""
     line = (text.strip().splitlines() or [""])[0]
     line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line)

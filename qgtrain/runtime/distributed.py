@@ -134,17 +134,16 @@ def any_flags(flags: Sequence[bool | int | torch.Tensor], device: torch.device) 
     return [bool(v) for v in tensor.tolist()]
 
 
-def any_flags_later(flags: Sequence[bool | torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
-    """any_flags, started now and finished by the returned call, which gives the agreed flags as a device
-    tensor (no host sync): the all-reduce runs while the caller computes (a step's forward and backward),
-    so agreeing costs no round trip on the step's path. One process starts no collective."""
-    tensor = torch.stack([torch.as_tensor(f, device=device).reshape(()) for f in flags]).to(torch.int32)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True) if dist.get_world_size() > 1 else None
+def any_flags_later(flags: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """any_flags on an int32 device tensor, started now and finished by the returned call, which gives the
+    agreed flags as a device tensor (no host sync): the all-reduce runs while the caller computes (a step's
+    forward and backward), so agreeing costs no round trip on the step's path. One process starts none."""
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if dist.get_world_size() > 1 else None
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
-        return tensor
+        return flags
 
     return finish
 
@@ -157,11 +156,11 @@ def flagged_ranks(flag: bool, device: torch.device) -> list[int]:
     return [rank for rank, value in enumerate(tensor.tolist()) if value]
 
 
-def sum_tensor(values: Sequence[float], device: torch.device) -> list[float]:
-    """Sum float64 values over ranks (losses and counts, each sample counted once)."""
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+def sum_tensors(values: torch.Tensor) -> list[float]:
+    """Sum a float64 device tensor over ranks and read it on the host: one collective, one sync (losses and
+    counts, each sample counted once)."""
+    dist.all_reduce(values)
+    return values.tolist()
 
 
 def diverged(named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> list[str]:

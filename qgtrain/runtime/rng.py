@@ -18,6 +18,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """Each rank's own stream (dropout, augmentation), reproducible from the run's seed; `step` re-seeds a
+    resume on another world size, whose saved streams belong to ranks that no longer exist."""
+    return seed + 7919 * rank + step
+
+
 def capture() -> dict[str, Any]:
     version, state, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)

@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -79,8 +79,7 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
 
 def explain_write_error(exc: BaseException, staging: Path, files: dict[str, Any]) -> str:
     """Why a write failed, in the user's terms: a full disk says how much room there is and is needed."""
-    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
-        (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
     try:
         written = sum(p.stat().st_size for p in staging.iterdir())  # freed when the staging folder goes
         free = shutil.disk_usage(staging.parent).free + written
@@ -224,9 +223,8 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing from the checkpoint") from None
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} cannot be loaded safely as tensors ({reason}); loading it would mean "
-                              "running code from the file, which qgtrain never does") from None
+        raise CheckpointError(f"{path} cannot be loaded safely as tensors ({first_line(exc, 200)}); loading it "
+                              "would mean running code from the file, which qgtrain never does") from None
 
 
 def load_json(ckpt: Checkpoint, name: str) -> Any:

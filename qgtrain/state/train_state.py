@@ -91,7 +91,7 @@ def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
         log.warning("resuming a %d-rank checkpoint on %d ranks: data re-sharded at the saved position, random "
                     "streams re-seeded (the run will not repeat the original exactly)", saved["world_size"],
                     env.world_size)
-        rng.seed_everything(seed + 7919 * env.rank + state.step)
+        rng.seed_everything(rng.rank_seed(seed, env.rank, state.step))
     log.info("resumed from %s: step %d, epoch %d", ckpt.path, state.step, state.epoch)
     return state
 

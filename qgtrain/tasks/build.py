@@ -19,12 +19,12 @@ from torch.utils.data import default_collate
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..factory import load_factory
-from ..task import Task
+from ..task import ReadyTask, Task
 
 TaskSource = Task | Callable[[RunConfig], Task]
 
 
-def build_task(cfg: RunConfig, given: TaskSource | None = None) -> Task:
+def build_task(cfg: RunConfig, given: TaskSource | None = None) -> ReadyTask:
     """The task of `cfg.task.factory` (or the Task or task function given in Python), checked, with its
     defaults filled in."""
     if given is None:
@@ -37,7 +37,8 @@ def build_task(cfg: RunConfig, given: TaskSource | None = None) -> Task:
         raise ConfigError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
                           "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
     check_task(made, spec, cfg)
-    return dataclasses.replace(made, collate=made.collate or default_collate, loss=made.loss or model_loss)
+    filled = {"collate": made.collate or default_collate, "loss": made.loss or model_loss}
+    return ReadyTask(**{**{f.name: getattr(made, f.name) for f in dataclasses.fields(Task)}, **filled})
 
 
 def task_spec(given: TaskSource) -> str | None:

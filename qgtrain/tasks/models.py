@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..factory import load_factory
 
 _DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
@@ -38,7 +38,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
             return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                      dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.pretrained: cannot load {path}: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"model.pretrained: cannot load {path}: {first_line(exc)}") from None
     try:
         config = transformers.AutoConfig.for_model(
             cfg.arch, vocab_size=vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,

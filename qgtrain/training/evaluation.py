@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import EarlyStoppingConfig
 from ..data.batches import to_device
 from ..errors import ConfigError
 from ..runtime import precision
@@ -67,6 +68,15 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
     totals = flat.tolist()
     return {name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
             for i, name in enumerate(names)}
+
+
+def decide_early_stop(es: EarlyStoppingConfig, value: float | None, best: float | None,
+                      evals_since_best: int) -> tuple[float | None, int, bool]:
+    """(best so far, validations since it, whether to stop) after a validation that gave `value`."""
+    sign = 1.0 if es.mode == "min" else -1.0
+    improved = value is not None and (best is None or sign * value < sign * best - es.min_delta)
+    since = 0 if improved else evals_since_best + 1
+    return (value if improved else best), since, bool(es.patience) and since >= es.patience
 
 
 def _zero(device: torch.device) -> torch.Tensor:

@@ -134,7 +134,7 @@ def _wandb(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, A
            environ: Mapping[str, str]) -> Opened:
     import wandb
 
-    mode = tracker_setting(cfg, "wandb_mode", "WANDB_MODE", environ)
+    mode: Any = tracker_setting(cfg, "wandb_mode", "WANDB_MODE", environ)  # wandb checks the value
     run = wandb.init(project=tracker_setting(cfg, "wandb_project", "WANDB_PROJECT", environ),
                      entity=environ.get("WANDB_ENTITY") or None, name=run_name, id=run_id, resume="allow",
                      dir=environ.get("WANDB_DIR") or str(run_dir), mode=mode, config=config,

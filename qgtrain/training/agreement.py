@@ -1,0 +1,78 @@
+"""The decisions every rank must share before it takes a step, agreed without making any step wait.
+
+A stop signal may reach one rank, a due time-based checkpoint and the time limit are rank 0's to see, a
+checkpoint write may fail on any rank, a loss may turn non-finite on one: each is a flag that is true
+everywhere if it is true anywhere (an all-reduce with MAX). Each agreement is started before a step's
+forward and read after the backward of the next agreeing step, so its round trip between ranks runs while
+the ranks compute: the decisions land one agreement later, and no step waits for the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import distributed
+
+
+@dataclass(frozen=True)
+class Flags:
+    """One agreement's flags. Each is true on every rank if it was true on any rank when it started."""
+
+    stop_requested: bool = False  # a stop signal reached some rank
+    checkpoint_due: bool = False  # checkpoint.every_minutes has passed (rank 0's clock)
+    save_failed: bool = False  # an asynchronous checkpoint write failed on some rank
+    out_of_time: bool = False  # the time limit no longer holds the work before the next agreement (rank 0)
+    bad_loss: bool = False  # a loss since the last agreement was non-finite on some rank
+    bad_grads: bool = False  # the reduced gradients were non-finite: the same on every rank, so not agreed
+
+    @property
+    def stop(self) -> bool:
+        return self.stop_requested or self.out_of_time
+
+
+HOST_FLAGS = ("stop_requested", "checkpoint_due", "save_failed", "out_of_time")
+AGREED = len(HOST_FLAGS) + 1  # and bad_loss, which stays on the device
+
+
+class Agreement:
+    """One agreement in flight at a time: `start` begins the next, `read` gives the one before it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._in_flight = distributed.any_flags_later(torch.zeros(AGREED, dtype=torch.int32, device=device))
+        self._started = self._in_flight
+
+    def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
+        """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for all of
+        them) and `bad_loss`, a device flag read without a host sync."""
+        on_host = torch.tensor([getattr(host, name) for name in HOST_FLAGS], dtype=torch.int32)
+        flags = torch.cat([on_host.to(self.device, non_blocking=True), bad_loss.reshape(1).to(torch.int32)])
+        self._started, self._in_flight = self._in_flight, distributed.any_flags_later(flags)
+
+    def read(self, bad_grads: torch.Tensor) -> Flags:
+        """The agreement before the one just started, with this rank's `bad_grads`: the step's one host sync."""
+        values = torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)]).tolist()
+        return Flags(**dict(zip([*HOST_FLAGS, "bad_loss", "bad_grads"], map(bool, values))))
+
+    def finish(self) -> None:
+        """Complete the agreement in flight: the process group must outlive every collective of ours."""
+        self._in_flight()
+
+
+class Health:
+    """Non-finite values this rank has seen, kept on the device so that watching costs no host sync.
+
+    A loss is this rank's own, so it is agreed (which rank began it goes in the message); reduced gradients
+    are the same on every rank, so each rank sees them without agreeing.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+        self.bad_grads = torch.zeros((), dtype=torch.bool, device=device)
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        self.bad_loss |= ~torch.isfinite(loss)
+        if grad_norm is not None:
+            self.bad_grads |= ~torch.isfinite(grad_norm)

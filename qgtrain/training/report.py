@@ -1,0 +1,62 @@
+"""What a logged step reports: the loss, gradient norm and tokens summed over ranks in one collective,
+throughput over the training since the last report, memory, utilisation, and the latest evaluations."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..runtime import distributed
+from ..runtime.rendezvous import DistEnv
+from ..state.train_state import TrainState
+from ..task import ReadyTask
+from .metrics import MetricsLog, format_metrics, memory_gb, prefixed, utilisation
+from .timing import Interval
+
+log = logging.getLogger("qgtrain")
+
+
+class Reporter:
+    def __init__(self, task: ReadyTask, metrics: MetricsLog, env: DistEnv, device: torch.device,
+                 samples_per_step: int, max_steps: int) -> None:
+        self.task, self.metrics, self.env, self.device = task, metrics, env, device
+        self.samples_per_step, self.max_steps = samples_per_step, max_steps
+        self.pending_tokens = 0  # this rank's tokens since they were last summed over ranks
+
+    def count_tokens(self, micro_batches: list[Any]) -> None:
+        if self.task.tokens is not None:
+            self.pending_tokens += sum(int(self.task.tokens(batch)) for batch in micro_batches)
+
+    def settle_tokens(self, state: TrainState) -> None:
+        """Sum what every rank has pending into the run's count (a collective: before a checkpoint)."""
+        if self.task.tokens is not None:
+            pending = torch.tensor([float(self.pending_tokens)], dtype=torch.float64, device=self.device)
+            state.tokens_seen, self.pending_tokens = state.tokens_seen + int(distributed.sum_tensors(pending)[0]), 0
+
+    def report(self, state: TrainState, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor,
+               interval: Interval, evaluated: bool) -> None:
+        """All-reduce the step's loss, gradient norm and tokens in one collective, and write the record."""
+        world = self.env.world_size
+        pending = torch.tensor(float(self.pending_tokens), dtype=torch.float64, device=self.device)
+        loss, norm, tokens = distributed.sum_tensors(torch.stack([loss_sum.double(), grad_norm.double(), pending]))
+        state.tokens_seen, self.pending_tokens = state.tokens_seen + int(tokens), 0
+        samples_per_s = interval.steps * self.samples_per_step / interval.busy_s
+        record: dict[str, Any] = {"step": state.step, "epoch": state.epoch, "loss": loss / world, "lr": lr,
+                                  "grad_norm": norm / world, "samples_per_s": samples_per_s}
+        if self.task.tokens is not None:
+            record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
+        record.update(data_wait_frac=interval.data_s / interval.busy_s, time=time.time(), **memory_gb(self.device),
+                      **utilisation(self.task.flops_per_sample, samples_per_s, self.device, world))
+        self.metrics.warn_memory(self.env.rank, state.step, record)
+        if evaluated:
+            record.update(prefixed("val", state.val_metrics))
+        if state.outcome:
+            record.update(prefixed("test", state.test_metrics))
+        self.metrics.write(record)
+        speed = f"{record['tokens_per_s']:.0f} tok/s" if tokens else f"{samples_per_s:.1f} samples/s"
+        log.info("step %d/%d epoch %d loss %.4f%s lr %.2e %s", state.step, self.max_steps, state.epoch,
+                 record["loss"], f" {format_metrics(prefixed('val', state.val_metrics))}" if evaluated else "",
+                 lr, speed)

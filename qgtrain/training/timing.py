@@ -1,0 +1,55 @@
+"""Where the loop's wall time goes: throughput for the reports, and the durations the deadline plans with.
+
+Throughput counts training alone (waiting for data included, validation and checkpoints not), so
+samples/s means the same whether or not a report falls on a validation step.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The training since the last report: steps, their wall time, and the part spent waiting for data."""
+
+    steps: int
+    busy_s: float
+    data_s: float
+
+
+class StepTimer:
+    def __init__(self, step: int) -> None:
+        self.recent_steps_s: collections.deque[float] = collections.deque(maxlen=20)
+        self.longest_save_s = 0.0
+        self._reported_at = step
+        self._busy_s = self._data_s = 0.0
+        self._started = 0.0
+
+    def start_step(self) -> None:
+        self._started = time.perf_counter()
+
+    def data_ready(self) -> None:
+        self._data_s += time.perf_counter() - self._started
+
+    def training_done(self) -> None:
+        self._busy_s += time.perf_counter() - self._started
+
+    def step_done(self) -> None:
+        """The step with its after-step work (validation, logging), which the time left must hold."""
+        self.recent_steps_s.append(time.perf_counter() - self._started)
+
+    @property
+    def longest_step_s(self) -> float:
+        return max(self.recent_steps_s, default=0.0)
+
+    def interval(self, step: int) -> Interval:
+        """The training since the last report, and a new interval begun."""
+        done = Interval(step - self._reported_at, self._busy_s, self._data_s)
+        self._reported_at, self._busy_s, self._data_s = step, 0.0, 0.0
+        return done
+
+    def saved(self, started: float) -> None:
+        self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
