@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from .config import RunConfig
-from .configload import load_config
+from .configload import config_files, load_config
 from .run import train as _train
 from .runtime.rendezvous import from_environ
 from .tasks.build import TaskSource
@@ -23,6 +23,7 @@ from .tasks.build import TaskSource
 def train(config: RunConfig | str | Path | None = None, *, task: TaskSource | None = None,
           run_dir: str | Path | None = None) -> int:
     """Train `task` (a Task, or a function of the config returning one; default: the config's
-    task.factory) under `config` (a RunConfig, or a YAML file; default: the built-in defaults)."""
-    cfg = config if isinstance(config, RunConfig) else load_config([config] if config else [])
+    task.factory) under `config` (a RunConfig, or a YAML file; default: ./config.yaml if there is one,
+    else the built-in defaults, as `qgtrain train` does)."""
+    cfg = config if isinstance(config, RunConfig) else load_config(config_files(config))
     return _train(cfg, from_environ(os.environ), run_dir, task=task)

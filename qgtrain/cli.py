@@ -11,11 +11,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .config import RunConfig
 from .errors import EXIT_USAGE, QgtrainError
-
-DEFAULT_CONFIG = "config.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +39,13 @@ def _parser() -> argparse.ArgumentParser:
                                      "survives time limits and preemption.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(metavar="COMMAND")
+    _training_commands(sub)
+    _operations_commands(sub)
+    return parser
 
+
+def _training_commands(sub: Any) -> None:
+    """train, submit, export: what a run is for."""
     train = sub.add_parser("train", help="train (1 process, or one rank per srun/torchrun task)")
     _config_args(train)
     train.add_argument("--run-dir", type=Path, help="run directory (default: <logging.runs_dir>/<train.run_name>)")
@@ -65,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.set_defaults(func=_export)
 
+
+def _operations_commands(sub: Any) -> None:
+    """runs, plot, doctor, data, config, env: looking after runs, data and the cluster."""
     runs = sub.add_parser("runs", help="a table of the runs in a folder: status, step, losses, checkpoint")
     runs.add_argument("folder", nargs="?", type=Path, help="where the runs are (default: logging.runs_dir)")
     runs.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -103,7 +111,6 @@ def _parser() -> argparse.ArgumentParser:
 
     env = sub.add_parser("env", help="print the rendezvous this process would use (run it inside srun)")
     env.set_defaults(func=_env)
-    return parser
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -121,10 +128,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_args_config(args: argparse.Namespace) -> RunConfig:
-    from .configload import load_config
+    from .configload import config_files, load_config
 
-    paths = args.config or ([Path(DEFAULT_CONFIG)] if Path(DEFAULT_CONFIG).is_file() else [])
-    return load_config(paths, args.set)
+    return load_config(config_files(args.config), args.set)
 
 
 def _train(args: argparse.Namespace) -> int:

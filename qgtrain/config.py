@@ -7,11 +7,11 @@ deliberately absent: the scheduler supplies them (rendezvous.py).
 
 from __future__ import annotations
 
-import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from .durations import duration_s
 from .errors import ConfigError
 from .task import BUILTIN_LM
 
@@ -209,78 +209,71 @@ class RunConfig:
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)}
 
 
-_UNITS = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
-_SLURM = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
-
-
-def duration_s(text: str) -> float | None:
-    """Seconds in '3h30m', '45m', '90s', '1d2h', or Slurm's forms (minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]);
-    None if the text is none of them or not positive."""
-    text = text.strip()
-    units = _UNITS.fullmatch(text)
-    if text and units and any(units.groups()):
-        days, hours, minutes, seconds = (int(g or 0) for g in units.groups())
-    elif (slurm := _SLURM.fullmatch(text)) is not None:
-        days_text, first, second, third = slurm.groups()
-        if days_text is not None:
-            days, hours, minutes, seconds = int(days_text), int(first), int(second or 0), int(third or 0)
-        elif third is not None:
-            days, hours, minutes, seconds = 0, int(first), int(second), int(third)
-        else:
-            days, hours, minutes, seconds = 0, 0, int(first), int(second or 0)
-    else:
-        return None
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    return float(total) if total > 0 else None
-
-
 def check_rules(cfg: RunConfig, source: str) -> None:
     """Rules that involve more than one field; `source` names where the values came from."""
-    def fail(key: str, problem: str) -> None:
-        raise ConfigError(f"{source}: {key}: {problem}")
+    for rules in (_model_and_data_rules, _training_rules, _reporting_rules):
+        problem = rules(cfg)
+        if problem is not None:
+            key, text = problem
+            raise ConfigError(f"{source}: {key}: {text}")
 
+
+Problem = tuple[str, str] | None  # (the key, what is wrong with it and what to do)
+
+
+def _model_and_data_rules(cfg: RunConfig) -> Problem:
     if cfg.model.pretrained and cfg.model.factory:
-        fail("model.factory", "set either model.pretrained or model.factory, not both")
+        return "model.factory", "set either model.pretrained or model.factory, not both"
     if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
-        fail("model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+        return "model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}"
     if cfg.data.name == "factory" and not cfg.data.factory:
-        fail("data.factory", "data.name is 'factory' but no 'package.module:function' is given")
+        return "data.factory", "data.name is 'factory' but no 'package.module:function' is given"
     for key, value in (("task.factory", cfg.task.factory), ("model.factory", cfg.model.factory),
                        ("data.factory", cfg.data.factory)):
         if value and (value.count(":") != 1 or not all(value.split(":"))):
-            fail(key, f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'")
+            return key, f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'"
     if cfg.data.name == "files" and not cfg.data.files:
-        fail("data.files", "data.name is 'files' but no files are named; give globs, files or folders, e.g. "
-             "['/shared/corpus/*.jsonl.gz']")
+        return "data.files", ("data.name is 'files' but no files are named; give globs, files or folders, e.g. "
+                              "['/shared/corpus/*.jsonl.gz']")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
-        fail("data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training")
+        return "data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training"
+    return None
+
+
+def _training_rules(cfg: RunConfig) -> Problem:
+    train = cfg.train
     if cfg.optim.min_lr > cfg.optim.lr:
-        fail("optim.min_lr", f"{cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
+        return "optim.min_lr", f"{cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}"
     if cfg.checkpoint.keep_last < 2:
-        fail("checkpoint.keep_last", f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
-             "half-written when a job dies, so the one before it must survive rotation")
-    if cfg.train.parallel == "fsdp" and cfg.train.precision == "fp16":
-        fail("train.precision", "fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use bf16 "
-             "with train.parallel: fsdp")
-    if cfg.train.parallel == "fsdp" and cfg.model.compile:
-        fail("model.compile", "torch.compile with train.parallel: fsdp is not supported yet; use ddp to compile, "
-             "or turn model.compile off")
-    if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
-        fail("train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU")
-    name = cfg.train.run_name
+        return "checkpoint.keep_last", (f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
+                                        "half-written when a job dies, so the one before it must survive rotation")
+    if train.parallel == "fsdp" and train.precision == "fp16":
+        return "train.precision", ("fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
+                                   "bf16 with train.parallel: fsdp")
+    if train.parallel == "fsdp" and cfg.model.compile:
+        return "model.compile", ("torch.compile with train.parallel: fsdp is not supported yet; use ddp to "
+                                 "compile, or turn model.compile off")
+    if train.precision == "fp16" and train.device == "cpu":
+        return "train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU"
+    name = train.run_name
     if not name.strip() or name != name.strip() or "/" in name or name in (".", "..") or \
             any(ord(c) < 32 for c in name):
-        fail("train.run_name", f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
-             "trailing spaces, no control characters")
+        return "train.run_name", (f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
+                                  "trailing spaces, no control characters")
+    if train.max_time and duration_s(train.max_time) is None:
+        return "train.max_time", (f"{train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, or "
+                                  "Slurm's HH:MM:SS or D-HH:MM:SS")
+    return None
+
+
+def _reporting_rules(cfg: RunConfig) -> Problem:
     if not cfg.early_stopping.metric.startswith("val_"):
-        fail("early_stopping.metric", f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss or "
-             "val_<name> for a metric your task reports")
-    if cfg.train.max_time and duration_s(cfg.train.max_time) is None:
-        fail("train.max_time", f"{cfg.train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, "
-             "or Slurm's HH:MM:SS or D-HH:MM:SS")
+        return "early_stopping.metric", (f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss "
+                                         "or val_<name> for a metric your task reports")
     for tracker in cfg.logging.trackers:
         if tracker not in ("tensorboard", "wandb", "mlflow"):
-            fail("logging.trackers", f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, wandb, "
-                 "mlflow")
+            return "logging.trackers", (f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, "
+                                        "wandb, mlflow")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
-        fail("early_stopping.patience", "early stopping needs validations: set train.eval_every > 0")
+        return "early_stopping.patience", "early stopping needs validations: set train.eval_every > 0"
+    return None

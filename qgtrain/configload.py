@@ -26,6 +26,18 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
+DEFAULT_FILE = Path("config.yaml")
+
+
+def config_files(given: Iterable[str | Path] | str | Path | None) -> list[Path]:
+    """The files to load: those given, else ./config.yaml where there is one (the README's `qgtrain train`
+    in the repository), else none (the built-in defaults)."""
+    if isinstance(given, (str, Path)):
+        return [Path(given)]
+    files = [Path(p) for p in given or ()]
+    return files or ([DEFAULT_FILE] if DEFAULT_FILE.is_file() else [])
+
+
 def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> RunConfig:
     """Load and validate config files (merged in order) and `--set` overrides (applied last)."""
     values: dict[str, tuple[Any, str]] = {}
@@ -191,37 +203,53 @@ def _convert(raw: Any, hint: Any, spec: dataclasses.Field[Any], where: str, *, f
             return None
         (hint,) = [a for a in args if a is not type(None)]
     if typing.get_origin(hint) is Literal:
-        text = str(raw).strip() if from_text else raw
-        if text not in args:
-            raise ConfigError(f"{where}: {raw!r} is not allowed; choose one of {', '.join(map(str, args))}."
-                              + _did_you_mean(str(text), [str(a) for a in args]))
-        return text
+        return _to_choice(raw, args, where, from_text)
     if hint is bool:
         return _to_bool(raw, where, from_text)
     if hint is int or hint is float:
         return _to_number(raw, hint, spec, where, from_text)
     if hint is str:
-        if raw is None and spec.default == "":  # YAML's null for an optional text: its empty default
-            return ""
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return str(raw)
-        if not isinstance(raw, str):
-            raise ConfigError(f"{where}: expected text, got {_describe(raw)}")
-        return raw
+        return _to_text(raw, spec, where)
     if typing.get_origin(hint) is dict:
-        if from_text and isinstance(raw, str):
-            raw = _parse_yaml_text(raw, where)
-        if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
-            raise ConfigError(f"{where}: expected a mapping of names to values, e.g. {{hidden: 64}}, got "
-                              f"{_describe(raw)}")
-        return dict(raw)
+        return _to_mapping(raw, where, from_text)
     if typing.get_origin(hint) is tuple:
-        if from_text:
-            raw = _parse_text_list(raw, where)
-        if not isinstance(raw, list) or any(isinstance(item, (dict, list)) or item is None for item in raw):
-            raise ConfigError(f"{where}: expected a list of text items, e.g. ['--exclusive'], got {_describe(raw)}")
-        return tuple(str(item) for item in raw)
+        return _to_text_list(raw, where, from_text)
     raise AssertionError(f"unsupported config type {hint!r} for {where}")
+
+
+def _to_choice(raw: Any, choices: tuple[Any, ...], where: str, from_text: bool) -> Any:
+    text = str(raw).strip() if from_text else raw
+    if text not in choices:
+        raise ConfigError(f"{where}: {raw!r} is not allowed; choose one of {', '.join(map(str, choices))}."
+                          + _did_you_mean(str(text), [str(a) for a in choices]))
+    return text
+
+
+def _to_text(raw: Any, spec: dataclasses.Field[Any], where: str) -> str:
+    if raw is None and spec.default == "":  # YAML's null for an optional text: its empty default
+        return ""
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return str(raw)
+    if not isinstance(raw, str):
+        raise ConfigError(f"{where}: expected text, got {_describe(raw)}")
+    return raw
+
+
+def _to_mapping(raw: Any, where: str, from_text: bool) -> dict[str, Any]:
+    if from_text and isinstance(raw, str):
+        raw = _parse_yaml_text(raw, where)
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise ConfigError(f"{where}: expected a mapping of names to values, e.g. {{hidden: 64}}, got "
+                          f"{_describe(raw)}")
+    return dict(raw)
+
+
+def _to_text_list(raw: Any, where: str, from_text: bool) -> tuple[str, ...]:
+    if from_text:
+        raw = _parse_text_list(raw, where)
+    if not isinstance(raw, list) or any(isinstance(item, (dict, list)) or item is None for item in raw):
+        raise ConfigError(f"{where}: expected a list of text items, e.g. ['--exclusive'], got {_describe(raw)}")
+    return tuple(str(item) for item in raw)
 
 
 def _to_bool(raw: Any, where: str, from_text: bool) -> bool:

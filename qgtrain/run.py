@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig, duration_s
+from .config import RunConfig
 from .configload import config_to_dict, dump_yaml
 from .data.loaders import build_loaders
+from .durations import duration_s
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 from .runtime import compile_cache, cpu, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline
@@ -32,6 +33,7 @@ from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
 from .state.lifecycle import Lifecycle
 from .state.resume import data_change, pick_for_resume
+from .state.rundir import RunDir
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import parallel, trackers
@@ -105,7 +107,7 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
-            log.add_rank_file(ctx.env, claim.path / "logs", ctx.cfg.logging.level)
+            log.add_rank_file(ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level)
             lifecycle.started()
             outcome = _train_in_run(ctx, claim)
         lifecycle.ended(STATUS[outcome])
@@ -120,7 +122,7 @@ def _claim(ctx: RunContext, run_dir: Path | None, held: contextlib.ExitStack) ->
     try:
         held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
         warnings: list[str] = []
-        ckpt = pick_for_resume(path / "checkpoints", rundir.read_run_id(path), ctx.cfg.checkpoint.resume,
+        ckpt = pick_for_resume(RunDir(path).checkpoints, rundir.read_run_id(path), ctx.cfg.checkpoint.resume,
                                warnings.append)
         run_id = rundir.open_run(path, ctx.cfg, dump_yaml(ctx.cfg))
         return Claim(path, run_id, str(ckpt.path) if ckpt else None, warnings)
@@ -185,11 +187,12 @@ def _metrics_log(ctx: RunContext, claim: Claim, ckpt: checkpoint.Checkpoint | No
 def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog) -> Trainer:
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     model = task.model
-    run_files = {"config.yaml": (claim.path / "config.yaml").read_bytes(),  # rank 0's record: copies cannot differ
+    run = RunDir(claim.path)
+    run_files = {"config.yaml": run.config.read_bytes(),  # rank 0's record: the ranks' copies cannot differ
                  "model.json": json.dumps({"class": type(model).__name__, **task.facts}).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         run_files["hf_config.json"] = model.config.to_json_string().encode()
-    checkpointer = Checkpointer(claim.path / "checkpoints", claim.run_id, env, cfg.checkpoint.keep_last,
+    checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, run_files)
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = parallel.wrap(model.to(device), env, device, cfg.model.compile, cfg.train, resolved)
@@ -264,7 +267,7 @@ def _after_stop(ctx: RunContext, path: Path, requeue_on_stop: bool) -> int:
 def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
     """Rank 0 runs `qgtrain export` in a child process (a fresh one-process group on the CPU, and memory
     of its own); every rank returns its outcome. Training is finished and checkpointed either way."""
-    out = Path(cfg.export.dir) if cfg.export.dir else run_dir / "export"
+    out = Path(cfg.export.dir) if cfg.export.dir else RunDir(run_dir).export
 
     def export() -> tuple[int, str]:
         logger.info("exporting the final checkpoint to %s", out)

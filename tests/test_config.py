@@ -118,7 +118,7 @@ def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_o
                                            ("2:00:00", 7200), ("1-12", 129600), ("90", 5400), ("0", None),
                                            ("x", None)])
 def test_durations_in_units_or_slurm_forms(text, seconds):
-    from qgtrain.config import duration_s
+    from qgtrain.durations import duration_s
 
     assert duration_s(text) == seconds
 

@@ -2,7 +2,8 @@
 
     qgtrain train --config config.yaml --config jobs/classifier.yaml
     qgtrain export runs/classifier --out models/classifier
-    python -c 'from transformers import pipeline; print(pipeline("text-classification", "models/classifier")("import json"))'
+    python -c 'from transformers import pipeline
+    print(pipeline("text-classification", "models/classifier")("import json"))'
 
 The model is `AutoModelForSequenceClassification` built from a small BERT config (no download); the
 text comes from Python's own sources, so the data set is made here on any machine. The batch is a dict

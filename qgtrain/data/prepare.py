@@ -15,7 +15,6 @@ number of workers and memory stays bounded by the batches in flight.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -36,6 +35,7 @@ import xxhash
 
 from ..config import DataConfig
 from ..errors import ConfigError
+from ..files import try_lock
 from . import sources, tokenizer
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress
@@ -112,17 +112,10 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
     path = folder.with_name(f"{folder.name}.lock")
     with open(path, "a+") as handle:
         start, said = time.monotonic(), 0.0
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-                    yield False
-                    return
-                raise
+        while (taken := try_lock(handle.fileno())) is not True:
+            if taken is None:
+                yield False
+                return
             waited = time.monotonic() - start
             if _ready(folder):  # the other job finished: nothing left to hold the lock for
                 yield False

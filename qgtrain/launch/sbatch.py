@@ -8,6 +8,7 @@ run a command; slurm.setup is the one field that is shell code by design.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import subprocess
@@ -15,11 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import SlurmConfig
+from ..durations import slurm_time_s
 from ..errors import EXIT_REQUEUE_ME, QgtrainError
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _PATTERNS = {
     "job_name": (r"[A-Za-z0-9_.+-]+", "letters, digits and _ . + -"),
     "partition": (r"[A-Za-z0-9_.,-]*", "letters, digits and _ . , -"),
@@ -38,20 +39,12 @@ class SubmissionError(QgtrainError):
 
 def time_minutes(text: str) -> int:
     """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in whole minutes, rounded up."""
-    match = _TIME.match(text.strip())
-    if not match:
+    seconds = slurm_time_s(text)
+    if seconds is None:
         raise QgtrainError(f"slurm.time: {text!r} is not a Slurm time; use minutes, HH:MM:SS or D-HH:MM:SS")
-    days, first, second, third = match.groups()
-    if days is not None:
-        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
-    elif third is not None:
-        hours, minutes, seconds = int(first), int(second), int(third)
-    else:
-        hours, minutes, seconds = 0, int(first), int(second or 0)
-    total = int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
-    if total < 1:
+    if seconds < 1:
         raise QgtrainError(f"slurm.time: {text!r} is shorter than one minute")
-    return total
+    return math.ceil(seconds / 60)
 
 
 def tasks_per_node(slurm: SlurmConfig) -> int:

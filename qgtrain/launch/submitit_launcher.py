@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import submitit
-from submitit.core.job_environment import JobEnvironment
-from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+from submitit.slurm.slurm import SlurmJob
 
 from ..config import RunConfig
-from ..configload import config_to_dict, load_config, with_overrides
+from ..configload import config_files, config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
 from ..runtime.slurm import (
     is_time_limit,
@@ -32,7 +31,7 @@ from ..runtime.slurm import (
     seconds_left,
 )
 from ..state.rundir import default_run_dir
-from . import sweep
+from . import submitit_compat, sweep
 from .sbatch import tasks_per_node, time_minutes, validate
 from .sweep import Sweep
 
@@ -66,50 +65,18 @@ def _requeue_through_submitit(rank: int, job_id: str, restart: int, limit_s: flo
     pickles checkpoint() and requeues the job; the other ranks just leave, writing no result. A cancelled
     job (scancel sends SIGTERM too) is not requeued. Whether the stop was the time limit or a preemption
     is decided here (is_time_limit), so that preemptions never use up submitit's timeout budget."""
-    signum = JobEnvironment._usr_sig()
+    signum = submitit_compat.preemption_signal()
     handler = signal.getsignal(signum)
     if rank == 0:
         reason = reason_not_to_requeue(job_state(job_id), restart)
-        owner = getattr(handler, "__self__", None)  # submitit's SignalHandler
-        if owner is not None and hasattr(owner, "has_timed_out"):
-            timed_out = is_time_limit(seconds_left(job_id), time.time() - owner._start_time, limit_s, lead_s)
-            owner.has_timed_out = lambda: timed_out
+        left_s = seconds_left(job_id)
+        submitit_compat.decide_timed_out(handler, lambda ran_s: is_time_limit(left_s, ran_s, limit_s, lead_s))
         if reason is None and callable(handler):
             print("qgtrain: stopped at a checkpoint; requeueing through submitit", file=sys.stderr, flush=True)
             handler(signum, None)
         print(f"qgtrain: stopped at a checkpoint; not requeued: {reason or 'no submitit handler is installed'}",
               file=sys.stderr, flush=True)
     raise SystemExit(EXIT_STOPPED)
-
-
-class SqueueFallbackWatcher(SlurmInfoWatcher):
-    """Job states from sacct when accounting works, else from squeue (finished jobs stay there for
-    MinJobAge), else from scontrol; a job none of them knows any more is reported LOST, not UNKNOWN, so
-    waiting on it ends."""
-
-    def update(self) -> None:
-        command = self._make_command()
-        if command is None:
-            return
-        self._num_calls += 1
-        ids = sorted({arg for arg in command if arg.isdigit()})
-        self._info_dict.update(_from_sacct(command) or _from_squeue(ids))
-        for job_id in ids:
-            self._info_dict.setdefault(job_id, {"JobID": job_id, "State": "LOST"})
-        self._last_status_check = time.time()
-        for job_id in self._registered - self._finished:
-            if self.is_done(job_id, mode="cache"):
-                self._finished.add(job_id)
-
-
-def _from_sacct(command: list[str]) -> dict[str, dict[str, str]]:
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    if out.returncode != 0 or "accounting storage is disabled" in out.stdout + out.stderr:
-        return {}
-    return SlurmInfoWatcher().read_info(out.stdout)
 
 
 def _from_squeue(ids: list[str]) -> dict[str, dict[str, str]]:
@@ -131,6 +98,10 @@ def _from_squeue(ids: list[str]) -> dict[str, dict[str, str]]:
     return info
 
 
+class SqueueFallbackWatcher(submitit_compat.FallbackWatcher):
+    fallback = staticmethod(_from_squeue)
+
+
 class TrainJob(SlurmJob[Any]):
     """A submitit Slurm job whose waits end: by state from squeue/scontrol, or by a deadline."""
 
@@ -146,8 +117,8 @@ class TrainJob(SlurmJob[Any]):
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's result (every rank returns the same); raises if the job failed or was cancelled."""
         self.wait(timeout)
-        if self._sub_jobs:  # one per task (rank) in a multi-task job
-            return self._sub_jobs[0].result()
+        if tasks := submitit_compat.task_jobs(self):  # one per task (rank) in a multi-task job
+            return tasks[0].result()
         return super().result()
 
 
@@ -185,8 +156,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     if isinstance(config, RunConfig):
         cfg = with_overrides(config, _sets(overrides)) if overrides else config
     else:
-        path = Path(config) if config else Path("config.yaml")
-        cfg = load_config([path] if config or path.is_file() else [], _sets(overrides))
+        cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
     executor = submitit.AutoExecutor(folder=Path(folder or target / "submitit"),
                                      slurm_max_num_timeout=cfg.slurm.max_restarts)
@@ -194,7 +164,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
         raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
                            "or train directly with `qgtrain train`")
     executor.update_parameters(**executor_parameters(cfg))
-    executor._executor.job_class = TrainJob  # our watcher and deadlines, same submission path
+    submitit_compat.use_job_class(executor, TrainJob)
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 
 
@@ -206,8 +176,7 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
     if isinstance(values, Sweep):
         planned = values
     else:
-        base = config if isinstance(config, RunConfig) else load_config(
-            [Path(config)] if config else ([Path("config.yaml")] if Path("config.yaml").is_file() else []))
+        base = config if isinstance(config, RunConfig) else load_config(config_files(config))
         planned = sweep.expand(base, sweep.parse([f"{k}={','.join(map(_text, v))}" for k, v in values.items()]))
     sweep.array_spec(len(planned.configs), max_parallel)
     sweep.check_size(len(planned.configs))
@@ -219,7 +188,7 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
         raise QgtrainError("submit_sweep: no Slurm found here (srun is not on PATH); run this on a Slurm login node")
     executor.update_parameters(**executor_parameters(first),
                                slurm_array_parallelism=max_parallel or len(planned.configs))
-    executor._executor.job_class = TrainJob
+    submitit_compat.use_job_class(executor, TrainJob)
     with executor.batch():
         jobs = [executor.submit(TrainTask(config_to_dict(cfg), str(default_run_dir(cfg).resolve())))
                 for cfg in planned.configs]

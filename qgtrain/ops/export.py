@@ -23,6 +23,7 @@ from ..configload import config_from_dict, dump_yaml
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
 from ..state import checkpoint, sharded
+from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..tasks.models import build_model
 from ..training.metrics import read_metrics
@@ -84,30 +85,8 @@ def yaml_config(ckpt: checkpoint.Checkpoint) -> RunConfig:
 
 
 def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint:
-    if not source.exists():
-        raise QgtrainError(f"export: {source} does not exist; give a run directory or a checkpoint folder")
-    direct = checkpoint.read_manifest(source)
-    if direct is not None:
-        if best or step is not None:
-            raise QgtrainError(f"export: {source} is one checkpoint; --best and --step choose within a run directory")
-        candidates = [direct]
-    else:
-        root = source / "checkpoints"
-        committed = checkpoint.list_committed(root)
-        if not committed:
-            raise QgtrainError(f"export: {source} holds no committed checkpoint (looked in {root} and for a "
-                               f"{checkpoint.MANIFEST} in {source})")
-        if step is not None:
-            committed = [c for c in committed if c.step == step]
-            if not committed:
-                steps = ", ".join(str(c.step) for c in checkpoint.list_committed(root))
-                raise QgtrainError(f"export: no checkpoint at step {step} in {root}; there are: {steps}")
-        elif best:
-            scored = [c for c in committed if c.score is not None]
-            if not scored:
-                raise QgtrainError(f"export --best: no checkpoint in {root} records a validation score")
-            committed = [min(scored, key=lambda c: (c.score, -c.step))]
-        candidates = list(reversed(committed))
+    """The checkpoint to export: the first of the candidates that verifies, newest first."""
+    candidates = _candidates(source, best, step)
     for ckpt in candidates:
         problem = checkpoint.verify(ckpt)
         if problem is None:
@@ -118,7 +97,33 @@ def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint
         if len(candidates) == 1:
             raise CheckpointError(f"export: {problem}")
         log.warning("skipping checkpoint %s: %s", ckpt.path.name, problem)
-    raise CheckpointError(f"export: no valid checkpoint in {source}")
+    raise CheckpointError(f"export: no checkpoint in {source} verifies (see the warnings above)")
+
+
+def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.Checkpoint]:
+    if not source.exists():
+        raise QgtrainError(f"export: {source} does not exist; give a run directory or a checkpoint folder")
+    direct = checkpoint.read_manifest(source)
+    if direct is not None:
+        if best or step is not None:
+            raise QgtrainError(f"export: {source} is one checkpoint; --best and --step choose within a run directory")
+        return [direct]
+    root = RunDir(source).checkpoints
+    committed = checkpoint.list_committed(root)
+    if not committed:
+        raise QgtrainError(f"export: {source} holds no committed checkpoint (looked in {root} and for a "
+                           f"{checkpoint.MANIFEST} in {source})")
+    if step is not None:
+        committed = [c for c in committed if c.step == step]
+        if not committed:
+            steps = ", ".join(str(c.step) for c in checkpoint.list_committed(root))
+            raise QgtrainError(f"export: no checkpoint at step {step} in {root}; there are: {steps}")
+    elif best:
+        scored = [c for c in committed if c.score is not None]
+        if not scored:
+            raise QgtrainError(f"export --best: no checkpoint in {root} records a validation score")
+        committed = [min(scored, key=lambda c: (c.score, -c.step))]
+    return list(reversed(committed))
 
 
 def _rebuild(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> torch.nn.Module:
@@ -194,7 +199,7 @@ def facts_table(ckpt: checkpoint.Checkpoint, tokenizer_name: str | None) -> str:
     state = checkpoint.load_json(ckpt, "state.json")
     trainer, versions = state["trainer"], state.get("versions", {})
     train_loss = None
-    metrics = ckpt.path.parent.parent / "metrics.jsonl"
+    metrics = RunDir(ckpt.path.parent.parent).metrics
     if metrics.exists():
         losses = [r["loss"] for r in read_metrics(metrics) if "loss" in r and r["step"] <= ckpt.step]
         train_loss = losses[-1] if losses else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import QgtrainError
+from ..state.rundir import RunDir
 from ..training.metrics import read_metrics
 
 LABELS = {"loss": "training loss", "val_loss": "validation loss", "lr": "learning rate",
@@ -16,7 +17,7 @@ def plot_runs(runs: list[Path], out: Path, metrics: list[str]) -> Path:
     """One panel per metric, one line per run (legend by run name), steps on a shared x axis."""
     series = {}
     for run in runs:
-        path = run / "metrics.jsonl"
+        path = RunDir(run).metrics
         if not path.exists():
             raise QgtrainError(f"plot: {run} has no metrics.jsonl; give run directories (e.g. runs/tiny-gpt2)")
         series[run.name if run.name not in series else str(run)] = read_metrics(path)

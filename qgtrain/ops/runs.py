@@ -38,20 +38,21 @@ def find_runs(root: Path) -> list[Path]:
     if not root.is_dir():
         raise QgtrainError(f"runs: {root} is not a directory; give the folder your runs are in "
                            "(logging.runs_dir, 'runs' by default)")
-    if (root / rundir.RUN_FILE).exists():
+    if rundir.is_run_dir(root):
         return [root]
-    return sorted(p for p in root.iterdir() if (p / rundir.RUN_FILE).exists())
+    return sorted(p for p in root.iterdir() if rundir.is_run_dir(p))
 
 
 def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
     status = rundir.read_status(run)
-    records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    layout = rundir.RunDir(run)
+    records = read_metrics(layout.metrics) if layout.metrics.exists() else []
     trained = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     evaluated = [r for r in records if any(k.startswith("val_") for k in r)]
     metrics = {k: v for k, v in (evaluated[-1] if evaluated else {}).items()
                if k.startswith("val_") and k != "val_loss" and isinstance(v, (int, float))}
-    committed = checkpoint.list_committed(run / "checkpoints")
+    committed = checkpoint.list_committed(layout.checkpoints)
     run_id = rundir.read_run_id(run)
     ours = [c for c in committed if c.run_id == run_id]
     restart = status.get("restart")

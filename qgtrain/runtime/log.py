@@ -28,15 +28,13 @@ def setup_console(env: DistEnv, level: str) -> logging.Logger:
     return logger
 
 
-def add_rank_file(env: DistEnv, logs_dir: Path, level: str) -> Path:
-    """Append this rank's log to <run dir>/logs/rank_<N>.log (appended across restarts)."""
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    path = logs_dir / f"rank_{env.rank}.log"
+def add_rank_file(env: DistEnv, path: Path, level: str) -> None:
+    """Append this rank's log to its file in the run directory (appended across restarts)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a")
     handler.setLevel(level)
     handler.setFormatter(_formatter(env))
     logging.getLogger(LOGGER).addHandler(handler)
-    return path
 
 
 def close() -> None:

@@ -16,49 +16,100 @@ it again without being told.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import QgtrainError
+from ..files import try_lock, write_atomic
 
-RUN_FILE = "run.json"
-STATUS_FILE = "status.json"
-LOCK_FILE = ".lock"
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory's layout: the one place where the names of what it holds are spelled."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def status(self) -> Path:
+        return self.path / "status.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank_{rank}.log"
+
+    def failure_note(self, rank: int) -> Path:
+        return self.logs / f"failed-rank-{rank}.txt"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tb"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / "trackers.json"
+
+    @property
+    def export(self) -> Path:
+        return self.path / "export"
+
+    @property
+    def lock(self) -> Path:
+        return self.path / ".lock"
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.logging.runs_dir) / cfg.train.run_name
 
 
+def is_run_dir(path: Path) -> bool:
+    return RunDir(path).run_file.exists()
+
+
 def read_run_id(run_dir: Path) -> str | None:
     try:
-        return str(json.loads((run_dir / RUN_FILE).read_text())["run_id"])
+        return str(json.loads(RunDir(run_dir).run_file.read_text())["run_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
     """Record the resolved config; return this run's id: the recorded one, or a new one for a fresh start."""
+    run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_yaml)
+    run.config.write_text(config_yaml)
     previous = read_run_id(run_dir)
     if previous and cfg.checkpoint.resume != "never":
         return previous
     run_id = uuid.uuid4().hex[:12]
-    metrics = run_dir / "metrics.jsonl"
-    if previous and metrics.exists():  # a fresh start over an earlier run keeps that run's history beside it
-        metrics.rename(run_dir / f"metrics.{previous}.jsonl")
-    tmp = run_dir / f"{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps({"run_id": run_id, "run_name": cfg.train.run_name, "created": time.time()}))
-    os.replace(tmp, run_dir / RUN_FILE)
+    if previous and run.metrics.exists():  # a fresh start over an earlier run keeps that run's history beside it
+        run.metrics.rename(run_dir / f"metrics.{previous}.jsonl")
+    write_atomic(run.run_file, json.dumps({"run_id": run_id, "run_name": cfg.train.run_name, "created": time.time()}))
     return run_id
 
 
@@ -66,26 +117,19 @@ def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
 def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]:
     """Hold the run directory's lock; fail clearly if another job keeps it longer than `wait_s`.
 
-    A requeued job may start while its previous allocation is still exiting, hence the wait. The lock is
-    an flock, released by the kernel when its holder dies, so it never goes stale.
+    A requeued job may start while its previous allocation is still exiting, hence the wait.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
+    path = RunDir(run_dir).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP):  # a filesystem without locks: go unguarded
-                    break
-                if time.monotonic() > deadline:
-                    holder = path.read_text().strip() or "another process"
-                    raise QgtrainError(f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
-                                       "to end, or give this one another --run-dir or train.run_name") from None
-                time.sleep(0.5)
+        while try_lock(fd) is False:  # None: a filesystem without locks, used unguarded
+            if time.monotonic() > deadline:
+                holder = path.read_text().strip() or "another process"
+                raise QgtrainError(f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
+                                   "to end, or give this one another --run-dir or train.run_name") from None
+            time.sleep(0.5)
         os.ftruncate(fd, 0)
         os.write(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})".encode())
         yield
@@ -95,66 +139,27 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
 
 def write_status(run_dir: Path, status: str, **facts: object) -> None:
     """Record the run's state for `qgtrain runs` (rank 0, atomically); facts are merged into the last record."""
-    path = run_dir / STATUS_FILE
     record = read_status(run_dir)
     record.update(facts, status=status, updated=time.time())
-    tmp = run_dir / f"{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_atomic(RunDir(run_dir).status, json.dumps(record))
 
 
 def read_status(run_dir: Path) -> dict[str, object]:
     try:
-        record = json.loads((run_dir / STATUS_FILE).read_text())
+        record = json.loads(RunDir(run_dir).status.read_text())
         return record if isinstance(record, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
-def failure_note(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / f"failed-rank-{rank}.txt"
-
-
-def clear_failure_note(run_dir: Path, rank: int) -> None:
-    """Each rank removes its own note when it starts, so any note found later is from this attempt."""
-    failure_note(run_dir, rank).unlink(missing_ok=True)
-
-
-def write_failure_note(run_dir: Path, rank: int, message: str) -> None:
-    """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be told
-    through the process group that is breaking). Written before this rank leaves the group."""
-    try:
-        failure_note(run_dir, rank).write_text(message)
-    except OSError:
-        pass
-
-
-def read_failure_note(run_dir: Path, rank: int, world_size: int, wait_s: float = 2.0) -> str | None:
-    """'rank N failed: <why> (its log: ...)' for the first other rank that left a note, or None."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        for other in range(world_size):
-            try:
-                text = failure_note(run_dir, other).read_text().strip() if other != rank else ""
-            except OSError:
-                text = ""
-            if text:
-                return f"rank {other} failed: {text} (its log: {run_dir / 'logs' / f'rank_{other}.log'})"
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.2)
-
-
 def is_locked(run_dir: Path) -> bool | None:
     """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(RunDir(run_dir).lock, os.O_RDONLY)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError as exc:
-        return None if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP) else True
+        taken = try_lock(fd, shared=True)
+        return None if taken is None else not taken
     finally:
         os.close(fd)

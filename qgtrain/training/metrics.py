@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,8 @@ if TYPE_CHECKING:  # at run time torch is imported only where needed: `qgtrain r
     from .trackers import Tracker
 
 from ..errors import QgtrainError
+from ..files import write_atomic
+from ..state.rundir import RunDir
 
 
 class MetricsLog:
@@ -29,7 +30,7 @@ class MetricsLog:
                  timeline: Timeline | None = None, trackers: list[Tracker] | None = None) -> None:
         self.timeline = timeline  # reported with the first record, then dropped
         self.trackers = trackers or []  # W&B, MLflow: rank 0's, each guarded against its own failures
-        self.path = run_dir / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
         self._memory_warned: set[str] = set()
@@ -54,7 +55,7 @@ class MetricsLog:
         self._file = open(self.path, "a")
         # TensorBoard's writer is opened with the first record, after the first step: its import costs a
         # start about a third of a second that the first step does not need.
-        self._tb_dir = (run_dir / "tb", start + 1) if tensorboard else None
+        self._tb_dir = (RunDir(run_dir).tensorboard, start + 1) if tensorboard else None
 
     def advance(self, step: int) -> None:
         """Called every step; moves the progress bar (rank 0 on a terminal) and nothing else."""
@@ -121,9 +122,7 @@ def _truncate_after(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short when the job was killed
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def memory_gb(device: torch.device) -> dict[str, float]:

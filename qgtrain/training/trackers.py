@@ -27,9 +27,10 @@ from typing import Any
 
 from ..config import LoggingConfig
 from ..errors import ConfigError, first_line
+from ..files import write_atomic
+from ..state.rundir import RunDir
 
 log = logging.getLogger("qgtrain")
-STATE = "trackers.json"
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
 Send = Callable[[int, dict[str, float]], None]
 Close = Callable[[bool], None]
@@ -99,7 +100,7 @@ def check_installed(names: tuple[str, ...]) -> None:
 def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, Any],
                   environ: Mapping[str, str] = os.environ) -> list[Tracker]:
     """The configured trackers, continuing the tracker runs recorded in the run directory (rank 0 only)."""
-    state_path = run_dir / STATE
+    state_path = RunDir(run_dir).trackers
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     opened = []
     for name in (n for n in cfg.trackers if n in EXTRAS):
@@ -111,7 +112,7 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
                         type(exc).__name__, first_line(exc, 200))
             continue
         state[f"{name}_id"] = run.run_id
-        _write(state_path, state)
+        write_atomic(state_path, json.dumps(state, indent=1))
         opened.append(Tracker(name, run))
         log.info("logging to %s run %s", name, run.run_id)
     return opened
@@ -159,7 +160,9 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
     uri = tracker_setting(cfg, "mlflow_uri", "MLFLOW_TRACKING_URI", environ) or \
         Path(cfg.runs_dir).resolve().joinpath("mlruns").as_uri()
     if uri.startswith("file:"):  # MLflow 3 keeps the file store only on request; on a cluster's shared
-        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # filesystem it beats SQLite's locks
+        from mlflow.environment_variables import (
+            MLFLOW_ALLOW_FILE_STORE,  # filesystem it beats SQLite's locks
+        )
 
         if not MLFLOW_ALLOW_FILE_STORE.is_set():
             MLFLOW_ALLOW_FILE_STORE.set("true")
@@ -189,7 +192,3 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
     return Opened(own_id, send, close, last_steps)
 
 
-def _write(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, path)
