@@ -121,7 +121,8 @@ class TrainConfig:
     time_limit_check_s: float = setting(300.0, "seconds between readings of the Slurm job's time limit, which an "
                                         "admin may extend while it runs", min=5.0, max=MAX_TIMEOUT_S)
     startup_timeout_s: float = setting(600.0, "seconds to wait for all ranks to join", min=1.0, max=MAX_TIMEOUT_S)
-    collective_timeout_s: float = setting(300.0, "seconds a collective may wait for a peer before failing",
+    collective_timeout_s: float = setting(300.0, "seconds a collective of a step or a checkpoint save may "
+                                          "wait for a peer before failing",
                                           min=1.0, max=MAX_TIMEOUT_S)
 
 

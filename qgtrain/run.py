@@ -193,7 +193,7 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         run_files["hf_config.json"] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
-                                cfg.checkpoint.async_save, run_files)
+                                cfg.checkpoint.async_save, run_files, cfg.train.collective_timeout_s)
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = parallel.wrap(model.to(device), env, device, cfg.model.compile, cfg.train, resolved)
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,

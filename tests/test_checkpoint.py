@@ -219,3 +219,38 @@ def test_a_newest_checkpoint_without_its_manifest_is_passed_over_with_a_warning(
     log = (run / "logs" / "rank_0.log").read_text()
     assert f"passing over {run / 'checkpoints' / 'step-4'}: it has no valid manifest.json" in log
     assert f"resumed from {run / 'checkpoints' / 'step-2'}: step 2" in log
+
+
+def save_while_rank_0_stays_away(root: str) -> float | None:
+    """Rank 1 saves; rank 0 never joins the save and stays in the group until rank 1 is done (or two
+    minutes have passed). Rank 1 returns how long its save took to fail."""
+    import time
+
+    from qgtrain.runtime import distributed
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.state.checkpointer import Checkpointer
+
+    env = from_environ(os.environ)
+    done = Path(root, "rank-1-done")
+    with distributed.process_group(env, torch.device("cpu"), 60, 60):
+        saver = Checkpointer(Path(root, "checkpoints"), "run", env, 2, False, timeout_s=3)
+        if env.rank == 0:
+            deadline = time.monotonic() + 120
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return None
+        started = time.monotonic()
+        try:
+            saver.save(1, dict, {"rng": None}, {})
+        except RuntimeError:  # gloo's timeout (a DistBackendError)
+            pass
+        failed_after = time.monotonic() - started
+        done.touch()
+        return failed_after
+
+
+def test_a_save_whose_peer_never_comes_fails_within_the_collective_timeout(tmp_path):
+    """A rank cut off in the middle of a save must not outlive the others by gloo's default half hour: the
+    saver's collectives are bounded like training's (run against a real 2-rank gloo group)."""
+    _, failed_after = run_ranks(2, save_while_rank_0_stays_away, str(tmp_path))
+    assert failed_after is not None and failed_after < 60, "the save's collective waited for its peer unbounded"

@@ -246,7 +246,9 @@ def test_doctor_under_srun_checks_that_every_node_sees_the_run_directory(tmp_pat
 
 def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_start_resumes(tmp_path):
     """node2's link to the cluster's bridge goes down mid-run: each rank's collective times out after
-    train.collective_timeout_s and names the rank that did not arrive; the next job resumes."""
+    train.collective_timeout_s and names the rank that did not arrive; the next job resumes. The cut may
+    land in a checkpoint save (one every 100 steps of a few milliseconds): the saver's collectives are
+    bounded by the same timeout (gloo's own default is half an hour)."""
     bounded = tmp_path / "timeout.yaml"
     bounded.write_text("train: {collective_timeout_s: 20}\n")
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, LONG, every_steps=100), bounded]
@@ -254,14 +256,18 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
     subprocess.run(["ip", "link", "set", "veth-qg2", "down"], check=True)
-    cut = time.monotonic()
+    cut = time.time()
     try:
-        for rank, other in ((0, 1), (1, 0)):
-            wait_until(lambda: f"rank(s) [{other}] did not arrive" in rank_log(run, rank), 90,
+        for rank, other in ((0, 1), (1, 0)):  # the event; the bound is checked below on the ranks' own clocks
+            wait_until(lambda: f"rank(s) [{other}] did not arrive" in rank_log(run, rank), 600,
                        f"rank {rank} to name rank {other}")
-        assert time.monotonic() - cut < 90, "within the collective timeout and the teardown bound"
     finally:
         subprocess.run(["ip", "link", "set", "veth-qg2", "up"], check=True)
+    for rank, other in ((0, 1), (1, 0)):
+        (line,) = [line for line in rank_log(run, rank).splitlines() if f"rank(s) [{other}] did not arrive" in line]
+        named = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+        assert named - cut <= 20 + 30, f"rank {rank} named rank {other} {named - cut:.0f} s after the cut: the " \
+            "collective timeout (20 s) and a few seconds to find who is missing"
     assert wait_finished(job_id, timeout=600) != "COMPLETED"
     again = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs)
     assert wait_finished(again) == "COMPLETED"

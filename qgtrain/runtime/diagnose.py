@@ -91,8 +91,8 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
         return PeerFailure(
             f"a collective failed in step {step} on rank {env.rank}: {who} ({_gist(text)}). Every "
             f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
-            f"and the job's output for why they died or stalled; if steps are legitimately slower than "
-            f"{timeout_s:.0f}s, raise train.collective_timeout_s")
+            f"and the job's output for why they died or stalled; if steps or checkpoint writes legitimately take "
+            f"longer than {timeout_s:.0f}s, raise train.collective_timeout_s")
     return exc
 
 

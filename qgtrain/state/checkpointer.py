@@ -11,6 +11,7 @@ and broadcasts it; each rank then reads the replicated files and its own.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import shutil
 import threading
@@ -42,12 +43,15 @@ def dcp_error() -> type[BaseException]:
 
 class Checkpointer:
     def __init__(self, root: Path, run_id: str, env: DistEnv, keep_last: int, async_save: bool,
-                 run_files: dict[str, bytes] | None = None) -> None:
-        """`run_files` (the resolved config, the model's own config) go into every checkpoint as they are."""
+                 run_files: dict[str, bytes] | None = None, timeout_s: float = 300.0) -> None:
+        """`run_files` (the resolved config, the model's own config) go into every checkpoint as they are.
+        `timeout_s` bounds each of the saver's collectives, as train.collective_timeout_s bounds training's:
+        without it gloo waits half an hour, and a rank cut off in the middle of a save would outlive the
+        others by that much."""
         self.root, self.run_id, self.env = root, run_id, env
         self.run_files = run_files or {}
         self.keep_last, self.async_save = keep_last, async_save
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
