@@ -202,11 +202,12 @@ def test_train_max_time_stops_every_rank_at_one_checkpoint_without_any_signal(tm
             "train.max_steps=100000", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=0",
             "logging.tensorboard=false", "model.factory=tests.factories:tiny", "train.max_time=8s",
             "train.stop_margin_s=1"]
-    started = time.monotonic()
-    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 60) == [EXIT_STOPPED, EXIT_STOPPED]
-    assert time.monotonic() - started < 8 + 5, "stopped before the limit (plus process exit)"
+    started = time.time()  # before the processes start: train.max_time counts from their start
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 120) == [EXIT_STOPPED, EXIT_STOPPED]
     saved = sorted((run / "checkpoints").iterdir())
     assert len(saved) == 1
+    committed = (saved[0] / "manifest.json").stat().st_mtime
+    assert committed < started + 8, f"the checkpoint was committed {committed - started:.1f} s after the start"
     step = json.loads((saved[0] / "manifest.json").read_text())["step"]
     logs = [(run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
     assert f"stopping at step {step} on the time limit: checkpoint saved" in logs[0]
