@@ -3,6 +3,7 @@ and classification problem, and variants that break one rule of the Task contrac
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -135,4 +136,20 @@ def as_dataclass(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     task.loss = lambda model, batch: F.cross_entropy(model(batch.x), batch.label)
     task.metrics = lambda model, batch: {"accuracy": ((model(batch.x).argmax(1) == batch.label).sum(),
                                                       len(batch.label))}
+    return task
+
+
+def slow_evaluation(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """Points whose evaluation batches take task.options.eval_batch_s each (a sleep, so the time is the same
+    on a busy machine) and whose training steps take task.options.step_s: validations longer than many
+    steps, as a large validation split makes them."""
+    task, options = points(cfg), cfg.task.options
+    eval_batch_s, step_s = float(options.get("eval_batch_s", 0.5)), float(options.get("step_s", 0))
+    task.test = Points(int(options.get("test_size", 37)), 3)
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        time.sleep(step_s if model.training else eval_batch_s)
+        return classify_loss(model, batch)
+
+    task.loss = loss
     return task

@@ -37,6 +37,11 @@ class Deadline:
         end = self.end
         return None if end is None else end - (time.time() if now is None else now)
 
+    def given_s(self) -> float | None:
+        """The time this process was given, from its start to the end (None without an end)."""
+        end = self.end
+        return None if end is None else end - self.started
+
     def due(self, work_s: float, now: float | None = None) -> bool:
         """Whether `work_s` (the steps until the next agreement, a checkpoint) plus the margin no longer fit.
 

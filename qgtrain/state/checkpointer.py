@@ -61,17 +61,19 @@ class Checkpointer:
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
-             meta: dict[str, Any], *, blocking: bool = False, shards: dict[str, Any] | None = None) -> None:
+             meta: dict[str, Any], *, blocking: bool = False, shards: dict[str, Any] | None = None,
+             again: bool = False) -> None:
         """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only; `shards`, a
         sharded model's and optimizer's state, is written by every rank (sharded.py).
 
         Synchronous: files are written and committed now; fsync and rotation finish in the background.
         Asynchronous (checkpoint.async_save): state is copied to CPU memory now and everything else runs
         in the background. `blocking` waits until the checkpoint is durable (the final and stop saves).
-        At most one save is in flight: the next one first waits for this one.
+        At most one save is in flight: the next one first waits for this one. A step is saved once, unless
+        `again` (its final evaluation was done by a later allocation): the new checkpoint replaces it.
         """
         self.wait()
-        if step == self.last_step:
+        if step == self.last_step and not again:
             return
         files = {**replicated(), **self.run_files} if self.env.is_main else {}
         files[rank_file(self.env.rank)] = per_rank

@@ -36,6 +36,14 @@ class Reporter:
             pending = torch.tensor([float(self.pending_tokens)], dtype=torch.float64, device=self.device)
             state.tokens_seen, self.pending_tokens = state.tokens_seen + int(distributed.sum_tensors(pending)[0]), 0
 
+    def report_evaluation(self, state: TrainState) -> None:
+        """The final validation and test of a run whose last step was trained by an earlier allocation."""
+        record = {"step": state.step, "epoch": state.epoch, **prefixed("val", state.val_metrics),
+                  **prefixed("test", state.test_metrics), "time": time.time()}
+        self.metrics.write(record)
+        log.info("step %d/%d %s", state.step, self.max_steps, format_metrics({k: v for k, v in record.items()
+                                                                             if k.startswith(("val", "test"))}))
+
     def report(self, state: TrainState, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor,
                interval: Interval, evaluated: bool) -> None:
         """All-reduce the step's loss, gradient norm and tokens in one collective, and write the record."""

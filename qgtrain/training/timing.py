@@ -1,4 +1,5 @@
-"""Where the loop's wall time goes: throughput for the reports, and the durations the deadline plans with.
+"""Where the loop's wall time goes: throughput for the reports, and each kind of work measured on its own
+for the deadline (a step is a step; a validation, a test evaluation and a checkpoint are not steps).
 
 Throughput counts training alone (waiting for data included, validation and checkpoints not), so
 samples/s means the same whether or not a report falls on a validation step.
@@ -24,9 +25,15 @@ class StepTimer:
     def __init__(self, step: int) -> None:
         self.recent_steps_s: collections.deque[float] = collections.deque(maxlen=20)
         self.longest_save_s = 0.0
+        self.eval_batch_s: float | None = None  # per batch, from the last validation or test evaluation
+        self.test_s: float | None = None
         self._reported_at = step
         self._busy_s = self._data_s = 0.0
         self._started = 0.0
+
+    def restart(self, step: int) -> None:
+        """Reports count from `step`, where this start of the run begins (after a restore)."""
+        self._reported_at, self._busy_s, self._data_s = step, 0.0, 0.0
 
     def start_step(self) -> None:
         self._started = time.perf_counter()
@@ -35,11 +42,10 @@ class StepTimer:
         self._data_s += time.perf_counter() - self._started
 
     def training_done(self) -> None:
-        self._busy_s += time.perf_counter() - self._started
-
-    def step_done(self) -> None:
-        """The step with its after-step work (validation, logging), which the time left must hold."""
-        self.recent_steps_s.append(time.perf_counter() - self._started)
+        """The step's training (data, forward, backward, update): what the deadline counts as a step."""
+        took = time.perf_counter() - self._started
+        self._busy_s += took
+        self.recent_steps_s.append(took)
 
     @property
     def longest_step_s(self) -> float:
@@ -53,3 +59,10 @@ class StepTimer:
 
     def saved(self, started: float) -> None:
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
+
+    def evaluated(self, started: float, batches: int, test: bool) -> None:
+        took = time.perf_counter() - started
+        if batches:
+            self.eval_batch_s = took / batches
+        if test:
+            self.test_s = took

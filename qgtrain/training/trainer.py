@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
 from ..data.batches import to_device
 from ..data.loaders import Loaders, TrainBatches
-from ..errors import ConfigError
 from ..runtime import diagnose, distributed
 from ..runtime.deadline import Deadline
 from ..runtime.rendezvous import DistEnv
@@ -34,13 +33,14 @@ from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from ..task import ReadyTask
 from .agreement import Agreement, Flags, Health
-from .evaluation import decide_early_stop, evaluate
 from .gradients import accumulate_gradients
 from .metrics import MetricsLog, format_metrics, prefixed
 from .optim import clip_gradients
+from .planning import Planner, Schedule
 from .report import Reporter
 from .schedule import lr_at
 from .timing import StepTimer
+from .validation import Validator
 
 log = logging.getLogger("qgtrain")
 
@@ -74,6 +74,7 @@ class Settings:
     early_stopping: EarlyStoppingConfig
     checkpoint: CheckpointConfig
     precision: str  # resolved: fp32, bf16 or fp16
+    export_on_finish: bool = False  # part of the final work that must fit before the time limit
 
 
 class StepResult(NamedTuple):
@@ -90,7 +91,10 @@ class Trainer:
         self.state = TrainState()
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
-        self.agreement: Agreement | None = None
+        self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
+        self.validator = Validator(self.model, parts.task, parts.loaders, settings.early_stopping,
+                                   settings.train.eval_batches, settings.precision, env, device, self.timer)
+        self.agreement = Agreement(device)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
                                  settings.train.grad_accum_steps, settings.train.max_steps)
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
@@ -115,15 +119,17 @@ class Trainer:
             return ended
         # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
         watchdog = diagnose.ProgressWatchdog(2 * train.collective_timeout_s + 300)
-        self.agreement, health = Agreement(self.device), Health(self.device)
-        self.timer, self._first_step = StepTimer(self.state.step), self.state.step + 1
+        health, self._first_step = Health(self.device), self.state.step + 1
+        self.timer.restart(self.state.step)
+        if self.state.step == train.max_steps:  # trained to the end, the final work left for this allocation
+            return self._at_the_end(None, Flags())
         while self.state.step < train.max_steps:
             step = self.state.step + 1
             watchdog.progress()
             self.timer.start_step()
             agreeing = step == self._first_step or step % train.agree_every == 0
             if agreeing:
-                self.agreement.start(self._what_this_rank_knows(), health.bad_loss)
+                self.agreement.start(self._what_this_rank_knows(step), health.bad_loss)
             lr = self._set_lr()
             micro_batches = [to_device(self.batches.next(self.state), self.device)
                              for _ in range(train.grad_accum_steps)]
@@ -133,11 +139,12 @@ class Trainer:
             if agreeing:
                 self._act_on(agreed, step, health)
             self._apply_update(step, micro_batches)
-            if (outcome := self._after_step(StepResult(step, lr, loss_sum, grad_norm), agreed)) is not None:
+            done = StepResult(step, lr, loss_sum, grad_norm)
+            if step == train.max_steps:
+                return self._at_the_end(done, agreed)
+            if (outcome := self._after_step(done, agreed)) is not None:
                 return outcome
-        log.info("finished at step %d: %s", self.state.step, format_metrics(
-            {**prefixed("val", self.state.val_metrics), **prefixed("test", self.state.test_metrics)}))
-        return Outcome.FINISHED
+        raise AssertionError("the loop ends at its last step")
 
     def _already_ended(self) -> Outcome | None:
         if self.state.outcome == Outcome.FINISHED.value and self.state.step < self.settings.train.max_steps:
@@ -149,12 +156,12 @@ class Trainer:
             return Outcome(self.state.outcome)
         return None
 
-    def _what_this_rank_knows(self) -> Flags:
+    def _what_this_rank_knows(self, step: int) -> Flags:
         every = 60 * self.settings.checkpoint.every_minutes
         return Flags(stop_requested=self.parts.stop.requested,
                      checkpoint_due=self.env.is_main and bool(every) and time.monotonic() - self._last_save >= every,
                      save_failed=self.parts.checkpointer.failed,
-                     out_of_time=self.env.is_main and self._out_of_time())
+                     out_of_time=self.env.is_main and self.planner.out_of_time(step))
 
     def _set_lr(self) -> float:
         lr = lr_at(self.state.step, self.settings.optim, self.settings.train.max_steps)
@@ -190,47 +197,65 @@ class Trainer:
         self.timer.training_done()
 
     def _after_step(self, done: StepResult, agreed: Flags) -> Outcome | None:
+        """Every step but the last: validate, report, checkpoint and stop when due."""
         train, step = self.settings.train, done.step
-        final = step == train.max_steps
-        evaluated = final or (bool(train.eval_every) and step % train.eval_every == 0)
-        early_stop = self._validate() if evaluated else False
-        if final or early_stop:
-            self.state.test_metrics = self._evaluate(self.parts.loaders.test, 0)
-            self.state.outcome = (Outcome.FINISHED if final else Outcome.EARLY_STOPPED).value
-        if evaluated or step == self._first_step or step % train.log_every == 0:
-            self.reporter.report(self.state, done.lr, done.loss_sum, done.grad_norm, self.timer.interval(step),
-                                 evaluated)
-        self.timer.step_done()
-        every = self.settings.checkpoint.every_steps
-        if agreed.stop or final or early_stop or agreed.checkpoint_due or (every and step % every == 0):
-            saving = time.perf_counter()
-            self.save(evaluated, blocking=agreed.stop or final or early_stop)
-            self.timer.saved(saving)
-            self._last_save = time.monotonic()
-        if agreed.stop or early_stop or final:
-            assert self.agreement is not None
-            self.agreement.finish()  # the group outlives no collective of ours
-        if agreed.stop:
-            cause = ", ".join(self.parts.stop.received) or ("the time limit" if agreed.out_of_time else
-                                                            "a signal that reached another rank")
-            log.warning("stopping at step %d on %s: checkpoint saved", step, cause)
-            return Outcome.STOPPED_TO_RESUME
+        validated = bool(train.eval_every) and step % train.eval_every == 0
+        early_stop = self.validator.validate(self.state) if validated else False
         if early_stop:
+            self.validator.test(self.state)
+            self.state.outcome = Outcome.EARLY_STOPPED.value
+        if validated or step == self._first_step or step % train.log_every == 0:
+            self._report(done, validated)
+        every = self.settings.checkpoint.every_steps
+        if agreed.stop or early_stop or agreed.checkpoint_due or (every and step % every == 0):
+            self._save(validated, blocking=agreed.stop or early_stop)
+        if agreed.stop:
+            return self._stop_to_resume(step, agreed)
+        if early_stop:
+            self.agreement.finish()  # the group outlives no collective of ours
             log.info("early stopping at step %d: %s has not improved for %d validations (best %.4f)", step,
                      self.settings.early_stopping.metric, self.state.evals_since_best, self.state.best_metric)
             return Outcome.EARLY_STOPPED
         return None
 
-    def _out_of_time(self) -> bool:
-        """Rank 0: the steps until the agreement started now is read (two agreements away) and a checkpoint
-        would no longer fit before the end."""
-        step_s, save_s, deadline = self.timer.longest_step_s, self.timer.longest_save_s, self.parts.deadline
-        due = deadline.due(step_s * 2 * self.settings.train.agree_every + save_s)
-        if due:
-            log.warning("the time limit is %.0f s away (a step takes up to %.2f s, a checkpoint %.1f s, margin "
-                        "%.0f s): stopping at a checkpoint", deadline.left_s() or 0.0, step_s, save_s,
-                        deadline.margin_s)
-        return due
+    def _at_the_end(self, done: StepResult | None, agreed: Flags) -> Outcome:
+        """The last step (`done`; None when an earlier allocation trained it): the final validation, test and
+        checkpoint if they fit before the time limit, else a checkpoint now and that work in the next one."""
+        fits = distributed.broadcast_from_main(self.planner.final_work_fits() if self.env.is_main else None)
+        if agreed.stop or not fits:
+            if done is not None:
+                self._report(done, False)
+                self._save(False, blocking=True)
+            return self._stop_to_resume(self.state.step, agreed)
+        self.validator.validate(self.state)
+        self.validator.test(self.state)
+        self.state.outcome = Outcome.FINISHED.value
+        if done is not None:
+            self._report(done, True)
+        else:
+            self.reporter.report_evaluation(self.state)
+        self._save(True, blocking=True, again=done is None)
+        self.agreement.finish()
+        log.info("finished at step %d: %s", self.state.step, format_metrics(
+            {**prefixed("val", self.state.val_metrics), **prefixed("test", self.state.test_metrics)}))
+        return Outcome.FINISHED
+
+    def _stop_to_resume(self, step: int, agreed: Flags) -> Outcome:
+        self.agreement.finish()
+        cause = ", ".join(self.parts.stop.received) or ("the time limit" if agreed.out_of_time or not agreed.stop
+                                                        else "a signal that reached another rank")
+        log.warning("stopping at step %d on %s: checkpoint saved", step, cause)
+        return Outcome.STOPPED_TO_RESUME
+
+    def _report(self, done: StepResult, evaluated: bool) -> None:
+        self.reporter.report(self.state, done.lr, done.loss_sum, done.grad_norm, self.timer.interval(done.step),
+                             evaluated)
+
+    def _save(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
+        saving = time.perf_counter()
+        self.save(evaluated, blocking=blocking, again=again)
+        self.timer.saved(saving)
+        self._last_save = time.monotonic()
 
     def _has_unused(self) -> bool:
         return isinstance(self.parts.wrapped, DDP) and not self.settings.train.find_unused_parameters and \
@@ -246,27 +271,7 @@ class Trainer:
             raise diagnose.non_finite_loss(step, self.settings.train.agree_every, ranks)
         raise diagnose.unused_parameters(step, ranks, self._unused_names())
 
-    def _evaluate(self, loader: Any, max_batches: int) -> dict[str, float | None]:
-        if loader is None:
-            return {}
-        task = self.parts.task
-        return evaluate(self.model, loader, task.loss, task.metrics, self.device, self.settings.precision,
-                        max_batches, lockstep=is_sharded_model(self.model))
-
-    def _validate(self) -> bool:
-        """Evaluate; rank 0 alone decides early stopping from the all-reduced metric and broadcasts it."""
-        state, es = self.state, self.settings.early_stopping
-        state.val_metrics = self._evaluate(self.parts.loaders.val, self.settings.train.eval_batches)
-        name = es.metric.removeprefix("val_")
-        if self.parts.loaders.val is not None and name not in state.val_metrics:
-            raise ConfigError(f"early_stopping.metric: {es.metric} is not reported by the task (it reports "
-                              f"{', '.join('val_' + n for n in state.val_metrics)}); name one of those")
-        decision = decide_early_stop(es, state.val_metrics.get(name), state.best_metric, state.evals_since_best) \
-            if self.env.is_main else None
-        state.best_metric, state.evals_since_best, stop = distributed.broadcast_from_main(decision)
-        return bool(stop)
-
-    def save(self, evaluated: bool, blocking: bool = False) -> None:
+    def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
         state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)
         if self.env.world_size > 1 and not sharded:  # drifted replicas: saved as rank 0's
             differ = distributed.diverged([*self.model.named_parameters(), *self.model.named_buffers()],
@@ -278,9 +283,18 @@ class Trainer:
             state.step, lambda: train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
                                                              self.settings.precision, self.env.world_size),
             train_state.rank_state(state), train_state.manifest_facts(state, evaluated, es.metric, es.mode),
-            blocking=blocking, shards=sharded_state(self.model, parts.optimizer) if sharded else None)
+            blocking=blocking, shards=sharded_state(self.model, parts.optimizer) if sharded else None, again=again)
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
         self.parts.checkpointer.last_step = ckpt.step
+
+
+def _schedule(loaders: Loaders, settings: Settings) -> Schedule:
+    train = settings.train
+    val = len(loaders.val) if loaders.val is not None else 0
+    return Schedule(train.max_steps, train.agree_every, train.eval_every,
+                    min(val, train.eval_batches) if train.eval_batches else val,
+                    len(loaders.test) if loaders.test is not None else 0,
+                    settings.early_stopping.patience > 0, settings.export_on_finish)

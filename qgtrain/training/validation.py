@@ -1,0 +1,54 @@
+"""Validation and test as the loop runs them: on the user's module, timed for the deadline, and early
+stopping decided on rank 0 from the all-reduced metric and broadcast, so every rank stops together."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import EarlyStoppingConfig
+from ..data.loaders import Loaders
+from ..errors import ConfigError
+from ..runtime import distributed
+from ..runtime.rendezvous import DistEnv
+from ..state.sharded import is_sharded_model
+from ..state.train_state import TrainState
+from ..task import ReadyTask
+from .evaluation import decide_early_stop, evaluate
+from .timing import StepTimer
+
+
+class Validator:
+    def __init__(self, model: nn.Module, task: ReadyTask, loaders: Loaders, early_stopping: EarlyStoppingConfig,
+                 eval_batches: int, precision: str, env: DistEnv, device: torch.device, timer: StepTimer) -> None:
+        self.model, self.task, self.loaders, self.early_stopping = model, task, loaders, early_stopping
+        self.eval_batches, self.precision, self.env, self.device, self.timer = \
+            eval_batches, precision, env, device, timer
+
+    def validate(self, state: TrainState) -> bool:
+        """Evaluate the validation split; whether early stopping says stop (the same on every rank)."""
+        es = self.early_stopping
+        state.val_metrics = self._evaluate(self.loaders.val, self.eval_batches)
+        name = es.metric.removeprefix("val_")
+        if self.loaders.val is not None and name not in state.val_metrics:
+            raise ConfigError(f"early_stopping.metric: {es.metric} is not reported by the task (it reports "
+                              f"{', '.join('val_' + n for n in state.val_metrics)}); name one of those")
+        decision = decide_early_stop(es, state.val_metrics.get(name), state.best_metric, state.evals_since_best) \
+            if self.env.is_main else None
+        state.best_metric, state.evals_since_best, stop = distributed.broadcast_from_main(decision)
+        return bool(stop)
+
+    def test(self, state: TrainState) -> None:
+        state.test_metrics = self._evaluate(self.loaders.test, 0, test=True)
+
+    def _evaluate(self, loader: Any, max_batches: int, test: bool = False) -> dict[str, float | None]:
+        if loader is None:
+            return {}
+        started = time.perf_counter()
+        metrics = evaluate(self.model, loader, self.task.loss, self.task.metrics, self.device, self.precision,
+                           max_batches, lockstep=is_sharded_model(self.model))
+        self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)
+        return metrics
