@@ -70,6 +70,16 @@ def _training_commands(sub: Any) -> None:
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.set_defaults(func=_export)
 
+    recover = sub.add_parser("recover", help="(train.slurm, after a failed step) print retry, requeue or end")
+    _config_args(recover)
+    recover.add_argument("--exit-code", type=int, required=True, help="srun's exit status")
+    recover.add_argument("--attempt", type=int, required=True, help="retries made in this allocation so far")
+    recover.add_argument("--srun-log", type=Path, required=True, help="what srun wrote to its stderr")
+    recover.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
+    recover.add_argument("--ranks", type=int, required=True, help="SLURM_NTASKS")
+    recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
+    recover.set_defaults(func=_recover)
+
 
 def _operations_commands(sub: Any) -> None:
     """runs, plot, doctor, data, config, env: looking after runs, data and the cluster."""
@@ -202,6 +212,23 @@ def _export(args: argparse.Namespace) -> int:
     done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
     print(f"exported {done.checkpoint} to {done.folder}; reloaded and compared with the checkpoint, largest "
           f"output difference {done.max_logit_diff:.3g}")
+    return 0
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from .launch.recovery import recover, spare_nodes
+    from .state.rundir import default_run_dir
+
+    cfg = load_args_config(args)
+    try:
+        srun_log = args.srun_log.read_text(errors="replace")
+    except OSError:
+        srun_log = ""
+    decision = recover(default_run_dir(cfg).resolve(), srun_log, args.exit_code, args.attempt,
+                       cfg.slurm.step_retries, args.restart, cfg.slurm.max_restarts, cfg.slurm.requeue, args.ranks,
+                       spare_nodes(args.partition, cfg.slurm.nodes))
+    print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
+    print(decision.line())
     return 0
 
 

@@ -164,6 +164,9 @@ class SlurmConfig:
                                  min=30, max=3600)
     requeue: bool = setting(True, "requeue the job after a preemption or time-limit stop")
     max_restarts: int = setting(20, "stop requeueing after this many restarts", min=0)
+    step_retries: int = setting(2, "times a step that failed for a reason that may pass (a rank died, a node "
+                                "vanished) is run again inside the allocation before the job is requeued",
+                                min=0, max=10)
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting((), "shell lines run before srun, e.g. ['module load cuda/12.4']")

@@ -20,9 +20,14 @@ EXIT_REQUEUE_ME = 76
 
 
 class QgtrainError(Exception):
-    """A problem the user can act on. The message names what was wrong, what is allowed, and the fix."""
+    """A problem the user can act on. The message names what was wrong, what is allowed, and the fix.
+
+    `retryable`: the failure is the machine's, not the run's (a peer that vanished, a write that failed on
+    a flaky filesystem), so a new attempt may succeed; the run's own failures (a config, a bad value, a
+    task that raises) are never retried, since they would fail the same way again."""
 
     exit_code = EXIT_USAGE
+    retryable = False
 
 
 class ConfigError(QgtrainError):
@@ -45,6 +50,20 @@ class TrainingError(QgtrainError):
 
 class PeerFailure(TrainingError):
     """This rank stopped because a collective could not complete: another rank died, hung or failed."""
+
+    retryable = True
+
+
+class CheckpointWriteError(TrainingError):
+    """A checkpoint could not be written (a full disk, a filesystem that failed); the previous one is intact."""
+
+    retryable = True
+
+
+class JoinError(RendezvousError):
+    """The ranks did not all reach the rendezvous in time: a node that never started, a network between them."""
+
+    retryable = True
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

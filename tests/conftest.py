@@ -29,7 +29,7 @@ def slurm_cluster() -> Iterator[Path]:
     # One cluster per machine: a second test session waits for the first to stop it instead of sharing it.
     lock = open("/tmp/qgtrain-slurm.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", "2"], capture_output=True, text=True,
+    started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", "3"], capture_output=True, text=True,
                              timeout=600)
     if started.returncode != 0:
         pytest.fail(f"could not start the Slurm test cluster:\n{started.stdout}\n{started.stderr}")

@@ -41,7 +41,7 @@ def test_the_header_asks_for_what_requeue_and_preemption_need():
     for line in ("#SBATCH --requeue", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append",
                  "#SBATCH --ntasks-per-node=1", "#SBATCH --output=jobs/out/%x-%j.out"):
         assert line in script
-    assert "srun \"$PYTHON\" -m qgtrain train" in script
+    assert "srun --kill-on-bad-exit=1 \"$PYTHON\" -m qgtrain train" in script
     assert "SLURM_PROCID" not in script and "MASTER_" not in script, "no rank or address logic in bash"
 
 
@@ -113,8 +113,8 @@ def test_a_config_with_shell_metacharacters_everywhere_runs_no_injected_command(
     assert result.returncode == 76, result.stderr
     created = set(tmp_path.rglob("*")) - before - {tmp_path / "srun.txt", tmp_path / "scontrol.txt"}
     assert created == set(), f"an injected command ran: {created}"
-    assert (tmp_path / "srun.txt").read_text().splitlines() == ["python3", "-m", "qgtrain", "train", "--config",
-                                                               config_path]
+    assert (tmp_path / "srun.txt").read_text().splitlines() == ["--kill-on-bad-exit=1", "python3", "-m", "qgtrain",
+                                                               "train", "--config", config_path]
     assert (tmp_path / "scontrol.txt").read_text() == "requeue\n77\n", "exit 76 makes the batch shell requeue"
 
 
@@ -125,8 +125,8 @@ def test_several_config_files_become_several_config_options(tmp_path):
     (tmp_path / "srun").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "QGTRAIN_PYTHON": "py"}
     subprocess.run(["bash", str(script), "config.yaml", "jobs/cpu.yaml"], cwd=tmp_path, env=env, check=True)
-    assert (tmp_path / "args.txt").read_text().split() == ["py", "-m", "qgtrain", "train", "--config", "config.yaml",
-                                                          "--config", "jobs/cpu.yaml"]
+    assert (tmp_path / "args.txt").read_text().split() == ["--kill-on-bad-exit=1", "py", "-m", "qgtrain", "train",
+                                                          "--config", "config.yaml", "--config", "jobs/cpu.yaml"]
 
 
 @pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("01:00:00", 60), ("2-00", 2880),

@@ -78,6 +78,30 @@ MODELS = {"ddp": ["model.factory=tests.factories:tiny"],  # fsdp shards GPT-2's 
           "fsdp": ["train.parallel=fsdp", "model.hidden=32", "model.heads=2", "model.layers=2"]}
 
 
+def test_a_job_started_from_a_shell_is_not_requeued_and_says_how_to_resume():
+    """srun or salloc from a shell makes a job Slurm cannot requeue (only batch jobs can be): the stop says
+    so instead of asking a batch shell that does not exist to requeue it."""
+    from qgtrain.config import SlurmConfig
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.runtime.slurm import decide_requeue
+
+    calls: list[list[str]] = []
+
+    def scontrol(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, "JobState=RUNNING Restarts=0", "")
+
+    step = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+            "SLURM_JOB_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    shell = decide_requeue(SlurmConfig(), from_environ(step, "node1"), scontrol)
+    assert shell == (False, "stopped at a checkpoint; this job was started by srun or salloc from a shell, not by "
+                            "sbatch, and Slurm requeues only batch jobs: run the same command again to resume")
+    assert calls == []
+    assert decide_requeue(SlurmConfig(), from_environ({**step, "ENVIRONMENT": "BATCH"}, "node1"), scontrol) == \
+        (True, "stopped at a checkpoint: requeued job 9")
+    assert calls == [["scontrol", "show", "job", "-o", "9"], ["scontrol", "requeue", "9"]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, scontrol_on_path, expected_exit, parallel", [
     (signal.SIGUSR2, True, EXIT_STOPPED, "ddp"),
@@ -89,7 +113,7 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
     bin_dir, calls = stand_in_scontrol(tmp_path)
     empty = tmp_path / "empty-bin"
     empty.mkdir()
-    env = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3",
+    env = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3", "ENVIRONMENT": "BATCH",
            "PATH": f"{bin_dir}:{os.environ['PATH']}" if scontrol_on_path else str(empty)}
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config import SlurmConfig
 from ..durations import slurm_time_s
-from ..errors import EXIT_REQUEUE_ME, QgtrainError
+from ..errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -108,12 +108,42 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 PYTHON=${{QGTRAIN_PYTHON:-python3}}
 if [ -z "${{QGTRAIN_PYTHON:-}}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 
-srun "$PYTHON" -m qgtrain train "${{args[@]}}"
-status=$?
-# {EXIT_REQUEUE_ME}: the ranks saved a checkpoint but could not requeue (no scontrol where they run).
-if [ "$status" -eq {EXIT_REQUEUE_ME} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {slurm.max_restarts} ]; then
-    scontrol requeue "${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
-fi
+srun_said=$(mktemp)
+trap 'rm -f "$srun_said"' EXIT
+job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
+attempt=0
+while true; do
+    # A rank that dies takes the step down at once (its peers need not wait out a collective timeout);
+    # srun's report of which task failed, where and how is kept for `qgtrain recover`.
+    {{ srun --kill-on-bad-exit=1 "$PYTHON" -m qgtrain train "${{args[@]}}" 2>&1 1>&3 3>&- |
+        (trap '' TERM HUP USR1 USR2; exec tee "$srun_said" >&2); }} 3>&1
+    status=${{PIPESTATUS[0]}}
+    case "$status" in
+        0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
+        {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol where they run)
+            [ "${{SLURM_RESTART_COUNT:-0}}" -lt {slurm.max_restarts} ] && scontrol requeue "$job"
+            break ;;
+    esac
+    # A failed step: try again here (the machine's failure), requeue, or end (the run's own failure).
+    decision=$("$PYTHON" -m qgtrain recover "${{args[@]}}" --exit-code "$status" --attempt "$attempt" \
+        --srun-log "$srun_said" --restart "${{SLURM_RESTART_COUNT:-0}}" --ranks "${{SLURM_NTASKS:-1}}" \
+        --partition "${{SLURM_JOB_PARTITION:-}}") || break
+    read -r action exclude <<< "$decision"
+    if [ "$action" = retry ]; then
+        attempt=$((attempt + 1))
+        sleep $((2 * attempt))
+    elif [ "$action" = requeue ] && [ -n "$exclude" ]; then
+        trap '' TERM  # requeueing ends this script; finish the three calls first
+        scontrol requeuehold "$job" && scontrol update JobId="$job" ExcNodeList="$exclude"
+        scontrol release "$job"
+        break
+    elif [ "$action" = requeue ]; then
+        scontrol requeue "$job"
+        break
+    else
+        break
+    fi
+done
 exit "$status"
 """
 

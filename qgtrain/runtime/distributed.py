@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import QgtrainError, RendezvousError, first_line
+from ..errors import JoinError, QgtrainError, RendezvousError, first_line
 from .rendezvous import DistEnv
 
 
@@ -65,7 +65,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
     except (RuntimeError, dist.DistError) as exc:
         _destroy()
-        raise RendezvousError(
+        raise JoinError(
             f"rank {env.rank} could not join {env.world_size} ranks at {env.master_addr}:{env.master_port} within "
             f"{startup_timeout_s:.0f}s ({first_line(exc)}). HINT: were all tasks started together by srun "
             "(train.slurm) or torchrun? Is the port free and the master host reachable from every node? "

@@ -49,6 +49,7 @@ class DistEnv:
     restart_count: int = 0
     cpus_per_task: int | None = None
     job_end_time: float | None = None  # Unix time of the job's time limit, where Slurm says (SLURM_JOB_END_TIME)
+    batch_job: bool = False  # started by sbatch (ENVIRONMENT=BATCH), not srun or salloc from a shell
 
     @property
     def is_main(self) -> bool:
@@ -127,6 +128,7 @@ class JobFacts(TypedDict, total=False):
     restart_count: int
     cpus_per_task: int | None
     job_end_time: float | None
+    batch_job: bool
 
 
 def _slurm_job(env: Mapping[str, str]) -> JobFacts:
@@ -141,6 +143,8 @@ def _slurm_job(env: Mapping[str, str]) -> JobFacts:
         "restart_count": _int(env, "SLURM_RESTART_COUNT", 0),
         "cpus_per_task": _int(env, "SLURM_CPUS_PER_TASK", 0) or None,
         "job_end_time": float(_int(env, "SLURM_JOB_END_TIME", 0)) or None,
+        # Slurm sets it in a batch script and its steps; only batch jobs can be requeued
+        "batch_job": env.get("ENVIRONMENT") == "BATCH",
     }
 
 

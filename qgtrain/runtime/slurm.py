@@ -93,6 +93,9 @@ def decide_requeue(slurm: SlurmConfig, env: DistEnv, run: Runner = subprocess.ru
     here: the batch shell then does it) and what to log."""
     if not env.in_slurm_job:
         return False, "stopped at a checkpoint: run the same command again to resume"
+    if not env.batch_job:
+        return False, ("stopped at a checkpoint; this job was started by srun or salloc from a shell, not by "
+                       "sbatch, and Slurm requeues only batch jobs: run the same command again to resume")
     if not slurm.requeue or env.restart_count >= slurm.max_restarts:
         return False, (f"stopped at a checkpoint; not requeued (slurm.requeue={slurm.requeue}, restart "
                        f"{env.restart_count} of at most {slurm.max_restarts})")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import TrainingError
+from ..errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, sharded
@@ -101,7 +101,7 @@ class Checkpointer:
             self._thread = None
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            raise TrainingError(failure)
+            raise CheckpointWriteError(failure)
 
     def _background(self, work: Callable[..., None], *args: Any) -> None:
         def run() -> None:
@@ -151,8 +151,8 @@ class Checkpointer:
         box = [outcome]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
-            raise TrainingError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is intact; "
-                                "HINT: check free space and permissions where the run directory lives")
+            raise CheckpointWriteError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is "
+                                       "intact; HINT: check free space and permissions where the run directory lives")
         return self.root / f"step-{step}", list(entries)
 
     def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any]) -> str | None:

@@ -8,16 +8,37 @@ reads the note, so its message names the rank that failed first and why, not onl
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..errors import PeerFailure, QgtrainError, summary
 from ..runtime.rendezvous import DistEnv
 from . import rundir
 
 log = logging.getLogger("qgtrain")
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a new attempt may succeed: only failures qgtrain recognised as the machine's."""
+    return isinstance(exc, QgtrainError) and exc.retryable
+
+
+def read_note(run: rundir.RunDir, rank: int) -> dict[str, Any] | None:
+    """A rank's failure note ({"message", "retryable"}), or None if it left none (it is alive, or was
+    killed before it could write one)."""
+    try:
+        text = run.failure_note(rank).read_text().strip()
+    except OSError:
+        return None
+    try:
+        note = json.loads(text)
+    except ValueError:  # half-written by a rank killed while writing it
+        return {"message": text, "retryable": True} if text else None
+    return note if isinstance(note, dict) and "message" in note else None
 
 
 class Lifecycle:
@@ -41,37 +62,39 @@ class Lifecycle:
         try:
             yield
         except PeerFailure as exc:  # another rank stopped first: say which, and why, if it left a note
-            note = self._first_note()
-            error = PeerFailure(f"{note}; rank {self.env.rank} stopped with it" if note else str(exc))
+            first = self._first_note()
+            error = PeerFailure(f"rank {first[0]} failed: {first[1]['message']} (its log: "
+                                f"{self.run.rank_log(first[0])}); rank {self.env.rank} stopped with it"
+                                if first else str(exc))
             log.error("%s", error)
-            self.ended("failed", error=str(error))
+            self.ended("failed", error=str(error), retryable=bool(first[1]["retryable"]) if first else True)
             raise error from exc
         except BaseException as exc:  # this rank's own failure: noted for the others before the group goes
-            self._leave_note(summary(exc))
+            self._leave_note(exc)
             if isinstance(exc, QgtrainError):
                 log.error("%s", exc)  # every rank records why it stopped
-            self.ended("failed", error=str(exc) if isinstance(exc, QgtrainError) else summary(exc))
+            self.ended("failed", error=str(exc) if isinstance(exc, QgtrainError) else summary(exc),
+                       retryable=is_retryable(exc))
             raise
 
-    def _leave_note(self, message: str) -> None:
+    def _leave_note(self, exc: BaseException) -> None:
         """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be told
-        through the process group that is breaking). Written before this rank leaves the group."""
+        through the process group that is breaking) and for the batch script that decides whether to try
+        again. Written before this rank leaves the group."""
         try:
-            self.run.failure_note(self.env.rank).write_text(message)
+            self.run.failure_note(self.env.rank).write_text(json.dumps(
+                {"message": summary(exc), "retryable": is_retryable(exc)}))
         except OSError:
             pass
 
-    def _first_note(self, wait_s: float = 2.0) -> str | None:
-        """'rank N failed: <why> (its log: ...)' for the first other rank that left a note, or None."""
+    def _first_note(self, wait_s: float = 2.0) -> tuple[int, dict[str, Any]] | None:
+        """The first other rank that left a note, and its note; None if none did within `wait_s`."""
         deadline = time.monotonic() + wait_s
         while True:
             for other in range(self.env.world_size):
-                try:
-                    text = self.run.failure_note(other).read_text().strip() if other != self.env.rank else ""
-                except OSError:
-                    text = ""
-                if text:
-                    return f"rank {other} failed: {text} (its log: {self.run.rank_log(other)})"
+                note = read_note(self.run, other) if other != self.env.rank else None
+                if note:
+                    return other, note
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)

@@ -1,0 +1,147 @@
+"""After a training step (srun) failed inside a batch job: try again in this allocation, requeue, or end.
+
+train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind decides:
+srun's own report of the first task that failed (node, rank, how it ended), the notes failing ranks left
+in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was the machine's failure
+or the run's own), and the run's history of failures per node. The answer is one line the script acts on:
+
+    retry                    a new srun step in this allocation, from the last committed checkpoint
+    requeue [NODE[,NODE]]    requeue the job, keeping it away from these nodes
+    end                      the run's own failure (a new attempt would fail the same way), or nothing left
+
+Each failure is recorded in status.json, so `qgtrain runs` shows the retries and their causes. No torch
+is imported: the answer comes at once on the batch node.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..state import rundir
+from ..state.lifecycle import read_note
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+_TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    """What srun said of the first task that failed: the one the others were stopped for."""
+
+    node: str
+    rank: int
+    how: str  # "Killed", "Exited with exit code 1", "Segmentation fault", ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["retry", "requeue", "end"]
+    reason: str
+    exclude: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        return " ".join([self.action, ",".join(self.exclude)]).strip()
+
+
+def first_failure(srun_log: str) -> TaskFailure | None:
+    for line in srun_log.splitlines():
+        match = _TASK_LINE.match(line)
+        if match:
+            first = re.split(r"[,-]", match.group("ranks"))[0]
+            return TaskFailure(match.group("node"), int(first), match.group("how"))
+    return None
+
+
+def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attempt: int, step_retries: int,
+           restart: int, max_restarts: int, requeue: bool, failures_per_node: dict[str, int],
+           spare_nodes: int | None) -> Decision:
+    """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
+    `failures_per_node`: this run's failures so far, this one included; `spare_nodes`: nodes the
+    partition has beyond what the job needs (None where unknown)."""
+    own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
+    if own:
+        rank, note = min(own.items())
+        return Decision("end", f"rank {rank} failed on its own ({note['message']}): a new attempt would fail "
+                               "the same way")
+    if failure is not None and failure.how == "Exited with exit code 2":
+        return Decision("end", f"rank {failure.rank} on {failure.node} stopped on bad input (exit 2); its message "
+                               "is in the job's output")
+    if attempt < step_retries:
+        return Decision("retry", f"retry {attempt + 1} of {step_retries} in this allocation")
+    if not requeue or restart >= max_restarts:
+        return Decision("end", f"{step_retries} retries in this allocation failed, and the job is not requeued "
+                               f"(slurm.requeue={requeue}, restart {restart} of at most {max_restarts})")
+    repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
+    exclude = tuple(repeat) if spare_nodes is not None and len(repeat) <= spare_nodes else ()
+    why = f"{step_retries} retries in this allocation failed; requeueing"
+    if repeat and not exclude:
+        why += f" (not excluding {', '.join(repeat)}: the partition has no other nodes to take their place)"
+    elif exclude:
+        why += f", away from {', '.join(exclude)}, which failed twice or more"
+    return Decision("requeue", why, exclude)
+
+
+def recover(run_dir: Path, srun_log: str, exit_code: int, attempt: int, step_retries: int, restart: int,
+            max_restarts: int, requeue: bool, world_size: int, spare_nodes: int | None) -> Decision:
+    """Decide, and record the failure and the decision in the run's status (the script acts on it)."""
+    run = rundir.RunDir(run_dir)
+    notes = {rank: note for rank in range(world_size) if (note := read_note(run, rank)) is not None}
+    failure = first_failure(srun_log)
+    status = rundir.read_status(run_dir)
+    recorded = status.get("failures")
+    history = [f for f in recorded if isinstance(f, dict)] if isinstance(recorded, list) else []
+    record = _record(run, failure, notes, exit_code, attempt, restart)
+    per_node: dict[str, int] = {}
+    for entry in [*history, record]:
+        if entry.get("node"):
+            per_node[entry["node"]] = per_node.get(entry["node"], 0) + 1
+    decision = decide(notes, failure, attempt, step_retries, restart, max_restarts, requeue, per_node, spare_nodes)
+    record.update(action=decision.line(), reason=decision.reason)
+    rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
+    return decision
+
+
+def spare_nodes(partition: str, needed: int, run: Runner = subprocess.run) -> int | None:
+    """Nodes of the partition that are up beyond the `needed` ones (None where sinfo cannot say)."""
+    command = ["sinfo", "-h", "-o", "%D %t", *(["-p", partition] if partition else [])]
+    try:
+        shown = run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if shown.returncode != 0:
+        return None
+    usable = 0
+    for line in shown.stdout.splitlines():
+        count, _, state = line.strip().partition(" ")
+        if count.isdigit() and not state.startswith(("down", "drain", "drng", "fail", "maint", "inval")):
+            usable += int(count)
+    return max(usable - needed, 0)
+
+
+def _record(run: rundir.RunDir, failure: TaskFailure | None, notes: dict[int, dict[str, Any]], exit_code: int,
+            attempt: int, restart: int) -> dict[str, Any]:
+    """Which rank failed first, on which host, with what, and the last line of its log."""
+    record: dict[str, Any] = {"time": time.time(), "restart": restart, "attempt": attempt, "exit_code": exit_code}
+    if failure is not None:
+        record.update(asdict(failure), last_line=_last_line(run.rank_log(failure.rank)))
+    if notes:
+        rank = min(notes)
+        record.update(note_rank=rank, note=notes[rank]["message"])
+    return record
+
+
+def _last_line(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, 2)
+            log.seek(max(log.tell() - 4096, 0))
+            lines = log.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return None
+    return lines[-1][:300] if lines else None

@@ -1,0 +1,120 @@
+"""A crash is not the end of the job: on the real Slurm test cluster (three nodes), a rank's process is
+SIGKILLed as the OOM killer or a lost node would end it, and the shipped train.slurm brings the run back by
+itself: a new srun step in the same allocation, then a requeue away from a node that keeps failing. A
+failure that is the run's own is not retried. Runs against: real sbatch jobs, real processes, the run
+directory's records, and the uninterrupted reference run of tests/test_slurm.py's settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import (
+    ROOT,
+    TWO_NODES,
+    final_weights,
+    job,
+    logged_step,
+    overlay,
+    rank_log,
+    sbatch,
+    wait_finished,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+STEPS = 600
+
+
+def kill_rank(job_id: str, rank: int) -> None:
+    """SIGKILL the training process of one rank of a running job (it shows in /proc: the nodes are network
+    namespaces of this machine)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qgtrain\0train" in cmdline and f"SLURM_JOB_ID={job_id}".encode() in environ and \
+                f"SLURM_PROCID={rank}".encode() in environ:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no training process of rank {rank} in job {job_id}")
+
+
+def configs(tmp: Path, step_retries: int = 2) -> list[Path]:
+    settings = tmp / "recovery.yaml"
+    settings.write_text(f"slurm: {{step_retries: {step_retries}}}\n")
+    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, STEPS, every_steps=100), settings]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    assert wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=configs(tmp))) == "COMPLETED"
+    return final_weights(tmp / "runs" / "cpu", STEPS)
+
+
+def failures(run: Path) -> list[dict[str, object]]:
+    return json.loads((run / "status.json").read_text()).get("failures", [])
+
+
+def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(tmp_path, uninterrupted):
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs(tmp_path))
+    run = tmp_path / "runs" / "cpu"
+    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    killed = time.time()
+    kill_rank(job_id, 1)
+    assert wait_finished(job_id, timeout=600) == "COMPLETED"
+    assert job(job_id)["Restarts"] == "0", "recovered inside the allocation, not requeued"
+    (failure,) = failures(run)
+    assert (failure["node"], failure["rank"], failure["how"], failure["action"]) == ("node2", 1, "Killed", "retry")
+    assert failure["last_line"], "the killed rank's last log line"
+    log = rank_log(run, 0)
+    assert re.search(rf"resumed from {run / 'checkpoints'}/step-\d+: step \d+", log)
+    ports = re.findall(r"rendezvous node1:(\d+)", log)
+    assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
+    (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
+    back = time.mktime(time.strptime(resumed_line[:19], "%Y-%m-%d %H:%M:%S"))
+    print(f"kill to training again: {back - killed:.0f} s")  # the README's recovery figure (pytest -s)
+    resumed = final_weights(run, STEPS)
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+
+
+def test_the_runs_own_failure_is_not_retried(tmp_path):
+    settings = tmp_path / "task.yaml"
+    settings.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:raises_on_rank_one', "
+                        "options: {where: loss}}\n")
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=[*configs(tmp_path), settings])
+    run = tmp_path / "runs" / "cpu"
+    assert wait_finished(job_id, timeout=300) == "FAILED"
+    (failure,) = failures(run)
+    assert failure["action"] == "end" and "sample 17 has no label" in str(failure["reason"])
+    assert rank_log(run, 0).count("rendezvous node1:") == 1, "one step: no retry"
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+
+
+def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_path, uninterrupted):
+    """One retry in the allocation; the second failure on node2 requeues the job with node2 excluded, and the
+    new allocation (node1 and node3) finishes the run."""
+    job_id = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
+                    configs=configs(tmp_path, step_retries=1))
+    run = tmp_path / "runs" / "cpu"
+    for attempt in (1, 2):
+        wait_until(lambda: rank_log(run, 0).count("rendezvous node1:") == attempt and logged_step(run) >= 150,
+                   300, f"attempt {attempt} to train past step 150")
+        assert job(job_id)["NodeList"] == "node[1-2]"
+        kill_rank(job_id, 1)
+    assert wait_finished(job_id, timeout=600) == "COMPLETED"
+    shown = job(job_id)
+    assert shown["Restarts"] == "1" and shown["ExcNodeList"] == "node2" and shown["NodeList"] == "node[1,3]"
+    assert [f["action"] for f in failures(run)] == ["retry", "requeue node2"]
+    resumed = final_weights(run, STEPS)
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
