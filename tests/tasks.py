@@ -136,3 +136,11 @@ def as_dataclass(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     task.metrics = lambda model, batch: {"accuracy": ((model(batch.x).argmax(1) == batch.label).sum(),
                                                       len(batch.label))}
     return task
+
+
+def rank_local_buffer(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """A buffer that holds the rank it was built on, which DDP is told not to broadcast."""
+    task = points(cfg)
+    task.model.register_buffer("visits", torch.full((1,), float(dist.get_rank())))
+    task.model._ddp_params_and_buffers_to_ignore = ["visits"]
+    return task

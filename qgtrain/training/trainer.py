@@ -33,6 +33,7 @@ from ..state.checkpointer import Checkpointer
 from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from ..task import ReadyTask
+from . import replicas
 from .agreement import Agreement, Flags, Health
 from .evaluation import decide_early_stop, evaluate
 from .gradients import accumulate_gradients
@@ -250,6 +251,7 @@ class Trainer:
         if loader is None:
             return {}
         task = self.parts.task
+        replicas.agree_before_evaluation(self.model, self.parts.wrapped)
         return evaluate(self.model, loader, task.loss, task.metrics, self.device, self.settings.precision,
                         max_batches, lockstep=is_sharded_model(self.model))
 
@@ -268,11 +270,7 @@ class Trainer:
 
     def save(self, evaluated: bool, blocking: bool = False) -> None:
         state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)
-        if self.env.world_size > 1 and not sharded:  # drifted replicas: saved as rank 0's
-            differ = distributed.diverged([*self.model.named_parameters(), *self.model.named_buffers()],
-                                          self.device)
-            if differ:
-                raise diagnose.diverged_replicas(state.step, differ)
+        replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         parts.checkpointer.save(
             state.step, lambda: train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
