@@ -61,7 +61,8 @@ def _training_commands(sub: Any) -> None:
     submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
     submit.set_defaults(func=_submit)
 
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export = sub.add_parser("export", help="write a checkpoint's model to a folder: safetensors weights, "
+                                  "what rebuilds it, a model card (Hugging Face format where it is one)")
     export.add_argument("source", type=Path, help="a run directory (its latest checkpoint) or a checkpoint folder")
     export.add_argument("--out", type=Path, required=True, help="the folder to write (must be empty)")
     which = export.add_mutually_exclusive_group()
