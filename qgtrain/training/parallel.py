@@ -27,7 +27,7 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     shards `model` in place, so it is both the module and what is wrapped. One process is not wrapped at
     all, so a laptop run has no DDP or FSDP overhead (fsdp on one rank shards nothing).
     """
-    replicas.check_start(model, train.parallel, device)
+    replicas.check_start(model, train.parallel, device, env.world_size)
     if train.sync_batchnorm:
         problem = replicas.sync_batchnorm_problem(train.parallel, device.type, env.world_size)
         if problem:

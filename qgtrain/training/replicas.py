@@ -39,11 +39,11 @@ def broadcast_by_ddp(wrapped: nn.Module) -> list[torch.Tensor]:
     return [b for name, b in wrapped.module.named_buffers() if name not in wrapped.parameters_to_ignore]
 
 
-def check_start(model: nn.Module, parallel: str, device: torch.device) -> None:
+def check_start(model: nn.Module, parallel: str, device: torch.device, world_size: int) -> None:
     """Before wrapping (a collective): refuse tensors that differ across ranks and that nothing will make
     equal. DDP copies rank 0's parameters and buffers when it wraps the model, except those it ignores;
     FSDP copies nothing, each rank keeping its own shard."""
-    if dist.get_world_size() == 1:
+    if world_size == 1:
         return
     ignored = set(getattr(model, IGNORE_ATTRIBUTE, ()))
     named = [*model.named_parameters(), *model.named_buffers()]
