@@ -55,6 +55,9 @@ def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained
     with torch.no_grad():
         diff = (reloaded(input_ids=tokens).logits - checkpoint_logits(done.checkpoint, tokens)).abs().max()
     assert diff <= 1e-6
+    import qgtrain
+
+    assert type(qgtrain.load_model(tmp_path / "out")).__name__ == "GPT2LMHeadModel"
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok.encode("héllo, wörld") == list("héllo, wörld".encode()) and tok.eos_token_id == 256
     card = (tmp_path / "out" / "README.md").read_text()

@@ -30,19 +30,26 @@ def load_model(folder: str | Path) -> nn.Module:
     """The model exported to `folder`, on the CPU in fp32, in eval mode."""
     folder = Path(folder)
     meta = read_meta(folder)
-    if meta["kind"] == "transformers":
-        import transformers
-
-        architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
-        model: nn.Module = getattr(transformers, architecture).from_pretrained(folder, dtype=torch.float32)
-    elif meta["kind"] == "hub":
-        module, _, name = meta["class"].rpartition(".")
-        model = getattr(importlib.import_module(module), name).from_pretrained(folder)
-    else:
-        cfg = config_from_dict(meta["config"], str(folder / META))
-        model = rebuild_model(cfg, meta.get("model_facts", {}))
+    if meta["kind"] == "state_dict":
+        model = _rebuild(meta, folder)
         load_weights_strictly(model, folder, meta["class"])
+    else:  # transformers or the hub mixin: the class's own from_pretrained
+        model = _exported_class(meta, folder).from_pretrained(folder)
     return model.float().eval()
+
+
+def _rebuild(meta: dict[str, Any], folder: Path) -> nn.Module:
+    return rebuild_model(config_from_dict(meta["config"], str(folder / META)), meta.get("model_facts", {}))
+
+
+def _exported_class(meta: dict[str, Any], folder: Path) -> Any:
+    """The model's class, imported by name; a class defined in a task file (imported by qgtrain under a name
+    of its own) comes from building the model once."""
+    module, _, name = meta["class"].rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return type(_rebuild(meta, folder))
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
