@@ -10,7 +10,7 @@ from .config import RunConfig
 from .task import Task
 from .version import __version__
 
-__all__ = ["RunConfig", "Task", "__version__", "load_config", "submit", "submit_sweep", "train"]
+__all__ = ["RunConfig", "Task", "__version__", "load_config", "load_model", "submit", "submit_sweep", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from .api import train
 
         return train
+    if name == "load_model":
+        from .ops.load import load_model
+
+        return load_model
     if name == "load_config":
         from .configload import load_config
 

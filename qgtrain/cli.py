@@ -61,7 +61,8 @@ def _training_commands(sub: Any) -> None:
     submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
     submit.set_defaults(func=_submit)
 
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export = sub.add_parser("export", help="write a checkpoint's model to a folder: safetensors weights, "
+                                  "what rebuilds it, a model card (Hugging Face format where it is one)")
     export.add_argument("source", type=Path, help="a run directory (its latest checkpoint) or a checkpoint folder")
     export.add_argument("--out", type=Path, required=True, help="the folder to write (must be empty)")
     which = export.add_mutually_exclusive_group()
@@ -152,8 +153,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from .configload import dump_yaml
-    from .launch.sbatch import render, submit, validate
+    from .launch.sbatch import render, submit_config, validate
     from .state.rundir import default_run_dir
 
     cfg = load_args_config(args)
@@ -173,15 +173,10 @@ def _submit(args: argparse.Namespace) -> int:
         job = submit_python(cfg)
         print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
         return 0
-    script = render(cfg.slurm, str(job_dir / "config.yaml"))
     if args.dry_run:
-        sys.stdout.write(script)
+        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml")))
         return 0
-    job_dir.mkdir(parents=True, exist_ok=True)
-    Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
-    (job_dir / "config.yaml").write_text(dump_yaml(cfg))
-    (job_dir / "job.sbatch").write_text(script)
-    job_id = submit(job_dir / "job.sbatch")
+    job_id = submit_config(cfg, job_dir)
     print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
           f"{job_id}.out; run directory {run_dir}")
     return 0
@@ -220,11 +215,7 @@ def _recover(args: argparse.Namespace) -> int:
     from .state.rundir import default_run_dir
 
     cfg = load_args_config(args)
-    try:
-        srun_log = args.srun_log.read_text(errors="replace")
-    except OSError:
-        srun_log = ""
-    decision = recover(default_run_dir(cfg).resolve(), srun_log, args.exit_code, args.attempt,
+    decision = recover(default_run_dir(cfg).resolve(), args.srun_log, args.exit_code, args.attempt,
                        cfg.slurm.step_retries, args.restart, cfg.slurm.max_restarts, cfg.slurm.requeue, args.ranks,
                        spare_nodes(args.partition, cfg.slurm.nodes))
     print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
@@ -263,24 +254,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
+    from .data.prepare import prepare_configured
     from .runtime.log import setup_console
     from .runtime.rendezvous import DistEnv
 
     cfg = load_args_config(args)
     setup_console(DistEnv(), cfg.logging.level)
-    if cfg.data.name == "files":
-        from .data.prepare import prepare
-
-        if args.workers is not None and args.workers < 1:
-            raise ConfigError(f"--workers: {args.workers} is below 1")
-        files, made = prepare(cfg.data, args.workers or cfg.data.prepare_workers)
-    elif cfg.data.name == "corpus":
-        from .data import corpus
-
-        files, made = corpus.prepare(cfg.data), True
-    else:
-        raise ConfigError(f"data.name: '{cfg.data.name}' has nothing to prepare; use data.name: files (or corpus)")
+    files, made = prepare_configured(cfg.data, args.workers)
     counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
     print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens {counts}")
     return 0

@@ -112,6 +112,8 @@ class TrainConfig:
                                              "([] = the model's _no_split_modules, as Hugging Face models name them)")
     activation_checkpointing: bool = setting(False, "recompute each block's activations in the backward pass: "
                                              "less memory, about a third more compute")
+    sync_batchnorm: bool = setting(False, "with ddp on GPUs: batch norm layers normalize by the statistics of "
+                                   "all ranks' batches together (SyncBatchNorm), as Lightning's sync_batchnorm")
     cpu_threads: int = setting(0, "torch threads per rank on CPU (0 = the CPUs of this task / ranks per node)",
                                min=0)
     max_time: str = setting("", "stop at a checkpoint before this much time has passed, e.g. 3h30m or 2:00:00 "

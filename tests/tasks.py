@@ -3,6 +3,7 @@ and classification problem, and variants that break one rule of the Task contrac
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 import qgtrain
 
@@ -152,4 +153,57 @@ def slow_evaluation(cfg: qgtrain.RunConfig) -> qgtrain.Task:
         return classify_loss(model, batch)
 
     task.loss = loss
+    return task
+
+
+def rank_local_buffer(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """A buffer that holds the rank it was built on, which DDP is told not to broadcast."""
+    task = points(cfg)
+    task.model.register_buffer("visits", torch.full((1,), float(dist.get_rank())))
+    task.model._ddp_params_and_buffers_to_ignore = ["visits"]
+    return task
+
+
+class Endless(Points):
+    """Samples made on the fly without end, as generator datasets report it: len() is sys.maxsize."""
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+
+class Stream(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (Points(1, 1)[0] for _ in range(100))
+
+    def __len__(self) -> int:
+        return 100
+
+
+def endless_train(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.train = Endless(1, 1)
+    return task
+
+
+def streamed_val(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.val = Stream()
+    return task
+
+
+class NoisyInEval(nn.Module):
+    """Random outputs in eval mode: no reloaded copy can be checked against it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return out if self.training else out + torch.randn_like(out)
+
+
+def noisy_in_eval(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    task = points(cfg)
+    task.model = NoisyInEval(task.model)
     return task

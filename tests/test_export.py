@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError, QgtrainError
-from qgtrain.ops import export
+from qgtrain.ops import export, export_writer
 from qgtrain.state import checkpoint
 from tests.ranks import run_ranks, train_rank
 
@@ -55,6 +55,9 @@ def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained
     with torch.no_grad():
         diff = (reloaded(input_ids=tokens).logits - checkpoint_logits(done.checkpoint, tokens)).abs().max()
     assert diff <= 1e-6
+    import qgtrain
+
+    assert type(qgtrain.load_model(tmp_path / "out")).__name__ == "GPT2LMHeadModel"
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok.encode("héllo, wörld") == list("héllo, wörld".encode()) and tok.eos_token_id == 256
     card = (tmp_path / "out" / "README.md").read_text()
@@ -77,7 +80,7 @@ def test_best_and_step_pick_checkpoints_and_large_models_are_sharded(trained, tm
     best = export.export_run(trained, tmp_path / "best", best=True)
     scored = [c for c in checkpoint.list_committed(trained / "checkpoints") if c.val_loss is not None]
     assert best.checkpoint == min(scored, key=lambda c: c.val_loss).path
-    monkeypatch.setattr(export, "SHARD_SIZE", "20KB")
+    monkeypatch.setattr(export_writer, "SHARD_SIZE", "20KB")
     done = export.export_run(trained, tmp_path / "step20", step=20)
     assert done.checkpoint.name == "step-20" and (tmp_path / "step20" / "model.safetensors.index.json").exists()
     with pytest.raises(QgtrainError, match="no checkpoint at step 7 in .*; there are: 10, 20, 30"):
@@ -120,6 +123,16 @@ def test_cli_export_errors_are_one_line_with_exit_code_2(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "does not exist" in result.stderr
 
 
+def test_cli_export_into_a_folder_that_is_not_empty_is_one_line_with_exit_code_2(trained, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(trained), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert f"export: {tmp_path / 'out'} is not empty; choose another --out or pass --force" in result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
 def test_a_bf16_run_and_a_two_rank_run_export_cleanly(tmp_path):
     assert run_ranks(1, train_rank, small(tmp_path, "train.precision=bf16"), str(tmp_path / "bf16"))[0]["exit"] == 0
     assert json.loads((tmp_path / "bf16" / "checkpoints" / "step-30" / "state.json").read_text())["precision"] == "bf16"
@@ -148,13 +161,53 @@ def test_train_export_finetune_export_round_trip(trained, tmp_path):
     assert again.max_logit_diff <= 1e-6
 
 
-def test_models_without_save_pretrained_get_a_clear_error_and_hub_mixin_models_export(tmp_path):
+def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path):
+    import qgtrain
+    from tests.factories import TinyHubLM, TinyLM
+
     cfg = small(tmp_path, "model.factory=tests.factories:tiny", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "plain"))[0]["exit"] == 0
-    with pytest.raises(QgtrainError, match="neither a transformers PreTrainedModel nor a huggingface_hub "
-                                           "PyTorchModelHubMixin.*HINT"):
-        export.export_run(tmp_path / "plain", tmp_path / "plain-out")
+    done = export.export_run(tmp_path / "plain", tmp_path / "plain-out")
+    assert done.kind == "state_dict" and done.max_logit_diff == 0
+    assert {p.name for p in (tmp_path / "plain-out").iterdir()} == {"model.safetensors", "qgtrain_model.json",
+                                                                   "README.md", "tokenizer.json",
+                                                                   "tokenizer_config.json"}
+    trained = torch.load(done.checkpoint / "model.pt", weights_only=True)
+    with safe_open(tmp_path / "plain-out" / "model.safetensors", "pt") as f:  # the model's own names
+        assert sorted(f.keys()) == sorted(trained) and all(torch.equal(f.get_tensor(k), trained[k]) for k in trained)
+    model = qgtrain.load_model(tmp_path / "plain-out")
+    assert type(model) is TinyLM and not model.training
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    card = (tmp_path / "plain-out" / "README.md").read_text()
+    assert "qgtrain.load_model" in card and "| steps | 2 |" in card and "TinyLM(...)" in card
+
     cfg = small(tmp_path, "model.factory=tests.factories:tiny_hub", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "hub"))[0]["exit"] == 0
     done = export.export_run(tmp_path / "hub", tmp_path / "hub-out")
-    assert done.max_logit_diff == 0 and (tmp_path / "hub-out" / "model.safetensors").exists()
+    assert done.kind == "hub" and done.max_logit_diff == 0 and (tmp_path / "hub-out" / "model.safetensors").exists()
+    assert type(qgtrain.load_model(tmp_path / "hub-out")) is TinyHubLM
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_task_model_trained_on_two_ranks_comes_back_giving_the_runs_test_metric(tmp_path, parallel):
+    import qgtrain
+    from tests.tasks import classify_loss, points
+
+    cfg = load_config([], ["task=tests.tasks:points", "train.batch_size=8", "train.max_steps=12", "train.eval_every=6",
+                           "checkpoint.every_steps=6", "logging.tensorboard=false", f"train.parallel={parallel}",
+                           "train.shard_modules=[Linear]", "optim.warmup_steps=2"])
+    assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(tmp_path / "run"))] == [0, 0]
+    if parallel == "fsdp":
+        assert (tmp_path / "run" / "checkpoints" / "step-12" / "sharded").is_dir()
+    export.export_run(tmp_path / "run", tmp_path / "out")
+    model = qgtrain.load_model(tmp_path / "out")
+    reported = json.loads((tmp_path / "out" / "qgtrain_model.json").read_text())["run"]["test"]
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert reported == {"loss": last["test_loss"], "accuracy": last["test_accuracy"]}
+    split = points(cfg).test
+    batch = torch.utils.data.default_collate([split[i] for i in range(len(split))])
+    with torch.no_grad():
+        correct = int((model(batch["x"]).argmax(1) == batch["label"]).sum())
+        loss = float(classify_loss(model, batch))
+    assert correct / len(split) == reported["accuracy"]  # one process, the whole split at once: the same model
+    assert loss == pytest.approx(reported["loss"], rel=1e-6)

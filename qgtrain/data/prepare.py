@@ -77,6 +77,19 @@ def plan(data: DataConfig) -> Plan:
     return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
 
 
+def prepare_configured(data: DataConfig, workers: int | None) -> tuple[TokenFiles, bool]:
+    """`qgtrain data prepare`: the configured data tokenized into its cache, and whether this made it."""
+    if data.name == "corpus":
+        from . import corpus
+
+        return corpus.prepare(data), True
+    if data.name != "files":
+        raise ConfigError(f"data.name: '{data.name}' has nothing to prepare; use data.name: files (or corpus)")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers: {workers} is below 1")
+    return prepare(data, workers or data.prepare_workers)
+
+
 def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
     """The cache entry for data.files, and whether this call made it (False: it was already there)."""
     todo = plan(data)

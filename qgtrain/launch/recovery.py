@@ -87,10 +87,15 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
     return Decision("requeue", why, exclude)
 
 
-def recover(run_dir: Path, srun_log: str, exit_code: int, attempt: int, step_retries: int, restart: int,
+def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, step_retries: int, restart: int,
             max_restarts: int, requeue: bool, world_size: int, spare_nodes: int | None) -> Decision:
     """Decide, and record the failure and the decision in the run's status (the script acts on it)."""
     run = rundir.RunDir(run_dir)
+    if isinstance(srun_log, Path):
+        try:
+            srun_log = srun_log.read_text(errors="replace")
+        except OSError:
+            srun_log = ""
     notes = {rank: note for rank in range(world_size) if (note := read_note(run, rank)) is not None}
     failure = first_failure(srun_log)
     status = rundir.read_status(run_dir)

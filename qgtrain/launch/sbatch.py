@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import SlurmConfig
+from ..config import RunConfig, SlurmConfig
 from ..durations import slurm_time_s
 from ..errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 
@@ -74,6 +74,13 @@ def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> st
     """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another. With
     `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml."""
     validate(slurm)
+    header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
+    setup = "".join(f"{line}\n" for line in slurm.setup)
+    default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
+    return _script(header, setup, default, slurm.max_restarts)
+
+
+def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     options = [f"--job-name={slurm.job_name}", f"--nodes={slurm.nodes}",
                f"--ntasks-per-node={tasks_per_node(slurm)}", f"--cpus-per-task={slurm.cpus_per_task}"]
     if slurm.gpus_per_node:
@@ -87,9 +94,11 @@ def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> st
         if not re.fullmatch(r"\d+-\d+(%\d+)?", array):
             raise QgtrainError(f"--array {array!r}: expected FIRST-LAST[%PARALLEL]")
         options.append(f"--array={array}")
-    header = "\n".join(f"#SBATCH {option}" for option in options)
-    setup = "".join(f"{line}\n" for line in slurm.setup)
-    default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
+    return options
+
+
+def _script(header: str, setup: str, default: str, max_restarts: int) -> str:
+    """The script's text: no rank, address or port logic; srun steps until the run is done or requeued."""
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -121,7 +130,7 @@ while true; do
     case "$status" in
         0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
         {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol where they run)
-            [ "${{SLURM_RESTART_COUNT:-0}}" -lt {slurm.max_restarts} ] && scontrol requeue "$job"
+            [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ] && scontrol requeue "$job"
             break ;;
     esac
     # A failed step: try again here (the machine's failure), requeue, or end (the run's own failure).
@@ -146,6 +155,18 @@ while true; do
 done
 exit "$status"
 """
+
+
+def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run) -> str:
+    """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it."""
+    from ..configload import dump_yaml
+
+    script = render(cfg.slurm, str(job_dir / "config.yaml"))
+    job_dir.mkdir(parents=True, exist_ok=True)
+    Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
+    (job_dir / "config.yaml").write_text(dump_yaml(cfg))
+    (job_dir / "job.sbatch").write_text(script)
+    return submit(job_dir / "job.sbatch", run)
 
 
 def submit(script: Path, run: Runner = subprocess.run) -> str:

@@ -1,9 +1,12 @@
-"""`qgtrain export`: a checkpoint as a Hugging Face model folder that plain transformers loads.
+"""`qgtrain export`: a checkpoint as a folder the model's own libraries load, for any model.
 
-Offline and on the CPU (no GPU, no process group): the checkpoint's model is rebuilt from the config it
-saved, written with save_pretrained (safetensors, sharded past a size), with its tokenizer and a model card,
-then reloaded with AutoModelForCausalLM and compared logit by logit with the checkpoint before the folder
-is moved into place. A user's task is exported through its own model class (export_task.py).
+Offline and on the CPU (no GPU, no process group): the checkpoint's model is rebuilt as training built it
+(from its saved transformers config, its model factory, or by calling its task function again), the
+checkpoint's weights are read into it (a sharded checkpoint's shards straight into its tensors), and the one
+writer (export_writer.py) writes it: save_pretrained for a transformers model or a PyTorchModelHubMixin,
+model.safetensors for any other module, with the task, config, run facts and a model card. The folder is
+then reloaded as a user would (`qgtrain.load_model`, or AutoModelForCausalLM for the built-in language
+model) and its outputs compared with the checkpoint's model before it is moved into place.
 """
 
 from __future__ import annotations
@@ -19,19 +22,20 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
-from ..configload import config_from_dict, dump_yaml
+from ..configload import config_from_dict, config_to_dict, dump_yaml
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
 from ..state import checkpoint, sharded
 from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
-from ..tasks.models import build_model
 from ..training.metrics import read_metrics
-from . import export_task
+from . import export_task, export_writer
+from .load import load_model
 
 log = logging.getLogger("qgtrain")
-MAX_LOGIT_DIFF = 1e-4
-SHARD_SIZE = "2GB"
+LM_USAGE = """from transformers import pipeline
+generate = pipeline("text-generation", model="path/to/this/folder")
+print(generate("def main(", max_new_tokens=40)[0]["generated_text"])"""
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Exported:
     folder: Path
     checkpoint: Path
     max_logit_diff: float
+    kind: str = "transformers"
 
 
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
@@ -54,28 +59,39 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     saved = yaml_config(ckpt)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
-    task = None if builtin else export_task.rebuild_task(ckpt, saved)
-    model = _rebuild(ckpt, saved, model_facts) if task is None else task.model
+    task = None if builtin else export_task.rebuild_task(saved)
+    model = task.model if task is not None else _rebuild_lm(ckpt, saved, model_facts)
+    sharded.load_model(ckpt, model)
+    model.float().eval()
+    kind = export_writer.kind_of(model)
+    lm = builtin and kind == "transformers"
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        if task is None:
-            _save_model(model, staging, saved, model_facts)
-            if model_facts.get("tokenizer"):
-                tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-            (staging / "README.md").write_text(_model_card(ckpt, saved, model_facts))
-            diff = _verify(model, staging, saved.data.seq_len, model_facts)
-        else:
-            export_task.save_task_model(task, staging, saved.task.factory)
-            (staging / "README.md").write_text(export_task.model_card(
-                saved, model, facts_table(ckpt, None), dump_yaml(saved)))
-            diff = export_task.verify_task_model(task, staging)
+        facts = run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
+                          if builtin else None)
+        if lm:
+            _set_generation_eos(model, model_facts.get("eos_id"))
+        builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
+        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts, dump_yaml(saved),
+                                        LM_USAGE if lm else export_writer.usage(kind, model, builder),
+                                        "text-generation" if lm else None)
+        meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
+                "run": facts, "config": config_to_dict(saved)}
+        export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None)
+        if builtin and model_facts.get("tokenizer"):
+            tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32) if lm else \
+            load_model(staging)
+        run = export_task.task_batch(task) if task is not None else \
+            export_task.token_batch(saved.data.seq_len, int(model_facts.get("vocab_size", 257)))
+        diff = export_task.verify(model, reloaded, run, staging)
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s to %s (largest logit difference after reloading: %.3g)", ckpt.path, out, diff)
-    return Exported(out, ckpt.path, diff)
+    log.info("exported %s to %s (largest output difference after reloading: %.3g)", ckpt.path, out, diff)
+    return Exported(out, ckpt.path, diff, kind)
 
 
 def yaml_config(ckpt: checkpoint.Checkpoint) -> RunConfig:
@@ -126,65 +142,6 @@ def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.C
     return list(reversed(committed))
 
 
-def _rebuild(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> torch.nn.Module:
-    """The checkpoint's model on the CPU in fp32: from its saved transformers config, or its factory."""
-    if (ckpt.path / "hf_config.json").exists():
-        import transformers
-
-        hf = json.loads((ckpt.path / "hf_config.json").read_text())
-        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    else:
-        model = build_model(cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id"))
-    sharded.load_model(ckpt, model)
-    return model.float().eval()
-
-
-def _save_model(model: torch.nn.Module, folder: Path, cfg: Any, facts: dict[str, Any]) -> None:
-    from huggingface_hub import PyTorchModelHubMixin
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        eos = facts.get("eos_id")
-        if eos is not None and model.generation_config is not None:
-            model.generation_config.eos_token_id = eos
-            model.generation_config.pad_token_id = eos
-        model.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD_SIZE)
-        return
-    if isinstance(model, PyTorchModelHubMixin):
-        model.save_pretrained(folder)
-        return
-    raise QgtrainError(
-        f"export: {type(model).__name__} (from model.factory {cfg.model.factory}) is neither a transformers "
-        "PreTrainedModel nor a huggingface_hub PyTorchModelHubMixin, so it has no save_pretrained. HINT: "
-        "build it from a transformers config, or add PyTorchModelHubMixin to its base classes "
-        "(class MyModel(nn.Module, PyTorchModelHubMixin)) so its init arguments are saved with it")
-
-
-def _verify(model: torch.nn.Module, folder: Path, seq_len: int, facts: dict[str, Any]) -> float:
-    """Reload the folder as a user would and compare logits with the checkpoint's model."""
-    tokens = torch.arange(min(seq_len, 64)).unsqueeze(0) % int(facts.get("vocab_size", 257))
-    with torch.no_grad():
-        expected = _logits(model, tokens)
-        if (folder / "config.json").exists() and hasattr(model, "generation_config"):
-            import transformers
-
-            reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        else:
-            hub_class: Any = type(model)  # a PyTorchModelHubMixin, checked when it was saved
-            reloaded = hub_class.from_pretrained(folder).eval()
-        diff = float((_logits(reloaded, tokens) - expected).abs().max())
-    if not diff <= MAX_LOGIT_DIFF:
-        raise QgtrainError(f"export: the reloaded model's logits differ from the checkpoint's by {diff:.3g} "
-                           f"(more than {MAX_LOGIT_DIFF}); the export in {folder} was not kept")
-    return diff
-
-
-def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=tokens)
-    return (out.logits if hasattr(out, "logits") else out).float()
-
-
 def _replace(staging: Path, out: Path) -> None:
     """Move the verified export into place; a replaced folder goes only once the new one is there."""
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -194,56 +151,35 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def facts_table(ckpt: checkpoint.Checkpoint, tokenizer_name: str | None) -> str:
-    """What a reader of the model card wants to know about the training, as a Markdown table."""
+def _rebuild_lm(ckpt: checkpoint.Checkpoint, cfg: RunConfig, facts: dict[str, Any]) -> torch.nn.Module:
+    """The built-in language model: from the transformers config its checkpoint saved, or its factory."""
+    if (ckpt.path / "hf_config.json").exists():
+        import transformers
+
+        hf = json.loads((ckpt.path / "hf_config.json").read_text())
+        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return export_task.rebuild_model(cfg, facts)
+
+
+def _set_generation_eos(model: torch.nn.Module, eos: int | None) -> None:
+    generation = getattr(model, "generation_config", None)
+    if eos is not None and generation is not None:
+        generation.eos_token_id = eos
+        generation.pad_token_id = eos
+
+
+def run_facts(ckpt: checkpoint.Checkpoint, cfg: RunConfig, tokenizer_name: str | None) -> dict[str, Any]:
+    """What training did, from the checkpoint and the run's metrics: in the model card and qgtrain_model.json."""
     state = checkpoint.load_json(ckpt, "state.json")
     trainer, versions = state["trainer"], state.get("versions", {})
-    train_loss = None
     metrics = RunDir(ckpt.path.parent.parent).metrics
-    if metrics.exists():
-        losses = [r["loss"] for r in read_metrics(metrics) if "loss" in r and r["step"] <= ckpt.step]
-        train_loss = losses[-1] if losses else None
-
-    def fmt(value: Any) -> str:
-        return "n/a" if value is None else f"{value:.4f}"
-
-    val = trainer.get("val_metrics", {"loss": trainer.get("val_loss")})
-    test = trainer.get("test_metrics", {"loss": trainer.get("test_loss")})
-    rows = [("qgtrain", versions.get("qgtrain", "?")), ("torch", versions.get("torch", "?")),
-            ("checkpoint", f"`{ckpt.path}`"), ("steps", ckpt.step), ("epochs begun", trainer["epoch"] + 1),
-            ("final train loss", fmt(train_loss)),
-            *((f"final validation {name}", fmt(value)) for name, value in val.items()),
-            *((f"test {name}", fmt(value)) for name, value in test.items()),
-            ("precision", state.get("precision", "?")), ("ranks", state.get("world_size", "?"))]
-    if trainer.get("tokens_seen"):
-        rows.insert(5, ("tokens seen", f"{trainer['tokens_seen']:,}"))
-    if tokenizer_name is not None:
-        rows.append(("tokenizer", tokenizer_name))
-    return "| fact | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
-
-
-def _model_card(ckpt: checkpoint.Checkpoint, cfg: Any, facts: dict[str, Any]) -> str:
-    table = facts_table(ckpt, facts.get("tokenizer") or "none (the data came from a factory)")
-    return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-tags: [qgtrain]
----
-# {cfg.train.run_name}
-
-A causal language model trained with qgtrain.
-
-{table}
-
-```python
-from transformers import pipeline
-generate = pipeline("text-generation", model="path/to/this/folder")
-print(generate("def main(", max_new_tokens=40)[0]["generated_text"])
-```
-
-## Resolved training config
-
-```yaml
-{dump_yaml(cfg).rstrip()}
-```
-"""
+    losses = [r["loss"] for r in read_metrics(metrics) if "loss" in r and r["step"] <= ckpt.step] \
+        if metrics.exists() else []
+    return {"qgtrain": versions.get("qgtrain", "?"), "torch": versions.get("torch", "?"),
+            "checkpoint": str(ckpt.path), "step": ckpt.step, "epochs": trainer["epoch"] + 1,
+            "tokens_seen": trainer.get("tokens_seen"), "train_loss": losses[-1] if losses else None,
+            "val": trainer.get("val_metrics", {"loss": trainer.get("val_loss")}),
+            "test": trainer.get("test_metrics", {"loss": trainer.get("test_loss")}),
+            "precision": state.get("precision", "?"), "ranks": state.get("world_size", "?"),
+            "parallel": cfg.train.parallel, "tokenizer": tokenizer_name}

@@ -117,8 +117,9 @@ def unused_parameters(step: int, ranks: list[int], names: list[str]) -> Training
 def diverged_replicas(step: int, names: list[str]) -> TrainingError:
     return TrainingError(
         f"the ranks' copies of the model differ at step {step}: {_some(names, 5)}; no checkpoint was written. "
-        "HINT: something changed them on some ranks only: an in-place update of a frozen parameter or a buffer "
-        "outside the forward pass, or weights set after the task was built")
+        "HINT: something changed them on some ranks only: an in-place update of a frozen parameter, a buffer "
+        "that DDP does not copy from rank 0 (one named in _ddp_params_and_buffers_to_ignore), or weights set "
+        "after the task was built")
 
 
 def _some(names: list[str], most: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -65,9 +65,12 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
         dataset = getattr(task, split)
         if dataset is None and split != "train":
             continue
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            fail(f"has {split}={type(dataset).__name__}; it must be a map-style dataset (with __len__ and "
-                 "__getitem__: resuming at an exact sample needs indices)" + (", or None" if split != "train" else ""))
+        problem = resumable_problem(dataset)
+        if problem:
+            fail(f"has {split}={type(dataset).__name__}, {problem}; it must be a map-style dataset (__len__ and "
+                 "__getitem__: resuming at an exact sample needs indices)" + (", or None" if split != "train" else "") +
+                 ". HINT: give a map-style view (sample i made or read from index i), or for text the data files "
+                 "(data.name: files)")
     if len(task.train) == 0:
         fail("has an empty train dataset")
     for part in ("collate", "loss", "metrics", "tokens"):
@@ -81,6 +84,23 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
     if es.metric != "val_loss" and task.metrics is None:
         fail(f"reports no metrics, but early_stopping.metric is {es.metric}; add a metrics function or use "
              "val_loss")
+
+
+def resumable_problem(dataset: Any) -> str | None:
+    """Why qgtrain cannot resume this dataset at an exact sample, or None. An IterableDataset has no index
+    to resume at; generators that make samples on the fly report len() == sys.maxsize, an endless length
+    no epoch or sampler can be built on."""
+    if isinstance(dataset, IterableDataset):
+        return "an IterableDataset (a stream, without indices)"
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return "without __len__ and __getitem__"
+    try:
+        size = len(dataset)
+    except (TypeError, NotImplementedError, OverflowError) as exc:
+        return f"whose len() fails ({type(exc).__name__}: {exc})"
+    if size >= sys.maxsize:
+        return f"whose len() is {size} (sys.maxsize: an endless stream, not a count of samples)"
+    return None
 
 
 def model_loss(model: nn.Module, batch: Any) -> Any:

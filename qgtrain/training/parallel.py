@@ -11,9 +11,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import TrainConfig
+from ..errors import ConfigError
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from . import sharding
+from . import replicas, sharding
 
 log = logging.getLogger("qgtrain")
 
@@ -26,6 +27,13 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     shards `model` in place, so it is both the module and what is wrapped. One process is not wrapped at
     all, so a laptop run has no DDP or FSDP overhead (fsdp on one rank shards nothing).
     """
+    replicas.check_start(model, train.parallel, device, env.world_size)
+    if train.sync_batchnorm:
+        problem = replicas.sync_batchnorm_problem(train.parallel, device.type, env.world_size)
+        if problem:
+            raise ConfigError(problem)
+        if env.world_size > 1:
+            replicas.to_sync_batchnorm(model, env.world_size)
     if train.activation_checkpointing or (train.parallel == "fsdp" and env.world_size > 1):
         blocks = sharding.find_blocks(model, train.shard_modules)
         if train.activation_checkpointing:

@@ -32,6 +32,7 @@ from ..state.checkpointer import Checkpointer
 from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from ..task import ReadyTask
+from . import replicas
 from .agreement import Agreement, Flags, Health
 from .gradients import accumulate_gradients
 from .metrics import MetricsLog, format_metrics, prefixed
@@ -92,7 +93,7 @@ class Trainer:
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
-        self.validator = Validator(self.model, parts.task, parts.loaders, settings.early_stopping,
+        self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
                                    settings.train.eval_batches, settings.precision, env, device, self.timer)
         self.agreement = Agreement(device)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
@@ -273,11 +274,7 @@ class Trainer:
 
     def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
         state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)
-        if self.env.world_size > 1 and not sharded:  # drifted replicas: saved as rank 0's
-            differ = distributed.diverged([*self.model.named_parameters(), *self.model.named_buffers()],
-                                          self.device)
-            if differ:
-                raise diagnose.diverged_replicas(state.step, differ)
+        replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         parts.checkpointer.save(
             state.step, lambda: train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,

@@ -17,14 +17,17 @@ from ..runtime.rendezvous import DistEnv
 from ..state.sharded import is_sharded_model
 from ..state.train_state import TrainState
 from ..task import ReadyTask
+from . import replicas
 from .evaluation import decide_early_stop, evaluate
 from .timing import StepTimer
 
 
 class Validator:
-    def __init__(self, model: nn.Module, task: ReadyTask, loaders: Loaders, early_stopping: EarlyStoppingConfig,
-                 eval_batches: int, precision: str, env: DistEnv, device: torch.device, timer: StepTimer) -> None:
-        self.model, self.task, self.loaders, self.early_stopping = model, task, loaders, early_stopping
+    def __init__(self, model: nn.Module, wrapped: nn.Module, task: ReadyTask, loaders: Loaders,
+                 early_stopping: EarlyStoppingConfig, eval_batches: int, precision: str, env: DistEnv,
+                 device: torch.device, timer: StepTimer) -> None:
+        self.model, self.wrapped, self.task, self.loaders, self.early_stopping = \
+            model, wrapped, task, loaders, early_stopping
         self.eval_batches, self.precision, self.env, self.device, self.timer = \
             eval_batches, precision, env, device, timer
 
@@ -48,6 +51,7 @@ class Validator:
         if loader is None:
             return {}
         started = time.perf_counter()
+        replicas.agree_before_evaluation(self.model, self.wrapped)  # what the saved model gives, on every rank
         metrics = evaluate(self.model, loader, self.task.loss, self.task.metrics, self.device, self.precision,
                            max_batches, lockstep=is_sharded_model(self.model))
         self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)

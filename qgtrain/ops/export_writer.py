@@ -1,0 +1,103 @@
+"""The one export writer: a model's weights, what rebuilds it, the run's facts and a model card, in one folder.
+
+Whatever the model, the folder holds `qgtrain_model.json` (what kind of export it is, the task and options
+that built the model, the resolved config, the run's facts) and a `README.md` model card; the weights are
+written the model's own way. A transformers PreTrainedModel and a huggingface_hub PyTorchModelHubMixin use
+their `save_pretrained` (their own class reloads them without qgtrain); any other module's `state_dict` goes
+to `model.safetensors`, with the model's own names, sharded past SHARD_SIZE as transformers shards
+(`model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`), and `qgtrain.load_model(folder)`
+rebuilds it by calling the task function again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+META = "qgtrain_model.json"
+SHARD_SIZE = "2GB"
+FORMAT = 1
+
+
+def kind_of(model: nn.Module) -> str:
+    """transformers, hub (PyTorchModelHubMixin) or state_dict (any other module)."""
+    from huggingface_hub import PyTorchModelHubMixin
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return "transformers"
+    return "hub" if isinstance(model, PyTorchModelHubMixin) else "state_dict"
+
+
+def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, tokenizer: Any = None) -> str:
+    """Write the model into `folder` (empty) the way its kind asks, with META, the card and a tokenizer."""
+    kind = kind_of(model)
+    own_way: Any = model  # transformers or the hub mixin: its own save_pretrained
+    if kind == "transformers":
+        own_way.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD_SIZE)
+    elif kind == "hub":
+        own_way.save_pretrained(folder)
+    else:
+        from huggingface_hub import save_torch_state_dict
+
+        save_torch_state_dict(model.state_dict(), folder, max_shard_size=SHARD_SIZE)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    cls = type(model)
+    (folder / META).write_text(json.dumps({"format": FORMAT, "kind": kind, "class": f"{cls.__module__}."
+                                           f"{cls.__qualname__}", **meta}, indent=1) + "\n")
+    (folder / "README.md").write_text(card)
+    return kind
+
+
+def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], config_yaml: str,
+               usage: str, pipeline_tag: str | None = None) -> str:
+    """What a reader of the folder wants to know: what it is, how it was trained, how to load it."""
+    kind = kind_of(model)
+    header = ["---", f"library_name: {'transformers' if kind == 'transformers' else 'pytorch'}", "tags: [qgtrain]"]
+    if pipeline_tag:
+        header.append(f"pipeline_tag: {pipeline_tag}")
+    return "\n".join([*header, "---", f"# {name}", "",
+                      f"A `{type(model).__name__}` trained with qgtrain (task `{task}`).", "", facts_table(facts), "",
+                      "```python", usage.strip(), "```", "", "## Resolved training config", "", "```yaml",
+                      config_yaml.rstrip(), "```", ""])
+
+
+def usage(kind: str, model: nn.Module, builder: str) -> str:
+    """How to load an export of this kind, as a model card shows it; `builder` says what makes the model."""
+    cls = type(model)
+    if kind == "transformers":
+        return ("import transformers\nfolder = \"path/to/this/folder\"\n"
+                "config = transformers.AutoConfig.from_pretrained(folder)\n"
+                "model = getattr(transformers, config.architectures[0]).from_pretrained(folder)")
+    if kind == "hub":
+        return f"from {cls.__module__} import {cls.__qualname__}\n" \
+               f"model = {cls.__qualname__}.from_pretrained(\"path/to/this/folder\")"
+    return ("import qgtrain\nmodel = qgtrain.load_model(\"path/to/this/folder\")  # builds the model: "
+            f"{builder},\n# then loads model.safetensors into it, strictly\n\n"
+            "# or without qgtrain, with the model built as the task builds it:\n"
+            "from safetensors.torch import load_file\n"
+            f"model = {cls.__qualname__}(...)\n"
+            "model.load_state_dict(load_file(\"path/to/this/folder/model.safetensors\"))  # unsharded")
+
+
+def facts_table(facts: dict[str, Any]) -> str:
+    """The run's facts (export.run_facts) as a Markdown table."""
+    def fmt(value: Any) -> str:
+        return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    rows = [("qgtrain", facts.get("qgtrain", "?")), ("torch", facts.get("torch", "?")),
+            ("checkpoint", f"`{facts['checkpoint']}`"), ("steps", facts["step"]), ("epochs begun", facts["epochs"])]
+    if facts.get("tokens_seen"):
+        rows.append(("tokens seen", f"{facts['tokens_seen']:,}"))
+    rows.append(("final train loss", fmt(facts.get("train_loss"))))
+    rows += [(f"final validation {name}", fmt(value)) for name, value in facts.get("val", {}).items()]
+    rows += [(f"test {name}", fmt(value)) for name, value in facts.get("test", {}).items()]
+    rows += [("precision", facts.get("precision", "?")), ("ranks", facts.get("ranks", "?")),
+             ("parallel", facts.get("parallel", "?"))]
+    if facts.get("tokenizer") is not None:
+        rows.append(("tokenizer", facts["tokenizer"]))
+    return "| fact | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)

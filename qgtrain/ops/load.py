@@ -1,0 +1,104 @@
+"""`qgtrain.load_model(folder)`: the trained module back from an export, in two lines, whatever the model.
+
+    import qgtrain
+    model = qgtrain.load_model("models/molecules")
+
+An export of a transformers model or a PyTorchModelHubMixin loads through its class's own from_pretrained.
+Any other model is rebuilt by calling the run's task function with the run's config (qgtrain_model.json),
+then its weights are loaded from model.safetensors (or its shards), strictly: a folder whose weights do not
+fit the rebuilt model is refused in one line naming what differs, and nothing of qgtrain's checkpoint
+format is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..configload import config_from_dict
+from ..errors import CheckpointError
+from .export_task import rebuild_model
+from .export_writer import META
+
+
+def load_model(folder: str | Path) -> nn.Module:
+    """The model exported to `folder`, on the CPU in fp32, in eval mode."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    if meta["kind"] == "state_dict":
+        model = _rebuild(meta, folder)
+        load_weights_strictly(model, folder, meta["class"])
+    else:  # transformers or the hub mixin: the class's own from_pretrained
+        model = _exported_class(meta, folder).from_pretrained(folder)
+    return model.float().eval()
+
+
+def _rebuild(meta: dict[str, Any], folder: Path) -> nn.Module:
+    return rebuild_model(config_from_dict(meta["config"], str(folder / META)), meta.get("model_facts", {}))
+
+
+def _exported_class(meta: dict[str, Any], folder: Path) -> Any:
+    """The model's class, imported by name; a class defined in a task file (imported by qgtrain under a name
+    of its own) comes from building the model once."""
+    module, _, name = meta["class"].rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return type(_rebuild(meta, folder))
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    path = folder / META
+    if not path.is_file():
+        raise CheckpointError(f"load_model: {folder} has no {META}, so it is not a folder written by `qgtrain "
+                              "export`. HINT: export the run first (qgtrain export RUN_DIR --out FOLDER); a "
+                              "transformers folder loads with its class's from_pretrained")
+    return dict(json.loads(path.read_text()))
+
+
+def load_weights_strictly(model: nn.Module, folder: Path, exported_class: str) -> None:
+    """Every tensor of the model from the folder, with nothing missing, extra or of another shape. A tensor
+    that shares memory with another (tied weights) is written once and filled through its partner."""
+    saved = read_weights(folder)
+    own = model.state_dict()
+    written = {_storage(own[k]) for k in saved if k in own}
+    missing = [k for k in own if k not in saved and _storage(own[k]) not in written]
+    extra = sorted(set(saved) - set(own))
+    shapes = [f"{k} {tuple(saved[k].shape)} in the folder, {tuple(own[k].shape)} in the model"
+              for k in own if k in saved and saved[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        cls = type(model)
+        built = f"{cls.__module__}.{cls.__qualname__}"
+        differs = "; ".join([f"shapes differ: {', '.join(shapes[:3])}"] * bool(shapes) +
+                            [f"not in the folder: {', '.join(missing[:5])}"] * bool(missing) +
+                            [f"not in the model: {', '.join(extra[:5])}"] * bool(extra))
+        raise CheckpointError(
+            f"load_model: the weights in {folder} (of a {exported_class}) do not fit the {built} that its task "
+            f"builds now: {differs}. HINT: the folder holds another model's weights, or the task or its options "
+            f"changed since the export; load it with the code and {META} it was exported with")
+    model.load_state_dict(saved, strict=False)  # strict above, tied partners included
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"load_model: {folder} has neither model.safetensors nor model.safetensors.index.json")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(folder / name))
+    return weights
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, str]:
+    return tensor.untyped_storage().data_ptr(), str(tensor.device)
