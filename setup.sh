@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up qgtrain in ./.venv: torch (a CUDA build where a GPU is visible, the CPU build otherwise),
-# qgtrain and its dependencies, and the directories config.yaml names. Safe to run again.
+# Set up qgtrain in ./.venv: torch, qgtrain and its dependencies, and the directories config.yaml names.
+# Safe to run again. torch: where a GPU is visible, PyPI's CUDA build; otherwise `pip install torch`
+# as pip is configured here (a local wheel folder may hold the CPU build; from PyPI itself it is the CUDA
+# build, which also runs on a CPU: set QGTRAIN_TORCH below for the smaller CPU-only wheel).
 #
 #   ./setup.sh          everything needed to train
 #   ./setup.sh --dev    also the test tools (pytest)
@@ -8,6 +10,7 @@
 # Environment:
 #   QGTRAIN_TORCH="<pip arguments>"  install torch your site's way, e.g.
 #                                    QGTRAIN_TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu121"
+#                                    QGTRAIN_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 #   QGTRAIN_TORCH=system             use the torch already on the system (e.g. from `module load`):
 #                                    the venv sees system packages and setup.sh installs no torch
 #   QGTRAIN_VENV=DIR                 where the virtual environment goes (default .venv)

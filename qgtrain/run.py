@@ -209,15 +209,17 @@ def _deadline(cfg: RunConfig, env: DistEnv) -> Deadline:
     if not env.is_main:
         return Deadline(None, None, cfg.train.stop_margin_s)
     max_time = duration_s(cfg.train.max_time) if cfg.train.max_time else None
-    local_end = time.time() - (process_age_s() or 0.0) + max_time if max_time else None
+    started = time.time() - (process_age_s() or 0.0)
+    local_end = started + max_time if max_time else None
     if not env.in_slurm_job:
-        return Deadline(local_end, None, cfg.train.stop_margin_s)
+        return Deadline(local_end, None, cfg.train.stop_margin_s, started=started)
 
     def job_end() -> float | None:
         left = slurm.seconds_left(str(env.job_id))
         return None if left is None else time.time() + left
 
-    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end, cfg.train.time_limit_check_s)
+    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end, cfg.train.time_limit_check_s,
+                    started)
 
 
 def _check_shared(ctx: RunContext, claim: Claim) -> None:

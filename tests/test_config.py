@@ -99,6 +99,15 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
     ("task:\n  options: [1, 2]\n", r"task.options: expected a mapping of names to values"),
     ("slurm:\n  job_name: null\n", r"slurm.job_name: expected text, got NoneType"),
     ("train:\n  max_time: soon\n", r"train.max_time: 'soon' is not a duration; use e.g. 45m, 3h30m"),
+    ("train:\n  precision: bf61\n", r"train.precision: 'bf61' is not allowed; choose one of auto, fp32, bf16, fp16. "
+                                    r"Did you mean 'bf16'\?"),
+    ("train:\n  parallel: fsdp\n  precision: fp16\n", r"train.precision: fp16 needs loss scaling, which qgtrain "
+                                                      r"does not do on sharded gradients; use bf16"),
+    ("train:\n  parallel: fsdp\nmodel:\n  compile: true\n", r"model.compile: torch.compile with train.parallel: "
+                                                           r"fsdp is not supported yet"),
+    ("slurm:\n  step_retries: -1\n", r"slurm.step_retries: -1 is out of range; expected an integer between 0 and 10"),
+    ("slurm:\n  step_retries: 1000\n", r"slurm.step_retries: 1000 is out of range; expected an integer between 0 "
+                                        r"and 10"),
 ])
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):

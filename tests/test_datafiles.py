@@ -86,8 +86,12 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
     from datasets import Dataset
 
     sets = {name: documents(30, seed) for seed, name in enumerate(["jsonl", "gz", "array", "parquet", "saved",
-                                                                     "txt", "txtgz"])}
+                                                                     "txt", "txtgz", "ndjson", "md"])}
     write_jsonl(tmp_path / "a.jsonl", sets["jsonl"])
+    write_jsonl(tmp_path / "e.ndjson", sets["ndjson"])
+    (tmp_path / "notes").mkdir()
+    for i, doc in enumerate(sets["md"]):
+        (tmp_path / "notes" / f"{i:02}.md").write_text(doc)
     write_jsonl(tmp_path / "b.jsonl.gz", sets["gz"])
     (tmp_path / "c.json").write_text(json.dumps([{"text": doc} for doc in sets["array"]]))
     pq.write_table(pa.table({"text": sets["parquet"], "n": list(range(30))}), tmp_path / "d.parquet",
@@ -101,12 +105,13 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
         (tmp_path / f"z{i:02}.txt.gz").write_bytes(gzip.compress(doc.encode()))
 
     cfg = data(tmp_path, tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz", tmp_path / "c.json", tmp_path / "d.parquet",
-               tmp_path / "saved", tmp_path / "texts", tmp_path / "z*.txt.gz")
+               tmp_path / "saved", tmp_path / "texts", tmp_path / "z*.txt.gz", tmp_path / "e.ndjson",
+               tmp_path / "notes")
     files, made = preparing.prepare(cfg)
     assert made
     assert all_documents(files) == sorted(doc for docs in sets.values() for doc in docs)
     meta = json.loads((files.folder / "meta.json").read_text())
-    assert sum(meta["documents"].values()) == 7 * 30 and files.dtype == "uint16"
+    assert sum(meta["documents"].values()) == 9 * 30 and files.dtype == "uint16"
 
 
 def test_a_long_text_file_is_read_in_pieces_but_stays_one_document(tmp_path, monkeypatch):
@@ -267,7 +272,8 @@ def test_bad_data_gets_one_line_exit_2_and_leaves_nothing_behind(tmp_path, setup
     assert len(error) == 1 and "Traceback" not in out.stderr, out.stderr
     import re
     assert re.search(expected, error[0]), error[0]
-    assert not [p for p in (tmp_path / "cache").glob("*") if p.is_dir()] if (tmp_path / "cache").exists() else True
+    cache = tmp_path / "cache"
+    assert not (cache.exists() and [p for p in cache.glob("*") if p.is_dir()]), "nothing was prepared"
 
 
 def test_a_dataset_dict_folder_asks_for_its_split_folders(tmp_path):

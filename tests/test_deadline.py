@@ -49,12 +49,14 @@ def test_an_evaluation_never_measured_counts_half_a_step_per_batch_and_the_expor
     assert not planner(100.0, step_s=2.0, eval_batch_s=None, save_s=10.0).out_of_time(999), "no export: 60 s"
 
 
-def test_work_longer_than_a_whole_allocation_is_no_reason_to_stop(caplog):
-    """Stopping for it would requeue forever: the run goes on and says why."""
+def test_evaluations_longer_than_a_whole_allocation_are_no_reason_to_stop(caplog):
+    """Stopping for them would requeue forever: the run goes on and says why; steps still count."""
     plan = planner(30.0, step_s=0.5, eval_batch_s=3.0, save_s=2.0, given_s=100.0)  # final work: 152 s
     with caplog.at_level("WARNING", logger="qgtrain"):
         assert not plan.out_of_time(999) and plan.final_work_fits()
-    assert caplog.text.count("no allocation could hold it") == 1
+    assert caplog.text.count("no allocation could hold them") == 1
+    assert planner(7.0, step_s=0.5, eval_batch_s=3.0, save_s=2.0, given_s=100.0).out_of_time(999), \
+        "two steps and a checkpoint (3 s) and the margin (5 s) do not fit in 7 s"
 
 
 def test_a_final_evaluation_that_cannot_fit_is_done_by_the_next_start_and_equals_an_uninterrupted_run(tmp_path):

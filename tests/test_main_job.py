@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,11 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
     assert "2 rank(s) on 1 node(s)" in (run / "logs" / "rank_0.log").read_text()
     assert "[rank 1]" in (run / "logs" / "rank_1.log").read_text()
     assert metrics(run)[-1]["step"] == 20
+    # A stop at a checkpoint under torchrun: every rank exits 75, torchrun's agent reports it and exits 1
+    # (what the README's table of exit codes says); status.json tells the outcome.
+    stopped = qgtrain(tmp_path, "train.max_steps=100000", "train.max_time=1s", "data.corpus_mb=0.3",
+                      launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "qgtrain"))
+    assert stopped.returncode == 1 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
+    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
+    assert re.search(r"stopping at step 2[12] on the time limit: checkpoint saved", (run / "logs" /
+                                                                                     "rank_0.log").read_text())

@@ -78,7 +78,7 @@ MODELS = {"ddp": ["model.factory=tests.factories:tiny"],  # fsdp shards GPT-2's 
           "fsdp": ["train.parallel=fsdp", "model.hidden=32", "model.heads=2", "model.layers=2"]}
 
 
-def test_a_job_started_from_a_shell_is_not_requeued_and_says_how_to_resume():
+def test_a_job_started_from_a_shell_or_past_max_restarts_is_not_requeued_and_says_why():
     """srun or salloc from a shell makes a job Slurm cannot requeue (only batch jobs can be): the stop says
     so instead of asking a batch shell that does not exist to requeue it."""
     from qgtrain.config import SlurmConfig
@@ -100,6 +100,10 @@ def test_a_job_started_from_a_shell_is_not_requeued_and_says_how_to_resume():
     assert decide_requeue(SlurmConfig(), from_environ({**step, "ENVIRONMENT": "BATCH"}, "node1"), scontrol) == \
         (True, "stopped at a checkpoint: requeued job 9")
     assert calls == [["scontrol", "show", "job", "-o", "9"], ["scontrol", "requeue", "9"]]
+    tenth = from_environ({**step, "ENVIRONMENT": "BATCH", "SLURM_RESTART_COUNT": "10"}, "node1")
+    assert decide_requeue(SlurmConfig(max_restarts=10), tenth, scontrol) == \
+        (False, "stopped at a checkpoint; not requeued (slurm.requeue=True, restart 10 of at most 10)")
+    assert len(calls) == 2, "slurm.max_restarts reached: Slurm is not asked"
 
 
 @pytest.mark.slow

@@ -177,10 +177,8 @@ def test_a_cancelled_submitit_job_raises_instead_of_hanging(tmp_path):
     job = submit_small(tmp_path, 10**6)
     wait_until(lambda: logged_step(tmp_path / "runs" / "submitit") >= 50, 180, "training to start")
     job.cancel()
-    start = time.monotonic()
-    with pytest.raises(submitit.core.utils.UncompletedJobError, match="CANCELLED"):
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="CANCELLED"):  # not the wait's TimeoutError
         job.result(timeout=120)
-    assert time.monotonic() - start < 120
     assert "checkpoint saved" in rank_log(tmp_path / "runs" / "submitit", 0)
     assert "not requeued: the job is ending (COMPLETING" in job._sub_jobs[0].stderr()
 

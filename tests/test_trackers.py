@@ -205,3 +205,36 @@ def test_an_unknown_tracker_is_refused_before_anything_runs(tmp_path):
     assert "logging.trackers: 'comet' is not a tracker qgtrain knows; choose from tensorboard, wandb, mlflow" \
         in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_tracker_whose_library_is_missing_is_refused_with_exit_2(monkeypatch):
+    """check_installed runs on every rank before any step (run.py); a missing library is the user's to fix."""
+    from qgtrain.errors import EXIT_USAGE, ConfigError
+    from qgtrain.training import trackers
+
+    monkeypatch.setitem(trackers.EXTRAS, "wandb", "wandb_is_not_installed_here")
+    with pytest.raises(ConfigError) as refused:
+        trackers.check_installed(("mlflow", "wandb"))
+    assert refused.value.exit_code == EXIT_USAGE
+    assert str(refused.value) == ("logging.trackers: wandb is not installed here; pip install 'qgtrain[wandb]' (or "
+                                  "wandb_is_not_installed_here), or remove it from logging.trackers")
+
+
+def test_a_tracker_that_fails_while_logging_warns_once_and_is_dropped(caplog):
+    from qgtrain.training.trackers import Opened, Tracker
+
+    sent: list[int] = []
+
+    def send(step: int, values: dict[str, float]) -> None:
+        if step == 4:
+            raise RuntimeError("the server went away")
+        sent.append(step)
+
+    tracker = Tracker("mlflow", Opened("run", send, lambda finished: None))
+    with caplog.at_level("WARNING", logger="qgtrain"):
+        for step in (2, 4, 6, 8):
+            tracker.log({"step": step, "loss": 1.0})
+        tracker.close(True)
+    assert sent == [2] and tracker.broken
+    assert caplog.text.count("logging.trackers: mlflow failed to log (RuntimeError: the server went away); "
+                             "training goes on without it") == 1

@@ -28,6 +28,7 @@ class RunSummary:
     last_val_metrics: dict[str, float]  # the task's own metrics at the latest validation (val_accuracy, ...)
     checkpoint: int | None
     restarts: int | None
+    failures: list[str]  # each failed step: which rank, where, how, and what followed (retry, requeue, end)
     job_id: str | None
     error: str | None
     swept: dict[str, str]  # the values its sweep gave it (empty outside a sweep)
@@ -60,9 +61,20 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         name=run.name, path=str(run), status=_status(run, status), step=trained[-1]["step"] if trained else None,
         epoch=trained[-1]["epoch"] if trained else None, best_val_loss=min(vals) if vals else None,
         last_val_loss=vals[-1] if vals else None, last_val_metrics=metrics, checkpoint=ours[-1].step if ours else None,
-        restarts=int(restart) if isinstance(restart, (int, float)) else None,
+        restarts=int(restart) if isinstance(restart, (int, float)) else None, failures=_failures(status),
         job_id=str(status["job_id"]) if status.get("job_id") else None,
         error=str(status["error"]) if status.get("error") else None, swept=swept or {})
+
+
+def _failures(status: dict[str, object]) -> list[str]:
+    recorded = status.get("failures")
+    described = []
+    for failure in recorded if isinstance(recorded, list) else []:
+        if isinstance(failure, dict):
+            where = f"rank {failure['rank']} on {failure['node']}: {failure['how']}" if "rank" in failure else \
+                f"exit {failure.get('exit_code')}"
+            described.append(f"{where} -> {failure.get('action', '?')}")
+    return described
 
 
 def _status(run: Path, status: dict[str, object]) -> str:
@@ -88,13 +100,14 @@ def as_table(rows: list[RunSummary]) -> str:
             return "-"
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
-    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "JOB", "METRICS",
-              "SWEPT")
+    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "FAILURES", "JOB",
+              "METRICS", "SWEPT")
     cells = [header] + [(r.name, r.status, fmt(r.step), fmt(r.epoch), fmt(r.best_val_loss), fmt(r.last_val_loss),
-                         fmt(r.checkpoint), fmt(r.restarts), fmt(r.job_id),
+                         fmt(r.checkpoint), fmt(r.restarts), str(len(r.failures)), fmt(r.job_id),
                          " ".join(f"{k} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-",
                          " ".join(f"{k}={v}" for k, v in r.swept.items()) or "-") for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
     lines += [f"{r.name}: {r.error}" for r in rows if r.status == "failed" and r.error]
+    lines += [f"{r.name}: failed step {i}: {failure}" for r in rows for i, failure in enumerate(r.failures, 1)]
     return "\n".join(lines)

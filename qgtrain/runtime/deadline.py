@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 class Deadline:
     def __init__(self, local_end: float | None, job_end: float | None, margin_s: float,
-                 read_job_end: Callable[[], float | None] | None = None, every_s: float = 300.0) -> None:
+                 read_job_end: Callable[[], float | None] | None = None, every_s: float = 300.0,
+                 started: float | None = None) -> None:
         """`local_end`: from train.max_time; `job_end`: the Slurm limit now (Unix times, None if none);
-        `read_job_end` reads the Slurm limit again, every `every_s` seconds."""
+        `read_job_end` reads the Slurm limit again, every `every_s` seconds; `started`: when this process
+        started (default now)."""
         self.local_end, self.job_end, self.margin_s = local_end, job_end, margin_s
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self._stopped = threading.Event()
         if read_job_end is not None:
             if job_end is None:

@@ -42,11 +42,11 @@ class Planner:
         """Rank 0, as step `step` begins: whether the work until the next chance to stop no longer fits."""
         work, parts = self._work_from(step)
         due = self.deadline.due(work)
-        if due and self._possible(work):
+        if due:
             log.warning("the time limit is %.0f s away (before the next chance to stop: %s; margin %.0f s): "
                         "stopping at a checkpoint", self.deadline.left_s() or 0.0, ", ".join(parts),
                         self.deadline.margin_s)
-        return due and self._possible(work)
+        return due
 
     def final_work_fits(self) -> bool:
         """Rank 0, at the last step: whether the final validation, test, checkpoint and export fit."""
@@ -65,13 +65,14 @@ class Planner:
         ends = s.max_steps in window or (validations > 0 and s.early_stopping)
         step_s = timer.longest_step_s
         parts = [f"{len(window)} step(s) of up to {step_s:.2f} s", f"a checkpoint of {timer.longest_save_s:.1f} s"]
-        work = len(window) * step_s + validations * self._validation_s() + timer.longest_save_s
+        evaluations = validations * self._validation_s() + (self._final_work_s() if ends else 0.0)
         if validations:
             parts.append(f"{validations} validation(s) of {self._validation_s():.1f} s")
         if ends:
-            work += self._final_work_s()
             parts.append(f"the final evaluation, checkpoint and export, {self._final_work_s():.1f} s")
-        return work, parts
+        if not self._possible(evaluations):
+            evaluations, parts = 0.0, parts[:2]
+        return len(window) * step_s + timer.longest_save_s + evaluations, parts
 
     def _final_work_s(self) -> float:
         save_s = self.timer.longest_save_s
@@ -87,14 +88,14 @@ class Planner:
         return self.timer.eval_batch_s if self.timer.eval_batch_s is not None else self.timer.longest_step_s / 2
 
     def _possible(self, work_s: float) -> bool:
-        """Work longer than a whole allocation of this job would never fit: stopping for it would only
-        requeue forever, so the run goes on and says why."""
+        """Evaluations longer than a whole allocation of this job would never fit: stopping for them would
+        only requeue forever, so the run goes on and says why."""
         given = self.deadline.given_s()
         if given is None or work_s < 0.9 * given:
             return True
         if not self._warned:
             self._warned = True
-            log.warning("the work before the next chance to stop (%.0f s) is longer than this job's whole time "
-                        "(%.0f s), so no allocation could hold it; training goes on. HINT: ask for more time "
+            log.warning("the evaluations before the next chance to stop (%.0f s) take longer than this job's whole "
+                        "time (%.0f s), so no allocation could hold them; training goes on. HINT: ask for more time "
                         "(slurm.time), or evaluate fewer batches (train.eval_batches)", work_s, given)
         return False
