@@ -1,11 +1,11 @@
 """torch.compile's caches kept in the run directory, so a requeued job does not compile everything again.
 
 Inductor and Triton cache compiled kernels under /tmp by default: node-local, often wiped, and a
-requeued job usually lands on another node, where it compiled from scratch (14 s of a 17 s start for
-a small GPT-2 on a CPU). With model.compile each rank keeps its cache in <run dir>/compile-cache/rank-N,
+requeued job usually lands on another node, where it compiled from scratch (most of its start:
+bench.compile_restart measures it). With model.compile each rank keeps its cache in <run dir>/compile-cache/rank-N,
 on the shared filesystem, where the next start of the same rank finds it. torch's portable cache
 artifacts (save/load_cache_artifacts) were measured too: on the CPU they carry the graphs but not the
-compiled C++, and saved 3 s of the 14.
+compiled C++, and saved little of the start.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """How a rank uses the CPU it trains on: its share of the node's cores, and a malloc that keeps memory.
 
 glibc's malloc hands large freed blocks back to the kernel (munmap, or trimming the heap), so the next
-step's activations of the same size are faulted in and zeroed again page by page. On the main job's model
-that was 8,000 page faults and a third more system time per step than a loop that happened to keep its
-heap; a caching allocator (CUDA's, jemalloc, tcmalloc) never pays it. Serving blocks up to glibc's
+step's activations of the same size are faulted in and zeroed again page by page, every step (thousands
+of page faults; tests/test_cpu.py counts them, bench.train_speed shows the cost); a caching allocator
+(CUDA's, jemalloc, tcmalloc) never pays it. Serving blocks up to glibc's
 largest mmap threshold from the heap, and trimming the heap only past 2 GiB free, does the same: a rank
 then holds on to its peak memory for the whole run, as it would on a GPU.
 """

@@ -41,8 +41,8 @@ class ProgressWatchdog:
     """Exits with every thread's stack when no step completes for `seconds`: it catches the hangs that no
     collective timeout sees (a stuck data loader, a deadlocked thread).
 
-    Re-arming faulthandler's timer joins its thread and starts another: 0.1 ms on an idle machine, but a
-    median 1.8 ms (p90 6.6 ms) when every core is training, paid on every rank and waited for by all at
+    Re-arming faulthandler's timer joins its thread and starts another, which takes milliseconds when every
+    core is training (bench.train_speed's tiny preset shows it), paid on every rank and waited for by all at
     the next gradient all-reduce. So the timer is re-armed only once `slack` has passed since it was last
     armed, for `seconds + slack`: a stuck rank exits between `seconds` and `seconds + slack` after its
     last progress.

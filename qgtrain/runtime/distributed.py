@@ -239,7 +239,8 @@ def _collect(store: Any, key: str, waiting_for: str, timeout: tuple[str, float])
 
 def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str, float]) -> None:
     """Poll, first every few milliseconds: most waits are short (rank 0 finds the data already prepared),
-    and a fixed 0.2 s pause cost every start about that much on every rank."""
+    and a fixed pause of the longest interval cost every start about that much on every rank
+    (bench.train_speed's start breakdown)."""
     start, said = time.monotonic(), 5.0  # a wait shorter than said goes unmentioned
     for pause in _pauses(0.002, 0.2):
         if store.check(keys):
