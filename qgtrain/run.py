@@ -260,8 +260,8 @@ def _after_stop(ctx: RunContext, path: Path, requeue_on_stop: bool) -> int:
     result = None
     if ctx.env.is_main:
         requeued, said = slurm.decide_requeue(ctx.cfg.slurm, ctx.env) if requeue_on_stop else \
-            (False, "stopped at a checkpoint; the launcher decides about requeueing")
-        logger.warning("%s", said)
+            (False, "the launcher decides about requeueing")
+        logger.warning("stopped at a checkpoint; %s", said)
         result = EXIT_REQUEUE_ME if requeued is None else EXIT_STOPPED
         rundir.write_status(path, "preempted", requeued=requeued)
     return int(distributed.broadcast_from_main(result))

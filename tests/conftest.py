@@ -21,7 +21,7 @@ LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Path]:
-    """A running two-node Slurm cluster; yields its slurm.conf. Clients find it through SLURM_CONF."""
+    """A running three-node Slurm cluster; yields its slurm.conf. Clients find it through SLURM_CONF."""
     if os.geteuid() != 0:
         _cannot_start("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):

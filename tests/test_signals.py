@@ -94,15 +94,15 @@ def test_a_job_started_from_a_shell_or_past_max_restarts_is_not_requeued_and_say
     step = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
             "SLURM_JOB_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "1"}
     shell = decide_requeue(SlurmConfig(), from_environ(step, "node1"), scontrol)
-    assert shell == (False, "stopped at a checkpoint; this job was started by srun or salloc from a shell, not by "
-                            "sbatch, and Slurm requeues only batch jobs: run the same command again to resume")
+    assert shell == (False, "this job was started by srun or salloc from a shell, not by sbatch, and Slurm "
+                            "requeues only batch jobs: run the same command again to resume")
     assert calls == []
     assert decide_requeue(SlurmConfig(), from_environ({**step, "ENVIRONMENT": "BATCH"}, "node1"), scontrol) == \
-        (True, "stopped at a checkpoint: requeued job 9")
+        (True, "requeued job 9")
     assert calls == [["scontrol", "show", "job", "-o", "9"], ["scontrol", "requeue", "9"]]
     tenth = from_environ({**step, "ENVIRONMENT": "BATCH", "SLURM_RESTART_COUNT": "10"}, "node1")
     assert decide_requeue(SlurmConfig(max_restarts=10), tenth, scontrol) == \
-        (False, "stopped at a checkpoint; not requeued (slurm.requeue=True, restart 10 of at most 10)")
+        (False, "not requeued (slurm.requeue=True, restart 10 of at most 10)")
     assert len(calls) == 2, "slurm.max_restarts reached: Slurm is not asked"
 
 

@@ -1,4 +1,4 @@
-"""qgtrain on a real Slurm cluster: slurmctld and two slurmd in their own network namespaces (node1, node2),
+"""qgtrain on a real Slurm cluster: slurmctld and three slurmd in their own network namespaces (node1..node3),
 started by the `slurm_cluster` fixture. The shipped train.slurm and qgtrain.submit are used as users use
 them; preemption, external requeue and time limits are Slurm's own. The cluster has no accounting (no
 sacct), as many don't."""

@@ -118,3 +118,22 @@ def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_
     assert [f["action"] for f in failures(run)] == ["retry", "requeue node2"]
     resumed = final_weights(run, STEPS)
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+
+
+def test_a_submitit_job_whose_rank_is_killed_is_requeued_and_finishes(tmp_path, uninterrupted):
+    """submitit's script runs one srun step, so a machine failure requeues the job (a surviving rank asks
+    Slurm), and the next allocation resumes from the last checkpoint."""
+    import qgtrain
+
+    submitted = qgtrain.submit(configs(tmp_path)[2], folder=tmp_path / "submitit", slurm__nodes=2,
+                               slurm__cpus_per_task=1, train__run_name="submitit", train__device="cpu",
+                               train__precision="fp32")
+    run = tmp_path / "runs" / "submitit"
+    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    kill_rank(submitted.job_id, 1)
+    assert submitted.result(timeout=600) == {"run_dir": str(run), "exit_code": 0}
+    assert job(submitted.job_id)["Restarts"] == "1"
+    said = submitted._sub_jobs[0].stderr() or ""
+    assert f"qgtrain: the step failed (PeerFailure); requeued job {submitted.job_id}" in said, said[-2000:]
+    resumed = final_weights(run, STEPS)
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"

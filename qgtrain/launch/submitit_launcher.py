@@ -25,6 +25,7 @@ from ..config import RunConfig
 from ..configload import config_files, config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
 from ..runtime.slurm import (
+    decide_requeue,
     is_time_limit,
     job_state,
     reason_not_to_requeue,
@@ -49,7 +50,13 @@ class TrainTask(submitit.helpers.Checkpointable):
 
         env = from_environ(os.environ)
         cfg = config_from_dict(self.config, "submitted config")
-        code = train(cfg, env, self.run_dir, requeue_on_stop=False)
+        try:
+            code = train(cfg, env, self.run_dir, requeue_on_stop=False)
+        except QgtrainError as exc:
+            if exc.retryable:  # the machine's failure: submitit's script runs one srun step, so requeue
+                _, said = decide_requeue(cfg.slurm, env)
+                print(f"qgtrain: the step failed ({exc.__class__.__name__}); {said}", file=sys.stderr, flush=True)
+            raise
         if code == EXIT_STOPPED:
             _requeue_through_submitit(env.rank, str(env.job_id), env.restart_count, 60.0 * time_minutes(cfg.slurm.time),
                                       cfg.slurm.signal_lead_s)
@@ -128,7 +135,9 @@ def executor_parameters(cfg: RunConfig) -> dict[str, Any]:
     validate(s)
     params: dict[str, Any] = {"name": s.job_name, "nodes": s.nodes, "tasks_per_node": tasks_per_node(s),
                               "cpus_per_task": s.cpus_per_task, "timeout_min": time_minutes(s.time),
-                              "slurm_signal_delay_s": s.signal_lead_s}
+                              "slurm_signal_delay_s": s.signal_lead_s,
+                              # a rank that dies takes the step down at once, as in train.slurm
+                              "slurm_srun_args": ["--kill-on-bad-exit=1"]}
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.mem:

@@ -88,19 +88,20 @@ def requeue(requeue_id: str, run: Runner = subprocess.run) -> tuple[bool, str]:
 
 
 def decide_requeue(slurm: SlurmConfig, env: DistEnv, run: Runner = subprocess.run) -> tuple[bool | None, str]:
-    """Rank 0, after an agreed stop at a checkpoint: requeue if this is a running Slurm job that should come
-    back. Returns (True if requeued, False if it should not be, None if it should but could not be from
-    here: the batch shell then does it) and what to log."""
+    """Rank 0, after an agreed stop at a checkpoint (or any surviving rank, after a machine failure under a
+    launcher that runs one step): requeue if this is a running batch job that should come back. Returns
+    (True if requeued, False if it should not be, None if it should but could not be from here: the batch
+    shell then does it) and what happened, for the log."""
     if not env.in_slurm_job:
-        return False, "stopped at a checkpoint: run the same command again to resume"
+        return False, "run the same command again to resume"
     if not env.batch_job:
-        return False, ("stopped at a checkpoint; this job was started by srun or salloc from a shell, not by "
-                       "sbatch, and Slurm requeues only batch jobs: run the same command again to resume")
+        return False, ("this job was started by srun or salloc from a shell, not by sbatch, and Slurm requeues "
+                       "only batch jobs: run the same command again to resume")
     if not slurm.requeue or env.restart_count >= slurm.max_restarts:
-        return False, (f"stopped at a checkpoint; not requeued (slurm.requeue={slurm.requeue}, restart "
-                       f"{env.restart_count} of at most {slurm.max_restarts})")
+        return False, (f"not requeued (slurm.requeue={slurm.requeue}, restart {env.restart_count} of at most "
+                       f"{slurm.max_restarts})")
     reason = reason_not_to_requeue(job_state(str(env.job_id), run), env.restart_count)
     if reason:
-        return False, f"stopped at a checkpoint; {reason}"
+        return False, reason
     done, message = requeue(str(env.requeue_id), run)
-    return (True if done else None), f"stopped at a checkpoint: {message}"
+    return (True if done else None), message
