@@ -16,6 +16,18 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--nodelist=node[1-2]")
 
 
+def records(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, skipping a last line cut short by a kill."""
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 def overlay(tmp_path: Path, max_steps: int, every_steps: int = 0,
             task_options: dict[str, object] | None = None) -> Path:
     """A small run under tmp_path: the built-in LM, or with task_options the task of a job file laid under

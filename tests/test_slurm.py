@@ -25,10 +25,12 @@ from tests.helpers import (
     logged_step,
     overlay,
     rank_log,
+    records,
     sbatch,
     wait_finished,
     wait_until,
 )
+from tests.ranks import start_cli_ranks, wait_ranks
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -125,33 +127,55 @@ def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
 
 
-@pytest.mark.parametrize("signal_option, cause", [("--signal=USR2@10", "SIGUSR2"),
-                                                  ("--signal=URG@10", "the time limit")])
-def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_path, signal_option, cause):
+def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_path):
     # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit. The run is
     # far longer than any machine trains in a minute, so every allocation ends on the time limit; after two
     # such ends the job is cancelled. Finishing after a requeue is the interrupted-job test's concern.
-    # SIGURG is ignored by the ranks: a job whose warning never reaches them, stopped by qgtrain's own
-    # reading of the job's end time.
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", signal_option,
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=USR2@10",
                     configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
                              overlay(tmp_path, 10**7)])
     run = tmp_path / "runs" / "preemptible"
     try:
-        wait_until(lambda: (run / "logs" / "rank_0.log").exists() and rank_log(run, 0).count("resumed from") >= 2,
-                   420, "a second resume")
+        wait_until(lambda: rank_log(run, 0).count("resumed from") >= 2, 420, "a second resume")
     finally:
         subprocess.run(["scancel", job_id], check=True)
     assert job(job_id)["Restarts"] == "2", "the same job id came back after each time limit"
     log = rank_log(run, 0)
-    stops = [int(step) for step in re.findall(rf"stopping at step (\d+) on {cause}", log)]
+    stops = [int(step) for step in re.findall(r"stopping at step (\d+) on SIGUSR2", log)]
     assert len(stops) == 2 and 0 < stops[0] < stops[1]
     for restart, stopped in enumerate(stops, start=1):
-        assert f"stopping at step {stopped} on {cause}: checkpoint saved" in log
+        assert f"stopping at step {stopped} on SIGUSR2: checkpoint saved" in log
         assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
             f"allocation {restart + 1} lost work after the time limit"
         assert f"Slurm job {job_id} restart {restart}" in log
     assert wait_finished(job_id, timeout=120) == "CANCELLED"
+
+
+def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_ends_completed(tmp_path):
+    """SIGURG as the warning (the ranks ignore it): a job whose signal never reaches them, stopped by qgtrain's
+    own reading of the time limit. Validations take 4 s (a sleep) where a step takes a twentieth of that;
+    the run needs about two 1-minute allocations. It ends COMPLETED, never TIMEOUT, with every loss and
+    validation loss of an uninterrupted run of the same settings trained alongside on two local ranks."""
+    task = tmp_path / "task.yaml"
+    task.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', options: {{size: 4096, "
+                    "step_s: 0.05, eval_batch_s: 0.5}}\n"
+                    "train: {max_steps: 800, eval_every: 100, eval_batches: 8, log_every: 20, cpu_threads: 1}\n"
+                    "early_stopping: {patience: 0}\ncheckpoint: {every_steps: 0}\n")
+    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 800), task]
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=URG@10", configs=configs)
+    local = start_cli_ranks(2, ["train", *[a for c in configs for a in ("--config", str(c))], "--run-dir",
+                                   str(tmp_path / "uninterrupted")], tmp_path, log_prefix="local")
+    assert wait_ranks(local, 600) == [0, 0]
+    assert wait_finished(job_id, timeout=900) == "COMPLETED"
+    run = tmp_path / "runs" / "cpu"
+    assert int(job(job_id)["Restarts"]) >= 1, "the run needed more than one allocation"
+    log = rank_log(run, 0)
+    assert "on the time limit: checkpoint saved" in log and "the time limit is" in log
+    want, have = records(tmp_path / "uninterrupted"), records(run)
+    for key in ("loss", "val_loss", "test_loss"):
+        by_step = [{r["step"]: r[key] for r in rs if key in r} for rs in (want, have)]
+        assert by_step[0] and by_step[0].items() <= by_step[1].items(), key  # a start also logs its first step
+        assert key == "loss" or by_step[0] == by_step[1], key
 
 
 def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.launch.submitit_launcher.TrainJob:  # type: ignore[name-defined]

@@ -41,8 +41,8 @@ class Agreement:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._in_flight = distributed.any_flags_later(torch.zeros(AGREED, dtype=torch.int32, device=device))
-        self._started = self._in_flight
+        nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)  # what is known before any agreement
+        self._in_flight = self._started = lambda: nothing
 
     def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
         """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for all of
