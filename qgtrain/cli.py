@@ -120,7 +120,8 @@ def _operations_commands(sub: Any) -> None:
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
     show.set_defaults(func=_config)
 
-    env = sub.add_parser("env", help="print the rendezvous this process would use (run it inside srun)")
+    env = sub.add_parser("env", help="print the rendezvous and device this process would use (run it inside srun)")
+    _config_args(env)
     env.set_defaults(func=_env)
 
 
@@ -292,7 +293,11 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
+    from .runtime.devices import choose, count_without_cuda
     from .runtime.rendezvous import from_environ
 
-    print(json.dumps(from_environ(os.environ).describe(), indent=1))
+    env = from_environ(os.environ)
+    choice = choose(load_args_config(args).train.device, env, count_without_cuda(env))
+    print(json.dumps({**env.describe(), "device": choice.name, "device_index": choice.index,
+                      "device_why": choice.why}, indent=1))
     return 0

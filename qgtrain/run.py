@@ -168,8 +168,8 @@ def _log_start(ctx: RunContext, claim: Claim) -> None:
         logger.info("using the tokenizer of model.pretrained (%s)", cfg.model.pretrained)
     logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", claim.path, claim.run_id,
                 env.world_size, env.num_nodes, ctx.device)
-    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
-                env.master_addr, env.master_port,
+    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d (port %s)%s", env.rank, env.node_name,
+                env.local_rank, env.master_addr, env.master_port, env.port_source,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
 
 

@@ -23,27 +23,27 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JoinError, QgtrainError, RendezvousError, first_line
+from . import devices
 from .rendezvous import DistEnv
 
 
-def pick_device(env: DistEnv, preference: str) -> torch.device:
-    """cuda:<local rank> when a GPU is wanted and visible, else the CPU. Never the global rank."""
-    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+def pick_device(env: DistEnv, preference: str, cuda: Any = torch.cuda) -> torch.device:
+    """The rank's device (devices.choose: never the global rank), made this process's current CUDA device
+    before the process group or anything else touches CUDA. FSDP places shards, DTensor moves tensors, NCCL
+    binds its communicator, the DataLoader pins and bf16 is probed on the current device, which is GPU 0
+    until set. `cuda` is torch.cuda; a test passes a recorder."""
+    count = cuda.device_count() if preference != "cpu" and cuda.is_available() else 0
+    choice = devices.choose(preference, env, count)
+    logging.getLogger("qgtrain").info("device %s: %s", choice.name, choice.why)
+    if choice.index is None:
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    if visible == 0:
-        raise RendezvousError("train.device is 'cuda' but no GPU is visible to this process. HINT: request GPUs "
-                              "(--gpus-per-node) or set train.device: cpu")
-    if env.device_index >= visible:
-        raise RendezvousError(
-            f"local rank {env.local_rank} needs GPU {env.device_index}, but only {visible} GPU(s) are visible on "
-            f"{env.node_name}. HINT: run one task per GPU (--ntasks-per-node equal to --gpus-per-node)")
-    return torch.device("cuda", env.device_index)
+    cuda.set_device(choice.index)
+    return torch.device("cuda", choice.index)
 
 
-def ddp_device_ids(env: DistEnv, device: torch.device) -> list[int] | None:
-    """DDP's device_ids: the local rank as an int (never a torch.device, never the global rank); none on CPU."""
-    return [env.device_index] if device.type == "cuda" else None
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """DDP's device_ids: the rank's GPU as an int (never a torch.device, never the global rank); none on CPU."""
+    return [device.index] if device.type == "cuda" and device.index is not None else None
 
 
 @contextlib.contextmanager
