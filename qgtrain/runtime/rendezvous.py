@@ -66,6 +66,7 @@ class DistEnv:
     job_end_time: float | None = None  # Unix time of the job's time limit, where Slurm says (SLURM_JOB_END_TIME)
     batch_job: bool = False  # started by sbatch (ENVIRONMENT=BATCH), not srun or salloc from a shell
     cuda_visible_devices: str | None = None  # as the launcher left it; None: unset, every GPU of the node shows
+    comm_env: tuple[tuple[str, str], ...] = ()  # NCCL_*, GLOO_*, TORCH_NCCL_*, TORCH_FR_* as the job set them
 
     @property
     def is_main(self) -> bool:
@@ -83,13 +84,18 @@ class DistEnv:
         return self.job_id
 
     def describe(self) -> dict[str, object]:
-        return {**asdict(self), "requeue_id": self.requeue_id}
+        return {**asdict(self), "comm_env": dict(self.comm_env), "requeue_id": self.requeue_id}
 
 
 def from_environ(env: Mapping[str, str], hostname: str | None = None) -> DistEnv:
     """Build the DistEnv for this process from an environment mapping (normally os.environ)."""
-    node_name = env.get("SLURMD_NODENAME") or hostname or socket.gethostname()
-    job = _slurm_job(env)
+    comm_env = tuple(sorted((k, v) for k, v in env.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_",
+                                                                             "TORCH_FR_"))))
+    return replace(_launch(env, env.get("SLURMD_NODENAME") or hostname or socket.gethostname(), _slurm_job(env)),
+                   cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), comm_env=comm_env)
+
+
+def _launch(env: Mapping[str, str], node_name: str, job: JobFacts) -> DistEnv:
     if any(name in env for name in _TORCHRUN_MARKERS):
         return _from_torchrun(env, node_name, job)
     if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
@@ -102,7 +108,7 @@ def from_environ(env: Mapping[str, str], hostname: str | None = None) -> DistEnv
             "or request --ntasks=1 for a single process")
     if any(name in env for name in _RANK_VARS):
         return _from_torchrun(env, node_name, job)
-    return DistEnv(node_name=node_name, cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), **job)
+    return DistEnv(node_name=node_name, **job)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -200,7 +206,6 @@ def _from_torchrun(env: Mapping[str, str], node_name: str, job: JobFacts) -> Dis
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),
         port_source="MASTER_PORT from the launcher" if "MASTER_PORT" in env else "torchrun's default",
-        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         **job,
     )
     _check_ranks(dist, "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -238,7 +243,6 @@ def _from_slurm_step(env: Mapping[str, str], node_name: str, job: JobFacts) -> D
         num_nodes=len(hosts),
         node_name=node_name,
         master_addr=env.get("MASTER_ADDR") or hosts[0],
-        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         **job,
     )
     port, source = _slurm_port(env, job.get("job_id", ""), dist.restart_count, dist.step_id)
