@@ -165,9 +165,10 @@ def _submit(args: argparse.Namespace) -> int:
     job_dir = run_dir / "slurm"
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_launcher import executor_parameters
+            from .launch.submitit_launcher import container_python, executor_parameters
 
-            print(json.dumps(executor_parameters(cfg), indent=1))
+            python = container_python(cfg)
+            print(json.dumps({**executor_parameters(cfg), **({"slurm_python": python} if python else {})}, indent=1))
             return 0
         from .launch.submitit_launcher import submit as submit_python
 

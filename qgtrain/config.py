@@ -176,6 +176,11 @@ class SlurmConfig:
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting((), "shell lines run before srun, e.g. ['module load cuda/12.4']")
+    container_image: str = setting("", "pyxis: run every task in this image, e.g. nvcr.io#nvidia/pytorch:24.08-py3 "
+                                   "with qgtrain installed ('' = none)")
+    container_mounts: tuple[str, ...] = setting((), "SRC:DST[:FLAGS] mounts into the container, besides the "
+                                                "working directory")
+    apptainer_image: str = setting("", "apptainer: run every task with `apptainer exec` in this image ('' = none)")
 
 
 @dataclass(frozen=True)
