@@ -98,6 +98,9 @@ def _operations_commands(sub: Any) -> None:
 
     doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
     _config_args(doctor)
+    doctor.add_argument("--collective", action="store_true", help="also all-reduce between every node of the "
+                        "allocation: bus bandwidth per node pair, and which node is slow or silent")
+    doctor.add_argument("--sizes", default="1,16,64", metavar="MB,...", help="all-reduce sizes in MB (default 1,16,64)")
     doctor.set_defaults(func=_doctor)
 
     data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
@@ -245,11 +248,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from .ops.collective import parse_sizes
     from .ops.doctor import exit_code, render, run_checks
     from .runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
-    checks = run_checks(cfg, env, os.environ)
+    checks = run_checks(cfg, env, os.environ, collective=parse_sizes(args.sizes) if args.collective else None)
     if env.is_main:
         print(render(checks, env))
     return exit_code(checks)

@@ -7,10 +7,11 @@ import shutil
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..config import RunConfig
 from ..errors import QgtrainError
@@ -30,7 +31,9 @@ class Check:
     fix: str = ""
 
 
-def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list[Check]:
+def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str],
+               collective: Sequence[float] | None = None) -> list[Check]:
+    """Every check; with `collective` (sizes in MB) also the all-reduce bandwidth between the nodes."""
     import torch
 
     run_dir = default_run_dir(cfg).resolve()
@@ -39,8 +42,11 @@ def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list
     checks.append(_shared_memory(cfg, env))
     checks += _slurm_commands()
     checks.append(_port(env))  # before the cross-node check, whose process group takes this port
-    checks += _run_directory(cfg, env, run_dir)
+    checks += _run_directory(cfg, env, run_dir, collective)
     checks += _huggingface(cfg, environ)
+    if collective and env.world_size == 1:
+        checks.append(Check("warning", "collective", "one process: no other rank to exchange data with",
+                            "run `srun qgtrain doctor --collective` inside the allocation"))
     return checks
 
 
@@ -94,7 +100,7 @@ def _slurm_commands() -> list[Check]:
     return checks
 
 
-def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path) -> list[Check]:
+def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path, collective: Sequence[float] | None) -> list[Check]:
     probe = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("/"))
     try:
         token = probe / f".qgtrain-doctor-{uuid.uuid4().hex[:8]}"
@@ -112,7 +118,7 @@ def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path) -> list[Check]:
                             "inside the job checks it from every node"))
     network = _network(cfg, env)
     if env.world_size > 1:
-        return checks + _across_nodes(cfg, env, probe, network)
+        return checks + _across_nodes(cfg, env, probe, network, collective)
     return checks + [network]
 
 
@@ -133,15 +139,18 @@ def _network(cfg: RunConfig, env: DistEnv) -> Check:
                  f"{choice.name or 'their own choice'} ({choice.why})")
 
 
-def _across_nodes(cfg: RunConfig, env: DistEnv, folder: Path, network: Check) -> list[Check]:
+def _across_nodes(cfg: RunConfig, env: DistEnv, folder: Path, network: Check,
+                  collective: Sequence[float] | None) -> list[Check]:
     """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check). Each
-    node's first rank also reports its network, over the interface it names (an unusable one fails here)."""
+    node's first rank also reports its network, over the interface it names (an unusable one fails here).
+    With `collective`, on each rank's own device (GPUs: NCCL), the bandwidth between the nodes."""
     import torch
 
     from ..runtime import distributed
 
     ifname = cfg.train.socket_ifname if network.level == "ok" else ""
-    with distributed.process_group(env, torch.device("cpu"), 120, 120, ifname):
+    device = distributed.pick_device(env, cfg.train.device) if collective else torch.device("cpu")
+    with distributed.process_group(env, device, 120, 120, ifname):
         name = distributed.broadcast_from_main(f".qgtrain-doctor-{uuid.uuid4().hex[:8]}")
         token = folder / name
         if env.is_main:
@@ -152,12 +161,35 @@ def _across_nodes(cfg: RunConfig, env: DistEnv, folder: Path, network: Check) ->
         distributed.barrier()
         if env.is_main:
             token.unlink(missing_ok=True)
+        measured = _collective(env, device, collective) if collective else []
     blind = sorted({node for node, ok, _ in gathered or [] if not ok})
     networks = [check for _, _, check in gathered or [] if check is not None]
     if blind:
         return [Check("error", "shared filesystem", f"node(s) {', '.join(blind)} cannot see {folder}",
-                      "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts"), *networks]
-    return [Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}"), *networks]
+                      "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts"), *networks,
+                *measured]
+    return [Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}"), *networks, *measured]
+
+
+def _collective(env: DistEnv, device: Any, sizes: Sequence[float]) -> list[Check]:
+    """The bandwidth checks (a collective); a rank that never answers is named from the rendezvous store."""
+    import torch.distributed as dist
+
+    from ..errors import first_line
+    from ..runtime.diagnose import missing_ranks
+    from . import collective
+
+    try:
+        result = collective.measure(env, device, sizes)
+    except (RuntimeError, dist.DistError) as exc:
+        verdict = collective.judge([], {}, [f"rank {r}" for r in missing_ranks(env) or []] or ["a rank"])
+        return [Check(verdict.level, "collective", f"{verdict.message} ({first_line(exc)})", verdict.fix)]
+    if result is None:
+        return []
+    whole, links = collective.render(result, env.world_size)
+    verdict = collective.judge(result["nodes"], result["links"])
+    return [Check("ok", "collective", whole), Check("ok", "node links", links),
+            Check(verdict.level, "slow nodes", verdict.message, verdict.fix)]
 
 
 def _filesystem(path: Path) -> str:
