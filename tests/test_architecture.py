@@ -26,7 +26,8 @@ LAYERS: dict[int, set[str]] = {
 PLACE = {name: layer for layer, names in LAYERS.items() for name in names}
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.config", "qgtrain.configload", "qgtrain.task",
-            "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
+            "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.runtime.comms",
+            "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
             "qgtrain.durations", "qgtrain.files"]
