@@ -15,7 +15,6 @@ from qgtrain.runtime.rendezvous import (
     PORT_BASE,
     PORT_SPAN,
     expand_nodelist,
-    hook_port,
     from_environ,
     port_for_job,
     tasks_per_node,

@@ -86,8 +86,9 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
 def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
     used = f"{'NCCL and gloo' if nccl else 'gloo'} used {network.name or 'interfaces of their own choosing'} " \
            f"({network.why}); "
+    debug = ", and NCCL_DEBUG=INFO shows what NCCL tried" if nccl else ""
     return f"{used}if that does not reach {env.master_addr}, set train.socket_ifname to one that does (`srun " \
-           f"qgtrain doctor` lists each node's interfaces){', and NCCL_DEBUG=INFO shows what NCCL tried' if nccl else ''}. "
+           f"qgtrain doctor` lists each node's interfaces){debug}. "
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
