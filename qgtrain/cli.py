@@ -98,9 +98,8 @@ def _operations_commands(sub: Any) -> None:
 
     doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
     _config_args(doctor)
-    doctor.add_argument("--collective", action="store_true", help="also all-reduce between every node of the "
-                        "allocation: bus bandwidth per node pair, and which node is slow or silent")
-    doctor.add_argument("--sizes", default="1,16,64", metavar="MB,...", help="all-reduce sizes in MB (default 1,16,64)")
+    doctor.add_argument("--collective", nargs="?", const="1,16,64", metavar="MB,...", help="also all-reduce these "
+                        "sizes (default 1,16,64) between the nodes: bandwidth per node pair, a slow node named")
     doctor.set_defaults(func=_doctor)
 
     data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
@@ -168,10 +167,9 @@ def _submit(args: argparse.Namespace) -> int:
     job_dir = run_dir / "slurm"
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_launcher import container_python, executor_parameters
+            from .launch.submitit_launcher import dry_run_parameters
 
-            python = container_python(cfg)
-            print(json.dumps({**executor_parameters(cfg), **({"slurm_python": python} if python else {})}, indent=1))
+            print(json.dumps(dry_run_parameters(cfg), indent=1))
             return 0
         from .launch.submitit_launcher import submit as submit_python
 
@@ -253,7 +251,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
-    checks = run_checks(cfg, env, os.environ, collective=parse_sizes(args.sizes) if args.collective else None)
+    checks = run_checks(cfg, env, os.environ, collective=parse_sizes(args.collective) if args.collective else None)
     if env.is_main:
         print(render(checks, env))
     return exit_code(checks)
@@ -298,11 +296,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .runtime.devices import choose, count_without_cuda
+    from .runtime.devices import describe
     from .runtime.rendezvous import from_environ
 
-    env = from_environ(os.environ)
-    choice = choose(load_args_config(args).train.device, env, count_without_cuda(env))
-    print(json.dumps({**env.describe(), "device": choice.name, "device_index": choice.index,
-                      "device_why": choice.why}, indent=1))
+    print(json.dumps(describe(from_environ(os.environ), load_args_config(args).train.device), indent=1))
     return 0

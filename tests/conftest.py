@@ -49,24 +49,6 @@ def slurm_cluster() -> Iterator[Path]:
 
 
 @pytest.fixture
-def three_node_cluster(slurm_cluster: Path) -> Iterator[Path]:
-    """The test cluster with a third node for one test, then back to two nodes: the other Slurm tests expect
-    their two-node jobs on node1 and node2 (some cut node2's link). A restart takes a few seconds."""
-    _restart(3)
-    try:
-        yield slurm_cluster
-    finally:
-        _restart(2)
-
-
-def _restart(nodes: int) -> None:
-    started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", str(nodes)], capture_output=True,
-                             text=True, timeout=600)
-    if started.returncode != 0:
-        pytest.fail(f"could not start the Slurm test cluster with {nodes} nodes:\n{started.stdout}\n{started.stderr}")
-
-
-@pytest.fixture
 def root() -> None:
     """For tests that mount filesystems or make namespaces."""
     if os.geteuid() != 0:

@@ -1,6 +1,6 @@
 """`qgtrain doctor --collective`: the pairing schedule, bus bandwidth and the verdict as tables; the
-measurement over real gloo ranks standing for three nodes; the throttled node on the 3-node Slurm test
-cluster (tc's token bucket on one node's link)."""
+measurement over real gloo ranks standing for three nodes; the throttled node on the Slurm test cluster's
+three nodes (tc's token bucket on one node's link)."""
 
 from __future__ import annotations
 
@@ -77,14 +77,14 @@ def test_the_measurement_gives_every_link_and_the_whole_allocation():
 
 
 def test_bad_sizes_are_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "qgtrain", "doctor", "--collective", "--sizes", "1,big"],
+    done = subprocess.run([sys.executable, "-m", "qgtrain", "doctor", "--collective", "1,big"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr == "qgtrain: error: --sizes '1,big': give sizes in MB between 0 " \
+    assert done.returncode == 2 and done.stderr == "qgtrain: error: --collective '1,big': give sizes in MB between 0 " \
                                                     "and 4096, e.g. 1,16,64\n"
 
 
 @pytest.mark.slurm
-def test_doctor_names_the_node_whose_link_is_throttled(three_node_cluster, tmp_path):
+def test_doctor_names_the_node_whose_link_is_throttled(slurm_cluster, tmp_path):
     """node3's link from the cluster's bridge goes through a 10 Mbit/s token bucket; the links between node1
     and node2 stay as they are."""
     throttle = ["tc", "qdisc", "add", "dev", "veth-qg3", "root", "tbf", "rate", "10mbit", "burst", "32kbit",
@@ -92,7 +92,7 @@ def test_doctor_names_the_node_whose_link_is_throttled(three_node_cluster, tmp_p
     subprocess.run(throttle, check=True)
     try:
         result = subprocess.run(["srun", "--nodes=3", "--ntasks-per-node=1", "--time=5", f"--chdir={tmp_path}",
-                                 sys.executable, "-m", "qgtrain", "doctor", "--collective", "--sizes", "0.05,0.5",
+                                 sys.executable, "-m", "qgtrain", "doctor", "--collective", "0.05,0.5",
                                  "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", "veth-qg3", "root"], check=False)

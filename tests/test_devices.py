@@ -1,9 +1,9 @@
 """Launch detection, the GPU each rank uses and its precision, over the environments GPU clusters create:
-one GPU bound to each task, all of a node's GPUs shared by its tasks, enroot's PyTorch hook under pyxis, torchrun inside a
-Slurm step, torchrun alone, one process. Runs against: tables of those exact variables (dict in, DistEnv and
-device out), and `python -m qgtrain env` run as a real process with each; the order "make the GPU current,
-then anything else" through a recorder standing in for torch.cuda (no GPU here); precision from a table of
-GPUs' compute capabilities."""
+one GPU bound to each task, all of a node's GPUs shared by its tasks, enroot's PyTorch hook under pyxis,
+torchrun inside a Slurm step, torchrun alone, one process. Runs against: tables of those exact variables
+(dict in, DistEnv and device out), and `python -m qgtrain env` run as a real process with each; the order
+"make the GPU current, then anything else" through a recorder standing in for torch.cuda (no GPU here);
+precision from a table of GPUs' compute capabilities."""
 
 from __future__ import annotations
 

@@ -209,11 +209,13 @@ def run_script(script: str, tmp_path: Path, srun_exit: int = 0) -> tuple[int, li
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for tool, body in (("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
-                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"')):
+                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
+                       ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end')):
         (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(tmp_path / "srun.txt"),
-           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77"}
+           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77", "HOST_ARGS": str(tmp_path / "host"),
+           "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python")}
     done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True,
                           text=True)
     requeued = (tmp_path / "scontrol.txt").read_text() if (tmp_path / "scontrol.txt").exists() else ""
@@ -242,9 +244,13 @@ def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_
     subprocess.run(["bash", "-n", str(tmp_path / "rendered.sbatch")], check=True)
     shellcheck(tmp_path / "rendered.sbatch")
     code, args, requeued = run_script(script, tmp_path)
-    assert code == 0 and args == [a.format(pwd=tmp_path) for a in srun] and requeued == ""
+    assert code == 0 and args == ["--kill-on-bad-exit=1", *(a.format(pwd=tmp_path) for a in srun)]
+    assert requeued == ""
     code, _, requeued = run_script(script, tmp_path, srun_exit=76)  # no scontrol inside the image
     assert code == 76 and requeued == "requeue\n77\n"
+    code, _, _ = run_script(script, tmp_path, srun_exit=1)  # a failed step is judged outside the image
+    assert code == 1 and (tmp_path / "host").read_text().split()[:5] == ["-m", "qgtrain", "recover", "--config",
+                                                                         "config.yaml"]
 
 
 @pytest.mark.parametrize("sets, key", [

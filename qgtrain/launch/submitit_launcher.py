@@ -141,6 +141,12 @@ def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
     return "python" if s.container_image else None
 
 
+def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
+    """What `qgtrain submit --launcher submitit --dry-run` shows: the parameters, and Python's command."""
+    python = container_python(cfg)
+    return {**executor_parameters(cfg), **({"slurm_python": python} if python else {})}
+
+
 def executor_parameters(cfg: RunConfig, workdir: str | None = None) -> dict[str, Any]:
     """The config's slurm: section as AutoExecutor parameters (the same resources and container as
     train.slurm, with the working directory spelled out: submitit quotes what it is given)."""

@@ -32,13 +32,13 @@ class Verdict:
 
 
 def parse_sizes(text: str) -> list[float]:
-    """`--sizes 1,16,64`: all-reduce sizes in MB."""
+    """`--collective 1,16,64`: all-reduce sizes in MB."""
     try:
         sizes = [float(part) for part in text.split(",")]
     except ValueError:
         sizes = []
     if not sizes or any(not 0 < size <= 4096 for size in sizes):
-        raise ConfigError(f"--sizes {text!r}: give sizes in MB between 0 and 4096, e.g. 1,16,64")
+        raise ConfigError(f"--collective {text!r}: give sizes in MB between 0 and 4096, e.g. 1,16,64")
     return sizes
 
 

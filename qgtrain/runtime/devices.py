@@ -85,6 +85,12 @@ def choose(preference: str, env: DistEnv, count: int) -> DeviceChoice:
         f"HINT: {SLURM_BINDING}; or run {count} rank(s) per node (--ntasks-per-node={count})")
 
 
+def describe(env: DistEnv, preference: str, dev: Path = Path("/dev")) -> dict[str, object]:
+    """`qgtrain env`: the rendezvous, and the device with why, from the environment and device files alone."""
+    choice = choose(preference, env, count_without_cuda(env, dev))
+    return {**env.describe(), "device": choice.name, "device_index": choice.index, "device_why": choice.why}
+
+
 def _shown(env: DistEnv) -> str:
     if env.cuda_visible_devices is None:
         return "CUDA_VISIBLE_DEVICES is unset"

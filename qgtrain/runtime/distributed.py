@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import JoinError, QgtrainError, RendezvousError, first_line
+from ..errors import JoinError, QgtrainError, first_line
 from . import comms, devices
 from .rendezvous import DistEnv
 

@@ -66,7 +66,7 @@ class DistEnv:
     job_end_time: float | None = None  # Unix time of the job's time limit, where Slurm says (SLURM_JOB_END_TIME)
     batch_job: bool = False  # started by sbatch (ENVIRONMENT=BATCH), not srun or salloc from a shell
     cuda_visible_devices: str | None = None  # as the launcher left it; None: unset, every GPU of the node shows
-    comm_env: tuple[tuple[str, str], ...] = ()  # NCCL_*, GLOO_*, TORCH_NCCL_*, TORCH_FR_* as the job set them
+    comm_env: tuple[tuple[str, str], ...] = ()  # NCCL_*, GLOO_*, TORCH_* as the job set them
 
     @property
     def is_main(self) -> bool:
@@ -89,8 +89,7 @@ class DistEnv:
 
 def from_environ(env: Mapping[str, str], hostname: str | None = None) -> DistEnv:
     """Build the DistEnv for this process from an environment mapping (normally os.environ)."""
-    comm_env = tuple(sorted((k, v) for k, v in env.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_",
-                                                                             "TORCH_FR_"))))
+    comm_env = tuple(sorted((k, v) for k, v in env.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_"))))
     return replace(_launch(env, env.get("SLURMD_NODENAME") or hostname or socket.gethostname(), _slurm_job(env)),
                    cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), comm_env=comm_env)
 
