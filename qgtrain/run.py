@@ -103,7 +103,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
         claim = distributed.main_decides(lambda: _claim(ctx, run_dir, held))
-        comms.keep_nccl_dumps(claim.path, ctx.env, ctx.device.type)
+        comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
         _check_shared(ctx, claim)
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)

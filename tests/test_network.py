@@ -15,6 +15,7 @@ from qgtrain.errors import ConfigError
 from qgtrain.runtime import comms
 from qgtrain.runtime.comms import Interface, choose_interface, machine_interfaces, route_source
 from qgtrain.runtime.rendezvous import DistEnv
+from qgtrain.state.rundir import RunDir
 from tests.ranks import start_cli_ranks, wait_ranks
 
 NODE = [Interface("lo", "127.0.0.1"), Interface("eth0", "10.99.0.12"), Interface("ib0", "192.168.7.12"),
@@ -67,9 +68,10 @@ def test_the_flight_recorder_is_set_unless_the_job_set_it(tmp_path):
                                                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     theirs = DistEnv(comm_env=(("TORCH_FR_BUFFER_SIZE", "500"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")))
     assert comms.recorder_settings(theirs) == {}
-    assert comms.dump_settings(tmp_path, DistEnv()) == ({"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/nccl/rank_"},
-                                                         f"{tmp_path}/nccl/rank_")
-    assert comms.dump_settings(tmp_path, DistEnv(comm_env=(("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/x/t_"),))) == \
+    prefix = RunDir(tmp_path).nccl_dumps
+    assert comms.dump_settings(prefix, DistEnv()) == ({"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/nccl/rank_"},
+                                                      f"{tmp_path}/nccl/rank_")
+    assert comms.dump_settings(prefix, DistEnv(comm_env=(("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/x/t_"),))) == \
         ({}, "/x/t_")
 
 

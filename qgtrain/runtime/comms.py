@@ -95,14 +95,13 @@ def recorder_settings(env: DistEnv) -> dict[str, str]:
     return {k: v for k, v in RECORDER.items() if k not in preset and _SAME.get(k) not in preset}
 
 
-def dump_settings(run_dir: Path, env: DistEnv) -> tuple[dict[str, str], str]:
-    """Where a timed-out NCCL collective's Flight Recorder dump goes: <run dir>/nccl/rank_<N>, unless the
-    job named a place. Returns the settings and the place."""
+def dump_settings(prefix: Path, env: DistEnv) -> tuple[dict[str, str], str]:
+    """Where a timed-out NCCL collective's Flight Recorder dump goes: `prefix`<rank> (in the run directory),
+    unless the job named a place. Returns the settings and the place."""
     preset = dict(env.comm_env)
     given = preset.get("TORCH_FR_DUMP_TEMP_FILE") or preset.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if given:
         return {}, given
-    prefix = run_dir / "nccl" / "rank_"
     return {"TORCH_FR_DUMP_TEMP_FILE": str(prefix)}, str(prefix)
 
 
@@ -122,11 +121,11 @@ def configure_network(env: DistEnv, nccl: bool, socket_ifname: str) -> Interface
     return choice
 
 
-def keep_nccl_dumps(run_dir: Path, env: DistEnv, device_type: str) -> None:
+def keep_nccl_dumps(prefix: Path, env: DistEnv, device_type: str) -> None:
     """Once the run directory is known, on a GPU: a timed-out NCCL collective dumps into it."""
     if device_type != "cuda":
         return
-    settings, where = dump_settings(run_dir, env)
+    settings, where = dump_settings(prefix, env)
     Path(where).parent.mkdir(parents=True, exist_ok=True)
     apply(settings)
     _dumps[:] = [where]
