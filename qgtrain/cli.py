@@ -98,8 +98,7 @@ def _operations_commands(sub: Any) -> None:
 
     doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
     _config_args(doctor)
-    doctor.add_argument("--collective", nargs="?", const="1,16,64", metavar="MB,...", help="also all-reduce these "
-                        "sizes (default 1,16,64) between the nodes: bandwidth per node pair, a slow node named")
+    doctor.add_argument("--collective", nargs="?", const="1,16,64", metavar="MB,...", help="all-reduce between nodes")
     doctor.set_defaults(func=_doctor)
 
     data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
@@ -246,12 +245,11 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .ops.collective import parse_sizes
     from .ops.doctor import exit_code, render, run_checks
     from .runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
-    checks = run_checks(cfg, env, os.environ, collective=parse_sizes(args.collective) if args.collective else None)
+    checks = run_checks(cfg, env, os.environ, collective=args.collective)
     if env.is_main:
         print(render(checks, env))
     return exit_code(checks)
@@ -296,8 +294,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .runtime.devices import describe
-    from .runtime.rendezvous import from_environ
+    from .runtime import devices, rendezvous
 
-    print(json.dumps(describe(from_environ(os.environ), load_args_config(args).train.device), indent=1))
+    print(devices.report(rendezvous.from_environ(os.environ), load_args_config(args).train.device))
     return 0

@@ -276,18 +276,19 @@ def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
     pyxis = load_config([ROOT / "config.yaml"], ["slurm.container_image=nvcr.io#nvidia/pytorch:24.08-py3",
                                                  "slurm.container_mounts=['/data:/data']"])
     assert executor_parameters(pyxis, "/work/me")["slurm_srun_args"] == [
-        "--container-image=nvcr.io#nvidia/pytorch:24.08-py3", "--container-mounts=/work/me:/work/me,/data:/data",
-        "--container-workdir=/work/me"]
+        "--kill-on-bad-exit=1", "--container-image=nvcr.io#nvidia/pytorch:24.08-py3",
+        "--container-mounts=/work/me:/work/me,/data:/data", "--container-workdir=/work/me"]
     assert container_python(pyxis) == "python"
     apptainer = load_config([ROOT / "config.yaml"], ["slurm.apptainer_image=/img/pt.sif", "slurm.gpus_per_node=2",
                                                      "slurm.container_mounts=['/data:/data']"])
     assert container_python(apptainer, "/work/me") == "apptainer exec --nv --pwd /work/me --bind /data:/data " \
                                                       "/img/pt.sif python"
-    assert "slurm_srun_args" not in executor_parameters(apptainer)
+    assert executor_parameters(apptainer)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
     host = load_config([ROOT / "config.yaml"])
-    assert container_python(host) is None and "slurm_srun_args" not in executor_parameters(host)
+    assert container_python(host) is None
+    assert executor_parameters(host)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
     shown = json.loads(qgtrain_cli("submit", "--dry-run", "--launcher", "submitit", "--config",
                                    str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / "container.yaml"),
                                    cwd=tmp_path).stdout)
-    assert shown["slurm_srun_args"][0] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"
+    assert shown["slurm_srun_args"][1] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"
     assert shown["slurm_python"] == "python"

@@ -170,7 +170,7 @@ def executor_parameters(cfg: RunConfig, workdir: str | None = None) -> dict[str,
         extra[name.replace("-", "_")] = value or True
     params["slurm_additional_parameters"] = extra
     if s.container_image:
-        params["slurm_srun_args"] = [f"--container-image={s.container_image}", "--container-mounts=" + ",".join(
+        params["slurm_srun_args"] += [f"--container-image={s.container_image}", "--container-mounts=" + ",".join(
             [f"{workdir}:{workdir}", *s.container_mounts]), f"--container-workdir={workdir}"]
     # the job's submitit handler must listen for the same signal as our trainer
     params["slurm_setup"] = [*s.setup, f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"]

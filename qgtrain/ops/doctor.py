@@ -31,9 +31,11 @@ class Check:
     fix: str = ""
 
 
-def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str],
-               collective: Sequence[float] | None = None) -> list[Check]:
-    """Every check; with `collective` (sizes in MB) also the all-reduce bandwidth between the nodes."""
+def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], collective: str | None = None) -> list[Check]:
+    """Every check; with `collective` (sizes in MB: '1,16,64') also the all-reduce bandwidth between the nodes."""
+    from .collective import parse_sizes
+
+    sizes = parse_sizes(collective) if collective else None  # a bad value stops here, before anything runs
     import torch
 
     run_dir = default_run_dir(cfg).resolve()
@@ -42,9 +44,9 @@ def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str],
     checks.append(_shared_memory(cfg, env))
     checks += _slurm_commands()
     checks.append(_port(env))  # before the cross-node check, whose process group takes this port
-    checks += _run_directory(cfg, env, run_dir, collective)
+    checks += _run_directory(cfg, env, run_dir, sizes)
     checks += _huggingface(cfg, environ)
-    if collective and env.world_size == 1:
+    if sizes and env.world_size == 1:
         checks.append(Check("warning", "collective", "one process: no other rank to exchange data with",
                             "run `srun qgtrain doctor --collective` inside the allocation"))
     return checks

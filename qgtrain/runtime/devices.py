@@ -10,6 +10,7 @@ refused with the options that fix it.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,11 @@ def choose(preference: str, env: DistEnv, count: int) -> DeviceChoice:
         f"HINT: {SLURM_BINDING}; or run {count} rank(s) per node (--ntasks-per-node={count})")
 
 
-def describe(env: DistEnv, preference: str, dev: Path = Path("/dev")) -> dict[str, object]:
-    """`qgtrain env`: the rendezvous, and the device with why, from the environment and device files alone."""
+def report(env: DistEnv, preference: str, dev: Path = Path("/dev")) -> str:
+    """`qgtrain env`'s JSON: the rendezvous, and the device with why, from the environment and device files."""
     choice = choose(preference, env, count_without_cuda(env, dev))
-    return {**env.describe(), "device": choice.name, "device_index": choice.index, "device_why": choice.why}
+    return json.dumps({**env.describe(), "device": choice.name, "device_index": choice.index,
+                       "device_why": choice.why}, indent=1)
 
 
 def _shown(env: DistEnv) -> str:
