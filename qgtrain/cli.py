@@ -98,6 +98,7 @@ def _operations_commands(sub: Any) -> None:
 
     doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
     _config_args(doctor)
+    doctor.add_argument("--collective", nargs="?", const="1,16,64", metavar="MB,...", help="all-reduce between nodes")
     doctor.set_defaults(func=_doctor)
 
     data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
@@ -120,7 +121,8 @@ def _operations_commands(sub: Any) -> None:
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
     show.set_defaults(func=_config)
 
-    env = sub.add_parser("env", help="print the rendezvous this process would use (run it inside srun)")
+    env = sub.add_parser("env", help="print the rendezvous and device this process would use (run it inside srun)")
+    _config_args(env)
     env.set_defaults(func=_env)
 
 
@@ -164,9 +166,9 @@ def _submit(args: argparse.Namespace) -> int:
     job_dir = run_dir / "slurm"
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_launcher import executor_parameters
+            from .launch.submitit_launcher import dry_run_parameters
 
-            print(json.dumps(executor_parameters(cfg), indent=1))
+            print(json.dumps(dry_run_parameters(cfg), indent=1))
             return 0
         from .launch.submitit_launcher import submit as submit_python
 
@@ -247,7 +249,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
-    checks = run_checks(cfg, env, os.environ)
+    checks = run_checks(cfg, env, os.environ, collective=args.collective)
     if env.is_main:
         print(render(checks, env))
     return exit_code(checks)
@@ -292,7 +294,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .runtime.rendezvous import from_environ
+    from .runtime import devices, rendezvous
 
-    print(json.dumps(from_environ(os.environ).describe(), indent=1))
+    print(devices.report(rendezvous.from_environ(os.environ), load_args_config(args).train.device))
     return 0

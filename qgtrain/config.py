@@ -97,8 +97,10 @@ class TrainConfig:
     batch_size: int = setting(16, "samples per micro-batch, per rank", min=1)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", min=1)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
-        "auto", "auto: bf16 on GPUs that support it, else fp32; fp16 uses a GradScaler")
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda:<local rank> if a GPU is visible")
+        "auto", "auto: bf16 where the GPU computes it natively (compute capability 8.0+), else fp32; fp16 uses a "
+        "GradScaler")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: a GPU if one is visible: the task's own, or "
+                                                     "the one at its local rank")
     log_every: int = setting(10, "steps between logged (all-reduced) losses", min=1)
     eval_every: int = setting(100, "steps between validations (0 = only at the end)", min=0)
     eval_batches: int = setting(20, "validation batches per rank (0 = the whole split)", min=0)
@@ -126,6 +128,8 @@ class TrainConfig:
     collective_timeout_s: float = setting(300.0, "seconds a collective of a step or a checkpoint save may "
                                           "wait for a peer before failing",
                                           min=1.0, max=MAX_TIMEOUT_S)
+    socket_ifname: str = setting("", "the network interface NCCL and gloo use, e.g. ib0 ('' = the one whose "
+                                 "address routes to MASTER_ADDR, unless NCCL_/GLOO_SOCKET_IFNAME are set)")
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,11 @@ class SlurmConfig:
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting((), "shell lines run before srun, e.g. ['module load cuda/12.4']")
+    container_image: str = setting("", "pyxis: run every task in this image, e.g. nvcr.io#nvidia/pytorch:24.08-py3 "
+                                   "with qgtrain installed ('' = none)")
+    container_mounts: tuple[str, ...] = setting((), "SRC:DST[:FLAGS] mounts into the container, besides the "
+                                                "working directory")
+    apptainer_image: str = setting("", "apptainer: run every task with `apptainer exec` in this image ('' = none)")
 
 
 @dataclass(frozen=True)

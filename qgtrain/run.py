@@ -24,7 +24,7 @@ from .configload import config_to_dict, dump_yaml
 from .data.loaders import build_loaders
 from .durations import duration_s
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
-from .runtime import compile_cache, cpu, distributed, log, precision, rng, slurm
+from .runtime import comms, compile_cache, cpu, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
@@ -85,7 +85,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     try:
         # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
         with StopFlag([cfg.slurm.signal, "TERM"]) as stop, distributed.process_group(
-                env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s):
+                env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s, cfg.train.socket_ifname):
             timeline.mark("process group")
             ctx = RunContext(cfg, env, device, stop, deadline, timeline, task)
             outcome, path = _train_in_group(ctx, Path(run_dir) if run_dir else None)
@@ -103,6 +103,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
         claim = distributed.main_decides(lambda: _claim(ctx, run_dir, held))
+        comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
         _check_shared(ctx, claim)
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
@@ -168,8 +169,8 @@ def _log_start(ctx: RunContext, claim: Claim) -> None:
         logger.info("using the tokenizer of model.pretrained (%s)", cfg.model.pretrained)
     logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", claim.path, claim.run_id,
                 env.world_size, env.num_nodes, ctx.device)
-    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d%s", env.rank, env.node_name, env.local_rank,
-                env.master_addr, env.master_port,
+    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d (port %s)%s", env.rank, env.node_name,
+                env.local_rank, env.master_addr, env.master_port, env.port_source,
                 f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
 
 

@@ -90,13 +90,17 @@ def test_plot_overlays_runs_with_labelled_axes(tmp_path):
 
 def test_doctor_lists_every_check_and_fails_on_an_error(tmp_path):
     result = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
-    for name in ("python", "GPUs", "shared memory", "run directory", "rendezvous port", "Hugging Face"):
+    for name in ("python", "GPUs", "shared memory", "run directory", "rendezvous port", "network", "Hugging Face"):
         assert f" {name} " in result.stdout, result.stdout
+    assert "network            " in result.stdout and "lo 127.0.0.1" in result.stdout
     # this machine (CPU only, a writable run directory, no GPU asked for) has nothing to fix: warnings at most
     assert result.returncode == 0 and "\n  error " not in result.stdout, result.stdout
     broken = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path}", "model.pretrained=/no/such/model",
                      cwd=tmp_path)
     assert broken.returncode == 1 and "error    model.pretrained" in broken.stdout and "fix: point it" in broken.stdout
+    no_such = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path}", "train.socket_ifname=nope0", cwd=tmp_path)
+    assert no_such.returncode == 1 and "error    network" in no_such.stdout, no_such.stdout
+    assert "train.socket_ifname: 'nope0' is not a network interface of" in no_such.stdout
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])

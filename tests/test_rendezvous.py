@@ -1,5 +1,6 @@
-"""Rendezvous from the environment. Runs against: environment tables (dict in, DistEnv out); the nodelist
-table is also checked against the real `scontrol show hostnames` of the Slurm test cluster."""
+"""Rendezvous from the environment. Runs against: environment tables (dict in, DistEnv out), among them the
+exact variables srun, torchrun and enroot's container hook set; the nodelist table is also checked against
+the real `scontrol show hostnames` of the Slurm test cluster."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ NODELISTS = [
     ("node[9-11]", ["node9", "node10", "node11"]),
     ("x[3,1]", ["x3", "x1"]),
     ("n[1-2]-ib[0-1]", ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]),
+    ("a1 b[2-3]", ["a1", "b2", "b3"]),  # Slurm separates on spaces and tabs too; python-hostlist does not
+    ("gpu[01-02]\tgpu07", ["gpu01", "gpu02", "gpu07"]),
+    ("x1, x[2,4] ", ["x1", "x2", "x4"]),
 ]
 
 
@@ -93,21 +97,23 @@ def test_torchrun_variables_win_over_slurm():
     assert env.job_id == "48832491", "the Slurm job id is still known, for requeue"
 
 
-def test_rank_5_local_rank_1_owns_gpu_1_and_ddp_gets_the_integer_1():
-    env = from_environ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    assert env.device_index == 1
-    ids = ddp_device_ids(env, torch.device("cuda", env.device_index))
+def test_ddp_gets_the_device_index_as_an_integer_never_a_device():
+    ids = ddp_device_ids(torch.device("cuda", 1))
     assert ids == [1] and type(ids[0]) is int
-    assert ddp_device_ids(env, torch.device("cpu")) is None
+    assert ddp_device_ids(torch.device("cpu")) is None
 
 
-def test_ports_differ_for_consecutive_jobs_and_restarts_and_stay_in_range():
-    ports = {port_for_job(str(job), restart) for job in range(48830000, 48830100) for restart in range(8)}
-    assert len(ports) == 100 * 8
+def test_ports_differ_for_consecutive_jobs_restarts_and_steps_and_stay_in_range():
+    ports = {port_for_job(str(job), restart, step) for job in range(48830000, 48830100) for restart in range(8)
+             for step in range(4)}
+    assert len(ports) == 100 * 8 * 4
     assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
     first = from_environ(slurm_step())
     requeued = from_environ(slurm_step(SLURM_RESTART_COUNT="1"))
-    assert requeued.restart_count == 1 and requeued.master_port != first.master_port
+    second_step = from_environ(slurm_step(SLURM_STEP_ID="1"))
+    assert requeued.restart_count == 1 and second_step.step_id == 1
+    assert len({first.master_port, requeued.master_port, second_step.master_port}) == 3
+    assert first.port_source == "derived from Slurm job 48832491, restart 0, step 0"
 
 
 def test_array_jobs_requeue_by_array_id_and_task():

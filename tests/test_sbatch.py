@@ -73,7 +73,8 @@ def test_submitit_job_script_dry_run_prints_the_same_resources():
 NASTY = "x$(touch {m}/dollar)`touch {m}/tick`;touch {m}/semi|touch {m}/pipe&&touch {m}/and'\"\n#SBATCH --x"
 
 
-@pytest.mark.parametrize("key", ["job_name", "partition", "account", "qos", "constraint", "mem", "output_dir", "time"])
+@pytest.mark.parametrize("key", ["job_name", "partition", "account", "qos", "constraint", "mem", "output_dir", "time",
+                                 "container_image", "apptainer_image"])
 def test_slurm_values_that_could_break_out_are_refused_naming_the_key(tmp_path, key):
     with pytest.raises(QgtrainError, match=rf"slurm.{key}: "):
         render(SlurmConfig(**{key: NASTY.format(m=tmp_path)}), "config.yaml")
@@ -199,3 +200,95 @@ def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, 
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert re.search(expected, result.stderr), result.stderr
     assert not (tmp_path / ".sweeps").exists()
+
+
+def run_script(script: str, tmp_path: Path, srun_exit: int = 0) -> tuple[int, list[str], str]:
+    """Execute a rendered script with stand-ins for srun (records its arguments) and scontrol; no
+    QGTRAIN_PYTHON, so the script picks its interpreter itself."""
+    (tmp_path / "job.sbatch").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, body in (("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
+                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
+                       ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end')):
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(tmp_path / "srun.txt"),
+           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77", "HOST_ARGS": str(tmp_path / "host"),
+           "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python")}
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    requeued = (tmp_path / "scontrol.txt").read_text() if (tmp_path / "scontrol.txt").exists() else ""
+    return done.returncode, (tmp_path / "srun.txt").read_text().splitlines(), requeued
+
+
+TRAIN = ["python", "-m", "qgtrain", "train", "--config", "config.yaml"]
+
+
+@pytest.mark.parametrize("slurm, srun", [
+    (SlurmConfig(container_image="nvcr.io#nvidia/pytorch:24.08-py3", container_mounts=("/data:/data", "/s:/s:ro"),
+                 gpus_per_node=4),
+     ["--container-image=nvcr.io#nvidia/pytorch:24.08-py3", "--container-mounts={pwd}:{pwd},/data:/data,/s:/s:ro",
+      "--container-workdir={pwd}", *TRAIN]),
+    (SlurmConfig(container_image="/shared/images/pytorch.sqsh"),
+     ["--container-image=/shared/images/pytorch.sqsh", "--container-mounts={pwd}:{pwd}", "--container-workdir={pwd}",
+      *TRAIN]),
+    (SlurmConfig(apptainer_image="/shared/images/pytorch.sif", container_mounts=("/data:/data",), gpus_per_node=4),
+     ["apptainer", "exec", "--nv", "--pwd", "{pwd}", "--bind", "/data:/data", "/shared/images/pytorch.sif", *TRAIN]),
+    (SlurmConfig(apptainer_image="docker://nvcr.io/nvidia/pytorch:24.08-py3"),
+     ["apptainer", "exec", "--pwd", "{pwd}", "docker://nvcr.io/nvidia/pytorch:24.08-py3", *TRAIN]),
+], ids=["pyxis-gpu", "pyxis-sqsh", "apptainer-gpu", "apptainer-cpu"])
+def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_the_batch_shell(tmp_path, slurm, srun):
+    script = render(slurm, "config.yaml")
+    (tmp_path / "rendered.sbatch").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "rendered.sbatch")], check=True)
+    shellcheck(tmp_path / "rendered.sbatch")
+    code, args, requeued = run_script(script, tmp_path)
+    assert code == 0 and args == ["--kill-on-bad-exit=1", *(a.format(pwd=tmp_path) for a in srun)]
+    assert requeued == ""
+    code, _, requeued = run_script(script, tmp_path, srun_exit=76)  # no scontrol inside the image
+    assert code == 76 and requeued == "requeue\n77\n"
+    code, _, _ = run_script(script, tmp_path, srun_exit=1)  # a failed step is judged outside the image
+    assert code == 1 and (tmp_path / "host").read_text().split()[:5] == ["-m", "qgtrain", "recover", "--config",
+                                                                         "config.yaml"]
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["slurm.container_image=img;touch x"], "slurm.container_image: 'img;touch x' is not allowed"),
+    (["slurm.apptainer_image=$(touch x).sif"], "slurm.apptainer_image: '$(touch x).sif' is not allowed"),
+    (["slurm.container_image=a", "slurm.container_mounts=['/a:/b,/c:/d']"], "slurm.container_mounts: '/a:/b,/c:/d'"),
+    (["slurm.container_image=a", "slurm.container_mounts=['/a:/b\" x']"], "slurm.container_mounts: "),
+    (["slurm.container_image=a", "slurm.apptainer_image=b"], "slurm.apptainer_image: set together with"),
+    (["slurm.container_mounts=['/a:/a']"], "slurm.container_mounts: there is no container to mount into"),
+])
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
+def test_a_bad_container_value_is_one_line_exit_2_naming_the_key(tmp_path, sets, key, launcher):
+    result = qgtrain_cli("submit", "--dry-run", "--launcher", launcher, "--config", str(ROOT / "config.yaml"),
+                         "--set", *sets, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"qgtrain: error: {key}") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
+    from qgtrain.launch.submitit_launcher import container_python, executor_parameters
+
+    pyxis = load_config([ROOT / "config.yaml"], ["slurm.container_image=nvcr.io#nvidia/pytorch:24.08-py3",
+                                                 "slurm.container_mounts=['/data:/data']"])
+    assert executor_parameters(pyxis, "/work/me")["slurm_srun_args"] == [
+        "--kill-on-bad-exit=1", "--container-image=nvcr.io#nvidia/pytorch:24.08-py3",
+        "--container-mounts=/work/me:/work/me,/data:/data", "--container-workdir=/work/me"]
+    assert container_python(pyxis) == "python"
+    apptainer = load_config([ROOT / "config.yaml"], ["slurm.apptainer_image=/img/pt.sif", "slurm.gpus_per_node=2",
+                                                     "slurm.container_mounts=['/data:/data']"])
+    assert container_python(apptainer, "/work/me") == "apptainer exec --nv --pwd /work/me --bind /data:/data " \
+                                                      "/img/pt.sif python"
+    assert executor_parameters(apptainer)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
+    host = load_config([ROOT / "config.yaml"])
+    assert container_python(host) is None
+    assert executor_parameters(host)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
+    shown = json.loads(qgtrain_cli("submit", "--dry-run", "--launcher", "submitit", "--config",
+                                   str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / "container.yaml"),
+                                   cwd=tmp_path).stdout)
+    assert shown["slurm_srun_args"][1] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"
+    assert shown["slurm_python"] == "python"

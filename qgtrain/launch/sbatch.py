@@ -29,8 +29,16 @@ _PATTERNS = {
     "constraint": (r"[A-Za-z0-9_.,&|\[\]*:()-]*", "feature names joined by & | , with [ ] ( ) * :"),
     "mem": (r"(\d+[KMGT]?)?", "a number with an optional K, M, G or T suffix, e.g. 64G"),
     "output_dir": (r"[A-Za-z0-9_./+-]+", "a path of letters, digits and _ . / + -"),
+    "container_image": (r"[A-Za-z0-9_.:/#@+-]*", "an image name, URI or path of letters, digits and _ . : / # @ + -"),
+    "apptainer_image": (r"[A-Za-z0-9_.:/#@+-]*", "an image name, URI or path of letters, digits and _ . : / # @ + -"),
 }
 _EXTRA = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=/@%+\[\]-]+)?")
+_MOUNT = re.compile(r"[A-Za-z0-9_./+@-]+(:[A-Za-z0-9_./+@-]+(:[A-Za-z+]+)?)?")
+HOST_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python3}
+if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi"""
+IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
+HOST_PYTHON=${QGTRAIN_HOST_PYTHON:-python3}  # here, for `qgtrain recover` after a failed step
+if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=.venv/bin/python; fi"""
 
 
 class SubmissionError(QgtrainError):
@@ -68,6 +76,38 @@ def validate(slurm: SlurmConfig) -> None:
     for line in slurm.setup:
         if "\n" in line or "\r" in line:
             raise QgtrainError(f"slurm.setup: {line!r} holds a line break; give one list item per line")
+    _validate_container(slurm)
+
+
+def _validate_container(slurm: SlurmConfig) -> None:
+    if slurm.container_image and slurm.apptainer_image:
+        raise QgtrainError("slurm.apptainer_image: set together with slurm.container_image; choose one: pyxis "
+                           "(container_image) or apptainer (apptainer_image)")
+    for mount in slurm.container_mounts:
+        if not _MOUNT.fullmatch(mount):
+            raise QgtrainError(f"slurm.container_mounts: {mount!r} is not allowed; use SRC:DST or SRC:DST:FLAGS, "
+                               "paths of letters, digits and _ . / + @ -, one mount per list item")
+    if slurm.container_mounts and not (slurm.container_image or slurm.apptainer_image):
+        raise QgtrainError("slurm.container_mounts: there is no container to mount into; set "
+                           "slurm.container_image (pyxis) or slurm.apptainer_image")
+
+
+def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
+    """How the script finds Python, what goes between srun's options and Python (pyxis' options, or the
+    apptainer command), and the variable naming the batch shell's own Python (for `qgtrain recover`): the
+    ranks run on the host, in a pyxis container or under apptainer, in the working directory either way."""
+    mounts = ",".join(slurm.container_mounts)
+    if slurm.container_image:
+        return IMAGE_PYTHON, (f"--container-image={shlex.quote(slurm.container_image)} "
+                              f'--container-mounts="$PWD:$PWD{"," + mounts if mounts else ""}" \\\n'
+                              '        --container-workdir="$PWD" '), "HOST_PYTHON"
+    if slurm.apptainer_image:
+        return IMAGE_PYTHON, (f'apptainer exec{" --nv" if slurm.gpus_per_node else ""} --pwd "$PWD"'
+                              f'{" --bind " + mounts if mounts else ""} {shlex.quote(slurm.apptainer_image)} '
+                              '\\\n        '), "HOST_PYTHON"
+    return HOST_PYTHON, "", "PYTHON"
+
+
 
 
 def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> str:
@@ -77,7 +117,7 @@ def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> st
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
     default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
-    return _script(header, setup, default, slurm.max_restarts)
+    return _script(header, setup, default, slurm.max_restarts, launch_lines(slurm))
 
 
 def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
@@ -97,8 +137,10 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     return options
 
 
-def _script(header: str, setup: str, default: str, max_restarts: int) -> str:
-    """The script's text: no rank, address or port logic; srun steps until the run is done or requeued."""
+def _script(header: str, setup: str, default: str, max_restarts: int, launch: tuple[str, str, str]) -> str:
+    """The script's text: no rank, address or port logic; srun steps until the run is done or requeued.
+    `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
+    python, srun, recover = launch
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -114,8 +156,7 @@ set -u
 if [ "$#" -gt 0 ]; then configs=("$@"); else configs=("${{CONFIG:-$default_config}}"); fi
 args=()
 for file in "${{configs[@]}}"; do args+=(--config "$file"); done
-PYTHON=${{QGTRAIN_PYTHON:-python3}}
-if [ -z "${{QGTRAIN_PYTHON:-}}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+{python}
 
 srun_said=$(mktemp)
 trap 'rm -f "$srun_said"' EXIT
@@ -124,7 +165,7 @@ attempt=0
 while true; do
     # A rank that dies takes the step down at once (its peers need not wait out a collective timeout);
     # srun's report of which task failed, where and how is kept for `qgtrain recover`.
-    {{ srun --kill-on-bad-exit=1 "$PYTHON" -m qgtrain train "${{args[@]}}" 2>&1 1>&3 3>&- |
+    {{ srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}" 2>&1 1>&3 3>&- |
         (trap '' TERM HUP USR1 USR2; exec tee "$srun_said" >&2); }} 3>&1
     status=${{PIPESTATUS[0]}}
     case "$status" in
@@ -134,7 +175,7 @@ while true; do
             break ;;
     esac
     # A failed step: try again here (the machine's failure), requeue, or end (the run's own failure).
-    decision=$("$PYTHON" -m qgtrain recover "${{args[@]}}" --exit-code "$status" --attempt "$attempt" \
+    decision=$("${recover}" -m qgtrain recover "${{args[@]}}" --exit-code "$status" --attempt "$attempt" \
         --srun-log "$srun_said" --restart "${{SLURM_RESTART_COUNT:-0}}" --ranks "${{SLURM_NTASKS:-1}}" \
         --partition "${{SLURM_JOB_PARTITION:-}}") || break
     read -r action exclude <<< "$decision"

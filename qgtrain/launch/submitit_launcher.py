@@ -10,6 +10,7 @@ scontrol where sacct has no accounting behind it, and every wait can take a dead
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -129,9 +130,27 @@ class TrainJob(SlurmJob[Any]):
         return super().result()
 
 
-def executor_parameters(cfg: RunConfig) -> dict[str, Any]:
-    """The config's slurm: section as AutoExecutor parameters (the same resources as train.slurm)."""
-    s = cfg.slurm
+def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
+    """The command submitit starts each task's Python with: the image's own in a container, None (the
+    submitting interpreter) on the host. Apptainer wraps it; pyxis takes srun options instead."""
+    s, workdir = cfg.slurm, workdir or str(Path.cwd())
+    if s.apptainer_image:
+        bind = ["--bind", ",".join(s.container_mounts)] if s.container_mounts else []
+        return shlex.join(["apptainer", "exec", *(["--nv"] if s.gpus_per_node else []), "--pwd", workdir, *bind,
+                           s.apptainer_image, "python"])
+    return "python" if s.container_image else None
+
+
+def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
+    """What `qgtrain submit --launcher submitit --dry-run` shows: the parameters, and Python's command."""
+    python = container_python(cfg)
+    return {**executor_parameters(cfg), **({"slurm_python": python} if python else {})}
+
+
+def executor_parameters(cfg: RunConfig, workdir: str | None = None) -> dict[str, Any]:
+    """The config's slurm: section as AutoExecutor parameters (the same resources and container as
+    train.slurm, with the working directory spelled out: submitit quotes what it is given)."""
+    s, workdir = cfg.slurm, workdir or str(Path.cwd())
     validate(s)
     params: dict[str, Any] = {"name": s.job_name, "nodes": s.nodes, "tasks_per_node": tasks_per_node(s),
                               "cpus_per_task": s.cpus_per_task, "timeout_min": time_minutes(s.time),
@@ -150,6 +169,9 @@ def executor_parameters(cfg: RunConfig) -> dict[str, Any]:
         name, _, value = option[2:].partition("=")
         extra[name.replace("-", "_")] = value or True
     params["slurm_additional_parameters"] = extra
+    if s.container_image:
+        params["slurm_srun_args"] += [f"--container-image={s.container_image}", "--container-mounts=" + ",".join(
+            [f"{workdir}:{workdir}", *s.container_mounts]), f"--container-workdir={workdir}"]
     # the job's submitit handler must listen for the same signal as our trainer
     params["slurm_setup"] = [*s.setup, f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"]
     return params
@@ -168,7 +190,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
         cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
     executor = submitit.AutoExecutor(folder=Path(folder or target / "submitit"),
-                                     slurm_max_num_timeout=cfg.slurm.max_restarts)
+                                     slurm_max_num_timeout=cfg.slurm.max_restarts, slurm_python=container_python(cfg))
     if executor.cluster != "slurm":
         raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
                            "or train directly with `qgtrain train`")
@@ -192,7 +214,8 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
     first = planned.configs[0]
     where = sweep.folder(planned)
     sweep.write(planned, where)
-    executor = submitit.AutoExecutor(folder=where / "submitit", slurm_max_num_timeout=first.slurm.max_restarts)
+    executor = submitit.AutoExecutor(folder=where / "submitit", slurm_max_num_timeout=first.slurm.max_restarts,
+                                     slurm_python=container_python(first))
     if executor.cluster != "slurm":
         raise QgtrainError("submit_sweep: no Slurm found here (srun is not on PATH); run this on a Slurm login node")
     executor.update_parameters(**executor_parameters(first),

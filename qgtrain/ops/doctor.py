@@ -7,12 +7,15 @@ import shutil
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..config import RunConfig
+from ..errors import QgtrainError
+from ..runtime import devices, precision
 from ..runtime.rendezvous import DistEnv
 from ..state.rundir import default_run_dir
 
@@ -28,7 +31,11 @@ class Check:
     fix: str = ""
 
 
-def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list[Check]:
+def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], collective: str | None = None) -> list[Check]:
+    """Every check; with `collective` (sizes in MB: '1,16,64') also the all-reduce bandwidth between the nodes."""
+    from .collective import parse_sizes
+
+    sizes = parse_sizes(collective) if collective else None  # a bad value stops here, before anything runs
     import torch
 
     run_dir = default_run_dir(cfg).resolve()
@@ -37,8 +44,11 @@ def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> list
     checks.append(_shared_memory(cfg, env))
     checks += _slurm_commands()
     checks.append(_port(env))  # before the cross-node check, whose process group takes this port
-    checks += _run_directory(cfg, env, run_dir)
+    checks += _run_directory(cfg, env, run_dir, sizes)
     checks += _huggingface(cfg, environ)
+    if sizes and env.world_size == 1:
+        checks.append(Check("warning", "collective", "one process: no other rank to exchange data with",
+                            "run `srun qgtrain doctor --collective` inside the allocation"))
     return checks
 
 
@@ -52,14 +62,18 @@ def _gpus(cfg: RunConfig, env: DistEnv, torch: ModuleType) -> list[Check]:
         return [Check(level, "GPUs", "no CUDA device is visible to this process",
                       "run `srun qgtrain doctor` inside the GPU allocation; check --gpus-per-node and that "
                       "torch is a CUDA build (setup.sh installs one where nvidia-smi works)")]
-    visible = cuda.device_count()
-    need = env.local_world_size if env.in_slurm_job else max(cfg.slurm.gpus_per_node, 1)
+    try:
+        choice = devices.choose(cfg.train.device, env, cuda.device_count())
+        chosen = precision.choose(cfg.train.precision, choice.type, cuda.get_device_capability(choice.index)
+                                  if choice.index is not None else None, rocm=bool(torch.version.hip))
+    except QgtrainError as exc:
+        problem, _, fix = str(exc).partition(" HINT: ")
+        return [Check("error", "GPUs", problem, fix)]
     nccl = ".".join(map(str, cuda.nccl.version())) if hasattr(cuda, "nccl") else "?"
-    facts = f"{visible} visible ({cuda.get_device_name(0)}), CUDA {torch.version.cuda}, NCCL {nccl}"
-    if visible < need:
-        return [Check("error", "GPUs", f"{facts}; {need} rank(s) on this node need one each",
-                      "request as many GPUs per node as tasks per node (slurm.gpus_per_node)")]
-    return [Check("ok", "GPUs", facts)]
+    name = cuda.get_device_name(choice.index) if choice.index is not None else "no GPU"
+    facts = (f"rank {env.rank} uses {choice.name}, {name} ({choice.why}); precision {chosen.precision} "
+             f"({chosen.why}); CUDA {torch.version.cuda}, NCCL {nccl}")
+    return [Check("warning" if chosen.warning else "ok", "GPUs", facts, chosen.warning or "")]
 
 
 def _shared_memory(cfg: RunConfig, env: DistEnv) -> Check:
@@ -88,7 +102,7 @@ def _slurm_commands() -> list[Check]:
     return checks
 
 
-def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path) -> list[Check]:
+def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path, collective: Sequence[float] | None) -> list[Check]:
     probe = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("/"))
     try:
         token = probe / f".qgtrain-doctor-{uuid.uuid4().hex[:8]}"
@@ -104,33 +118,80 @@ def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path) -> list[Check]:
         checks.append(Check("warning", "shared filesystem", f"{probe} is on {fstype}, which other nodes may not see",
                             "multi-node jobs need the run directory on a shared filesystem; `srun qgtrain doctor` "
                             "inside the job checks it from every node"))
+    network = _network(cfg, env)
     if env.world_size > 1:
-        checks.append(_every_node_sees(env, probe))
-    return checks
+        return checks + _across_nodes(cfg, env, probe, network, collective)
+    return checks + [network]
 
 
-def _every_node_sees(env: DistEnv, folder: Path) -> Check:
-    """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check)."""
+def _network(cfg: RunConfig, env: DistEnv) -> Check:
+    """This node's interfaces and the one NCCL and gloo would use (train.socket_ifname, or the route to
+    MASTER_ADDR)."""
+    from ..errors import ConfigError
+    from ..runtime import comms
+
+    interfaces = comms.machine_interfaces()
+    listed = ", ".join(f"{i.name} {i.address or '(no IPv4)'}{'' if i.up else ' (down)'}" for i in interfaces)
+    try:
+        choice = comms.choose_interface(cfg.train.socket_ifname, interfaces, comms.route_source(env.master_addr), env)
+    except ConfigError as exc:
+        return Check("error", "network", f"{env.node_name}: {listed}; {exc}".split(" HINT:")[0],
+                     "set train.socket_ifname to an interface every node has, or '' to choose automatically")
+    return Check("ok", "network", f"{env.node_name}: {listed}; NCCL and gloo use "
+                 f"{choice.name or 'their own choice'} ({choice.why})")
+
+
+def _across_nodes(cfg: RunConfig, env: DistEnv, folder: Path, network: Check,
+                  collective: Sequence[float] | None) -> list[Check]:
+    """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check). Each
+    node's first rank also reports its network, over the interface it names (an unusable one fails here).
+    With `collective`, on each rank's own device (GPUs: NCCL), the bandwidth between the nodes."""
     import torch
 
     from ..runtime import distributed
 
-    with distributed.process_group(env, torch.device("cpu"), 120, 120):
+    ifname = cfg.train.socket_ifname if network.level == "ok" else ""
+    device = distributed.pick_device(env, cfg.train.device) if collective else torch.device("cpu")
+    with distributed.process_group(env, device, 120, 120, ifname):
         name = distributed.broadcast_from_main(f".qgtrain-doctor-{uuid.uuid4().hex[:8]}")
         token = folder / name
         if env.is_main:
             token.write_text("ok")
         distributed.barrier()
         seen = token.exists() if env.local_rank == 0 else True
-        gathered = distributed.gather_to_main((env.node_name, seen))
+        gathered = distributed.gather_to_main((env.node_name, seen, network if env.local_rank == 0 else None))
         distributed.barrier()
         if env.is_main:
             token.unlink(missing_ok=True)
-    blind = sorted({node for node, ok in gathered or [] if not ok})
+        measured = _collective(env, device, collective) if collective else []
+    blind = sorted({node for node, ok, _ in gathered or [] if not ok})
+    networks = [check for _, _, check in gathered or [] if check is not None]
     if blind:
-        return Check("error", "shared filesystem", f"node(s) {', '.join(blind)} cannot see {folder}",
-                     "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts")
-    return Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}")
+        return [Check("error", "shared filesystem", f"node(s) {', '.join(blind)} cannot see {folder}",
+                      "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts"), *networks,
+                *measured]
+    return [Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}"), *networks, *measured]
+
+
+def _collective(env: DistEnv, device: Any, sizes: Sequence[float]) -> list[Check]:
+    """The bandwidth checks (a collective); a rank that never answers is named from the rendezvous store."""
+    import torch.distributed as dist
+
+    from ..errors import first_line
+    from ..runtime.diagnose import missing_ranks
+    from . import collective
+
+    try:
+        result = collective.measure(env, device, sizes)
+    except (RuntimeError, dist.DistError) as exc:
+        verdict = collective.judge([], {}, [f"rank {r}" for r in missing_ranks(env) or []] or ["a rank"])
+        return [Check(verdict.level, "collective", f"{verdict.message} ({first_line(exc)})", verdict.fix)]
+    if result is None:
+        return []
+    whole, links = collective.render(result, env.world_size)
+    verdict = collective.judge(result["nodes"], result["links"])
+    return [Check("ok", "collective", whole), Check("ok", "node links", links),
+            Check(verdict.level, "slow nodes", verdict.message, verdict.fix)]
 
 
 def _filesystem(path: Path) -> str:

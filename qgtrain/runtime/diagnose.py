@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import logging
+import os
 import re
 import shutil
 import threading
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailure, TrainingError
+from . import comms
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
@@ -92,8 +94,17 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
             f"a collective failed in step {step} on rank {env.rank}: {who} ({_gist(text)}). Every "
             f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
             f"and the job's output for why they died or stalled; if steps or checkpoint writes legitimately take "
-            f"longer than {timeout_s:.0f}s, raise train.collective_timeout_s")
+            f"longer than {timeout_s:.0f}s, raise train.collective_timeout_s{_nccl_evidence()}")
     return exc
+
+
+def _nccl_evidence() -> str:
+    dumps = comms.nccl_dumps()
+    if dumps is None:
+        return ""
+    folder = os.path.dirname(dumps)
+    return (f". On NCCL a timed-out collective also dumps every rank's last collectives to {dumps}<rank>: "
+            f"`torchfrtrace {folder}` says which rank stopped where")
 
 
 def non_finite_loss(step: int, agree_every: int, ranks: list[int]) -> TrainingError:

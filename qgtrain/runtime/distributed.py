@@ -22,35 +22,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import JoinError, QgtrainError, RendezvousError, first_line
+from ..errors import JoinError, QgtrainError, first_line
+from . import comms, devices
 from .rendezvous import DistEnv
 
 
-def pick_device(env: DistEnv, preference: str) -> torch.device:
-    """cuda:<local rank> when a GPU is wanted and visible, else the CPU. Never the global rank."""
-    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+def pick_device(env: DistEnv, preference: str, cuda: Any = torch.cuda) -> torch.device:
+    """The rank's device (devices.choose: never the global rank), made this process's current CUDA device
+    before the process group or anything else touches CUDA. FSDP places shards, DTensor moves tensors, NCCL
+    binds its communicator, the DataLoader pins and bf16 is probed on the current device, which is GPU 0
+    until set. `cuda` is torch.cuda; a test passes a recorder."""
+    count = cuda.device_count() if preference != "cpu" and cuda.is_available() else 0
+    choice = devices.choose(preference, env, count)
+    logging.getLogger("qgtrain").info("device %s: %s", choice.name, choice.why)
+    if choice.index is None:
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    if visible == 0:
-        raise RendezvousError("train.device is 'cuda' but no GPU is visible to this process. HINT: request GPUs "
-                              "(--gpus-per-node) or set train.device: cpu")
-    if env.device_index >= visible:
-        raise RendezvousError(
-            f"local rank {env.local_rank} needs GPU {env.device_index}, but only {visible} GPU(s) are visible on "
-            f"{env.node_name}. HINT: run one task per GPU (--ntasks-per-node equal to --gpus-per-node)")
-    return torch.device("cuda", env.device_index)
+    cuda.set_device(choice.index)
+    return torch.device("cuda", choice.index)
 
 
-def ddp_device_ids(env: DistEnv, device: torch.device) -> list[int] | None:
-    """DDP's device_ids: the local rank as an int (never a torch.device, never the global rank); none on CPU."""
-    return [env.device_index] if device.type == "cuda" else None
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """DDP's device_ids: the rank's GPU as an int (never a torch.device, never the global rank); none on CPU."""
+    return [device.index] if device.type == "cuda" and device.index is not None else None
 
 
 @contextlib.contextmanager
-def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
-                  collective_timeout_s: float) -> Iterator[None]:
-    """Join the job's process group; leave it however the body exits."""
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, collective_timeout_s: float,
+                  socket_ifname: str = "") -> Iterator[None]:
+    """Join the job's process group; leave it however the body exits. The first collective runs here, on the
+    rank's device: NCCL makes its communicator only then, so a network it cannot use fails inside this
+    rendezvous handling, with the interface it was given, instead of at some later step."""
+    nccl = device.type == "cuda"
+    backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
+    network = comms.configure_network(env, nccl, socket_ifname)
     try:
         if env.world_size == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,  # type: ignore[attr-defined]
@@ -61,7 +65,9 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
             dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                     rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=startup_timeout_s))
-            barrier()  # every rank has joined: from here on the collective timeout applies
+            joined = torch.ones(1, device=device)
+            dist.all_reduce(joined)  # every rank has joined, over NCCL too on a GPU
+            joined.item()  # and the collective has finished, not only started
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
     except (RuntimeError, dist.DistError) as exc:
         _destroy()
@@ -69,12 +75,20 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float,
             f"rank {env.rank} could not join {env.world_size} ranks at {env.master_addr}:{env.master_port} within "
             f"{startup_timeout_s:.0f}s ({first_line(exc)}). HINT: were all tasks started together by srun "
             "(train.slurm) or torchrun? Is the port free and the master host reachable from every node? "
-            "`qgtrain env` inside srun prints what each rank sees") from None
+            f"{_network_hint(env, network, nccl)}`qgtrain env` inside srun prints what each rank sees") from None
     try:
         yield
     finally:
         _release_users()
         _destroy()
+
+
+def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
+    used = f"{'NCCL and gloo' if nccl else 'gloo'} used {network.name or 'interfaces of their own choosing'} " \
+           f"({network.why}); "
+    debug = ", and NCCL_DEBUG=INFO shows what NCCL tried" if nccl else ""
+    return f"{used}if that does not reach {env.master_addr}, set train.socket_ifname to one that does (`srun " \
+           f"qgtrain doctor` lists each node's interfaces){debug}. "
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:

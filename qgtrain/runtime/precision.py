@@ -1,28 +1,71 @@
-"""Mixed precision: which dtype a run computes in, the autocast context, and a GradScaler only for fp16."""
+"""Mixed precision: which dtype a run computes in, the autocast context, and a GradScaler only for fp16.
+
+Which precision is a plain function of the device's kind and compute capability (`choose`), so the choice
+for every GPU can be checked without one. bf16 runs natively from compute capability 8.0 (A100, H100, L4,
+...). Below that (V100 7.0, T4 7.5) torch only emulates it, without tensor cores, though
+`torch.cuda.is_bf16_supported()` says yes by default: `auto` picks fp32 there, and an explicit bf16 is
+kept but warned about.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NATIVE_BF16 = (8, 0)  # torch.cuda.is_bf16_supported(including_emulation=False): major >= 8, or ROCm
+
+log = logging.getLogger("qgtrain")
+
+
+@dataclass(frozen=True)
+class Choice:
+    precision: str
+    why: str
+    warning: str | None = None
+
+
+def choose(requested: str, device_type: str, capability: tuple[int, int] | None = None, name: str = "",
+           rocm: bool = False) -> Choice:
+    """The precision for train.precision `requested` on a device of `device_type` ('cpu' or 'cuda') with
+    compute capability `capability`; refuses what the device cannot run."""
+    if device_type != "cuda":
+        if requested == "fp16":
+            raise ConfigError("train.precision: fp16 needs a GPU (this rank runs on the CPU); use bf16 or fp32")
+        return Choice("fp32", "auto on the CPU") if requested == "auto" else Choice(requested, "train.precision")
+    native = rocm or (capability is not None and tuple(capability) >= NATIVE_BF16)
+    gpu = name or "this GPU"
+    if capability is not None and not rocm:
+        gpu += f" (compute capability {capability[0]}.{capability[1]})"
+    if requested == "auto" and native:
+        return Choice("bf16", f"auto: {gpu} computes bf16 natively")
+    if requested == "auto":
+        return Choice("fp32", f"auto: {gpu} has no native bf16 (torch would emulate it, several times slower); "
+                      "train.precision: fp16 is faster there, with loss scaling")
+    if requested == "bf16" and not native:
+        return Choice("bf16", "train.precision", warning=(
+            f"train.precision: bf16 on {gpu}, which has no native bf16: torch emulates it without tensor cores, "
+            "several times slower than fp16 and slower than fp32. HINT: train.precision: fp16 (with loss "
+            "scaling) or fp32"))
+    return Choice(requested, "train.precision")
 
 
 def resolve(precision: str, device: torch.device) -> str:
-    """Turn 'auto' into a concrete choice, and refuse a choice the device cannot run."""
-    if precision == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return "bf16"
-        return "fp32"
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision: fp16 needs a GPU (this rank runs on the CPU); use bf16 or fp32")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"train.precision: bf16 is not supported by {torch.cuda.get_device_name(device)}; "
-                          "use fp16 (with loss scaling) or fp32")
-    return precision
+    """Turn 'auto' into a concrete choice for this rank's own GPU, log it, and warn once (this runs once per
+    process) where an explicit choice costs more than the user may know."""
+    capability, name = None, ""
+    if device.type == "cuda":
+        capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    choice = choose(precision, device.type, capability, name, rocm=bool(torch.version.hip))
+    log.info("precision %s (%s)", choice.precision, choice.why)
+    if choice.warning:
+        log.warning("%s", choice.warning)
+    return choice.precision
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:

@@ -25,6 +25,9 @@ def rank_seed(seed: int, rank: int, step: int = 0) -> int:
 
 
 def capture() -> dict[str, Any]:
+    """Every stream this rank draws from; on a GPU, that of its own device only, the current one (made so
+    before anything touched CUDA): a requeued job may see its GPUs numbered differently, and asking every
+    visible GPU would wake a CUDA context on each."""
     version, state, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     return {
@@ -33,11 +36,13 @@ def capture() -> dict[str, Any]:
                   "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
                   "gauss": float(np_state["gauss"])},
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(torch.cuda.current_device())] if torch.cuda.is_initialized() else [],
     }
 
 
 def restore(state: dict[str, Any]) -> None:
+    """Put back what capture took. Checkpoints written before the rank kept only its own GPU's stream hold one
+    per visible GPU: the rank's is the one at its device index."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npy = state["numpy"]
@@ -45,5 +50,6 @@ def restore(state: dict[str, Any]) -> None:
                          "state": {"key": npy["key"].numpy().astype(np.uint32), "pos": npy["pos"]},
                          "has_gauss": npy["has_gauss"], "gauss": npy["gauss"]})
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda, device = state["cuda"], torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    if cuda and device is not None:
+        torch.cuda.set_rng_state(cuda[0] if len(cuda) == 1 else cuda[device], device)

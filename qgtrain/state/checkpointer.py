@@ -194,27 +194,30 @@ class CpuSnapshot:
     Fresh buffers would cost as much again in page faults on first touch; for CUDA state they are pinned,
     so the device-to-host copy runs at full speed. Buffers are reused only after the previous save has
     finished (Checkpointer.save waits for it first). Tensors sharing storage (tied embeddings) stay shared.
-    The price: one host copy of the state held for the whole run.
+    A shard (DTensor) is rebuilt around its host copy on a CPU twin of its mesh: DTensor.from_local moves
+    the local tensor to its mesh's device, so on the GPU mesh the "snapshot" would be a second copy of the
+    shards in GPU memory. The price: one host copy of the state held for the whole run.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._cpu_meshes: dict[Any, Any] = {}
 
     def copy(self, obj: Any) -> Any:
         shared: dict[tuple[Any, ...], torch.Tensor] = {}
         snapshot = self._copy(obj, (), shared)
-        if any(key[0] == "cuda" for key in shared):
-            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
+        for device in {key[0] for key in shared if key[0].type == "cuda"}:  # the rank's own GPU
+            torch.cuda.synchronize(device)  # the non-blocking copies must land before the writer reads them
         return snapshot
 
     def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
         if (shard := sharded.shard_of(obj)) is not None:  # copy the local part, keep where it lies in the whole
             local = self._copy(shard.to_local(), path, shared)
-            return type(shard).from_local(local, shard.device_mesh, shard.placements, run_check=False,
-                                          shape=shard.shape, stride=shard.stride())
+            return type(shard).from_local(local, self._cpu_mesh(shard.device_mesh), shard.placements,
+                                          run_check=False, shape=shard.shape, stride=shard.stride())
         if isinstance(obj, torch.Tensor):
-            alias = (obj.device.type, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape,
-                     obj.stride(), obj.dtype)
+            alias = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(),
+                     obj.dtype)
             if alias not in shared:
                 buffer = self._buffers.get(path)
                 if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
@@ -227,3 +230,14 @@ class CpuSnapshot:
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._copy(value, (*path, index), shared) for index, value in enumerate(obj))
         return obj
+
+    def _cpu_mesh(self, mesh: Any) -> Any:
+        """The same ranks in the same shape on the CPU, made once per mesh (a whole-world mesh reuses the
+        default group; a smaller one creates its groups, a collective every rank reaches here together)."""
+        if mesh.device_type == "cpu":
+            return mesh
+        if mesh not in self._cpu_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._cpu_meshes[mesh] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+        return self._cpu_meshes[mesh]

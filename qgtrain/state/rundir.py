@@ -71,6 +71,11 @@ class RunDir:
         return self.path / "checkpoints"
 
     @property
+    def nccl_dumps(self) -> Path:
+        """The prefix of NCCL's Flight Recorder dumps, <prefix><rank> (comms.keep_nccl_dumps)."""
+        return self.path / "nccl" / "rank_"
+
+    @property
     def trackers(self) -> Path:
         return self.path / "trackers.json"
 

@@ -67,7 +67,7 @@ def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -
 
 
 def rank_state(state: TrainState) -> dict[str, Any]:
-    """What each rank writes for itself: its random streams and where it is in the data."""
+    """What each rank writes for itself: its random streams (its own GPU's) and where it is in the data."""
     return {"rng": rng.capture(), "epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch}
 
 

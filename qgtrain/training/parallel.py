@@ -45,5 +45,5 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled
-    return DDP(compiled, device_ids=distributed.ddp_device_ids(env, device),
+    return DDP(compiled, device_ids=distributed.ddp_device_ids(device),
                find_unused_parameters=train.find_unused_parameters, gradient_as_bucket_view=True)

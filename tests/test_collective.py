@@ -1,0 +1,108 @@
+"""`qgtrain doctor --collective`: the pairing schedule, bus bandwidth and the verdict as tables; the
+measurement over real gloo ranks standing for three nodes; the throttled node on the Slurm test cluster's
+three nodes (tc's token bucket on one node's link)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qgtrain.ops.collective import bus_gbps, judge, rounds
+from tests.ranks import run_ranks
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 8])
+def test_every_pair_of_nodes_meets_once_and_no_node_twice_in_a_round(count):
+    schedule = rounds(count)
+    pairs = [pair for turn in schedule for pair in turn]
+    assert sorted(pairs) == list(itertools.combinations(range(count), 2))
+    for turn in schedule:
+        nodes = [node for pair in turn for node in pair]
+        assert len(nodes) == len(set(nodes))
+    assert len(schedule) == (0 if count == 1 else count - 1 if count % 2 == 0 else count)
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    assert bus_gbps(10**9, 1.0, 2) == pytest.approx(1.0)
+    assert bus_gbps(10**9, 1.0, 8) == pytest.approx(1.75)
+
+
+FAST, SLOW = 1.2, 0.0011
+VERDICTS = [
+    (["a", "b", "c"], {("a", "b"): FAST, ("a", "c"): SLOW, ("b", "c"): SLOW}, [], "error",
+     ["c (its best link", "--exclude=c)"]),
+    (["a", "b", "c", "d"], {("a", "b"): FAST, ("a", "c"): FAST, ("a", "d"): SLOW, ("b", "c"): 1.1,
+                            ("b", "d"): SLOW, ("c", "d"): None}, [], "error", ["d (its best link"]),
+    (["a", "b", "c"], {("a", "b"): FAST, ("a", "c"): 0.9, ("b", "c"): 1.0}, [], "ok", ["no node is slower"]),
+    (["a", "b"], {("a", "b"): SLOW}, [], "ok", ["one link only"]),
+    (["a"], {}, [], "ok", ["one node"]),
+    (["a", "b", "c"], {}, ["c"], "error", ["node(s) c never answered", "--exclude=c"]),
+]
+
+
+@pytest.mark.parametrize("nodes, links, silent, level, said", VERDICTS)
+def test_a_node_slower_by_a_clear_factor_or_silent_is_named(nodes, links, silent, level, said):
+    verdict = judge(nodes, links, silent)
+    assert verdict.level == level and all(text in verdict.message + verdict.fix for text in said), verdict
+    named = [n for n in nodes if f"{n} (its best" in verdict.message]
+    assert len(named) <= 1
+
+
+def measured_as_three_nodes() -> object:
+    import torch
+
+    from qgtrain.ops.collective import measure
+    from qgtrain.runtime import distributed
+    from qgtrain.runtime.rendezvous import from_environ
+
+    env = from_environ(os.environ)
+    node = dict(env.__dict__, node_rank=env.rank, node_name=f"n{env.rank}", local_rank=0, local_world_size=1,
+                num_nodes=3)
+    env = type(env)(**node)
+    with distributed.process_group(env, torch.device("cpu"), 60, 60):
+        return measure(env, torch.device("cpu"), [0.01, 0.1])
+
+
+def test_the_measurement_gives_every_link_and_the_whole_allocation():
+    results = run_ranks(3, measured_as_three_nodes)
+    assert results[1] is None and results[2] is None, "rank 0 reports"
+    result = results[0]
+    assert result["nodes"] == ["n0", "n1", "n2"] and list(result["whole"]) == [0.01, 0.1]
+    assert sorted(result["links"]) == [("n0", "n1"), ("n0", "n2"), ("n1", "n2")]
+    assert all(bw > 0 for bw in [*result["links"].values(), *result["whole"].values()])
+
+
+def test_bad_sizes_are_one_line_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "qgtrain", "doctor", "--collective", "1,big"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == "qgtrain: error: --collective '1,big': give sizes in MB between 0 " \
+                                                    "and 4096, e.g. 1,16,64\n"
+
+
+@pytest.mark.slurm
+def test_doctor_names_the_node_whose_link_is_throttled(slurm_cluster, tmp_path):
+    """node3's link from the cluster's bridge goes through a 10 Mbit/s token bucket; the links between node1
+    and node2 stay as they are."""
+    throttle = ["tc", "qdisc", "add", "dev", "veth-qg3", "root", "tbf", "rate", "10mbit", "burst", "32kbit",
+                "latency", "400ms"]
+    subprocess.run(throttle, check=True)
+    try:
+        result = subprocess.run(["srun", "--nodes=3", "--ntasks-per-node=1", "--time=5", f"--chdir={tmp_path}",
+                                 sys.executable, "-m", "qgtrain", "doctor", "--collective", "0.05,0.5",
+                                 "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "veth-qg3", "root"], check=False)
+    out = result.stdout
+    assert result.returncode == 1 and "qgtrain doctor on node1 (rank 0 of 3)" in out, result.stdout + result.stderr
+    assert "all-reduce over 3 ranks on 3 node(s), bus bandwidth: 0.05 MB " in out
+    assert all(f"node{a}-node{b} " in out for a, b in ((1, 2), (1, 3), (2, 3)))
+    slow = next(line for line in out.splitlines() if " slow nodes " in line)
+    assert slow.lstrip().startswith("error") and "node3 (its best link" in slow and "--exclude=node3)" in out
+    assert "node1 (its" not in slow and "node2 (its" not in slow
+    for n in (1, 2, 3):
+        assert f"network            node{n}: " in out and f"use eth0 (its address 10.99.0.1{n} routes to " \
+                                                          f"MASTER_ADDR node1)" in out, out
