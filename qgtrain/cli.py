@@ -79,6 +79,7 @@ def _training_commands(sub: Any) -> None:
     recover.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
     recover.add_argument("--ranks", type=int, required=True, help="SLURM_NTASKS")
     recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
+    recover.add_argument("--run-dir", type=Path, help="the run directory (default: the config's)")
     recover.set_defaults(func=_recover)
 
 
@@ -217,9 +218,8 @@ def _recover(args: argparse.Namespace) -> int:
     from .state.rundir import default_run_dir
 
     cfg = load_args_config(args)
-    decision = recover(default_run_dir(cfg).resolve(), args.srun_log, args.exit_code, args.attempt,
-                       cfg.slurm.step_retries, args.restart, cfg.slurm.max_restarts, cfg.slurm.requeue, args.ranks,
-                       spare_nodes(args.partition, cfg.slurm.nodes))
+    decision = recover((args.run_dir or default_run_dir(cfg)).resolve(), args.srun_log, args.exit_code, args.attempt,
+                       args.restart, args.ranks, cfg.slurm, spare_nodes(args.partition, cfg.slurm.nodes))
     print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
     print(decision.line())
     return 0

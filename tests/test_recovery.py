@@ -8,9 +8,11 @@ import json
 
 import pytest
 
+from qgtrain.config import SlurmConfig
 from qgtrain.launch.recovery import Decision, TaskFailure, decide, first_failure, recover
 from qgtrain.state import rundir
 
+RETRY_TWICE = SlurmConfig(step_retries=2, max_restarts=20)
 # What srun printed on the test cluster when task 1 was SIGKILLed and the step was taken down.
 KILLED = """srun: error: node2: task 1: Killed
 srun: launch/slurm: _step_signal: Terminating StepId=48872078.3
@@ -60,9 +62,9 @@ def test_each_failure_is_recorded_with_its_rank_node_how_and_last_log_line(tmp_p
     run.logs.mkdir()
     run.rank_log(1).write_text("step 10/100 loss 2.5\nstep 20/100 loss 2.1\n")
     rundir.write_status(tmp_path, "running", restart=0)
-    first = recover(tmp_path, KILLED, 137, 0, 2, 0, 20, True, 2, 0)
-    second = recover(tmp_path, KILLED, 137, 1, 2, 0, 20, True, 2, 0)
-    third = recover(tmp_path, KILLED, 137, 2, 2, 0, 20, True, 2, 1)
+    first = recover(tmp_path, KILLED, 137, 0, 0, 2, RETRY_TWICE, 0)
+    second = recover(tmp_path, KILLED, 137, 1, 0, 2, RETRY_TWICE, 0)
+    third = recover(tmp_path, KILLED, 137, 2, 0, 2, RETRY_TWICE, 1)
     assert [first.line(), second.line(), third.line()] == ["retry", "retry", "requeue node2"]
     failures = json.loads(run.status.read_text())["failures"]
     assert [(f["node"], f["rank"], f["how"], f["last_line"], f["action"]) for f in failures] == \
@@ -73,4 +75,4 @@ def test_a_note_of_the_runs_own_failure_ends_the_job(tmp_path):
     run = rundir.RunDir(tmp_path)
     run.logs.mkdir()
     run.failure_note(1).write_text(json.dumps(OWN[1]))
-    assert recover(tmp_path, KILLED, 143, 0, 2, 0, 20, True, 2, None).action == "end"
+    assert recover(tmp_path, KILLED, 143, 0, 0, 2, RETRY_TWICE, None).action == "end"

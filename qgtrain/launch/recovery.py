@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..config import SlurmConfig
 from ..state import rundir
 from ..state.lifecycle import read_note
 
@@ -87,8 +88,8 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
     return Decision("requeue", why, exclude)
 
 
-def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, step_retries: int, restart: int,
-            max_restarts: int, requeue: bool, world_size: int, spare_nodes: int | None) -> Decision:
+def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, restart: int, world_size: int,
+            slurm: SlurmConfig, spare_nodes: int | None) -> Decision:
     """Decide, and record the failure and the decision in the run's status (the script acts on it)."""
     run = rundir.RunDir(run_dir)
     if isinstance(srun_log, Path):
@@ -106,7 +107,8 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, s
     for entry in [*history, record]:
         if entry.get("node"):
             per_node[entry["node"]] = per_node.get(entry["node"], 0) + 1
-    decision = decide(notes, failure, attempt, step_retries, restart, max_restarts, requeue, per_node, spare_nodes)
+    decision = decide(notes, failure, attempt, slurm.step_retries, restart, slurm.max_restarts, slurm.requeue, per_node,
+                      spare_nodes)
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision

@@ -137,6 +137,50 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     return options
 
 
+def retry_steps(max_restarts: int) -> str:
+    """`run_steps COMMAND...`: run a training step until it finishes, stops at a checkpoint, or fails for good.
+
+    A rank that dies takes its step down at once (srun --kill-on-bad-exit, in the command); srun's report of
+    which task failed, where and how is kept for `qgtrain recover` (run by $RECOVER_PYTHON with the
+    arguments in recover_args), whose answer is carried out: another step here, a requeue (away from a
+    node that keeps failing), or the end. The step's exit code is returned."""
+    return f"""run_steps() {{
+    local said attempt=0 status decision action exclude
+    local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
+    said=$(mktemp)
+    while true; do
+        {{ "$@" 2>&1 1>&3 3>&- | (trap '' TERM HUP USR1 USR2; exec tee "$said" >&2); }} 3>&1
+        status=${{PIPESTATUS[0]}}
+        case "$status" in
+            0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
+            {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol there)
+                [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ] && scontrol requeue "$job"
+                break ;;
+        esac
+        decision=$("$RECOVER_PYTHON" -m qgtrain recover "${{recover_args[@]}}" --exit-code "$status" \
+            --attempt "$attempt" --srun-log "$said" --restart "${{SLURM_RESTART_COUNT:-0}}" \
+            --ranks "${{SLURM_NTASKS:-1}}" --partition "${{SLURM_JOB_PARTITION:-}}") || break
+        read -r action exclude <<< "$decision"
+        if [ "$action" = retry ]; then
+            attempt=$((attempt + 1))
+            sleep $((2 * attempt))
+        elif [ "$action" = requeue ] && [ -n "$exclude" ]; then
+            trap '' TERM  # requeueing ends this script; finish the three calls first
+            scontrol requeuehold "$job" && scontrol update JobId="$job" ExcNodeList="$exclude"
+            scontrol release "$job"
+            break
+        elif [ "$action" = requeue ]; then
+            scontrol requeue "$job"
+            break
+        else
+            break
+        fi
+    done
+    rm -f "$said"
+    return "$status"
+}}"""
+
+
 def _script(header: str, setup: str, default: str, max_restarts: int, launch: tuple[str, str, str]) -> str:
     """The script's text: no rank, address or port logic; srun steps until the run is done or requeued.
     `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
@@ -158,43 +202,11 @@ args=()
 for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 {python}
 
-srun_said=$(mktemp)
-trap 'rm -f "$srun_said"' EXIT
-job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
-attempt=0
-while true; do
-    # A rank that dies takes the step down at once (its peers need not wait out a collective timeout);
-    # srun's report of which task failed, where and how is kept for `qgtrain recover`.
-    {{ srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}" 2>&1 1>&3 3>&- |
-        (trap '' TERM HUP USR1 USR2; exec tee "$srun_said" >&2); }} 3>&1
-    status=${{PIPESTATUS[0]}}
-    case "$status" in
-        0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
-        {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol where they run)
-            [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ] && scontrol requeue "$job"
-            break ;;
-    esac
-    # A failed step: try again here (the machine's failure), requeue, or end (the run's own failure).
-    decision=$("${recover}" -m qgtrain recover "${{args[@]}}" --exit-code "$status" --attempt "$attempt" \
-        --srun-log "$srun_said" --restart "${{SLURM_RESTART_COUNT:-0}}" --ranks "${{SLURM_NTASKS:-1}}" \
-        --partition "${{SLURM_JOB_PARTITION:-}}") || break
-    read -r action exclude <<< "$decision"
-    if [ "$action" = retry ]; then
-        attempt=$((attempt + 1))
-        sleep $((2 * attempt))
-    elif [ "$action" = requeue ] && [ -n "$exclude" ]; then
-        trap '' TERM  # requeueing ends this script; finish the three calls first
-        scontrol requeuehold "$job" && scontrol update JobId="$job" ExcNodeList="$exclude"
-        scontrol release "$job"
-        break
-    elif [ "$action" = requeue ]; then
-        scontrol requeue "$job"
-        break
-    else
-        break
-    fi
-done
-exit "$status"
+RECOVER_PYTHON=${recover}
+recover_args=("${{args[@]}}")
+{retry_steps(max_restarts)}
+run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}"
+exit "$?"
 """
 
 

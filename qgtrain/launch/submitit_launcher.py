@@ -26,7 +26,6 @@ from ..config import RunConfig
 from ..configload import config_files, config_to_dict, load_config, with_overrides
 from ..errors import EXIT_STOPPED, QgtrainError
 from ..runtime.slurm import (
-    decide_requeue,
     is_time_limit,
     job_state,
     reason_not_to_requeue,
@@ -34,7 +33,7 @@ from ..runtime.slurm import (
 )
 from ..state.rundir import default_run_dir
 from . import submitit_compat, sweep
-from .sbatch import tasks_per_node, time_minutes, validate
+from .sbatch import retry_steps, tasks_per_node, time_minutes, validate
 from .sweep import Sweep
 
 
@@ -51,13 +50,7 @@ class TrainTask(submitit.helpers.Checkpointable):
 
         env = from_environ(os.environ)
         cfg = config_from_dict(self.config, "submitted config")
-        try:
-            code = train(cfg, env, self.run_dir, requeue_on_stop=False)
-        except QgtrainError as exc:
-            if exc.retryable:  # the machine's failure: submitit's script runs one srun step, so requeue
-                _, said = decide_requeue(cfg.slurm, env)
-                print(f"qgtrain: the step failed ({exc.__class__.__name__}); {said}", file=sys.stderr, flush=True)
-            raise
+        code = train(cfg, env, self.run_dir, requeue_on_stop=False)
         if code == EXIT_STOPPED:
             _requeue_through_submitit(env.rank, str(env.job_id), env.restart_count, 60.0 * time_minutes(cfg.slurm.time),
                                       cfg.slurm.signal_lead_s)
@@ -144,12 +137,16 @@ def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
 def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
     """What `qgtrain submit --launcher submitit --dry-run` shows: the parameters, and Python's command."""
     python = container_python(cfg)
-    return {**executor_parameters(cfg), **({"slurm_python": python} if python else {})}
+    recover_args = _recover_args(cfg, default_run_dir(cfg).resolve())
+    return {**executor_parameters(cfg, recover_args=recover_args), **({"slurm_python": python} if python else {})}
 
 
-def executor_parameters(cfg: RunConfig, workdir: str | None = None) -> dict[str, Any]:
+def executor_parameters(cfg: RunConfig, workdir: str | None = None, recover_args: str | None = None) -> dict[str, Any]:
     """The config's slurm: section as AutoExecutor parameters (the same resources and container as
-    train.slurm, with the working directory spelled out: submitit quotes what it is given)."""
+    train.slurm, with the working directory spelled out: submitit quotes what it is given). With
+    `recover_args` (what tells `qgtrain recover` the run, as shell words), a failed step is brought back
+    as train.slurm does it: submitit's `srun` line calls a shell function that runs the real srun in the
+    same retry loop."""
     s, workdir = cfg.slurm, workdir or str(Path.cwd())
     validate(s)
     params: dict[str, Any] = {"name": s.job_name, "nodes": s.nodes, "tasks_per_node": tasks_per_node(s),
@@ -174,7 +171,18 @@ def executor_parameters(cfg: RunConfig, workdir: str | None = None) -> dict[str,
             [f"{workdir}:{workdir}", *s.container_mounts]), f"--container-workdir={workdir}"]
     # the job's submitit handler must listen for the same signal as our trainer
     params["slurm_setup"] = [*s.setup, f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"]
+    if recover_args is not None:
+        params["slurm_setup"] += [f"RECOVER_PYTHON={shlex.quote(sys.executable)}", f"recover_args=({recover_args})",
+                                  retry_steps(s.max_restarts), 'srun() { run_steps command srun "$@"; }']
     return params
+
+
+def _recover_args(cfg: RunConfig, run_dir: Path) -> str:
+    """`qgtrain recover`'s view of a submitit job: its run directory and the retry settings (it has no file)."""
+    s = cfg.slurm
+    return shlex.join(["--run-dir", str(run_dir), "--set", f"slurm.step_retries={s.step_retries}",
+                       f"slurm.max_restarts={s.max_restarts}", f"slurm.requeue={str(s.requeue).lower()}",
+                       f"slurm.nodes={s.nodes}", f"slurm.partition={s.partition}"])
 
 
 def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path | None = None,
@@ -194,7 +202,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     if executor.cluster != "slurm":
         raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
                            "or train directly with `qgtrain train`")
-    executor.update_parameters(**executor_parameters(cfg))
+    executor.update_parameters(**executor_parameters(cfg, recover_args=_recover_args(cfg, target)))
     submitit_compat.use_job_class(executor, TrainJob)
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 
@@ -218,7 +226,8 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
                                      slurm_python=container_python(first))
     if executor.cluster != "slurm":
         raise QgtrainError("submit_sweep: no Slurm found here (srun is not on PATH); run this on a Slurm login node")
-    executor.update_parameters(**executor_parameters(first),
+    each_task = f'--config {shlex.quote(str(where))}"/task-${{SLURM_ARRAY_TASK_ID}}.yaml"'  # its run, its settings
+    executor.update_parameters(**executor_parameters(first, recover_args=each_task),
                                slurm_array_parallelism=max_parallel or len(planned.configs))
     submitit_compat.use_job_class(executor, TrainJob)
     with executor.batch():
