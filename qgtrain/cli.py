@@ -7,13 +7,11 @@ A QgtrainError becomes one line on stderr and its exit code; `--debug` shows the
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig
+from . import commands
 from .errors import EXIT_USAGE, QgtrainError
 
 
@@ -49,7 +47,7 @@ def _training_commands(sub: Any) -> None:
     train = sub.add_parser("train", help="train (1 process, or one rank per srun/torchrun task)")
     _config_args(train)
     train.add_argument("--run-dir", type=Path, help="run directory (default: <logging.runs_dir>/<train.run_name>)")
-    train.set_defaults(func=_train)
+    train.set_defaults(func=commands.train)
 
     submit = sub.add_parser("submit", help="submit training to Slurm (sbatch or submitit)")
     _config_args(submit)
@@ -59,7 +57,7 @@ def _training_commands(sub: Any) -> None:
     submit.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                         help="one job array, a task per combination of the swept values (repeat for more keys)")
     submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
-    submit.set_defaults(func=_submit)
+    submit.set_defaults(func=commands.submit)
 
     export = sub.add_parser("export", help="write a checkpoint's model to a folder: safetensors weights, "
                                   "what rebuilds it, a model card (Hugging Face format where it is one)")
@@ -69,7 +67,7 @@ def _training_commands(sub: Any) -> None:
     which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
     which.add_argument("--step", type=int, help="the checkpoint of step N")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    export.set_defaults(func=_export)
+    export.set_defaults(func=commands.export)
 
     recover = sub.add_parser("recover", help="(train.slurm, after a failed step) print retry, requeue or end")
     _config_args(recover)
@@ -80,7 +78,7 @@ def _training_commands(sub: Any) -> None:
     recover.add_argument("--ranks", type=int, required=True, help="SLURM_NTASKS")
     recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
     recover.add_argument("--run-dir", type=Path, help="the run directory (default: the config's)")
-    recover.set_defaults(func=_recover)
+    recover.set_defaults(func=commands.recover)
 
 
 def _operations_commands(sub: Any) -> None:
@@ -89,18 +87,18 @@ def _operations_commands(sub: Any) -> None:
     runs.add_argument("folder", nargs="?", type=Path, help="where the runs are (default: logging.runs_dir)")
     runs.add_argument("--json", action="store_true", help="print JSON for scripts")
     _config_args(runs)
-    runs.set_defaults(func=_runs)
+    runs.set_defaults(func=commands.runs)
 
     plot = sub.add_parser("plot", help="plot runs' curves from metrics.jsonl into a PNG")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run directories to overlay")
     plot.add_argument("--out", type=Path, required=True, help="the PNG to write")
     plot.add_argument("--metric", default="loss,val_loss,lr", help="comma-separated (default: loss,val_loss,lr)")
-    plot.set_defaults(func=_plot)
+    plot.set_defaults(func=commands.plot)
 
     doctor = sub.add_parser("doctor", help="preflight checks where the job will run (srun qgtrain doctor)")
     _config_args(doctor)
     doctor.add_argument("--collective", nargs="?", const="1,16,64", metavar="MB,...", help="all-reduce between nodes")
-    doctor.set_defaults(func=_doctor)
+    doctor.set_defaults(func=commands.doctor)
 
     data = sub.add_parser("data", help="tokenize the data before a job (prepare), or show a cache (info)")
     data.set_defaults(func=lambda _: _usage(data))
@@ -109,22 +107,22 @@ def _operations_commands(sub: Any) -> None:
                                  "CPU partition before the GPU job")
     _config_args(prepare)
     prepare.add_argument("--workers", type=int, help="tokenizing processes (default: data.prepare_workers)")
-    prepare.set_defaults(func=_data_prepare)
+    prepare.set_defaults(func=commands.data_prepare)
     info = actions.add_parser("info", help="what a token cache holds: documents, tokens, splits, tokenizer, files")
     info.add_argument("path", nargs="?", type=Path, help="a cache entry, or a cache folder (default: "
                       "data.cache_dir)")
     info.add_argument("--json", action="store_true", help="print JSON for scripts")
     _config_args(info)
-    info.set_defaults(func=_data_info)
+    info.set_defaults(func=commands.data_info)
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--get", metavar="KEY", help="print one value, e.g. --get logging.runs_dir")
-    show.set_defaults(func=_config)
+    show.set_defaults(func=commands.config)
 
     env = sub.add_parser("env", help="print the rendezvous and device this process would use (run it inside srun)")
     _config_args(env)
-    env.set_defaults(func=_env)
+    env.set_defaults(func=commands.env)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -139,162 +137,3 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
                         help="override a config key, e.g. --set train.max_steps=100")
     # SUPPRESS keeps a subcommand from resetting a top-level `qgtrain --debug train ...` to False
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-
-def load_args_config(args: argparse.Namespace) -> RunConfig:
-    from .configload import config_files, load_config
-
-    return load_config(config_files(args.config), args.set)
-
-
-def _train(args: argparse.Namespace) -> int:
-    cfg = load_args_config(args)
-    from .run import train
-    from .runtime.rendezvous import from_environ
-
-    return train(cfg, from_environ(os.environ), args.run_dir)
-
-
-def _submit(args: argparse.Namespace) -> int:
-    from .launch.sbatch import render, submit_config, validate
-    from .state.rundir import default_run_dir
-
-    cfg = load_args_config(args)
-    validate(cfg.slurm)
-    if args.sweep or args.max_parallel is not None:
-        return _submit_sweep(args, cfg)
-    run_dir = default_run_dir(cfg).resolve()
-    job_dir = run_dir / "slurm"
-    if args.launcher == "submitit":
-        if args.dry_run:
-            from .launch.submitit_launcher import dry_run_parameters
-
-            print(json.dumps(dry_run_parameters(cfg), indent=1))
-            return 0
-        from .launch.submitit_launcher import submit as submit_python
-
-        job = submit_python(cfg)
-        print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
-        return 0
-    if args.dry_run:
-        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml")))
-        return 0
-    job_id = submit_config(cfg, job_dir)
-    print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
-          f"{job_id}.out; run directory {run_dir}")
-    return 0
-
-
-def _submit_sweep(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from .errors import ConfigError
-    from .launch import sweep
-
-    if not args.sweep:
-        raise ConfigError("--max-parallel: only with --sweep")
-    planned = sweep.expand(cfg, sweep.parse(args.sweep))
-    if args.launcher == "sbatch" or args.dry_run:
-        sys.stdout.write(sweep.submit_array(planned, args.max_parallel, dry_run=args.dry_run,
-                                            launcher=args.launcher))
-        return 0
-    from .launch.submitit_launcher import submit_sweep
-
-    jobs = submit_sweep(cfg, planned, max_parallel=args.max_parallel)
-    print(f"submitted job array {jobs[0].job_id.split('_')[0]} (submitit) with {len(jobs)} tasks; runs in "
-          f"{Path(cfg.logging.runs_dir).resolve()}")
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from .ops.export import export_run
-
-    done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
-    print(f"exported {done.checkpoint} to {done.folder}; reloaded and compared with the checkpoint, largest "
-          f"output difference {done.max_logit_diff:.3g}")
-    return 0
-
-
-def _recover(args: argparse.Namespace) -> int:
-    from .launch.recovery import recover, spare_nodes
-    from .state.rundir import default_run_dir
-
-    cfg = load_args_config(args)
-    decision = recover((args.run_dir or default_run_dir(cfg)).resolve(), args.srun_log, args.exit_code, args.attempt,
-                       args.restart, args.ranks, cfg.slurm, spare_nodes(args.partition, cfg.slurm.nodes))
-    print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
-    print(decision.line())
-    return 0
-
-
-def _runs(args: argparse.Namespace) -> int:
-    from .launch.sweep import swept_values
-    from .ops.runs import as_json, as_table, find_runs, summarize
-
-    folder = args.folder or Path(load_args_config(args).logging.runs_dir)
-    swept = swept_values(folder)
-    rows = [summarize(run, swept.get(run.name, {})) for run in find_runs(folder)]
-    print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
-    return 0
-
-
-def _plot(args: argparse.Namespace) -> int:
-    from .ops.plot import plot_runs
-
-    out = plot_runs(args.runs, args.out, [m.strip() for m in args.metric.split(",") if m.strip()])
-    print(f"wrote {out}")
-    return 0
-
-
-def _doctor(args: argparse.Namespace) -> int:
-    from .ops.doctor import exit_code, render, run_checks
-    from .runtime.rendezvous import from_environ
-
-    cfg, env = load_args_config(args), from_environ(os.environ)
-    checks = run_checks(cfg, env, os.environ, collective=args.collective)
-    if env.is_main:
-        print(render(checks, env))
-    return exit_code(checks)
-
-
-def _data_prepare(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare_configured
-    from .runtime.log import setup_console
-    from .runtime.rendezvous import DistEnv
-
-    cfg = load_args_config(args)
-    setup_console(DistEnv(), cfg.logging.level)
-    files, made = prepare_configured(cfg.data, args.workers)
-    counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
-    print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens {counts}")
-    return 0
-
-
-def _data_info(args: argparse.Namespace) -> int:
-    from .ops.data_info import describe, render
-
-    entries = describe(args.path or Path(load_args_config(args).data.cache_dir))
-    print(json.dumps(entries, indent=1) if args.json else render(entries))
-    return 0
-
-
-def _config(args: argparse.Namespace) -> int:
-    from .configload import config_to_dict, dump_yaml
-    from .errors import ConfigError
-
-    cfg = load_args_config(args)
-    if args.get is None:
-        sys.stdout.write(dump_yaml(cfg))
-        return 0
-    section, _, key = args.get.partition(".")
-    values = config_to_dict(cfg)
-    if section not in values or key not in values[section]:
-        raise ConfigError(f"--get {args.get}: no such key; `qgtrain config` lists them all")
-    value = values[section][key]
-    print(json.dumps(value) if isinstance(value, (list, bool)) or value is None else value)
-    return 0
-
-
-def _env(args: argparse.Namespace) -> int:
-    from .runtime import devices, rendezvous
-
-    print(devices.report(rendezvous.from_environ(os.environ), load_args_config(args).train.device))
-    return 0

@@ -10,6 +10,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,3 +139,13 @@ def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(tmp_pa
     assert (failure["rank"], failure["how"], failure["action"]) == (1, "Killed", "retry")
     resumed = final_weights(run, STEPS)
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+
+
+def test_an_exclude_that_leaves_too_few_nodes_is_refused_before_sbatch(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"), "--set",
+                           "slurm.nodes=2", "slurm.extra_sbatch=['--exclude=node[2-3]']",
+                           f"logging.runs_dir={tmp_path / 'runs'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "slurm.extra_sbatch: --exclude=node[2-3] leaves 1 of the 3 usable nodes of the default partition, and " \
+           "the job asks for slurm.nodes=2" in done.stderr
+    assert not (tmp_path / "runs").exists(), "nothing submitted, nothing written"

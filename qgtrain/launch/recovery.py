@@ -16,9 +16,7 @@ is imported: the answer comes at once on the batch node.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +25,6 @@ from ..config import SlurmConfig
 from ..state import rundir
 from ..state.lifecycle import read_note
 
-Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 _TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
 
 
@@ -112,23 +109,6 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, r
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision
-
-
-def spare_nodes(partition: str, needed: int, run: Runner = subprocess.run) -> int | None:
-    """Nodes of the partition that are up beyond the `needed` ones (None where sinfo cannot say)."""
-    command = ["sinfo", "-h", "-o", "%D %t", *(["-p", partition] if partition else [])]
-    try:
-        shown = run(command, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if shown.returncode != 0:
-        return None
-    usable = 0
-    for line in shown.stdout.splitlines():
-        count, _, state = line.strip().partition(" ")
-        if count.isdigit() and not state.startswith(("down", "drain", "drng", "fail", "maint", "inval")):
-            usable += int(count)
-    return max(usable - needed, 0)
 
 
 def _record(run: rundir.RunDir, failure: TaskFailure | None, notes: dict[int, dict[str, Any]], exit_code: int,

@@ -213,8 +213,10 @@ exit "$?"
 def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run) -> str:
     """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it."""
     from ..configload import dump_yaml
+    from .nodes import check_exclusions
 
     script = render(cfg.slurm, str(job_dir / "config.yaml"))
+    check_exclusions(cfg.slurm, run)
     job_dir.mkdir(parents=True, exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
     (job_dir / "config.yaml").write_text(dump_yaml(cfg))

@@ -1,0 +1,172 @@
+"""What each `qgtrain` command does, given its parsed arguments (cli.py parses them). Each imports what it
+needs when it runs, so `qgtrain --help`, `submit --dry-run` and `runs` answer at once on a login node."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .config import RunConfig
+
+
+def load_args_config(args: argparse.Namespace) -> RunConfig:
+    from .configload import config_files, load_config
+
+    return load_config(config_files(args.config), args.set)
+
+
+def train(args: argparse.Namespace) -> int:
+    cfg = load_args_config(args)
+    from .run import train
+    from .runtime.rendezvous import from_environ
+
+    return train(cfg, from_environ(os.environ), args.run_dir)
+
+
+def submit(args: argparse.Namespace) -> int:
+    from .launch.sbatch import render, submit_config, validate
+    from .state.rundir import default_run_dir
+
+    cfg = load_args_config(args)
+    validate(cfg.slurm)
+    if args.sweep or args.max_parallel is not None:
+        return submit_array(args, cfg)
+    run_dir = default_run_dir(cfg).resolve()
+    job_dir = run_dir / "slurm"
+    if args.launcher == "submitit":
+        if args.dry_run:
+            from .launch.submitit_launcher import dry_run_parameters
+
+            print(json.dumps(dry_run_parameters(cfg), indent=1))
+            return 0
+        from .launch.submitit_launcher import submit as submit_python
+
+        job = submit_python(cfg)
+        print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
+        return 0
+    if args.dry_run:
+        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml")))
+        return 0
+    job_id = submit_config(cfg, job_dir)
+    print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
+          f"{job_id}.out; run directory {run_dir}")
+    return 0
+
+
+def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from .errors import ConfigError
+    from .launch import sweep
+
+    if not args.sweep:
+        raise ConfigError("--max-parallel: only with --sweep")
+    planned = sweep.expand(cfg, sweep.parse(args.sweep))
+    if args.launcher == "sbatch" or args.dry_run:
+        sys.stdout.write(sweep.submit_array(planned, args.max_parallel, dry_run=args.dry_run,
+                                            launcher=args.launcher))
+        return 0
+    from .launch.submitit_launcher import submit_sweep
+
+    jobs = submit_sweep(cfg, planned, max_parallel=args.max_parallel)
+    print(f"submitted job array {jobs[0].job_id.split('_')[0]} (submitit) with {len(jobs)} tasks; runs in "
+          f"{Path(cfg.logging.runs_dir).resolve()}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from .ops.export import export_run
+
+    done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force)
+    print(f"exported {done.checkpoint} to {done.folder}; reloaded and compared with the checkpoint, largest "
+          f"output difference {done.max_logit_diff:.3g}")
+    return 0
+
+
+def recover(args: argparse.Namespace) -> int:
+    from .launch import nodes, recovery
+    from .state.rundir import default_run_dir
+
+    cfg = load_args_config(args)
+    decision = recovery.recover((args.run_dir or default_run_dir(cfg)).resolve(), args.srun_log, args.exit_code,
+                                args.attempt, args.restart, args.ranks, cfg.slurm,
+                                nodes.spare_nodes(args.partition, cfg.slurm.nodes))
+    print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
+    print(decision.line())
+    return 0
+
+
+def runs(args: argparse.Namespace) -> int:
+    from .launch.sweep import swept_values
+    from .ops.runs import as_json, as_table, find_runs, summarize
+
+    folder = args.folder or Path(load_args_config(args).logging.runs_dir)
+    swept = swept_values(folder)
+    rows = [summarize(run, swept.get(run.name, {})) for run in find_runs(folder)]
+    print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from .ops.plot import plot_runs
+
+    out = plot_runs(args.runs, args.out, [m.strip() for m in args.metric.split(",") if m.strip()])
+    print(f"wrote {out}")
+    return 0
+
+
+def doctor(args: argparse.Namespace) -> int:
+    from .ops.doctor import exit_code, render, run_checks
+    from .runtime.rendezvous import from_environ
+
+    cfg, env = load_args_config(args), from_environ(os.environ)
+    checks = run_checks(cfg, env, os.environ, collective=args.collective)
+    if env.is_main:
+        print(render(checks, env))
+    return exit_code(checks)
+
+
+def data_prepare(args: argparse.Namespace) -> int:
+    from .data.prepare import prepare_configured
+    from .runtime.log import setup_console
+    from .runtime.rendezvous import DistEnv
+
+    cfg = load_args_config(args)
+    setup_console(DistEnv(), cfg.logging.level)
+    files, made = prepare_configured(cfg.data, args.workers)
+    counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
+    print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens {counts}")
+    return 0
+
+
+def data_info(args: argparse.Namespace) -> int:
+    from .ops.data_info import describe, render
+
+    entries = describe(args.path or Path(load_args_config(args).data.cache_dir))
+    print(json.dumps(entries, indent=1) if args.json else render(entries))
+    return 0
+
+
+def config(args: argparse.Namespace) -> int:
+    from .configload import config_to_dict, dump_yaml
+    from .errors import ConfigError
+
+    cfg = load_args_config(args)
+    if args.get is None:
+        sys.stdout.write(dump_yaml(cfg))
+        return 0
+    section, _, key = args.get.partition(".")
+    values = config_to_dict(cfg)
+    if section not in values or key not in values[section]:
+        raise ConfigError(f"--get {args.get}: no such key; `qgtrain config` lists them all")
+    value = values[section][key]
+    print(json.dumps(value) if isinstance(value, (list, bool)) or value is None else value)
+    return 0
+
+
+def env(args: argparse.Namespace) -> int:
+    from .runtime import devices, rendezvous
+
+    print(devices.report(rendezvous.from_environ(os.environ), load_args_config(args).train.device))
+    return 0
