@@ -36,7 +36,7 @@ from .state.resume import data_change, pick_for_resume
 from .state.rundir import RunDir
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
-from .training import parallel, trackers
+from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optim import adamw
 from .training.trainer import Outcome, Parts, Settings, Trainer
@@ -140,7 +140,7 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     _log_start(ctx, claim)
     ckpt = checkpoint.read_manifest(Path(claim.resume_from)) if claim.resume_from else None
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    task = build_task(cfg, ctx.task)
+    task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, ckpt is not None))
     rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))  # dropout differs per rank, reproducibly
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)
@@ -196,7 +196,7 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, run_files, cfg.train.collective_timeout_s)
     resolved = precision.resolve(cfg.train.precision, device)
-    wrapped = parallel.wrap(model.to(device), env, device, cfg.model.compile, cfg.train, resolved)
+    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)
     parts = Parts(task, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device), loaders,
