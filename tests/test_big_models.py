@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 
 from qgtrain.configload import load_config
 from tests.ranks import run_ranks
+from tests.test_fsdp import run_cli, train
+from tests.test_resume import records
 
 GPT2 = ["model.layers=2", "model.hidden=32", "model.heads=2", "data.name=synthetic", "data.seq_len=16",
         "data.synthetic_samples=64", "train.parallel=fsdp", "train.seed=7"]
@@ -93,3 +96,36 @@ def test_no_rank_but_rank_0_holds_the_whole_model_at_start():
     assert ranks[0]["grown"] > 0.9 * model_bytes, ranks[0]["grown"]
     for rank in (1, 2, 3):
         assert ranks[rank]["grown"] < 0.6 * model_bytes, (rank, ranks[rank]["grown"], model_bytes)
+
+
+def test_each_rank_checks_the_files_it_reads_next_and_one_rank_each_of_the_rest():
+    from qgtrain.state.verify_ranks import assign
+
+    sharded = {"sharded/__0_0.distcp": 90, "sharded/__1_0.distcp": 90, "sharded/__2_0.distcp": 90,
+               "sharded/.metadata": 3, "rank-0.pt": 1, "rank-1.pt": 1, "rank-2.pt": 1, "state.json": 1}
+    assert assign(sharded, 3) == [["sharded/__0_0.distcp", "rank-0.pt", "sharded/.metadata"],
+                                  ["sharded/__1_0.distcp", "rank-1.pt", "state.json"],
+                                  ["sharded/__2_0.distcp", "rank-2.pt"]]
+    shrunk = assign(sharded, 2)  # the shards of a rank that no longer exists go to whoever has least to read
+    assert shrunk[0][:2] == ["sharded/__0_0.distcp", "rank-0.pt"] and "sharded/__2_0.distcp" in shrunk[0]
+    replicated = {"model.pt": 400, "optim.pt": 800, "rank-0.pt": 1, "rank-1.pt": 1, "config.yaml": 1}
+    assert assign(replicated, 2) == [["rank-0.pt", "optim.pt"], ["rank-1.pt", "model.pt", "config.yaml"]]
+    assert sorted(sum(assign(replicated, 5), [])) == sorted(replicated)  # every file once, whatever the count
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resumes_the_checkpoint_before(tmp_path):
+    run = tmp_path / "run"
+    run_cli(4, train(run, "train.max_steps=4", "checkpoint.every_steps=2", "train.parallel=fsdp"), tmp_path, "first")
+    shard = run / "checkpoints" / "step-4" / "sharded" / "__2_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size: only a checksum can tell
+    shard.write_bytes(bytes(data))
+    run_cli(4, train(run, "train.max_steps=6", "checkpoint.every_steps=2", "train.parallel=fsdp"), tmp_path, "again")
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert f"skipping checkpoint step-4: {shard} does not match its checksum" in log and "(found by rank 2)" in log
+    assert f"resumed from {run}/checkpoints/step-2: step 2" in log
+    assert "rank 2 found a damaged file" in (tmp_path / "again-2.out").read_text()
+    for rank in (1, 3):
+        assert "damaged" not in (tmp_path / f"again-{rank}.out").read_text()
+    assert [r["step"] for r in records(run)] == list(range(1, 7))  # steps 3 and 4 trained again, logged once
