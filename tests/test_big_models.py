@@ -4,7 +4,9 @@ for bit with one process's build; peak memory read from /proc."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +131,81 @@ def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resum
     for rank in (1, 3):
         assert "damaged" not in (tmp_path / f"again-{rank}.out").read_text()
     assert [r["step"] for r in records(run)] == list(range(1, 7))  # steps 3 and 4 trained again, logged once
+
+
+def test_hsdp_groups_the_ranks_of_each_node_whatever_their_numbers():
+    from qgtrain.errors import ConfigError
+    from qgtrain.training.mesh import hsdp_layout
+
+    assert hsdp_layout([0, 0, 1, 1], 0) == [[0, 1], [2, 3]]  # block distribution: one group per node
+    assert hsdp_layout([0, 1, 0, 1], 0) == [[0, 2], [1, 3]]  # cyclic: still one group per node
+    assert hsdp_layout([0, 0, 0, 0], 0) == [[0, 1, 2, 3]]  # one node: one group, fsdp
+    assert hsdp_layout([0, 0, 0, 0, 1, 1, 1, 1], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hsdp_layout([0, 0, 1, 1], 4) == [[0, 1, 2, 3]]
+    with pytest.raises(ConfigError, match=r"the same number of ranks on every node, but the 2 nodes run 3, 1 ranks"):
+        hsdp_layout([0, 0, 0, 1], 0)
+    with pytest.raises(ConfigError, match=r"train.shard_group_size: 3 does not divide the 4 ranks"):
+        hsdp_layout([0, 0, 1, 1], 3)
+
+
+def pretrained_folder(path: Path, hidden: int = 32) -> Path:
+    import transformers
+
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=257, n_embd=hidden, n_layer=2, n_head=2,
+                                               n_positions=32, bos_token_id=256, eos_token_id=256)
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_pretrained_model_under_fsdp_is_read_by_rank_0_alone(tmp_path):
+    """Ranks 1-3 see /dev/null where the weights are (a mount namespace of their own): they could not read
+    them if they tried. With a learning rate of 0 the checkpoint after one step holds the pretrained weights."""
+    from safetensors.torch import load_file
+
+    from tests.ranks import start_cli_ranks, wait_ranks
+    from tests.test_fsdp import full_state
+
+    folder = pretrained_folder(tmp_path / "pretrained")
+    weights = folder / "model.safetensors"
+    hide = ["unshare", "-m", "sh", "-c", f'mount --bind /dev/null "{weights}" && exec "$0" "$@"']
+    run = tmp_path / "run"
+    args = train(run, "train.parallel=fsdp", f"model.pretrained={folder}", "optim.lr=0", "optim.min_lr=0",
+                 "train.max_steps=1", "train.eval_every=0")
+    codes = wait_ranks(start_cli_ranks(4, args, tmp_path, log_prefix="pre", wrap={r: hide for r in (1, 2, 3)}), 300)
+    assert codes == [0, 0, 0, 0], [(tmp_path / f"pre-{r}.out").read_text()[-2000:] for r in range(4)]
+    assert "sending every rank its shards of the initial weights" in (run / "logs/rank_0.log").read_text()
+    saved, trained = load_file(weights), full_state(run / "checkpoints" / "step-1")
+    assert saved and all(torch.equal(tensor, trained[f"model.{name}"]) for name, tensor in saved.items())
+
+
+def one_line_exit_2(procs: list, tmp_path: Path, prefix: str, said: str) -> None:  # type: ignore[type-arg]
+    from tests.ranks import wait_ranks
+
+    assert wait_ranks(procs, 300) == [2] * len(procs)
+    for rank in range(len(procs)):
+        out = (tmp_path / f"{prefix}-{rank}.out").read_text()
+        errors = [line for line in out.splitlines() if "qgtrain: error:" in line]
+        assert len(errors) == 1 and said in errors[0] and "Traceback" not in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_hsdp_layouts_and_pretrained_folders_that_cannot_work_are_one_line_and_exit_2(tmp_path):
+    from tests.ranks import start_cli_ranks
+
+    uneven = start_cli_ranks(3, train(tmp_path / "a", "train.parallel=hsdp"), tmp_path, {"LOCAL_WORLD_SIZE": "2"},
+                             log_prefix="uneven", wrap={2: ["env", "LOCAL_RANK=0"]})  # nodes of 2 ranks and 1
+    one_line_exit_2(uneven, tmp_path, "uneven", "hsdp needs the same number of ranks on every node, but the 2 "
+                                                "nodes run 2, 1 ranks")
+    indivisible = start_cli_ranks(2, train(tmp_path / "b", "train.parallel=hsdp", "train.shard_group_size=3"),
+                                  tmp_path, log_prefix="indivisible")
+    one_line_exit_2(indivisible, tmp_path, "indivisible", "train.shard_group_size: 3 does not divide the 2 ranks")
+    folder = pretrained_folder(tmp_path / "pretrained")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    misfit = start_cli_ranks(2, train(tmp_path / "c", "train.parallel=fsdp", f"model.pretrained={folder}"),
+                             tmp_path, log_prefix="misfit")
+    one_line_exit_2(misfit, tmp_path, "misfit", f"model.pretrained: {folder / 'model.safetensors'} holds "
+                                                "transformer.wte.weight of shape (257, 32), but the model its "
+                                                "config.json describes has (257, 64)")

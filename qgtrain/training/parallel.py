@@ -14,7 +14,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from . import initial_shards, replicas, sharding
+from . import initial_shards, mesh, replicas, sharding
 
 log = logging.getLogger("qgtrain")
 
@@ -43,10 +43,10 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
         if train.activation_checkpointing:
             sharding.checkpoint_activations(blocks)
         if sharded:
-            log.info("fsdp: sharding %d %s blocks and the root over %d ranks", len(blocks),
+            log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel, len(blocks),
                      type(blocks[0]).__name__, env.world_size)
             full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
-            sharding.shard(model, blocks, precision, device)
+            sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
             initial_shards.fill(model, full, device)
             return model
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
