@@ -209,3 +209,51 @@ def test_hsdp_layouts_and_pretrained_folders_that_cannot_work_are_one_line_and_e
     one_line_exit_2(misfit, tmp_path, "misfit", f"model.pretrained: {folder / 'model.safetensors'} holds "
                                                 "transformer.wte.weight of shape (257, 32), but the model its "
                                                 "config.json describes has (257, 64)")
+
+
+EXPORT_RSS = """
+import json, sys
+from qgtrain.ops.export import export_run
+import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint  # code, before the baseline
+
+def status(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
+
+before = status('VmRSS:')
+done = export_run(sys.argv[1], sys.argv[2], dtype='bf16')
+print(json.dumps({'grown': status('VmHWM:') - before, 'diff': done.max_logit_diff, 'checked': done.tensors_checked}))
+"""
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_exports_in_bounded_memory_and_reloads_with_equal_logits(tmp_path):
+    """The 151 MB GPT-2 trained one step on 2 fsdp ranks, exported in bf16 by a process that measures its
+    own peak: it grows by a few tensors, not by the model; the folder, loaded by transformers, gives the
+    logits of the checkpoint's weights rounded to bf16."""
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors import safe_open
+
+    from tests.test_fsdp import full_state
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    run_cli(2, train(run, *BIG[:3], "train.max_steps=1", "train.eval_every=0", "train.parallel=fsdp"), tmp_path, "big")
+    done = subprocess.run([sys.executable, "-c", EXPORT_RSS, str(run), str(out)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    state = {k.removeprefix("model."): v for k, v in full_state(run / "checkpoints" / "step-1").items()
+             if k.startswith("model.")}
+    model_bytes = 4 * sum(v.numel() for k, v in state.items() if k != "lm_head.weight")
+    assert model_bytes > 140e6 and measured["diff"] is None and measured["checked"] == len(state) - 1
+    assert measured["grown"] < 0.4 * model_bytes, (measured, model_bytes)  # 41 MB measured: a few tensors, code
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_slice("transformer.wte.weight").get_dtype() == "BF16"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_config(reloaded.config).eval()
+    reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=tokens).logits, reference(input_ids=tokens).logits)

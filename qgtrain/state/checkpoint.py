@@ -32,6 +32,7 @@ from ..errors import CheckpointError, first_line
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
 _COMMITTED = re.compile(r"step-(\d+)")
+_WINDOW = 16 << 20  # a multiple of mmap's allocation granularity
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,15 @@ def file_entry(path: Path) -> dict[str, Any]:
 
 
 def _digest(path: Path) -> str:
-    """xxh3-128 of a file, read through mmap: half the time of chunked reads, as fast as the page cache."""
+    """xxh3-128 of a file, read through mmap (half the time of chunked reads, as fast as the page cache) a
+    window at a time: a process that checks a 16 GB shard holds 16 MiB of it, not 16 GB, in its memory."""
+    hasher = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_128_hexdigest(b"")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return xxhash.xxh3_128_hexdigest(view)
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, _WINDOW):
+            with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as view:
+                hasher.update(view)
+    return hasher.hexdigest()
 
 
 def commit(staging: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
