@@ -4,7 +4,8 @@ No rank but rank 0 ever holds the whole model. Rank 0 builds the task as one pro
 are those of a ddp run or a one-process run with the same seed, bit for bit) and keeps its full tensors
 aside; every rank shards a model whose parameters are on the meta device, gives its shards memory on its
 device, and receives them from rank 0 one tensor at a time (torch's `set_model_state_dict` with
-`broadcast_from_rank0`). Peak memory: rank 0 the model and its shards, every other rank its shards and
+`broadcast_from_rank0`), a group of tensors at a time. Peak memory: rank 0 the model and a group's shards,
+every other rank its shards and
 one full tensor. A start that resumes builds no weights at all: the checkpoint fills the shards.
 
 The alternative, every rank building on the meta device and initialising its own shards
@@ -28,6 +29,7 @@ from ..tasks.empty_weights import to_meta
 
 log = logging.getLogger("qgtrain")
 SHARDED_MODES = ("fsdp", "hsdp")
+GROUP_BYTES = 64 << 20  # full tensors sent per call: each call costs a pass over the model's state
 
 
 def is_sharded_run(train: TrainConfig, world_size: int) -> bool:
@@ -52,12 +54,29 @@ def set_aside_full_weights(model: nn.Module) -> dict[str, Any]:
 
 def fill(model: nn.Module, full: dict[str, Any], device: torch.device) -> None:
     """After sharding (a collective): give the meta shards memory on `device`, then, unless rank 0 holds
-    no weights (a resume), fill them from rank 0's `full` state, one tensor at a time."""
+    no weights (a resume), fill them from rank 0's `full` state. It is sent in groups of tensors, each
+    group dropped from rank 0 once sent, so rank 0 never holds the whole model and all its shards at once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     if not distributed.broadcast_from_main(bool(full)):
         return
     log.info("sending every rank its shards of the initial weights built on rank 0")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for names in groups(model.state_dict()):  # the same groups on every rank: the same calls
+        set_model_state_dict(model, {name: full.pop(name) for name in names if name in full}, options=options)
     full.clear()
+
+
+def groups(state: dict[str, Any], budget: int = GROUP_BYTES) -> list[list[str]]:
+    """State names in order, in groups of at most `budget` bytes of full tensors (or one tensor)."""
+    out: list[list[str]] = [[]]
+    held = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+        if out[-1] and held + size > budget:
+            out.append([])
+            held = 0
+        out[-1].append(name)
+        held += size
+    return out
