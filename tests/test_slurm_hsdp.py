@@ -17,7 +17,7 @@ from tests.test_slurm_recovery import kill_rank
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 TWO_BY_TWO = ("--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--nodelist=node[1-2]", "--time=10")
-STEPS = 300
+STEPS = 200
 
 
 def configs(tmp: Path, parallel: str, steps: int = STEPS) -> list[Path]:
@@ -35,7 +35,7 @@ def test_hsdp_trains_like_ddp_survives_a_sigkill_bit_for_bit_and_resumes_on_one_
     log = rank_log(reference / "runs" / "cpu", 0)
     assert "hsdp: 2 replicas of the model, each sharded over 2 ranks (0,1; 2,3)" in log
     replicated, sharded = records(ddp / "runs" / "cpu"), records(reference / "runs" / "cpu")
-    assert [r["step"] for r in sharded] == [r["step"] for r in replicated] and len(sharded) >= 6
+    assert [r["step"] for r in sharded] == [r["step"] for r in replicated] and len(sharded) >= 4
     for a, b in zip(replicated, sharded):  # the same sums in another order: fp32 rounding, nothing more
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
