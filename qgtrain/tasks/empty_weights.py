@@ -51,7 +51,8 @@ def building_empty(meta: bool = False) -> Iterator[None]:
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(self, name, param)
-        if param is None or param.is_meta or getattr(param, _PLACEHOLDER, False):  # a tie: the same one again
+        if param is None or param.is_meta or getattr(param, _PLACEHOLDER, False) or \
+                isinstance(param, nn.parameter.UninitializedParameter):  # a tie (the same one again), a lazy one
             return
         if _state["mode"] == "meta":
             self._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
