@@ -113,8 +113,7 @@ class TrainConfig:
         "across nodes")
     shard_modules: tuple[str, ...] = setting((), "with fsdp: class names of the blocks sharded one by one "
                                              "([] = the model's _no_split_modules, as Hugging Face models name them)")
-    shard_group_size: int = setting(0, "with hsdp: ranks that share one copy of the model (0 = the ranks of one "
-                                    "node)", min=0)
+    shard_group_size: int = setting(0, "with hsdp: ranks that share one copy of the model (0 = one node's)", min=0)
     activation_checkpointing: bool = setting(False, "recompute each block's activations in the backward pass: "
                                              "less memory, about a third more compute")
     sync_batchnorm: bool = setting(False, "with ddp on GPUs: batch norm layers normalize by the statistics of "

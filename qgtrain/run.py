@@ -130,7 +130,7 @@ def _claim(ctx: RunContext, run_dir: Path | None, held: contextlib.ExitStack) ->
                                        warnings.append)
         return Claim(path, "", None, warnings, candidates)
     except OSError as exc:
-        raise _unwritable(path, exc) from None
+        raise rundir.unwritable(path, exc) from None
 
 
 def _open(ctx: RunContext, claim: Claim, resume_from: str | None, skipped: list[str]) -> Claim:
@@ -138,13 +138,8 @@ def _open(ctx: RunContext, claim: Claim, resume_from: str | None, skipped: list[
     try:
         run_id = rundir.open_run(claim.path, ctx.cfg, dump_yaml(ctx.cfg))
     except OSError as exc:
-        raise _unwritable(claim.path, exc) from None
+        raise rundir.unwritable(claim.path, exc) from None
     return dataclasses.replace(claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped)
-
-
-def _unwritable(path: Path, exc: OSError) -> QgtrainError:
-    return QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: {exc.filename or path})"
-                        ". HINT: choose a writable place with --run-dir or logging.runs_dir, or free space there")
 
 
 def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:

@@ -284,23 +284,3 @@ def main_decides(decide: Callable[[], Any]) -> Any:
         error_type, message = value
         raise error_type(message)
     return value
-
-
-def fail_together(work: Callable[[], Any]) -> Any:
-    """Run `work` on every rank; a QgtrainError on any rank is raised on all of them (the lowest rank's), so
-    work that differs between ranks (only rank 0 reads a pretrained model) cannot leave the others waiting
-    in the next collective for a rank that has gone."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return work()
-    result, failure = None, None
-    try:
-        result = work()
-    except QgtrainError as exc:
-        failure = (type(exc), str(exc))
-    failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    first = next((f for f in failures if f is not None), None)
-    if first is not None:
-        error_type, message = first
-        raise error_type(message)
-    return result
