@@ -23,9 +23,9 @@ import torch
 from bench.common import alternate, report
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv
-from qgtrain.state import checkpoint
+from qgtrain.state import checkpoint, verify_ranks
 from qgtrain.state.checkpointer import Checkpointer
-from qgtrain.state.resume import pick_for_resume
+from qgtrain.state.resume import resume_candidates
 
 
 def main() -> None:
@@ -69,7 +69,8 @@ def main() -> None:
                 plain_written[-3].unlink()
 
         def qgtrain_load() -> None:
-            ckpt = pick_for_resume(saver.root, saver.run_id, "auto", print)
+            chosen, _ = verify_ranks.choose(resume_candidates(saver.root, saver.run_id, "auto", print), saver.root)
+            ckpt = checkpoint.read_manifest(Path(str(chosen)))
             assert ckpt is not None
             model.load_state_dict(checkpoint.load_file(ckpt, "model.pt"))
             optimizer.load_state_dict(checkpoint.load_file(ckpt, "optim.pt"))

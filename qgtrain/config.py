@@ -107,11 +107,13 @@ class TrainConfig:
     agree_every: int = setting(1, "steps between the all-reduce that agrees on stop signals and bad losses",
                                min=1)
     find_unused_parameters: bool = setting(False, "let DDP skip parameters that get no gradient (slower)")
-    parallel: Literal["ddp", "fsdp"] = setting(
+    parallel: Literal["ddp", "fsdp", "hsdp"] = setting(
         "ddp", "ddp: a full copy of the model on every rank; fsdp: weights, gradients and optimizer state "
-        "sharded over the ranks (FSDP2), for models too big for ddp")
+        "sharded over the ranks (FSDP2), for models too big for ddp; hsdp: sharded within a node, replicated "
+        "across nodes")
     shard_modules: tuple[str, ...] = setting((), "with fsdp: class names of the blocks sharded one by one "
                                              "([] = the model's _no_split_modules, as Hugging Face models name them)")
+    shard_group_size: int = setting(0, "with hsdp: ranks that share one copy of the model (0 = one node's)", min=0)
     activation_checkpointing: bool = setting(False, "recompute each block's activations in the backward pass: "
                                              "less memory, about a third more compute")
     sync_batchnorm: bool = setting(False, "with ddp on GPUs: batch norm layers normalize by the statistics of "
@@ -187,6 +189,8 @@ class SlurmConfig:
 class ExportConfig:
     on_finish: bool = setting(False, "export a Hugging Face model when training finishes (rank 0)")
     dir: str = setting("", "where the export goes ('' = <run dir>/export)")
+    dtype: Literal["auto", "bf16", "fp32"] = setting("auto", "the exported weights' dtype (auto: bf16 if the run "
+                                                     "trained in bf16, else fp32)")
 
 
 @dataclass(frozen=True)
@@ -262,12 +266,14 @@ def _training_rules(cfg: RunConfig) -> Problem:
     if cfg.checkpoint.keep_last < 2:
         return "checkpoint.keep_last", (f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
                                         "half-written when a job dies, so the one before it must survive rotation")
-    if train.parallel == "fsdp" and train.precision == "fp16":
+    if train.parallel != "ddp" and train.precision == "fp16":
         return "train.precision", ("fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
-                                   "bf16 with train.parallel: fsdp")
-    if train.parallel == "fsdp" and cfg.model.compile:
-        return "model.compile", ("torch.compile with train.parallel: fsdp is not supported yet; use ddp to "
-                                 "compile, or turn model.compile off")
+                                   f"bf16 with train.parallel: {train.parallel}")
+    if train.parallel != "ddp" and cfg.model.compile:
+        return "model.compile", (f"torch.compile with train.parallel: {train.parallel} is not supported yet; use "
+                                 "ddp to compile, or turn model.compile off")
+    if train.shard_group_size and train.parallel != "hsdp":
+        return "train.shard_group_size", f"applies to train.parallel: hsdp, not {train.parallel}; set it to 0"
     if train.precision == "fp16" and train.device == "cpu":
         return "train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU"
     name = train.run_name

@@ -29,14 +29,14 @@ from .runtime.deadline import Deadline
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
 from .runtime.startup import Timeline, process_age_s
-from .state import checkpoint, rundir
+from .state import checkpoint, rundir, verify_ranks
 from .state.checkpointer import Checkpointer
 from .state.lifecycle import Lifecycle
-from .state.resume import data_change, pick_for_resume
+from .state.resume import Candidates, data_change, resume_candidates
 from .state.rundir import RunDir
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
-from .training import parallel, trackers
+from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optim import adamw
 from .training.trainer import Outcome, Parts, Settings, Trainer
@@ -68,6 +68,7 @@ class Claim:
     run_id: str
     resume_from: str | None  # the checkpoint to resume from
     warnings: list[str]  # logged once the run's log file is open
+    candidates: Candidates = Candidates([], [])  # what it may resume from, before the ranks check the files
 
 
 def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True,
@@ -102,7 +103,9 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
-        claim = distributed.main_decides(lambda: _claim(ctx, run_dir, held))
+        found = distributed.main_decides(lambda: _claim(ctx, run_dir, held))
+        resume_from, skipped = verify_ranks.choose(found.candidates, RunDir(found.path).checkpoints)
+        claim = distributed.main_decides(lambda: _open(ctx, found, resume_from, skipped))
         comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
         _check_shared(ctx, claim)
         ctx.timeline.mark("run directory")
@@ -116,21 +119,27 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
 
 
 def _claim(ctx: RunContext, run_dir: Path | None, held: contextlib.ExitStack) -> Claim:
-    """Rank 0 picks the directory, holds its lock while training, and picks the checkpoint to resume from
-    before it writes anything there: a refusal leaves the run as it was."""
+    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may resume
+    from before it writes anything there: a refusal leaves the run as it was."""
     path = (run_dir or rundir.default_run_dir(ctx.cfg)).resolve()
     env = ctx.env
     try:
         held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
         warnings: list[str] = []
-        ckpt = pick_for_resume(RunDir(path).checkpoints, rundir.read_run_id(path), ctx.cfg.checkpoint.resume,
-                               warnings.append)
-        run_id = rundir.open_run(path, ctx.cfg, dump_yaml(ctx.cfg))
-        return Claim(path, run_id, str(ckpt.path) if ckpt else None, warnings)
+        candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), ctx.cfg.checkpoint.resume,
+                                       warnings.append)
+        return Claim(path, "", None, warnings, candidates)
     except OSError as exc:
-        raise QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: "
-                           f"{exc.filename or path}). HINT: choose a writable place with --run-dir or "
-                           "logging.runs_dir, or free space there") from None
+        raise rundir.unwritable(path, exc) from None
+
+
+def _open(ctx: RunContext, claim: Claim, resume_from: str | None, skipped: list[str]) -> Claim:
+    """Rank 0 records the start once the ranks agree on the checkpoint (verify_ranks.py)."""
+    try:
+        run_id = rundir.open_run(claim.path, ctx.cfg, dump_yaml(ctx.cfg))
+    except OSError as exc:
+        raise rundir.unwritable(claim.path, exc) from None
+    return dataclasses.replace(claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped)
 
 
 def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
@@ -140,7 +149,7 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     _log_start(ctx, claim)
     ckpt = checkpoint.read_manifest(Path(claim.resume_from)) if claim.resume_from else None
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    task = build_task(cfg, ctx.task)
+    task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, ckpt is not None))
     rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))  # dropout differs per rank, reproducibly
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)
@@ -196,7 +205,7 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, run_files, cfg.train.collective_timeout_s)
     resolved = precision.resolve(cfg.train.precision, device)
-    wrapped = parallel.wrap(model.to(device), env, device, cfg.model.compile, cfg.train, resolved)
+    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)
     parts = Parts(task, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device), loaders,

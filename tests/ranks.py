@@ -32,13 +32,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(world_size: int, target: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
-              timeout: float = 180.0) -> list[Any]:
-    """target(*args) on every rank; returns each rank's result, or raises if a rank failed or hung."""
+def run_ranks(world_size: int, target: Callable[..., Any], *args: Any,
+              env: dict[str, str] | Callable[[int], dict[str, str]] | None = None, timeout: float = 180.0) -> list[Any]:
+    """target(*args) on every rank; returns each rank's result, or raises if a rank failed or hung. `env`:
+    variables for every rank, or a function of the rank giving each its own."""
     port = free_port()
     results: Any = _CTX.Queue()
     stacks = tempfile.mkdtemp(prefix="qgtrain-ranks-")
-    procs = [_CTX.Process(target=_rank_main, args=(rank, world_size, port, env or {}, target, args, results,
+    envs = [env(rank) if callable(env) else env or {} for rank in range(world_size)]
+    procs = [_CTX.Process(target=_rank_main, args=(rank, world_size, port, envs[rank], target, args, results,
                                                    stacks, timeout - 5))
              for rank in range(world_size)]
     for proc in procs:

@@ -207,3 +207,38 @@ def noisy_in_eval(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     task = points(cfg)
     task.model = NoisyInEval(task.model)
     return task
+
+
+class Mixer(nn.Module):
+    """A block with its own initialisation (truncated normal, orthogonal) and a non-persistent sine table."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.gate = nn.Parameter(torch.empty(width, width))
+        nn.init.trunc_normal_(self.inner.weight, std=0.02)
+        nn.init.orthogonal_(self.gate)
+        self.register_buffer("phase", torch.sin(torch.arange(width, dtype=torch.float32)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.inner(x) @ self.gate + self.phase)
+
+
+class MixerNet(nn.Module):
+    def __init__(self, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.Sequential(*[Mixer(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def drawn_after_model(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """A task's own model with its own initialisation, and a split of the data drawn from the global random
+    generator after the model is built: every rank must draw the same split."""
+    model = MixerNet(int(cfg.task.options.get("width", 16)))
+    order = torch.randperm(600).tolist()
+    data = [Points(600, 1)[i] for i in order]
+    return qgtrain.Task(model=model, train=data[:500], val=data[500:], loss=classify_loss, metrics=accuracy)

@@ -86,6 +86,8 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
     ("model:\n  factory: a:b\n  pretrained: /x\n", r"set either model.pretrained or model.factory, not both"),
     ("data:\n  name: factory\n", r"data.factory: data.name is 'factory' but no"),
     ("train:\n  run_name: a/b\n", r"train.run_name: 'a/b' must be a plain directory name"),
+    ("train:\n  shard_group_size: 4\n", r"train.shard_group_size: applies to train.parallel: hsdp, not ddp"),
+    ("train:\n  parallel: hsdp\n  precision: fp16\n", r"use bf16 with train.parallel: hsdp"),
     ("early_stopping:\n  patience: 3\ntrain:\n  eval_every: 0\n", r"early stopping needs validations"),
     ("train:\n  seed: 99999999999999999999\n", r"train.seed: 99999999999999999999 is out of range; expected an "
                                                r"integer between 0 and 2147483647"),

@@ -29,8 +29,7 @@ from ..state import checkpoint, sharded
 from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
-from . import export_task, export_writer
-from .load import load_model
+from . import export_stream, export_task, export_writer, reload_check
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -42,13 +41,16 @@ print(generate("def main(", max_new_tokens=40)[0]["generated_text"])"""
 class Exported:
     folder: Path
     checkpoint: Path
-    max_logit_diff: float
+    max_logit_diff: float | None  # None: a model too large to be reloaded whole, checked tensor by tensor
     kind: str = "transformers"
+    dtype: str = "fp32"
+    tensors_checked: int = 0
 
 
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
-               force: bool = False) -> Exported:
-    """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder."""
+               force: bool = False, dtype: str | None = None) -> Exported:
+    """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
+    `dtype` (bf16 or fp32; default: the run's export.dtype)."""
     ckpt = _select(Path(source), best, step)
     import transformers
 
@@ -59,18 +61,18 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     saved = yaml_config(ckpt)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
-    task = None if builtin else export_task.rebuild_task(saved)
-    model = task.model if task is not None else _rebuild_lm(ckpt, saved, model_facts)
-    sharded.load_model(ckpt, model)
-    model.float().eval()
+    task = None if builtin else export_task.rebuild_task(saved, empty=True)
+    model = task.model if task is not None else export_task.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
+    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
+    weights, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
     kind = export_writer.kind_of(model)
     lm = builtin and kind == "transformers"
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        facts = run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
-                          if builtin else None)
+        facts = {**run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
+                             if builtin else None), "dtype": chosen}
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
         builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
@@ -79,19 +81,28 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                                         "text-generation" if lm else None)
         meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
                 "run": facts, "config": config_to_dict(saved)}
-        export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None)
+        torch_dtype = export_stream.DTYPES[chosen]
+        export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
+                            weights=lambda folder, size: export_stream.write_weights(folder, weights, read,
+                                                                                     torch_dtype, size),
+                            dtype=torch_dtype)
         if builtin and model_facts.get("tokenizer"):
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32) if lm else \
-            load_model(staging)
-        run = export_task.task_batch(task) if task is not None else \
-            export_task.token_batch(saved.data.seq_len, int(model_facts.get("vocab_size", 257)))
-        diff = export_task.verify(model, reloaded, run, staging)
+        checked = export_stream.check_weights(staging, weights, read, torch_dtype)
+        diff = reload_check.outputs(ckpt, saved, model_facts, task, weights, read, torch_dtype, staging, lm)
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s to %s (largest output difference after reloading: %.3g)", ckpt.path, out, diff)
-    return Exported(out, ckpt.path, diff, kind)
+    log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
+             "" if diff is None else f"; largest output difference after reloading: {diff:.3g}")
+    return Exported(out, ckpt.path, diff, kind, chosen, checked)
+
+
+def export_dtype(setting: str, trained: str | None) -> str:
+    """auto: bf16 for a run that trained in bf16 (its natural dtype: what it computed in), else fp32."""
+    if setting not in ("auto", "bf16", "fp32"):
+        raise QgtrainError(f"export: dtype {setting!r} is not allowed; choose one of auto, bf16, fp32")
+    return ("bf16" if trained == "bf16" else "fp32") if setting == "auto" else setting
 
 
 def yaml_config(ckpt: checkpoint.Checkpoint) -> RunConfig:
@@ -149,17 +160,6 @@ def _replace(staging: Path, out: Path) -> None:
         os.rename(out, old)
     os.rename(staging, out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _rebuild_lm(ckpt: checkpoint.Checkpoint, cfg: RunConfig, facts: dict[str, Any]) -> torch.nn.Module:
-    """The built-in language model: from the transformers config its checkpoint saved, or its factory."""
-    if (ckpt.path / "hf_config.json").exists():
-        import transformers
-
-        hf = json.loads((ckpt.path / "hf_config.json").read_text())
-        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-        return transformers.AutoModelForCausalLM.from_config(config)
-    return export_task.rebuild_model(cfg, facts)
 
 
 def _set_generation_eos(model: torch.nn.Module, eos: int | None) -> None:

@@ -10,6 +10,7 @@ model.* and the facts its checkpoint recorded. A reloaded export is run on a bat
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..runtime import distributed, rng
 from ..runtime.rendezvous import DistEnv
 from ..task import BUILTIN_LM, ReadyTask
 from ..tasks.build import build_task
+from ..tasks.empty_weights import building_empty, to_meta
 from ..tasks.models import build_model
 
 log = logging.getLogger("qgtrain")
@@ -40,27 +42,45 @@ def _group() -> Iterator[None]:
         yield
 
 
-def rebuild_task(cfg: Any) -> ReadyTask:
-    """The task of a run's config, its model freshly built on the CPU in fp32, as training built it."""
+def rebuild_task(cfg: Any, empty: bool = False) -> ReadyTask:
+    """The task of a run's config, its model freshly built on the CPU in fp32, as training built it; `empty`:
+    without weights, as the ranks but 0 of a sharded run build it (tasks/empty_weights.py)."""
     kept = rng.capture()
     try:
         with _group():
             rng.seed_everything(cfg.train.seed)
-            return build_task(cfg)
+            return build_task(cfg, empty=empty)
     finally:
         rng.restore(kept)
 
 
-def rebuild_model(cfg: Any, facts: dict[str, Any]) -> nn.Module:
+def rebuild_model(cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Module:
     """The untrained model of a run: its task's, or the built-in causal LM's from model.* and `facts`."""
     if cfg.task.factory != BUILTIN_LM:
-        return rebuild_task(cfg).model
+        return rebuild_task(cfg, empty).model
     kept = rng.capture()
     try:
         rng.seed_everything(cfg.train.seed)
-        return build_model(cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id"))
+        with building_empty() if empty else contextlib.nullcontext():
+            model = build_model(cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id"))
+        if empty:
+            to_meta(model)
+        return model
     finally:
         rng.restore(kept)
+
+
+def rebuild_lm(ckpt_dir: Path, cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Module:
+    """The built-in language model: from the transformers config its checkpoint saved, or its factory;
+    `empty`: without weights."""
+    if (ckpt_dir / "hf_config.json").exists():
+        import transformers
+
+        hf = json.loads((ckpt_dir / "hf_config.json").read_text())
+        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+        with building_empty(meta=True) if empty else contextlib.nullcontext():
+            return transformers.AutoModelForCausalLM.from_config(config)
+    return rebuild_model(cfg, facts, empty)
 
 
 def verify(model: nn.Module, reloaded: nn.Module, run: Callable[[nn.Module], None], folder: Path) -> float:

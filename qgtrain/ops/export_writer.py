@@ -3,22 +3,25 @@
 Whatever the model, the folder holds `qgtrain_model.json` (what kind of export it is, the task and options
 that built the model, the resolved config, the run's facts) and a `README.md` model card; the weights are
 written the model's own way. A transformers PreTrainedModel and a huggingface_hub PyTorchModelHubMixin use
-their `save_pretrained` (their own class reloads them without qgtrain); any other module's `state_dict` goes
-to `model.safetensors`, with the model's own names, sharded past SHARD_SIZE as transformers shards
-(`model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`), and `qgtrain.load_model(folder)`
-rebuilds it by calling the task function again.
+their own config files (their own class reloads them without qgtrain); any other module's `state_dict` goes
+to `model.safetensors`, with the model's own names, and `qgtrain.load_model(folder)` rebuilds it by calling
+the task function again. The weights themselves are streamed from the checkpoint (export_stream.py),
+sharded past SHARD_SIZE as transformers shards them, except for the hub mixin, whose loader reads one file.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 META = "qgtrain_model.json"
 SHARD_SIZE = "2GB"
+ONE_FILE = 2**62
 FORMAT = 1
 
 
@@ -32,18 +35,27 @@ def kind_of(model: nn.Module) -> str:
     return "hub" if isinstance(model, PyTorchModelHubMixin) else "state_dict"
 
 
-def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, tokenizer: Any = None) -> str:
-    """Write the model into `folder` (empty) the way its kind asks, with META, the card and a tokenizer."""
+def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, tokenizer: Any = None, *,
+          weights: Callable[[Path, int], list[str]], dtype: torch.dtype) -> str:
+    """Write the model into `folder` (empty) the way its kind asks, with META, the card and a tokenizer.
+    `weights(folder, max_file_bytes)` writes the weights (export_stream.py): the model itself holds none."""
     kind = kind_of(model)
-    own_way: Any = model  # transformers or the hub mixin: its own save_pretrained
     if kind == "transformers":
-        own_way.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD_SIZE)
-    elif kind == "hub":
-        own_way.save_pretrained(folder)
+        config: Any = getattr(model, "config")
+        config.architectures, config.dtype = [type(model).__name__], dtype  # as save_pretrained records them
+        config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate")():
+            generation.save_pretrained(folder)
+        weights(folder, size_in_bytes(SHARD_SIZE))
+    elif kind == "hub":  # its save_pretrained writes its init arguments; its loader reads one model.safetensors
+        setattr(model, "_save_pretrained", lambda directory: weights(Path(directory), ONE_FILE))
+        try:
+            getattr(model, "save_pretrained")(folder)
+        finally:
+            delattr(model, "_save_pretrained")
     else:
-        from huggingface_hub import save_torch_state_dict
-
-        save_torch_state_dict(model.state_dict(), folder, max_shard_size=SHARD_SIZE)
+        weights(folder, size_in_bytes(SHARD_SIZE))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     cls = type(model)
@@ -51,6 +63,12 @@ def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, token
                                            f"{cls.__qualname__}", **meta}, indent=1) + "\n")
     (folder / "README.md").write_text(card)
     return kind
+
+
+def size_in_bytes(size: str) -> int:
+    """'2GB' -> 2 * 10**9, as transformers and huggingface_hub count shard sizes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    return int(float(size[:-2]) * units[size[-2:].upper()]) if size[-2:].upper() in units else int(size)
 
 
 def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], config_yaml: str,

@@ -5,8 +5,9 @@ the replicated state; rank 0 gathers every rank's file entries (or its error), c
 broadcasts the outcome, so all ranks succeed or fail together. The saver has its own gloo group: an
 asynchronous save runs these collectives in a background thread without interleaving with training's.
 
-Restore: rank 0 picks the checkpoint before anything of the run is written (resume.pick_for_resume)
-and broadcasts it; each rank then reads the replicated files and its own.
+Restore: rank 0 lists the checkpoints before anything of the run is written (resume.resume_candidates), the
+ranks check their shares of the files and agree on one (verify_ranks.py); each rank then reads the
+replicated files and its own.
 """
 
 from __future__ import annotations

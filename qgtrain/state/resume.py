@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -17,46 +18,59 @@ from .checkpoint import (
 )
 
 
-def pick_for_resume(root: Path, run_id: str | None, resume: str,
-                    warn: Callable[[str], None]) -> Checkpoint | None:
-    """The checkpoint a start resumes from: the newest verified one of this run, or the one named.
+@dataclass(frozen=True)
+class Candidates:
+    """The checkpoints a start may resume from, newest first, as rank 0 finds them from manifests and file
+    sizes; every rank then checks its share of the files of the first (verify_ranks.py)."""
 
-    A corrupt newest checkpoint is passed over with a warning and the one before it is used. A run that
-    has checkpoints but none that can be used is refused, never silently restarted from scratch: the
-    error names each checkpoint and what is wrong with it, and nothing on disk has been touched yet.
+    paths: list[str]
+    problems: list[str]  # those passed over already, for the refusal if none is left
+    named: bool = False  # checkpoint.resume named one: no other may be used instead
+
+
+def resume_candidates(root: Path, run_id: str | None, resume: str, warn: Callable[[str], None]) -> Candidates:
+    """The checkpoints a start may resume from: this run's committed ones whose files have the sizes their
+    manifest records (a stat per file, nothing read), newest first; or the one named.
+
+    A damaged newest checkpoint is passed over with a warning and the one before it is tried.
     """
     if resume == "never":
-        return None
+        return Candidates([], [])
     if resume != "auto":
         ckpt = read_manifest(Path(resume))
         if ckpt is None:
             raise CheckpointError(f"checkpoint.resume: {resume} is not a committed checkpoint (no valid {MANIFEST}); "
                                   "expected a folder such as <run dir>/checkpoints/step-<N>, or 'auto' or 'never'")
-        problem = verify(ckpt)
+        problem = verify(ckpt, checksums=False)
         if problem:
             raise CheckpointError(f"checkpoint.resume: {problem}")
-        return ckpt
+        return Candidates([str(ckpt.path)], [], named=True)
     committed = list_committed(root)
     others = sorted({c.run_id for c in committed if c.run_id != run_id})
     if others:
         warn(f"ignoring checkpoints of other runs in {root} (run ids {', '.join(others)})")
-    problems = []
+    problems, paths = [], []
     for folder in list_unreadable(root):
         problems.append(f"{folder.name}: no valid {MANIFEST} (removed or damaged)")
         warn(f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files cannot be "
              "checked")
     for ckpt in reversed([c for c in committed if c.run_id == run_id]):
-        problem = verify(ckpt)
+        problem = verify(ckpt, checksums=False)
         if problem is None:
-            return ckpt
+            paths.append(str(ckpt.path))
+            continue
         warn(f"skipping checkpoint {ckpt.path.name}: {problem}; trying the one before it")
         problems.append(f"{ckpt.path.name}: {problem}")
-    if problems:
-        raise CheckpointError(
-            f"{root} holds {len(problems)} checkpoint(s) of this run and none can be resumed ("
-            f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
-            "afresh with checkpoint.resume: never or another train.run_name")
-    return None
+    return Candidates(paths, problems)
+
+
+def refusal(root: Path, problems: list[str]) -> CheckpointError:
+    """A run that has checkpoints but none that can be used is refused, never silently restarted from
+    scratch: the error names each checkpoint and what is wrong with it, and nothing has been touched."""
+    return CheckpointError(
+        f"{root} holds {len(problems)} checkpoint(s) of this run and none can be resumed ("
+        f"{'; '.join(problems)}). Nothing was changed. HINT: restore a good copy of one of them, or start "
+        "afresh with checkpoint.resume: never or another train.run_name")
 
 
 def data_change(ckpt: Checkpoint, facts: dict[str, object]) -> str | None:

@@ -168,3 +168,9 @@ def is_locked(run_dir: Path) -> bool | None:
         return None if taken is None else not taken
     finally:
         os.close(fd)
+
+
+def unwritable(path: Path, exc: OSError) -> QgtrainError:
+    """The refusal of a run directory that cannot be written, naming what failed."""
+    return QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: {exc.filename or path})"
+                        ". HINT: choose a writable place with --run-dir or logging.runs_dir, or free space there")

@@ -13,32 +13,63 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, QgtrainError
 from ..factory import load_factory
 from ..task import ReadyTask, Task
+from .empty_weights import building_empty, to_meta
 
 TaskSource = Task | Callable[[RunConfig], Task]
 
 
-def build_task(cfg: RunConfig, given: TaskSource | None = None) -> ReadyTask:
+def build_task(cfg: RunConfig, given: TaskSource | None = None, *, empty: bool = False) -> ReadyTask:
     """The task of `cfg.task.factory` (or the Task or task function given in Python), checked, with its
-    defaults filled in."""
+    defaults filled in. `empty`: its model's parameters on the meta device (empty_weights.py)."""
     if given is None:
         spec = cfg.task.factory
-        made = load_factory(spec, "task.factory")(cfg)
+        factory = load_factory(spec, "task.factory")
     else:
         spec = "the Task given in Python" if isinstance(given, Task) else getattr(given, "__qualname__", repr(given))
-        made = given if isinstance(given, Task) else given(cfg)
+        factory = (lambda _: given) if isinstance(given, Task) else given
+    made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg))
     if not isinstance(made, Task):
         raise ConfigError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
                           "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
     check_task(made, spec, cfg)
     filled = {"collate": made.collate or default_collate, "loss": made.loss or model_loss}
     return ReadyTask(**{**{f.name: getattr(made, f.name) for f in dataclasses.fields(Task)}, **filled})
+
+
+def _call_empty(factory: Callable[[RunConfig], Any], cfg: RunConfig) -> Any:
+    with building_empty():
+        made = factory(cfg)
+    if isinstance(made, Task) and isinstance(made.model, nn.Module):
+        to_meta(made.model)
+    return made
+
+
+def _fail_together(work: Callable[[], Any]) -> Any:
+    """Run `work` on every rank; a QgtrainError on any rank is raised on all of them (the lowest rank's), so
+    work that differs between ranks (only rank 0 reads a pretrained model) cannot leave the others waiting
+    in the next collective for a rank that has gone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    result, failure = None, None
+    try:
+        result = work()
+    except QgtrainError as exc:
+        failure = (type(exc), str(exc))
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        error_type, message = first
+        raise error_type(message)
+    return result
 
 
 def task_spec(given: TaskSource) -> str | None:

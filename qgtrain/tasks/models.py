@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, first_line
+from ..errors import ConfigError
 from ..factory import load_factory
+from .pretrained import load_pretrained
 
 _DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout")
@@ -30,15 +31,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
     import transformers
 
     if cfg.pretrained:
-        path = Path(cfg.pretrained)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.pretrained: {path} has no config.json; expected a folder written by "
-                              "save_pretrained (e.g. by `qgtrain export`)")
-        try:
-            return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                                     dtype=torch.float32)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.pretrained: cannot load {path}: {first_line(exc)}") from None
+        return load_pretrained(Path(cfg.pretrained))
     try:
         config = transformers.AutoConfig.for_model(
             cfg.arch, vocab_size=vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,

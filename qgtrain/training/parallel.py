@@ -14,19 +14,23 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from . import replicas, sharding
+from . import initial_shards, mesh, replicas, sharding
 
 log = logging.getLogger("qgtrain")
 
 
 def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bool, train: TrainConfig,
          precision: str) -> nn.Module:
-    """What forward and backward go through. `model` must already be on `device`.
+    """What forward and backward go through; `model` is moved to `device` here.
 
     DDP gets the local rank as an integer device id (never a torch.device, never the global rank). FSDP
-    shards `model` in place, so it is both the module and what is wrapped. One process is not wrapped at
-    all, so a laptop run has no DDP or FSDP overhead (fsdp on one rank shards nothing).
+    shards `model` in place, so it is both the module and what is wrapped; its weights come as shards from
+    rank 0 (initial_shards.py). One process is not wrapped at all, so a laptop run has no DDP or FSDP
+    overhead (fsdp on one rank shards nothing).
     """
+    sharded = initial_shards.is_sharded_run(train, env.world_size)
+    if not sharded:
+        model = model.to(device)
     replicas.check_start(model, train.parallel, device, env.world_size)
     if train.sync_batchnorm:
         problem = replicas.sync_batchnorm_problem(train.parallel, device.type, env.world_size)
@@ -34,14 +38,17 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
             raise ConfigError(problem)
         if env.world_size > 1:
             replicas.to_sync_batchnorm(model, env.world_size)
-    if train.activation_checkpointing or (train.parallel == "fsdp" and env.world_size > 1):
+    if train.activation_checkpointing or sharded:
         blocks = sharding.find_blocks(model, train.shard_modules)
         if train.activation_checkpointing:
             sharding.checkpoint_activations(blocks)
-        if train.parallel == "fsdp" and env.world_size > 1:
-            log.info("fsdp: sharding %d %s blocks and the root over %d ranks", len(blocks),
+        if sharded:
+            log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel, len(blocks),
                      type(blocks[0]).__name__, env.world_size)
-            return sharding.shard(model, blocks, precision, device)
+            full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
+            sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
+            initial_shards.fill(model, full, device)
+            return model
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled

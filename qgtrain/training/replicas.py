@@ -42,21 +42,26 @@ def broadcast_by_ddp(wrapped: nn.Module) -> list[torch.Tensor]:
 def check_start(model: nn.Module, parallel: str, device: torch.device, world_size: int) -> None:
     """Before wrapping (a collective): refuse tensors that differ across ranks and that nothing will make
     equal. DDP copies rank 0's parameters and buffers when it wraps the model, except those it ignores;
-    FSDP copies nothing, each rank keeping its own shard."""
+    under FSDP every rank gets its state_dict from rank 0 or a checkpoint, but keeps its own non-persistent
+    buffers."""
     if world_size == 1:
         return
     ignored = set(getattr(model, IGNORE_ATTRIBUTE, ()))
-    named = [*model.named_parameters(), *model.named_buffers()]
-    candidates = named if parallel == "fsdp" else [(n, t) for n, t in named if n in ignored]
+    if parallel in ("fsdp", "hsdp"):  # rank 0 (or a checkpoint) gives the state_dict; the rest is each rank's
+        saved = model.state_dict().keys()
+        candidates = [(n, b) for n, b in model.named_buffers() if n not in saved and not b.is_meta]
+    else:
+        candidates = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in ignored]
     differ = distributed.diverged(candidates, device)
     if not differ:
         return
-    repair = ("FSDP keeps each rank's own copy and copies nothing between ranks" if parallel == "fsdp" else
-              f"DDP does not copy them from rank 0 (they are in the model's {IGNORE_ATTRIBUTE})")
+    repair = ("no rank sends them under FSDP (they are not in the state_dict): the ranks would compute with "
+              "different values" if parallel != "ddp" else f"DDP does not copy them from rank 0 (they are in the "
+              f"model's {IGNORE_ATTRIBUTE}): a checkpoint would hold one rank's values")
     raise ConfigError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks when the task is "
-                      f"built, and {repair}: a checkpoint would hold one rank's values. HINT: build them the same "
+                      f"built, and {repair}. HINT: build them the same "
                       "on every rank (the task function runs with the same seed on each)" +
-                      ("" if parallel == "fsdp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
+                      ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
 
 
 def agree_before_save(model: nn.Module, wrapped: nn.Module, step: int, device: torch.device) -> None:

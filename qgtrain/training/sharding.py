@@ -55,9 +55,11 @@ def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def shard(model: nn.Module, blocks: Sequence[nn.Module], precision: str, device: torch.device) -> nn.Module:
-    """FSDP2 over all ranks: each block, then the root. bf16 computes in bf16 and reduces gradients in fp32,
-    keeping fp32 weights and optimizer state (FSDP's own mixed precision, not autocast's).
+def shard(model: nn.Module, blocks: Sequence[nn.Module], precision: str, device: torch.device,
+          mesh: Any = None) -> nn.Module:
+    """FSDP2 over all ranks (or the given mesh: 2-D for hsdp): each block, then the root. bf16 computes in
+    bf16 and reduces gradients in fp32, keeping fp32 weights and optimizer state (FSDP's own mixed
+    precision, not autocast's).
 
     On a GPU the shards go where torch puts them, the current device (fully_shard takes no device), which
     the rank made its own before anything touched CUDA; init_device_mesh then leaves it as it is."""
@@ -69,7 +71,7 @@ def shard(model: nn.Module, blocks: Sequence[nn.Module], precision: str, device:
         raise RuntimeError(f"fsdp would place this rank's shards on cuda:{torch.cuda.current_device()}, not on "
                            f"its own {device}: distributed.pick_device makes it current first")
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
     for index, block in enumerate(blocks):
