@@ -136,7 +136,7 @@ def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resum
 
 def test_hsdp_groups_the_ranks_of_each_node_whatever_their_numbers():
     from qgtrain.errors import ConfigError
-    from qgtrain.training.mesh import hsdp_layout
+    from qgtrain.runtime.mesh import hsdp_layout
 
     assert hsdp_layout([0, 0, 1, 1], 0) == [[0, 1], [2, 3]]  # block distribution: one group per node
     assert hsdp_layout([0, 1, 0, 1], 0) == [[0, 2], [1, 3]]  # cyclic: still one group per node

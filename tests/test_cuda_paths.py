@@ -67,3 +67,35 @@ def test_an_async_snapshot_of_gpu_shards_stays_in_host_memory_and_writes_as_shar
 def _no_cuda_here() -> None:
     if torch.cuda.is_available():
         pytest.skip("these stand-ins are for machines without CUDA; bench/gpu_check.py runs the real paths")
+
+
+def cpu_twin_of_an_hsdp_mesh() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from qgtrain.runtime import distributed
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.state.checkpointer import CpuSnapshot
+
+    env = from_environ(os.environ)
+    with distributed.process_group(env, torch.device("cpu"), 60, 60):
+        rank = dist.get_rank()
+        gpu_mesh = DeviceMesh("cuda", torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"),
+                              _init_backend=False)
+        local = torch.arange(2.0) + 2 * (rank % 2)
+        spec = DTensorSpec(gpu_mesh, (Replicate(), Shard(0)), TensorMeta(torch.Size([4]), (1,), torch.float32))
+        twin = CpuSnapshot(timeout_s=7).copy({"w": DTensor(local, spec, requires_grad=False)})["w"]
+        groups = [twin.device_mesh.get_group(name) for name in ("replicate", "shard")]
+        return {"mesh": twin.device_mesh.device_type, "shape": list(twin.device_mesh.mesh.shape),
+                "timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups],
+                "values": twin.to_local().tolist()}
+
+
+def test_the_cpu_twin_of_an_hsdp_mesh_has_groups_bounded_by_the_collective_timeout():
+    """A 2-D mesh's twin makes groups of its own; made by DeviceMesh they would wait half an hour for a
+    rank cut off mid-save (4 real gloo ranks)."""
+    for rank, seen in enumerate(run_ranks(4, cpu_twin_of_an_hsdp_mesh)):
+        assert (seen["mesh"], seen["shape"], seen["timeouts"]) == ("cpu", [2, 2], [7.0, 7.0])
+        assert seen["values"] == [float(v) for v in range(2 * (rank % 2), 2 * (rank % 2) + 2)]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
+from ..runtime.mesh import two_d_mesh
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, sharded
 
@@ -56,7 +57,7 @@ class Checkpointer:
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
-        self._snapshot = CpuSnapshot()
+        self._snapshot = CpuSnapshot(timeout_s)
         if env.is_main:
             for path in checkpoint.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
@@ -200,7 +201,8 @@ class CpuSnapshot:
     shards in GPU memory. The price: one host copy of the state held for the whole run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s  # for the CPU twins' own groups
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._cpu_meshes: dict[Any, Any] = {}
 
@@ -233,12 +235,14 @@ class CpuSnapshot:
         return obj
 
     def _cpu_mesh(self, mesh: Any) -> Any:
-        """The same ranks in the same shape on the CPU, made once per mesh (a whole-world mesh reuses the
-        default group; a smaller one creates its groups, a collective every rank reaches here together)."""
+        """The same ranks in the same shape on the CPU, made once per mesh: a whole-world 1-D mesh reuses the
+        default group; hsdp's 2-D one gets gloo groups bounded by the collective timeout (a collective every
+        rank reaches here together)."""
         if mesh.device_type == "cpu":
             return mesh
         if mesh not in self._cpu_meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._cpu_meshes[mesh] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+            self._cpu_meshes[mesh] = two_d_mesh(mesh.mesh.tolist(), "cpu", self.timeout_s, backend="gloo") \
+                if mesh.ndim == 2 else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
         return self._cpu_meshes[mesh]

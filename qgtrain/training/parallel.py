@@ -12,9 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..runtime import distributed
+from ..runtime import distributed, mesh
 from ..runtime.rendezvous import DistEnv
-from . import initial_shards, mesh, replicas, sharding
+from . import initial_shards, replicas, sharding
 
 log = logging.getLogger("qgtrain")
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..runtime.rendezvous import DistEnv
+from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
 
@@ -49,7 +49,7 @@ def hsdp_layout(node_of_rank: list[int], shard_group_size: int) -> list[list[int
 
 def device_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
     """The mesh FSDP2 shards on: 1-D over every rank (fsdp, or hsdp with one group), else 2-D (a collective)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     if train.parallel != "hsdp":
         return init_device_mesh(device.type, (env.world_size,))
@@ -59,10 +59,20 @@ def device_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
     if len(rows) == 1:
         log.info("hsdp: one shard group of %d ranks, so the model is sharded as under fsdp", env.world_size)
         return init_device_mesh(device.type, (env.world_size,))
-    timeout = datetime.timedelta(seconds=train.collective_timeout_s)
-    shard, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
-    replicate, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*rows)], timeout=timeout)
     log.info("hsdp: %d replicas of the model, each sharded over %d ranks (%s)", len(rows), len(rows[0]),
              "; ".join(",".join(map(str, row)) for row in rows))
-    return DeviceMesh.from_group([replicate, shard], device.type, mesh=torch.tensor(rows, dtype=torch.int),
+    return two_d_mesh(rows, device.type, train.collective_timeout_s)
+
+
+def two_d_mesh(rows: list[list[int]], device_type: str, timeout_s: float, backend: str | None = None) -> Any:
+    """A (replicate, shard) mesh whose rows are the shard groups, its groups made with `timeout_s`: DeviceMesh
+    makes its own with the backend's default (half an hour for gloo), and a rank cut off would hang the rest
+    that long. A collective: every rank calls it with the same rows."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    shard, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout, backend=backend)
+    replicate, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*rows)], timeout=timeout,
+                                                      backend=backend)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=torch.tensor(rows, dtype=torch.int),
                                  mesh_dim_names=("replicate", "shard"))
