@@ -13,33 +13,33 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import RunConfig
-from .configload import config_to_dict, dump_yaml
+from .configload import config_to_dict
 from .data.loaders import build_loaders
-from .durations import duration_s
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .runtime import comms, compile_cache, cpu, distributed, log, precision, rng, slurm
-from .runtime.deadline import Deadline
+from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
-from .runtime.startup import Timeline, process_age_s
-from .state import checkpoint, rundir, verify_ranks
+from .runtime.startup import Timeline
+from .state import checkpoint, rundir
 from .state.checkpointer import Checkpointer
+from .state.claim import Claim, claimed
 from .state.lifecycle import Lifecycle
-from .state.resume import Candidates, data_change, resume_candidates
+from .state.resume import data_change
 from .state.rundir import RunDir
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optim import adamw
-from .training.trainer import Outcome, Parts, Settings, Trainer
+from .training.parts import Outcome, Parts, Settings
+from .training.trainer import Trainer
 
 logger = logging.getLogger("qgtrain")
 EXPORT_TIMEOUT_S = 6 * 3600.0
@@ -60,22 +60,11 @@ class RunContext:
     task: TaskSource | None
 
 
-@dataclass(frozen=True)
-class Claim:
-    """Rank 0's decision about the run directory, the same on every rank."""
-
-    path: Path  # absolute, as rank 0 sees it
-    run_id: str
-    resume_from: str | None  # the checkpoint to resume from
-    warnings: list[str]  # logged once the run's log file is open
-    candidates: Candidates = Candidates([], [])  # what it may resume from, before the ranks check the files
-
-
 def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True,
           task: TaskSource | None = None) -> int:
     """Train to the end, to an early stop, or to an agreed stop on a signal or before the time limit.
     Returns the exit code."""
-    deadline = _deadline(cfg, env)
+    deadline = deadline_for(cfg.train, env, lambda: slurm.seconds_left(str(env.job_id)))
     timeline = Timeline()
     log.setup_console(env, cfg.logging.level)
     device = distributed.pick_device(env, cfg.train.device)
@@ -103,11 +92,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
-        found = distributed.main_decides(lambda: _claim(ctx, run_dir, held))
-        resume_from, skipped = verify_ranks.choose(found.candidates, RunDir(found.path).checkpoints)
-        claim = distributed.main_decides(lambda: _open(ctx, found, resume_from, skipped))
+        claim = claimed(ctx.cfg, ctx.env, ctx.device, run_dir, held)
         comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
-        _check_shared(ctx, claim)
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
@@ -116,30 +102,6 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
             outcome = _train_in_run(ctx, claim)
         lifecycle.ended(STATUS[outcome])
     return outcome, claim.path
-
-
-def _claim(ctx: RunContext, run_dir: Path | None, held: contextlib.ExitStack) -> Claim:
-    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may resume
-    from before it writes anything there: a refusal leaves the run as it was."""
-    path = (run_dir or rundir.default_run_dir(ctx.cfg)).resolve()
-    env = ctx.env
-    try:
-        held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
-        warnings: list[str] = []
-        candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), ctx.cfg.checkpoint.resume,
-                                       warnings.append)
-        return Claim(path, "", None, warnings, candidates)
-    except OSError as exc:
-        raise rundir.unwritable(path, exc) from None
-
-
-def _open(ctx: RunContext, claim: Claim, resume_from: str | None, skipped: list[str]) -> Claim:
-    """Rank 0 records the start once the ranks agree on the checkpoint (verify_ranks.py)."""
-    try:
-        run_id = rundir.open_run(claim.path, ctx.cfg, dump_yaml(ctx.cfg))
-    except OSError as exc:
-        raise rundir.unwritable(claim.path, exc) from None
-    return dataclasses.replace(claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped)
 
 
 def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
@@ -212,36 +174,6 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
                   checkpointer, metrics, ctx.stop, ctx.deadline)
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish)
     return Trainer(parts, settings, env, device)
-
-
-def _deadline(cfg: RunConfig, env: DistEnv) -> Deadline:
-    """Rank 0's: train.max_time from this process's start, and the Slurm job's limit, read again now and then."""
-    if not env.is_main:
-        return Deadline(None, None, cfg.train.stop_margin_s)
-    max_time = duration_s(cfg.train.max_time) if cfg.train.max_time else None
-    started = time.time() - (process_age_s() or 0.0)
-    local_end = started + max_time if max_time else None
-    if not env.in_slurm_job:
-        return Deadline(local_end, None, cfg.train.stop_margin_s, started=started)
-
-    def job_end() -> float | None:
-        left = slurm.seconds_left(str(env.job_id))
-        return None if left is None else time.time() + left
-
-    return Deadline(local_end, env.job_end_time, cfg.train.stop_margin_s, job_end, cfg.train.time_limit_check_s,
-                    started)
-
-
-def _check_shared(ctx: RunContext, claim: Claim) -> None:
-    """Every rank must see the run directory rank 0 just claimed: checkpoints are written into one folder
-    by all ranks. Checked before anything is built, on every rank (a collective)."""
-    blind = distributed.flagged_ranks(rundir.read_run_id(claim.path) != claim.run_id, ctx.device)
-    if blind:
-        raise QgtrainError(
-            f"rank(s) {blind} do not see the run directory {claim.path} that rank 0 created on "
-            f"{ctx.env.master_addr}: each node sees its own folder at that path. HINT: the run directory must be "
-            "on a filesystem every node mounts (a shared filesystem); point logging.runs_dir or --run-dir there "
-            "(`srun qgtrain doctor` checks)")
 
 
 def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:

@@ -1,19 +1,133 @@
-"""What many tests need: the repository's root, reading a run's metrics and logs, and submitting to and
-waiting on the Slurm test cluster."""
+"""What many tests need, written once: a small config, running the CLI, reading a run's metrics, logs and
+checkpoints, waiting for a run to get somewhere, and submitting to and waiting on the Slurm test cluster."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.ranks import ROOT
+
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 # Two nodes of the test cluster, one rank each; the first two, so a test that cuts node2 cuts this job.
 TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--nodelist=node[1-2]")
+
+
+# A run that costs almost nothing: synthetic tokens, a one-layer model of tests/factories.py, no TensorBoard.
+TINY = ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.log_every=1",
+        "logging.tensorboard=false", "model.factory=tests.factories:tiny", "optim.warmup_steps=0"]
+
+
+def tiny_config(*sets: str) -> Any:
+    """The TINY settings with `sets` on top, as a RunConfig (the built-in defaults beneath)."""
+    from qgtrain.configload import load_config
+
+    return load_config([], [*TINY, *sets])
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
+        launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`python -m qgtrain ARGS` (or under `launcher`, e.g. torchrun) as a user runs it, in `cwd`, with this
+    repository importable (tests.tasks, tests.factories) like a user's own modules."""
+    command = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
+    return subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
+    """Poll `condition` until it holds; fail at once if a rank exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a rank exited ({[p.poll() for p in procs]}) before {what}")
+        if time.monotonic() > deadline:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
+    """A committed checkpoint's model and optimizer tensors, flat (`model.<name>`, `optim.<param>.<key>`), of
+    either kind: rank 0's model.pt and optim.pt, or every rank's shards (read whole through DCP)."""
+    if (folder / "sharded").exists():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole = folder.parent / f"{folder.name}-whole.pt"
+        dcp_to_torch_save(folder / "sharded", whole)
+        saved = torch.load(whole, weights_only=False)
+        model, optim = saved["model"], saved["optim"]["state"]
+    else:
+        model = torch.load(folder / "model.pt", weights_only=True)
+        optim = torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"]
+    flat = {f"model.{k}": v for k, v in model.items()}
+    for param, state in optim.items():
+        flat.update({f"optim.{param}.{k}": v for k, v in state.items()})
+    return flat
+
+
+# The ready examples of jobs/ on settings a test can afford (test_examples.py, test_molecules.py).
+EXAMPLE_STEPS = 24
+EXAMPLES = {
+    "graph": ["task.options={graphs: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
+    "classifier": ["task.options={per_module: 60, max_length: 64, hidden: 32, layers: 1}", "train.batch_size=8"],
+    "molecules": ["task.options={molecules: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
+}
+
+
+def example(name: str, run: Path, *sets: str) -> list[str]:
+    """`qgtrain train` arguments for jobs/<name>.yaml: EXAMPLE_STEPS steps, a checkpoint every 4."""
+    return ["train", "--config", str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / f"{name}.yaml"),
+            "--run-dir", str(run), "--set", *EXAMPLES[name], f"train.max_steps={EXAMPLE_STEPS}", "train.log_every=1",
+            "train.eval_every=8", "checkpoint.every_steps=4", "early_stopping.patience=0", "optim.warmup_steps=4",
+            "logging.tensorboard=false", *sets]
+
+
+# A small GPT-2 that fsdp can shard (two blocks), for the sharded runs (test_fsdp.py, test_big_models.py).
+SMALL_GPT2 = ["data.name=synthetic", "data.synthetic_samples=2048", "data.seq_len=32", "model.hidden=64",
+              "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=8",
+              "train.eval_batches=2", "checkpoint.every_steps=4", "optim.warmup_steps=4", "logging.tensorboard=false"]
+
+
+def small_gpt2_run(run: Path, *sets: str) -> list[str]:
+    return ["train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run), "--set", *SMALL_GPT2, *sets]
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """A two-block GPT-2 of width 32, the same on every call (seeded)."""
+    from qgtrain.config import ModelConfig
+    from qgtrain.runtime import rng
+    from qgtrain.tasks.models import build_model
+
+    rng.seed_everything(0)
+    return build_model(ModelConfig(layers=2, heads=2, hidden=32), 257, 16, 256)
+
+
+def kill_rank(job_id: str, rank: int) -> None:
+    """SIGKILL the training process of one rank of a running Slurm job (it shows in /proc: the test
+    cluster's nodes are network namespaces of this machine), started by train.slurm or by submitit."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        training = b"qgtrain\0train" in cmdline or b"submitit.core._submit" in cmdline
+        if training and f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no training process of rank {rank} in job {job_id}")
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -74,7 +188,7 @@ def wait_finished(job_id: str, timeout: float = 300) -> str:
 
 def logged_step(run_dir: Path) -> int:
     try:
-        return max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+        return max(record["step"] for record in records(run_dir))
     except (FileNotFoundError, ValueError):
         return 0
 

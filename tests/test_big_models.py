@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from qgtrain.configload import load_config
+from tests.helpers import checkpoint_state, records, small_gpt2_run
 from tests.ranks import run_ranks, train_rank
-from tests.test_fsdp import train
-from tests.test_resume import records
 
 GPT2 = ["model.layers=2", "model.hidden=32", "model.heads=2", "data.name=synthetic", "data.seq_len=16",
         "data.synthetic_samples=64", "train.parallel=fsdp", "train.seed=7"]
@@ -166,18 +165,17 @@ def test_a_pretrained_model_under_fsdp_is_read_by_rank_0_alone(tmp_path):
     from safetensors.torch import load_file
 
     from tests.ranks import start_cli_ranks, wait_ranks
-    from tests.test_fsdp import full_state
 
     folder = pretrained_folder(tmp_path / "pretrained")
     weights = folder / "model.safetensors"
     hide = ["unshare", "-m", "sh", "-c", f'mount --bind /dev/null "{weights}" && exec "$0" "$@"']
     run = tmp_path / "run"
-    args = train(run, "train.parallel=fsdp", f"model.pretrained={folder}", "optim.lr=0", "optim.min_lr=0",
+    args = small_gpt2_run(run, "train.parallel=fsdp", f"model.pretrained={folder}", "optim.lr=0", "optim.min_lr=0",
                  "train.max_steps=1", "train.eval_every=0")
     codes = wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="pre", wrap={1: hide}), 300)
     assert codes == [0, 0], [(tmp_path / f"pre-{r}.out").read_text()[-2000:] for r in range(2)]
     assert "sending every rank its shards of the initial weights" in (run / "logs/rank_0.log").read_text()
-    saved, trained = load_file(weights), full_state(run / "checkpoints" / "step-1")
+    saved, trained = load_file(weights), checkpoint_state(run / "checkpoints" / "step-1")
     assert saved and all(torch.equal(tensor, trained[f"model.{name}"]) for name, tensor in saved.items())
 
 
@@ -230,7 +228,6 @@ def test_an_fsdp_run_exports_in_bounded_memory_and_reloads_with_equal_logits(tmp
     import transformers
     from safetensors import safe_open
 
-    from tests.test_fsdp import full_state
 
     run, out = tmp_path / "run", tmp_path / "hf"
     cfg = load_config([], [*BIG, "train.max_steps=1", "train.eval_every=0", "train.batch_size=2",
@@ -240,7 +237,7 @@ def test_an_fsdp_run_exports_in_bounded_memory_and_reloads_with_equal_logits(tmp
                           timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
-    state = {k.removeprefix("model."): v for k, v in full_state(run / "checkpoints" / "step-1").items()
+    state = {k.removeprefix("model."): v for k, v in checkpoint_state(run / "checkpoints" / "step-1").items()
              if k.startswith("model.")}
     model_bytes = 4 * sum(v.numel() for k, v in state.items() if k != "lm_head.weight")
     assert model_bytes > 140e6 and measured["diff"] is None and measured["checked"] == len(state) - 1

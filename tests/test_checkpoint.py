@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError
 from qgtrain.state import checkpoint
 from qgtrain.state.checkpointer import CpuSnapshot
+from tests.helpers import records, tiny_config
 from tests.ranks import run_ranks, train_rank
 
 
@@ -89,11 +89,9 @@ def test_a_file_that_would_run_code_is_refused(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
-    return load_config([], ["data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=64",
-                            "train.batch_size=4", "train.log_every=1", "train.eval_every=0",
-                            "logging.tensorboard=false", "model.factory=tests.factories:tiny",
-                            "optim.warmup_steps=0", "checkpoint.every_steps=2", *sets])
+def synthetic(*sets: str):  # type: ignore[no-untyped-def]
+    """TINY with 64 samples and a checkpoint every 2 steps."""
+    return tiny_config("data.synthetic_samples=64", "train.eval_every=0", "checkpoint.every_steps=2", *sets)
 
 
 def train_once(cfg, run_dir: Path) -> dict:  # type: ignore[no-untyped-def]
@@ -102,26 +100,26 @@ def train_once(cfg, run_dir: Path) -> dict:  # type: ignore[no-untyped-def]
 
 def test_a_corrupted_or_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=6"), run)["exit"] == 0
     newest = run / "checkpoints" / "step-6" / "model.pt"
     newest.write_bytes(newest.read_bytes()[:100])
-    result = train_once(small(tmp_path, "train.max_steps=8"), run)
+    result = train_once(synthetic("train.max_steps=8"), run)
     assert result["exit"] == 0
     log = (run / "logs" / "rank_0.log").read_text()
     assert f"skipping checkpoint step-6: {newest} has 100 bytes" in log
     assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4" in log
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records(run)]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8], "records after the resumed step are replaced, not duplicated"
 
 
 def test_a_half_written_checkpoint_of_this_run_is_removed_and_the_last_committed_one_used(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=4"), run)["exit"] == 0
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     half = checkpoint.staging_dir(run / "checkpoints", 6, run_id)
     half.mkdir()
     (half / "model.pt").write_bytes(b"partial")
-    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=6"), run)["exit"] == 0
     log = (run / "logs" / "rank_0.log").read_text()
     assert f"removed a half-written checkpoint left by a killed job: {half}" in log
     assert "resumed from" in log and "step-4: step 4" in log
@@ -130,20 +128,20 @@ def test_a_half_written_checkpoint_of_this_run_is_removed_and_the_last_committed
 
 def test_resume_from_an_explicit_corrupt_path_fails_clearly(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=2"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=2"), run)["exit"] == 0
     target = run / "checkpoints" / "step-2"
     (target / "optim.pt").write_bytes(b"garbage")
-    result = train_once(small(tmp_path, "train.max_steps=4", f"checkpoint.resume={target}"), run)
+    result = train_once(synthetic("train.max_steps=4", f"checkpoint.resume={target}"), run)
     assert result["exit"] == 2 and f"checkpoint.resume: {target / 'optim.pt'} has 7 bytes" in result["error"]
-    missing = train_once(small(tmp_path, "train.max_steps=4", f"checkpoint.resume={tmp_path / 'nope'}"), run)
+    missing = train_once(synthetic("train.max_steps=4", f"checkpoint.resume={tmp_path / 'nope'}"), run)
     assert missing["exit"] == 2 and "is not a committed checkpoint" in missing["error"]
 
 
 def test_a_checkpoint_of_another_model_shape_says_what_differs(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=2", "model.factory=null", "model.hidden=32",
+    assert train_once(synthetic("train.max_steps=2", "model.factory=null", "model.hidden=32",
                             "model.heads=2", "model.layers=1"), run)["exit"] == 0
-    result = train_once(small(tmp_path, "train.max_steps=4", "model.factory=null", "model.hidden=64",
+    result = train_once(synthetic("train.max_steps=4", "model.factory=null", "model.hidden=64",
                               "model.heads=2", "model.layers=1"), run)
     assert result["exit"] == 2
     assert "does not fit the configured model: shapes differ (transformer.wte.weight: checkpoint (257, 32) vs " \
@@ -175,14 +173,14 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 def test_a_run_whose_checkpoints_are_all_corrupt_is_refused_and_left_untouched(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=4"), run)["exit"] == 0
     for step in (2, 4):
         path = run / "checkpoints" / f"step-{step}" / "optim.pt"
         data = bytearray(path.read_bytes())
         data[100] ^= 0xFF
         path.write_bytes(bytes(data))
     before = tree(run)
-    result = train_once(small(tmp_path, "train.max_steps=8"), run)
+    result = train_once(synthetic("train.max_steps=8"), run)
     assert result["exit"] == 2
     assert "holds 2 checkpoint(s) of this run and none can be resumed" in result["error"]
     for step in (2, 4):
@@ -194,7 +192,7 @@ def test_a_run_whose_checkpoints_are_all_corrupt_is_refused_and_left_untouched(t
 
 def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_failed(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=2"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=2"), run)["exit"] == 0
     folder = run / "checkpoints" / "step-2"
     saved = torch.load(folder / "optim.pt", weights_only=True)
     saved["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
@@ -203,7 +201,7 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_fai
     manifest["files"]["optim.pt"] = {"size": (folder / "optim.pt").stat().st_size,
                                      "xxh3": checkpoint._digest(folder / "optim.pt")}
     (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
-    result = train_once(small(tmp_path, "train.max_steps=4"), run)
+    result = train_once(synthetic("train.max_steps=4"), run)
     assert result["exit"] == 2
     assert f"{folder / 'optim.pt'} does not fit the configured model and optimizer (state 'exp_avg' of " \
            "parameter 0 has shape (3, 3)" in result["error"]
@@ -213,9 +211,9 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_fai
 
 def test_a_newest_checkpoint_without_its_manifest_is_passed_over_with_a_warning(tmp_path):
     run = tmp_path / "run"
-    assert train_once(small(tmp_path, "train.max_steps=4"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=4"), run)["exit"] == 0
     (run / "checkpoints" / "step-4" / checkpoint.MANIFEST).unlink()
-    assert train_once(small(tmp_path, "train.max_steps=6"), run)["exit"] == 0
+    assert train_once(synthetic("train.max_steps=6"), run)["exit"] == 0
     log = (run / "logs" / "rank_0.log").read_text()
     assert f"passing over {run / 'checkpoints' / 'step-4'}: it has no valid manifest.json" in log
     assert f"resumed from {run / 'checkpoints' / 'step-2'}: step 2" in log

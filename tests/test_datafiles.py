@@ -25,8 +25,8 @@ from qgtrain.config import DataConfig
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
 from qgtrain.errors import ConfigError, QgtrainError
+from tests.helpers import checkpoint_state, cli, records, wait_for
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
-from tests.test_resume import final_state, records, wait_for
 
 WORDS = ("rank node slurm batch token model epoch shard cache resume signal queue gradient optimizer loss "
          "données über naïve 東京").split()
@@ -166,11 +166,6 @@ def test_a_hugging_face_tokenizer_in_worker_processes_matches_a_plain_loop(tmp_p
     assert alone.path("train").read_bytes() == pooled.path("train").read_bytes()
     assert np.fromfile(pooled.path("train"), dtype=pooled.dtype).tolist() == expected
     assert pooled.vocab_size == tok.get_vocab_size() and pooled.eos_id == eos
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qgtrain", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
 def test_a_prepared_cache_is_reused_and_a_changed_file_is_prepared_again(tmp_path):
@@ -355,7 +350,8 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     expected, got = records(reference), records(run)
     assert [r["step"] for r in got] == list(range(1, 25)), context
     assert [(r["loss"], r.get("val_loss")) for r in got] == [(r["loss"], r.get("val_loss")) for r in expected], context
-    want, have = final_state(reference), final_state(run)
+    step = reference / "checkpoints" / "step-24", run / "checkpoints" / "step-24"
+    want, have = checkpoint_state(step[0]), checkpoint_state(step[1])
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
 
 

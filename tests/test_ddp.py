@@ -6,27 +6,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qgtrain.config import ModelConfig
-from qgtrain.configload import load_config
-from qgtrain.runtime import rng
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import from_environ
-from qgtrain.tasks.models import build_model, lm_loss
+from qgtrain.tasks.models import lm_loss
 from qgtrain.training.gradients import accumulate_gradients
+from tests.helpers import rank_log, records, tiny_config, tiny_gpt2
 from tests.ranks import run_ranks, train_rank
 
 SEQ, VOCAB = 16, 257
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    rng.seed_everything(0)
-    return build_model(ModelConfig(layers=2, heads=2, hidden=32), VOCAB, SEQ, 256)
 
 
 def batch(samples: int) -> torch.Tensor:
@@ -79,23 +71,15 @@ def test_no_sync_accumulation_equals_one_k_times_larger_batch_and_reduces_once()
             torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
-    """A config for fast multi-rank runs: synthetic data, a tiny model, no TensorBoard."""
-    return load_config([], ["data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=101",
-                            "train.batch_size=4", "train.log_every=1", "train.eval_every=2",
-                            "logging.tensorboard=false",
-                            "model.factory=tests.factories:tiny", "optim.warmup_steps=0", "checkpoint.every_steps=0",
-                            f"data.cache_dir={tmp_path / 'data'}", *sets])
-
-
-def rank_log(run_dir: Path, rank: int) -> str:
-    return (run_dir / "logs" / f"rank_{rank}.log").read_text()
+def synthetic(*sets: str):  # type: ignore[no-untyped-def]
+    """TINY with 101 samples (ranks get uneven validation shards), a validation every 2 steps, no checkpoints."""
+    return tiny_config("data.synthetic_samples=101", "train.eval_every=2", "checkpoint.every_steps=0", *sets)
 
 
 def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(tmp_path):
     # lr 0: the validation loss never improves, so patience 2 ends the run at the third validation (step 6).
     # 101 synthetic samples leave 5 for validation: rank 0 evaluates 3 of them, rank 1 evaluates 2.
-    cfg = small(tmp_path, "optim.lr=0", "optim.min_lr=0", "early_stopping.patience=2", "train.max_steps=50")
+    cfg = synthetic("optim.lr=0", "optim.min_lr=0", "early_stopping.patience=2", "train.max_steps=50")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     assert [r["exit"] for r in results] == [0, 0], results
     for rank in (0, 1):
@@ -105,7 +89,7 @@ def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tmp_path):
-    cfg = small(tmp_path, "model.factory=tests.factories:nan_on_rank_one_at_step_three", "train.max_steps=10",
+    cfg = synthetic("model.factory=tests.factories:nan_on_rank_one_at_step_three", "train.max_steps=10",
                 "checkpoint.every_steps=1")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     for result in results:
@@ -118,16 +102,16 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tm
 
 def test_an_uneven_dataset_over_several_epochs_does_not_hang(tmp_path):
     # 91 training samples over 2 ranks with batches of 4: an odd split, a partial last batch, 4 epochs.
-    cfg = small(tmp_path, "train.max_steps=45", "train.eval_every=10")
+    cfg = synthetic("train.max_steps=45", "train.eval_every=10")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"), timeout=120)
     assert [r["exit"] for r in results] == [0, 0]
-    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    last = records(tmp_path / "run")[-1]
     assert last["step"] == 45 and last["epoch"] == 3 and last["val_loss"] is not None
 
 
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unused):
-    cfg = small(tmp_path, "model.factory=tests.factories:with_unused_head", "train.max_steps=3",
+    cfg = synthetic("model.factory=tests.factories:with_unused_head", "train.max_steps=3",
                 f"train.find_unused_parameters={find_unused}")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     if find_unused:
@@ -141,7 +125,7 @@ def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unus
 
 
 def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(tmp_path):
-    cfg = small(tmp_path, "model.factory=tests.factories:drifts_apart", "train.max_steps=10",
+    cfg = synthetic("model.factory=tests.factories:drifts_apart", "train.max_steps=10",
                 "checkpoint.every_steps=4")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     for result in results:
@@ -185,10 +169,9 @@ def test_gradient_accumulation_through_the_trainer_trains_as_the_big_batch(tmp_p
     losses = {}
     for name, sets in (("big", ["train.batch_size=8"]), ("accumulated", ["train.batch_size=4",
                                                                          "train.grad_accum_steps=2"])):
-        results = run_ranks(2, train_rank, small(tmp_path, *common, *sets), str(tmp_path / name))
+        results = run_ranks(2, train_rank, synthetic(*common, *sets), str(tmp_path / name))
         assert [r["exit"] for r in results] == [0, 0], results
-        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in records if "loss" in r]
+        losses[name] = [r["loss"] for r in records(tmp_path / name) if "loss" in r]
     assert len(losses["big"]) == 6
     assert losses["accumulated"] == pytest.approx(losses["big"], rel=1e-5)
     assert losses["big"][-1] < losses["big"][0], "it trains"

@@ -13,8 +13,8 @@ from qgtrain.errors import EXIT_STOPPED
 from qgtrain.runtime.deadline import Deadline
 from qgtrain.training.planning import Planner, Schedule
 from qgtrain.training.timing import StepTimer
+from tests.helpers import records
 from tests.ranks import start_cli_ranks, wait_ranks
-from tests.test_resume import records
 
 
 def planner(left_s: float, step_s: float, eval_batch_s: float | None, save_s: float, *, given_s: float = 3600,

@@ -19,30 +19,13 @@ import torch
 
 import qgtrain
 from qgtrain.errors import EXIT_STOPPED
+from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
+from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks
-from tests.test_resume import records, wait_for
-
-MAX_STEPS = 24
-EXAMPLES = {
-    "graph": ["task.options={graphs: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
-    "classifier": ["task.options={per_module: 60, max_length: 64, hidden: 32, layers: 1}", "train.batch_size=8"],
-    "molecules": ["task.options={molecules: 512, hidden: 32, layers: 2}", "train.batch_size=16"],  # test_molecules.py
-}
-
-
-def example(name: str, run: Path, *sets: str) -> list[str]:
-    return ["train", "--config", str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / f"{name}.yaml"),
-            "--run-dir", str(run), "--set", *EXAMPLES[name], f"train.max_steps={MAX_STEPS}", "train.log_every=1",
-            "train.eval_every=8", "checkpoint.every_steps=4", "early_stopping.patience=0", "optim.warmup_steps=4",
-            "logging.tensorboard=false", *sets]
 
 
 def final_state(run: Path) -> dict[str, torch.Tensor]:
-    folder = run / "checkpoints" / f"step-{MAX_STEPS}"
-    flat = {f"model.{k}": v for k, v in torch.load(folder / "model.pt", weights_only=True).items()}
-    for index, state in torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"].items():
-        flat.update({f"optim.{index}.{k}": v for k, v in state.items()})
-    return flat
+    return checkpoint_state(run / "checkpoints" / f"step-{MAX_STEPS}")
 
 
 @pytest.mark.slow

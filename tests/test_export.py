@@ -16,10 +16,11 @@ from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError, QgtrainError
 from qgtrain.ops import export, export_writer
 from qgtrain.state import checkpoint
+from tests.helpers import records
 from tests.ranks import run_ranks, train_rank
 
 
-def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
+def small_lm(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
     return load_config([], ["model.layers=1", "model.hidden=32", "model.heads=2", "data.seq_len=32",
                             "data.corpus_mb=0.2", f"data.cache_dir={tmp_path / 'data'}", "train.batch_size=8",
                             "train.max_steps=30", "train.eval_every=10", "train.eval_batches=2",
@@ -30,7 +31,7 @@ def small(tmp_path: Path, *sets: str):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("trained")
-    assert run_ranks(1, train_rank, small(tmp), str(tmp / "run"))[0]["exit"] == 0
+    assert run_ranks(1, train_rank, small_lm(tmp), str(tmp / "run"))[0]["exit"] == 0
     return tmp / "run"
 
 
@@ -134,10 +135,10 @@ def test_cli_export_into_a_folder_that_is_not_empty_is_one_line_with_exit_code_2
 
 
 def test_a_bf16_run_and_a_two_rank_run_export_cleanly(tmp_path):
-    assert run_ranks(1, train_rank, small(tmp_path, "train.precision=bf16"), str(tmp_path / "bf16"))[0]["exit"] == 0
+    assert run_ranks(1, train_rank, small_lm(tmp_path, "train.precision=bf16"), str(tmp_path / "bf16"))[0]["exit"] == 0
     assert json.loads((tmp_path / "bf16" / "checkpoints" / "step-30" / "state.json").read_text())["precision"] == "bf16"
     assert export.export_run(tmp_path / "bf16", tmp_path / "bf16-out").max_logit_diff <= 1e-6
-    results = run_ranks(2, train_rank, small(tmp_path), str(tmp_path / "ddp"))
+    results = run_ranks(2, train_rank, small_lm(tmp_path), str(tmp_path / "ddp"))
     assert [r["exit"] for r in results] == [0, 0]
     export.export_run(tmp_path / "ddp", tmp_path / "ddp-out")
     with safe_open(tmp_path / "ddp-out" / "model.safetensors", "pt") as f:
@@ -147,13 +148,13 @@ def test_a_bf16_run_and_a_two_rank_run_export_cleanly(tmp_path):
 
 def test_train_export_finetune_export_round_trip(trained, tmp_path):
     first = export.export_run(trained, tmp_path / "models" / "tiny-gpt2")
-    cfg = small(tmp_path, f"model.pretrained={first.folder}", "train.run_name=finetune", "optim.lr=3e-4",
+    cfg = small_lm(tmp_path, f"model.pretrained={first.folder}", "train.run_name=finetune", "optim.lr=3e-4",
                 "optim.min_lr=3e-5", "train.max_steps=10", "export.on_finish=true")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "finetune"))[0]["exit"] == 0
     log = (tmp_path / "finetune" / "logs" / "rank_0.log").read_text()
     assert f"using the tokenizer of model.pretrained ({first.folder})" in log
-    first_loss = json.loads((tmp_path / "finetune" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    pretrained_loss = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()][-1]["loss"]
+    first_loss = records(tmp_path / "finetune")[0]["loss"]
+    pretrained_loss = records(trained)[-1]["loss"]
     assert first_loss < pretrained_loss + 0.5, "fine-tuning starts from the exported weights, not from scratch"
     on_finish = tmp_path / "finetune" / "export"
     assert (on_finish / "config.json").exists() and (on_finish / "tokenizer.json").exists()
@@ -165,7 +166,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
     import qgtrain
     from tests.factories import TinyHubLM, TinyLM
 
-    cfg = small(tmp_path, "model.factory=tests.factories:tiny", "train.max_steps=2", "train.eval_every=0")
+    cfg = small_lm(tmp_path, "model.factory=tests.factories:tiny", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "plain"))[0]["exit"] == 0
     done = export.export_run(tmp_path / "plain", tmp_path / "plain-out")
     assert done.kind == "state_dict" and done.max_logit_diff == 0
@@ -181,7 +182,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
     card = (tmp_path / "plain-out" / "README.md").read_text()
     assert "qgtrain.load_model" in card and "| steps | 2 |" in card and "TinyLM(...)" in card
 
-    cfg = small(tmp_path, "model.factory=tests.factories:tiny_hub", "train.max_steps=2", "train.eval_every=0")
+    cfg = small_lm(tmp_path, "model.factory=tests.factories:tiny_hub", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "hub"))[0]["exit"] == 0
     done = export.export_run(tmp_path / "hub", tmp_path / "hub-out")
     assert done.kind == "hub" and done.max_logit_diff == 0 and (tmp_path / "hub-out" / "model.safetensors").exists()
@@ -202,7 +203,7 @@ def test_a_task_model_trained_on_two_ranks_comes_back_giving_the_runs_test_metri
     export.export_run(tmp_path / "run", tmp_path / "out")
     model = qgtrain.load_model(tmp_path / "out")
     reported = json.loads((tmp_path / "out" / "qgtrain_model.json").read_text())["run"]["test"]
-    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    last = records(tmp_path / "run")[-1]
     assert reported == {"loss": last["test_loss"], "accuracy": last["test_accuracy"]}
     split = points(cfg).test
     batch = torch.utils.data.default_collate([split[i] for i in range(len(split))])

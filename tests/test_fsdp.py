@@ -7,22 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import checkpoint_state, records, small_gpt2_run, tiny_gpt2, wait_for
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
-from tests.test_resume import records, wait_for
-
-SMALL = ["data.name=synthetic", "data.synthetic_samples=2048", "data.seq_len=32", "model.hidden=64",
-         "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=8",
-         "train.eval_batches=2", "checkpoint.every_steps=4", "optim.warmup_steps=4", "logging.tensorboard=false"]
-
-
-def train(run: Path, *sets: str) -> list[str]:
-    return ["train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run), "--set", *SMALL, *sets]
 
 
 def run_cli(world: int, args: list[str], cwd: Path, prefix: str) -> None:
@@ -30,27 +23,14 @@ def run_cli(world: int, args: list[str], cwd: Path, prefix: str) -> None:
     assert codes == [0] * world, (codes, [(cwd / f"{prefix}-{r}.out").read_text()[-3000:] for r in range(world)])
 
 
-def full_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Model and optimizer state of a checkpoint of either kind, as full tensors keyed by parameter name."""
-    if (ckpt / "sharded").exists():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(ckpt / "sharded", ckpt.parent / f"{ckpt.name}-full.pt")
-        saved = torch.load(ckpt.parent / f"{ckpt.name}-full.pt", weights_only=False)
-        flat = {f"model.{k}": v for k, v in saved["model"].items()}
-        for name, state in saved["optim"]["state"].items():
-            flat.update({f"optim.{name}.{k}": v for k, v in state.items()})
-        return flat
-    return {f"model.{k}": v for k, v in torch.load(ckpt / "model.pt", weights_only=True).items()}
-
-
 @pytest.mark.slow
 def test_fsdp_trains_like_ddp_on_the_same_model_data_and_seed(tmp_path):
     steps = ["train.max_steps=50", "checkpoint.every_steps=0", "train.eval_every=25"]
-    run_cli(2, train(tmp_path / "ddp", *steps), tmp_path, "ddp")
-    run_cli(2, train(tmp_path / "fsdp", *steps, "train.parallel=fsdp"), tmp_path, "fsdp")
-    run_cli(2, train(tmp_path / "fsdp-ac", *steps, "train.parallel=fsdp", "train.activation_checkpointing=true"),
-            tmp_path, "fsdp-ac")
+    run_cli(2, small_gpt2_run(tmp_path / "ddp", *steps), tmp_path, "ddp")
+    run_cli(2, small_gpt2_run(tmp_path / "fsdp", *steps, "train.parallel=fsdp"), tmp_path, "fsdp")
+    checkpointed = small_gpt2_run(tmp_path / "fsdp-ac", *steps, "train.parallel=fsdp",
+                                  "train.activation_checkpointing=true")
+    run_cli(2, checkpointed, tmp_path, "fsdp-ac")
     ddp, fsdp = records(tmp_path / "ddp"), records(tmp_path / "fsdp")
     assert [r["loss"] for r in records(tmp_path / "fsdp-ac")] == [r["loss"] for r in fsdp]  # recomputed, same
     assert [r["step"] for r in fsdp] == list(range(1, 51))
@@ -70,7 +50,6 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
     from qgtrain.training.optim import adamw
     from qgtrain.training.parallel import wrap
     from qgtrain.training.sharding import local_numel
-    from tests.test_ddp import tiny_gpt2
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 60):
@@ -100,9 +79,9 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(6, 20)
     sets = ["train.max_steps=24", "train.parallel=fsdp", "model.dropout=0.1"]
-    run_cli(2, train(tmp_path / "reference", *sets), tmp_path, "ref")
+    run_cli(2, small_gpt2_run(tmp_path / "reference", *sets), tmp_path, "ref")
     run = tmp_path / "killed"
-    killed = train(run, *sets, f"checkpoint.async_save={str(async_save).lower()}")
+    killed = small_gpt2_run(run, *sets, f"checkpoint.async_save={str(async_save).lower()}")
     procs = start_cli_ranks(2, killed, tmp_path, log_prefix="killed")
     wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
     kill_ranks(procs)
@@ -111,7 +90,8 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
     expected, got = records(tmp_path / "reference"), records(run)
     assert [r["step"] for r in got] == list(range(1, 25)), context
     assert [(r["loss"], r.get("val_loss")) for r in got] == [(r["loss"], r.get("val_loss")) for r in expected]
-    want, have = full_state(tmp_path / "reference/checkpoints/step-24"), full_state(run / "checkpoints/step-24")
+    want = checkpoint_state(tmp_path / "reference" / "checkpoints" / "step-24")
+    have = checkpoint_state(run / "checkpoints" / "step-24")
     assert want.keys() == have.keys() and any(k.startswith("optim.") for k in want)
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
@@ -121,11 +101,13 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
 def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
     """fsdp on 2 ranks, then 1 rank (no sharding), fsdp on 3, ddp on 2: each start reshards the last one's
     checkpoint; 12 samples a step on 2 ranks keeps every data position divisible by the next world size."""
-    run_cli(2, train(tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp"), tmp_path, "ref")
+    run_cli(2, small_gpt2_run(tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp"), tmp_path, "ref")
     run = tmp_path / "run"
     phases = [(2, "fsdp", 12), (1, "fsdp", 16), (3, "fsdp", 20), (2, "ddp", 24)]
     for world, mode, until in phases:
-        run_cli(world, train(run, f"train.max_steps={until}", f"train.parallel={mode}"), tmp_path, f"{mode}{world}")
+        args = small_gpt2_run(run, f"train.max_steps={until}", f"train.parallel={mode}")
+        run_cli(world, args, tmp_path, f"{mode}{world}")
+        shutil.copytree(run, tmp_path / f"at-{until}")  # as this layout left it, for the probes below
     log = (run / "logs" / "rank_0.log").read_text()
     for step, (world, _, _) in zip((12, 16, 20), phases[1:]):
         assert f"resumed from {run}/checkpoints/step-{step}: step {step}" in log
@@ -137,6 +119,15 @@ def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
     state = json.loads((run / "checkpoints" / "step-24" / "state.json").read_text())
     assert state["trainer"]["samples_in_epoch"] == 12 * 12 + 4 * 6 + 4 * 18 + 4 * 12
     assert (run / "checkpoints" / "step-20" / "sharded").is_dir() and (run / "checkpoints/step-24/model.pt").exists()
+    # The weights each layout loads are exactly the saved ones: a step at learning rate 0 from the 2-rank
+    # shards of step 12 on 3 fsdp ranks, and from the 3-rank shards of step 20 on 2 ddp ranks, saves them back.
+    for saved, world, mode in ((12, 3, "fsdp"), (20, 2, "ddp")):
+        probe = tmp_path / f"at-{saved}"
+        want = checkpoint_state(probe / "checkpoints" / f"step-{saved}")
+        run_cli(world, small_gpt2_run(probe, f"train.max_steps={saved + 1}", f"train.parallel={mode}",
+                                      "optim.lr=0", "optim.min_lr=0"), tmp_path, "probe")
+        have = checkpoint_state(probe / "checkpoints" / f"step-{saved + 1}")
+        assert all(torch.equal(want[k], have[k]) for k in want if k.startswith("model.")), (saved, world, mode)
 
 
 @pytest.mark.slow
@@ -147,19 +138,19 @@ def test_export_of_an_fsdp_run_gathers_the_full_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    run_cli(2, train(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "fsdp")
+    run_cli(2, small_gpt2_run(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "fsdp")
     out = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run), "--out", str(tmp_path / "hf")],
                          cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    saved = full_state(run / "checkpoints" / "step-8")
+    saved = checkpoint_state(run / "checkpoints" / "step-8")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved[f"model.{name}"]), name
 
 
 @pytest.mark.slow
 def test_fsdp_without_blocks_to_shard_and_incomplete_shards_are_explained(tmp_path):
-    procs = start_cli_ranks(2, train(tmp_path / "noblocks", "train.parallel=fsdp", "train.max_steps=2",
+    procs = start_cli_ranks(2, small_gpt2_run(tmp_path / "noblocks", "train.parallel=fsdp", "train.max_steps=2",
                                      "model.factory=tests.factories:tiny"), tmp_path, log_prefix="noblocks")
     assert wait_ranks(procs, 300) == [2, 2]
     said = (tmp_path / "noblocks-0.out").read_text()
@@ -167,9 +158,9 @@ def test_fsdp_without_blocks_to_shard_and_incomplete_shards_are_explained(tmp_pa
            "names of its repeated blocks" in said and "Traceback" not in said
 
     run = tmp_path / "run"
-    run_cli(2, train(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "first")
+    run_cli(2, small_gpt2_run(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "first")
     (run / "checkpoints" / "step-8" / "sharded" / "__1_0.distcp").unlink()
-    run_cli(2, train(run, "train.max_steps=10", "train.parallel=fsdp"), tmp_path, "again")
+    run_cli(2, small_gpt2_run(run, "train.max_steps=10", "train.parallel=fsdp"), tmp_path, "again")
     log = (run / "logs" / "rank_0.log").read_text()
     assert "step-8/sharded/__1_0.distcp cannot be read" in log and f"resumed from {run}/checkpoints/step-4" in log
 

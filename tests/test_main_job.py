@@ -10,19 +10,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, cli, records
 
 
 def qgtrain(tmp_path: Path, *args: str, launcher: tuple[str, ...] = (),
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
-    cmd += ["train", "--config", str(ROOT / "config.yaml"), "--set", f"data.cache_dir={tmp_path / 'data'}",
-            f"logging.runs_dir={tmp_path / 'runs'}", *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return cli("train", "--config", str(ROOT / "config.yaml"), "--set", f"data.cache_dir={tmp_path / 'data'}",
+               f"logging.runs_dir={tmp_path / 'runs'}", *args, cwd=tmp_path, timeout=timeout, launcher=launcher)
 
 
 @pytest.mark.slow
@@ -31,14 +25,14 @@ def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path
                      "data.corpus_mb=1", "checkpoint.every_steps=40")
     assert result.returncode == 0, result.stderr
     run = tmp_path / "runs" / "tiny-gpt2"
-    records = metrics(run)
-    losses = [r["loss"] for r in records]
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    logged = records(run)
+    losses = [r["loss"] for r in logged]
+    vals = [r["val_loss"] for r in logged if "val_loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
-    assert len(vals) == 4 and vals[-1] < vals[0] - 0.2 and records[-1]["test_loss"] > 0
-    assert [r["step"] for r in records] == sorted({r["step"] for r in records}), "one record per logged step"
-    assert {"step", "epoch", "loss", "lr"} <= set(records[0])
-    assert repr(records[0]["loss"]) in (run / "metrics.jsonl").read_text(), "losses are written at full precision"
+    assert len(vals) == 4 and vals[-1] < vals[0] - 0.2 and logged[-1]["test_loss"] > 0
+    assert [r["step"] for r in logged] == sorted({r["step"] for r in logged}), "one record per logged step"
+    assert {"step", "epoch", "loss", "lr"} <= set(logged[0])
+    assert repr(logged[0]["loss"]) in (run / "metrics.jsonl").read_text(), "losses are written at full precision"
     for path in ("config.yaml", "run.json", "logs/rank_0.log", "checkpoints/step-40/manifest.json",
                  "checkpoints/step-80/manifest.json"):
         assert (run / path).is_file(), path
@@ -47,7 +41,7 @@ def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path
 
     again = qgtrain(tmp_path, "train.max_steps=80", "train.eval_every=20", "data.corpus_mb=1")
     assert again.returncode == 0 and "this run already ended at step 80 (finished)" in again.stderr
-    assert len(metrics(run)) == len(records)
+    assert len(records(run)) == len(logged)
 
 
 @pytest.mark.slow
@@ -58,7 +52,7 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
     run = tmp_path / "runs" / "tiny-gpt2"
     assert "2 rank(s) on 1 node(s)" in (run / "logs" / "rank_0.log").read_text()
     assert "[rank 1]" in (run / "logs" / "rank_1.log").read_text()
-    assert metrics(run)[-1]["step"] == 20
+    assert records(run)[-1]["step"] == 20
     # A stop at a checkpoint under torchrun: every rank exits 75, torchrun's agent reports it and exits 1
     # (what the README's table of exit codes says); status.json tells the outcome.
     stopped = qgtrain(tmp_path, "train.max_steps=100000", "train.max_time=1s", "data.corpus_mb=0.3",

@@ -22,10 +22,9 @@ from qgtrain.configload import config_from_dict
 from qgtrain.errors import CheckpointError
 from qgtrain.ops import export
 from qgtrain.ops.export_task import rebuild_task
+from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
+from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
-from tests.test_examples import MAX_STEPS, example, final_state
-from tests.test_fsdp import full_state
-from tests.test_resume import records, wait_for
 
 MODES = {"ddp": [], "fsdp": ["train.parallel=fsdp"]}  # jobs/molecules.yaml names the blocks: [GINBlock]
 
@@ -47,7 +46,7 @@ def references(tmp_path_factory) -> dict[str, Path]:
 def saved_state(run: Path, mode: str) -> dict[str, torch.Tensor]:
     """The model (batch norm's buffers included) and optimizer state of the final checkpoint."""
     folder = run / "checkpoints" / f"step-{MAX_STEPS}"
-    return final_state(run) if mode == "ddp" else full_state(folder)
+    return checkpoint_state(folder)
 
 
 @pytest.mark.slow

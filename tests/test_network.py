@@ -4,7 +4,6 @@ processes (one refused for an interface that does not exist, two ranks over an i
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from qgtrain.runtime import comms
 from qgtrain.runtime.comms import Interface, choose_interface, machine_interfaces, route_source
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.state.rundir import RunDir
+from tests.helpers import records
 from tests.ranks import start_cli_ranks, wait_ranks
 
 NODE = [Interface("lo", "127.0.0.1"), Interface("eth0", "10.99.0.12"), Interface("ib0", "192.168.7.12"),
@@ -105,5 +105,5 @@ def test_two_ranks_train_over_the_interface_named_or_found(named, tmp_path):
     said = (tmp_path / "rank-0.out").read_text()
     why = "train.socket_ifname" if named else "its address 127.0.0.1 routes to MASTER_ADDR 127.0.0.1"
     assert f"network interface lo ({why}): NCCL_SOCKET_IFNAME=lo, GLOO_SOCKET_IFNAME=lo" in said
-    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+    assert records(run)[-1]["step"] == 3
     assert Path(run / "logs" / "rank_1.log").is_file()

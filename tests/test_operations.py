@@ -15,19 +15,8 @@ from pathlib import Path
 import pytest
 
 from qgtrain.configload import load_config
+from tests.helpers import TINY, cli, records, tiny_config
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
-
-TINY = ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.log_every=1",
-        "logging.tensorboard=false", "model.factory=tests.factories:tiny", "optim.warmup_steps=0"]
-
-
-def cfg(*sets: str):  # type: ignore[no-untyped-def]
-    return load_config([], [*TINY, *sets])
-
-
-def qgtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qgtrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
 
 
 def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
@@ -40,9 +29,11 @@ def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:  #
 
 def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(tmp_path):
     runs = tmp_path / "runs"
-    assert run_ranks(1, train_rank, cfg("train.max_steps=20", "train.eval_every=10", "checkpoint.every_steps=10"),
+    done = tiny_config("train.max_steps=20", "train.eval_every=10", "checkpoint.every_steps=10")
+    assert run_ranks(1, train_rank, done,
                      str(runs / "done"))[0]["exit"] == 0
-    failed = run_ranks(2, train_rank, cfg("model.factory=tests.factories:with_unused_head", "train.max_steps=5"),
+    unused = tiny_config("model.factory=tests.factories:with_unused_head", "train.max_steps=5")
+    failed = run_ranks(2, train_rank, unused,
                        str(runs / "broken"))
     assert [r["exit"] for r in failed] == [1, 1]
     long = ["train", "--set", *TINY, "train.max_steps=100000", "checkpoint.every_steps=20"]
@@ -55,8 +46,8 @@ def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(
         os.kill(stopped[0].pid, signal.SIGUSR2)
         assert wait_ranks(stopped, 60) == [75]
         kill_ranks(killed)
-        table = qgtrain("runs", str(runs), cwd=tmp_path)
-        rows = {r["name"]: r for r in json.loads(qgtrain("runs", str(runs), "--json", cwd=tmp_path).stdout)}
+        table = cli("runs", str(runs), cwd=tmp_path)
+        rows = {r["name"]: r for r in json.loads(cli("runs", str(runs), "--json", cwd=tmp_path).stdout)}
     finally:
         kill_ranks(live + killed + stopped)
     assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:3] == ["RUN", "STATUS", "STEP"]
@@ -79,26 +70,26 @@ def test_runs_answers_without_importing_torch(tmp_path):
 def test_plot_overlays_runs_with_labelled_axes(tmp_path):
     for name, lr in (("lr-high", "0.01"), ("lr-low", "0.001")):
         sets = ("train.max_steps=30", "train.eval_every=10", f"optim.lr={lr}", f"optim.min_lr={lr}")
-        assert run_ranks(1, train_rank, cfg(*sets), str(tmp_path / name))[0]["exit"] == 0
+        assert run_ranks(1, train_rank, tiny_config(*sets), str(tmp_path / name))[0]["exit"] == 0
     out = tmp_path / "curves.png"
-    result = qgtrain("plot", str(tmp_path / "lr-high"), str(tmp_path / "lr-low"), "--out", str(out), cwd=tmp_path)
+    result = cli("plot", str(tmp_path / "lr-high"), str(tmp_path / "lr-low"), "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
-    bad = qgtrain("plot", str(tmp_path / "lr-high"), "--out", str(out), "--metric", "loss,accuracy", cwd=tmp_path)
+    bad = cli("plot", str(tmp_path / "lr-high"), "--out", str(out), "--metric", "loss,accuracy", cwd=tmp_path)
     assert bad.returncode == 2 and "accuracy not logged by these runs; available: " in bad.stderr
 
 
 def test_doctor_lists_every_check_and_fails_on_an_error(tmp_path):
-    result = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    result = cli("doctor", "--set", f"logging.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
     for name in ("python", "GPUs", "shared memory", "run directory", "rendezvous port", "network", "Hugging Face"):
         assert f" {name} " in result.stdout, result.stdout
     assert "network            " in result.stdout and "lo 127.0.0.1" in result.stdout
     # this machine (CPU only, a writable run directory, no GPU asked for) has nothing to fix: warnings at most
     assert result.returncode == 0 and "\n  error " not in result.stdout, result.stdout
-    broken = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path}", "model.pretrained=/no/such/model",
+    broken = cli("doctor", "--set", f"logging.runs_dir={tmp_path}", "model.pretrained=/no/such/model",
                      cwd=tmp_path)
     assert broken.returncode == 1 and "error    model.pretrained" in broken.stdout and "fix: point it" in broken.stdout
-    no_such = qgtrain("doctor", "--set", f"logging.runs_dir={tmp_path}", "train.socket_ifname=nope0", cwd=tmp_path)
+    no_such = cli("doctor", "--set", f"logging.runs_dir={tmp_path}", "train.socket_ifname=nope0", cwd=tmp_path)
     assert no_such.returncode == 1 and "error    network" in no_such.stdout, no_such.stdout
     assert "train.socket_ifname: 'nope0' is not a network interface of" in no_such.stdout
 
@@ -161,7 +152,8 @@ def train_watching_the_watchdog(config, run_dir: str) -> dict:  # type: ignore[n
 def test_the_trainer_feeds_the_progress_watchdog_every_step_with_the_documented_bound(tmp_path):
     """The watchdog itself is tested above; this is its wiring: armed once per start with twice the collective
     timeout plus 5 minutes, and fed at every step."""
-    result = run_ranks(1, train_watching_the_watchdog, cfg("train.max_steps=7", "train.collective_timeout_s=20"),
+    config = tiny_config("train.max_steps=7", "train.collective_timeout_s=20")
+    result = run_ranks(1, train_watching_the_watchdog, config,
                        str(tmp_path / "run"))[0]
     assert (result["exit"], result["bounds"], result["progress"]) == (0, [2 * 20 + 300], 7)
 
@@ -169,27 +161,28 @@ def test_the_trainer_feeds_the_progress_watchdog_every_step_with_the_documented_
 def test_a_dead_dataloader_worker_is_explained(tmp_path):
     sets = ("data.name=factory", "data.factory=tests.factories:data_with_dying_worker", "data.num_workers=2",
             "train.max_steps=200", "train.eval_every=0")
-    result = run_ranks(1, train_rank, cfg(*sets), str(tmp_path / "run"))[0]
+    result = run_ranks(1, train_rank, tiny_config(*sets), str(tmp_path / "run"))[0]
     assert result["exit"] == 1
     assert "a DataLoader worker of rank 0 died in step" in result["error"]
     assert "shared memory (/dev/shm has" in result["error"] and "data.num_workers" in result["error"]
 
 
 def test_out_of_memory_is_explained_with_the_fix(tmp_path):
-    result = run_ranks(1, train_rank, cfg("model.factory=tests.factories:out_of_memory_at_step_two",
+    result = run_ranks(1, train_rank, tiny_config("model.factory=tests.factories:out_of_memory_at_step_two",
                                           "train.max_steps=5"), str(tmp_path / "run"))[0]
     assert result["exit"] == 1 and "rank 0 ran out of GPU memory in step 2" in result["error"]
     assert "train.grad_accum_steps" in result["error"]
 
 
 def test_parameters_unused_on_some_steps_are_explained(tmp_path):
-    results = run_ranks(2, train_rank, cfg("model.factory=tests.factories:sometimes_unused", "train.max_steps=6",
+    results = run_ranks(2, train_rank, tiny_config("model.factory=tests.factories:sometimes_unused",
+                                                   "train.max_steps=6",
                                            "train.eval_every=0"), str(tmp_path / "run"))
     for result in results:
         assert result["exit"] == 1
         assert "received no gradient in step 2 on some rank(s): they were unused on that step only" in result["error"]
         assert "train.find_unused_parameters: true" in result["error"]
-    fine = run_ranks(2, train_rank, cfg("model.factory=tests.factories:sometimes_unused", "train.max_steps=6",
+    fine = run_ranks(2, train_rank, tiny_config("model.factory=tests.factories:sometimes_unused", "train.max_steps=6",
                                         "train.eval_every=0", "train.find_unused_parameters=true"),
                      str(tmp_path / "run2"))
     assert [r["exit"] for r in fine] == [0, 0]
@@ -197,8 +190,9 @@ def test_parameters_unused_on_some_steps_are_explained(tmp_path):
 
 def test_memory_is_logged_and_a_limit_warns(tmp_path):
     run = tmp_path / "run"
-    assert run_ranks(1, train_rank, cfg("train.max_steps=3", "logging.memory_warn_gb=0.01"), str(run))[0]["exit"] == 0
-    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    config = tiny_config("train.max_steps=3", "logging.memory_warn_gb=0.01")
+    assert run_ranks(1, train_rank, config, str(run))[0]["exit"] == 0
+    record = records(run)[0]
     assert record["mem_rss_gb"] > 0.01
     log = (run / "logs" / "rank_0.log").read_text()
     assert log.count("mem_rss_gb is") == 1 and "above logging.memory_warn_gb=0.01" in log
@@ -224,10 +218,10 @@ def test_a_compiled_model_keeps_its_compile_cache_in_the_run_directory(tmp_path)
     run = tmp_path / "run"
     sets = ["--set", *TINY, "model.factory=null", "model.layers=1", "model.hidden=32", "model.heads=2",
             "model.compile=true", "train.eval_every=0", "checkpoint.every_steps=0"]
-    assert qgtrain("train", "--run-dir", str(run), *sets, "train.max_steps=2", cwd=tmp_path).returncode == 0
+    assert cli("train", "--run-dir", str(run), *sets, "train.max_steps=2", cwd=tmp_path).returncode == 0
     cached = [p for p in (run / "compile-cache" / "rank-0").rglob("*") if p.is_file()]
     assert cached, "compiled kernels are kept in the run directory"
-    again = qgtrain("train", "--run-dir", str(run), *sets, "train.max_steps=4", cwd=tmp_path)
+    again = cli("train", "--run-dir", str(run), *sets, "train.max_steps=4", cwd=tmp_path)
     assert again.returncode == 0 and f"torch.compile caches in {run / 'compile-cache' / 'rank-0'}" in again.stderr
 
 
@@ -245,11 +239,11 @@ def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_direc
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"run_id": name}))
         rundir.write_status(tmp_path / name, status, **facts)  # "running" with nobody holding the lock: killed
-    rows = {r["name"]: r for r in json.loads(qgtrain("runs", str(tmp_path), "--json", cwd=tmp_path).stdout)}
+    rows = {r["name"]: r for r in json.loads(cli("runs", str(tmp_path), "--json", cwd=tmp_path).stdout)}
     assert {name: row["status"] for name, row in rows.items()} == {
         "early": "stopped early", "requeued": "preempted, requeued", "pending": "preempted, requeue pending",
         "local": "stopped", "crashed": "interrupted"}
     assert rows["crashed"]["failures"] == ["rank 1 on node2: Killed -> retry",
                                            "rank 1 on node2: Killed -> requeue node2"]
-    table = qgtrain("runs", str(tmp_path), cwd=tmp_path).stdout
+    table = cli("runs", str(tmp_path), cwd=tmp_path).stdout
     assert "crashed: failed step 2: rank 1 on node2: Killed -> requeue node2" in table

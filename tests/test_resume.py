@@ -4,7 +4,6 @@ step's loss, the validation losses, the final weights and optimizer state)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import checkpoint_state, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 MAX_STEPS = 24
@@ -26,38 +26,8 @@ def settings(tmp_path: Path, workers: int) -> list[str]:
             f"data.num_workers={workers}", f"data.cache_dir={tmp_path / 'data'}", "optim.warmup_steps=4"]
 
 
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a rank exited ({[p.poll() for p in procs]}) before {what}")
-        if time.monotonic() > deadline:
-            kill_ranks(procs)
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    folder = run_dir / "checkpoints" / f"step-{MAX_STEPS}"
-    model = torch.load(folder / "model.pt", weights_only=True)
-    optim = torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"]
-    flat = {f"model.{k}": v for k, v in model.items()}
-    for index, state in optim.items():
-        flat.update({f"optim.{index}.{k}": v for k, v in state.items()})
-    return flat
+    return checkpoint_state(run_dir / "checkpoints" / f"step-{MAX_STEPS}")
 
 
 @pytest.mark.slow

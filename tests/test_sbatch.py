@@ -17,6 +17,7 @@ from qgtrain.config import SlurmConfig
 from qgtrain.configload import load_config
 from qgtrain.errors import QgtrainError
 from qgtrain.launch.sbatch import parse_job_id, render, time_minutes
+from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
@@ -158,13 +159,8 @@ def test_submit_without_slurm_says_so(tmp_path):
     assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr and "Traceback" not in result.stderr
 
 
-def qgtrain_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qgtrain", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def test_a_sweep_renders_one_job_array_whose_tasks_train_their_own_configs(tmp_path):
-    result = qgtrain_cli("submit", "--dry-run", "--config", str(ROOT / "config.yaml"), "--sweep", "optim.lr=1e-3,3e-4",
+    result = cli("submit", "--dry-run", "--config", str(ROOT / "config.yaml"), "--sweep", "optim.lr=1e-3,3e-4",
                          "--sweep", "train.seed=1,2", "--max-parallel", "2", "--set", f"logging.runs_dir={tmp_path}",
                          cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -263,7 +259,7 @@ def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_
 ])
 @pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
 def test_a_bad_container_value_is_one_line_exit_2_naming_the_key(tmp_path, sets, key, launcher):
-    result = qgtrain_cli("submit", "--dry-run", "--launcher", launcher, "--config", str(ROOT / "config.yaml"),
+    result = cli("submit", "--dry-run", "--launcher", launcher, "--config", str(ROOT / "config.yaml"),
                          "--set", *sets, cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == "", result.stdout
     assert result.stderr.startswith(f"qgtrain: error: {key}") and result.stderr.count("\n") == 1, result.stderr
@@ -287,7 +283,7 @@ def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
     host = load_config([ROOT / "config.yaml"])
     assert container_python(host) is None
     assert executor_parameters(host)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
-    shown = json.loads(qgtrain_cli("submit", "--dry-run", "--launcher", "submitit", "--config",
+    shown = json.loads(cli("submit", "--dry-run", "--launcher", "submitit", "--config",
                                    str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / "container.yaml"),
                                    cwd=tmp_path).stdout)
     assert shown["slurm_srun_args"][1] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"

@@ -20,6 +20,7 @@ import qgtrain
 from tests.helpers import (
     ROOT,
     TWO_NODES,
+    checkpoint_state,
     final_weights,
     job,
     logged_step,
@@ -257,14 +258,6 @@ def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
     return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, max_steps, every_steps=200), sharded]
 
 
-def sharded_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    folder = run_dir / "checkpoints" / f"step-{step}"
-    dcp_to_torch_save(folder / "sharded", folder.parent / "full.pt")
-    return torch.load(folder.parent / "full.pt", weights_only=False)["model"]
-
-
 def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_one_node(tmp_path):
     """Two nodes shard the model; the warning signal stops them at a sharded checkpoint, the requeued job
     resumes bit for bit (against an uninterrupted job), and a later one-node job continues the run."""
@@ -283,7 +276,8 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
     assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
     assert (run / "checkpoints" / f"step-{FSDP_STEPS}" / "sharded" / "__1_0.distcp").is_file()
-    want, have = sharded_weights(reference / "runs" / "cpu", FSDP_STEPS), sharded_weights(run, FSDP_STEPS)
+    want, have = checkpoint_state(reference / "runs" / "cpu" / "checkpoints" / f"step-{FSDP_STEPS}"), \
+        checkpoint_state(run / "checkpoints" / f"step-{FSDP_STEPS}")
     assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), "final weights differ"
 
     one_node = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",

@@ -10,10 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, logged_step, overlay, rank_log, sbatch, wait_finished, wait_until
-from tests.test_resume import records
-from tests.test_slurm import sharded_weights
-from tests.test_slurm_recovery import kill_rank
+from tests.helpers import (
+    ROOT,
+    checkpoint_state,
+    kill_rank,
+    logged_step,
+    overlay,
+    rank_log,
+    records,
+    sbatch,
+    wait_finished,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 TWO_BY_TWO = ("--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--nodelist=node[1-2]", "--time=10")
@@ -45,7 +53,8 @@ def test_hsdp_trains_like_ddp_survives_a_sigkill_bit_for_bit_and_resumes_on_one_
     kill_rank(job_id, 3)  # on node2: its replica of the model loses a shard
     assert wait_finished(job_id, timeout=600) == "COMPLETED"
     assert re.search(rf"resumed from {run / 'checkpoints'}/step-\d+00: step \d+00", rank_log(run, 0))
-    want, have = sharded_weights(reference / "runs" / "cpu", STEPS), sharded_weights(run, STEPS)
+    want, have = checkpoint_state(reference / "runs" / "cpu" / "checkpoints" / f"step-{STEPS}"), \
+        checkpoint_state(run / "checkpoints" / f"step-{STEPS}")
     assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), "final weights differ"
     resumed = {r["step"]: r["loss"] for r in records(run)}  # the killed attempt's lines, then the resumed ones
     assert all(resumed[r["step"]] == r["loss"] for r in sharded), "the resumed losses differ"

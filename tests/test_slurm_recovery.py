@@ -7,9 +7,7 @@ directory's records, and the uninterrupted reference run of tests/test_slurm.py'
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from tests.helpers import (
     TWO_NODES,
     final_weights,
     job,
+    kill_rank,
     logged_step,
     overlay,
     rank_log,
@@ -33,22 +32,6 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 STEPS = 600
-
-
-def kill_rank(job_id: str, rank: int) -> None:
-    """SIGKILL the training process of one rank of a running job (it shows in /proc: the nodes are network
-    namespaces of this machine)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        training = b"qgtrain\0train" in cmdline or b"submitit.core._submit" in cmdline  # train.slurm's, submitit's
-        if training and f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
-            os.kill(int(pid), signal.SIGKILL)
-            return
-    raise AssertionError(f"no training process of rank {rank} in job {job_id}")
 
 
 def configs(tmp: Path, step_retries: int = 2) -> list[Path]:

@@ -18,6 +18,7 @@ import torch
 
 from qgtrain.data.batches import to_device
 from qgtrain.errors import ConfigError
+from tests.helpers import cli, records
 from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, wait_ranks
 
 BASE = ["train.batch_size=8", "train.max_steps=12", "train.log_every=1", "train.eval_every=4",
@@ -25,13 +26,8 @@ BASE = ["train.batch_size=8", "train.max_steps=12", "train.log_every=1", "train.
 
 
 def qgtrain(tmp_path: Path, task: str, *sets: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qgtrain", "train", "--run-dir", str(tmp_path / "run"), "--set",
-                           f"task=tests.tasks:{task}", *BASE, *sets], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180)
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return cli("train", "--run-dir", str(tmp_path / "run"), "--set", f"task=tests.tasks:{task}", *BASE, *sets,
+               cwd=tmp_path, timeout=180)
 
 
 Named = collections.namedtuple("Named", "ids mask")

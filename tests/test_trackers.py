@@ -15,22 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import cli, records
 from tests.ranks import ROOT
-from tests.test_resume import records
 
 SETS = ["data.name=synthetic", "data.synthetic_samples=1024", "data.seq_len=32", "model.hidden=32", "model.layers=1",
         "model.heads=2", "train.batch_size=4", "train.log_every=2", "train.eval_every=0", "checkpoint.every_steps=10",
         "logging.tensorboard=false", "logging.trackers=[wandb, mlflow]"]
 
 
-def command(tmp_path: Path, *sets: str) -> list[str]:
-    return [sys.executable, "-m", "qgtrain", "train", "--config", str(ROOT / "config.yaml"), "--set", *SETS,
-            f"logging.runs_dir={tmp_path / 'runs'}", *sets]
+def arguments(tmp_path: Path, *sets: str) -> list[str]:
+    return ["train", "--config", str(ROOT / "config.yaml"), "--set", *SETS, f"logging.runs_dir={tmp_path / 'runs'}",
+            *sets]
 
 
 def run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command(tmp_path, *sets), cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"})
+    return cli(*arguments(tmp_path, *sets), cwd=tmp_path, env={"WANDB_SILENT": "true"})
 
 
 def wandb_steps(offline_run: Path) -> tuple[set[str], list[int]]:
@@ -84,7 +83,8 @@ def mlflow_metric(tmp_path: Path, run_id: str, key: str) -> list[tuple[int, floa
 def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path):
     run_dir = tmp_path / "runs" / "tiny-gpt2"
     output = open(tmp_path / "killed.out", "w")
-    proc = subprocess.Popen(command(tmp_path, "train.max_steps=400"), cwd=tmp_path, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "qgtrain", *arguments(tmp_path, "train.max_steps=400")],
+                            cwd=tmp_path, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"},
                             stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240

@@ -13,6 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..config import TrainConfig
+from ..durations import duration_s
+from .rendezvous import DistEnv
+from .startup import process_age_s
+
 
 class Deadline:
     def __init__(self, local_end: float | None, job_end: float | None, margin_s: float,
@@ -62,3 +67,21 @@ class Deadline:
             end = read_job_end()
             if end is not None:
                 self.job_end = end
+
+
+def deadline_for(train: TrainConfig, env: DistEnv, seconds_left: Callable[[], float | None]) -> Deadline:
+    """Rank 0's: train.max_time from this process's start, and the Slurm job's limit (`seconds_left` reads
+    it again now and then); the other ranks follow rank 0's agreed decision and keep none."""
+    if not env.is_main:
+        return Deadline(None, None, train.stop_margin_s)
+    max_time = duration_s(train.max_time) if train.max_time else None
+    started = time.time() - (process_age_s() or 0.0)
+    local_end = started + max_time if max_time else None
+    if not env.in_slurm_job:
+        return Deadline(local_end, None, train.stop_margin_s, started=started)
+
+    def job_end() -> float | None:
+        left = seconds_left()
+        return None if left is None else time.time() + left
+
+    return Deadline(local_end, env.job_end_time, train.stop_margin_s, job_end, train.time_limit_check_s, started)

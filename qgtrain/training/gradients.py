@@ -37,6 +37,11 @@ def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any
     return loss_sum
 
 
+def without_gradients(model: nn.Module) -> list[str]:
+    """The trainable parameters that received no gradient in the backward just run."""
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+
 def checked_loss(loss: Any) -> torch.Tensor:
     """The task's loss, if it is one: a floating-point scalar tensor that backward can start from."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():

@@ -9,34 +9,27 @@ broadcast. No rank ever raises, returns or skips a collective alone. The trainer
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
 from ..data.batches import to_device
 from ..data.loaders import Loaders, TrainBatches
 from ..runtime import diagnose, distributed
-from ..runtime.deadline import Deadline
 from ..runtime.rendezvous import DistEnv
-from ..runtime.signals import StopFlag
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
-from ..state.checkpointer import Checkpointer
 from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
-from ..task import ReadyTask
 from . import replicas
 from .agreement import Agreement, Flags, Health
-from .gradients import accumulate_gradients
-from .metrics import MetricsLog, format_metrics, prefixed
+from .gradients import accumulate_gradients, without_gradients
+from .metrics import format_metrics, prefixed
 from .optim import clip_gradients
+from .parts import Outcome, Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
 from .schedule import lr_at
@@ -44,45 +37,6 @@ from .timing import StepTimer
 from .validation import Validator
 
 log = logging.getLogger("qgtrain")
-
-
-class Outcome(enum.Enum):
-    FINISHED = "finished"
-    EARLY_STOPPED = "stopped early"
-    STOPPED_TO_RESUME = "stopped to resume"  # on a signal or before the time limit, at a checkpoint
-
-
-@dataclass
-class Parts:
-    """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
-    `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints."""
-
-    task: ReadyTask
-    wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    loaders: Loaders
-    checkpointer: Checkpointer
-    metrics: MetricsLog
-    stop: StopFlag
-    deadline: Deadline  # rank 0's; the others follow its agreed decision
-
-
-@dataclass(frozen=True)
-class Settings:
-    train: TrainConfig
-    optim: OptimConfig
-    early_stopping: EarlyStoppingConfig
-    checkpoint: CheckpointConfig
-    precision: str  # resolved: fp32, bf16 or fp16
-    export_on_finish: bool = False  # part of the final work that must fit before the time limit
-
-
-class StepResult(NamedTuple):
-    step: int
-    lr: float
-    loss_sum: torch.Tensor  # this rank's mean loss over the micro-batches, on the device
-    grad_norm: torch.Tensor
 
 
 class Trainer:
@@ -259,18 +213,16 @@ class Trainer:
         self._last_save = time.monotonic()
 
     def _has_unused(self) -> bool:
+        """DDP would wait forever for their gradients (unless told to look for unused ones, at a cost)."""
         return isinstance(self.parts.wrapped, DDP) and not self.settings.train.find_unused_parameters and \
-            bool(self._unused_names())
-
-    def _unused_names(self) -> list[str]:
-        return [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+            bool(without_gradients(self.model))
 
     def _fail(self, step: int, bad_loss: bool, bad_here: bool) -> None:
         """Raise the same diagnosed error on every rank (the collective below is taken by all)."""
         ranks = distributed.flagged_ranks(bad_here if bad_loss else self._has_unused(), self.device)
         if bad_loss:
             raise diagnose.non_finite_loss(step, self.settings.train.agree_every, ranks)
-        raise diagnose.unused_parameters(step, ranks, self._unused_names())
+        raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
 
     def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
         state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)

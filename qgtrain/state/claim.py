@@ -1,0 +1,77 @@
+"""The run directory, claimed for one start of a run: rank 0 picks it and holds its lock, every rank checks
+the checkpoint it may resume from, and only then is the start recorded, so a refused start changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..configload import dump_yaml
+from ..errors import QgtrainError
+from ..runtime import distributed
+from ..runtime.rendezvous import DistEnv
+from . import rundir, verify_ranks
+from .resume import Candidates, resume_candidates
+from .rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Rank 0's decision about the run directory, the same on every rank."""
+
+    path: Path  # absolute, as rank 0 sees it
+    run_id: str
+    resume_from: str | None  # the checkpoint to resume from
+    warnings: list[str]  # logged once the run's log file is open
+    candidates: Candidates = Candidates([], [])  # what it may resume from, before the ranks check the files
+
+
+def claimed(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None,
+            held: contextlib.ExitStack) -> Claim:
+    """Every rank: the claimed run directory and the checkpoint to resume from (collectives)."""
+    found = distributed.main_decides(lambda: _claim(cfg, env, run_dir, held))
+    resume_from, skipped = verify_ranks.choose(found.candidates, RunDir(found.path).checkpoints)
+    claim = distributed.main_decides(lambda: _open(cfg, found, resume_from, skipped))
+    _check_shared(claim, env, device)
+    return claim
+
+
+def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.ExitStack) -> Claim:
+    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may resume
+    from before it writes anything there: a refusal leaves the run as it was."""
+    path = (run_dir or rundir.default_run_dir(cfg)).resolve()
+    try:
+        held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
+        warnings: list[str] = []
+        candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), cfg.checkpoint.resume,
+                                       warnings.append)
+        return Claim(path, "", None, warnings, candidates)
+    except OSError as exc:
+        raise rundir.unwritable(path, exc) from None
+
+
+def _open(cfg: RunConfig, claim: Claim, resume_from: str | None, skipped: list[str]) -> Claim:
+    """Rank 0 records the start once the ranks agree on the checkpoint (verify_ranks.py)."""
+    try:
+        run_id = rundir.open_run(claim.path, cfg, dump_yaml(cfg))
+    except OSError as exc:
+        raise rundir.unwritable(claim.path, exc) from None
+    return dataclasses.replace(claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped)
+
+
+def _check_shared(claim: Claim, env: DistEnv, device: torch.device) -> None:
+    """Every rank must see the run directory rank 0 just claimed: checkpoints are written into one folder
+    by all ranks. Checked before anything is built, on every rank (a collective)."""
+    blind = distributed.flagged_ranks(rundir.read_run_id(claim.path) != claim.run_id, device)
+    if blind:
+        raise QgtrainError(
+            f"rank(s) {blind} do not see the run directory {claim.path} that rank 0 created on "
+            f"{env.master_addr}: each node sees its own folder at that path. HINT: the run directory must be "
+            "on a filesystem every node mounts (a shared filesystem); point logging.runs_dir or --run-dir there "
+            "(`srun qgtrain doctor` checks)")

@@ -1,0 +1,58 @@
+"""What the training loop runs (its parts, built by qgtrain/run.py), how it is set up (its settings, never
+the whole config), and how it ends."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
+from ..data.loaders import Loaders
+from ..runtime.deadline import Deadline
+from ..runtime.signals import StopFlag
+from ..state.checkpointer import Checkpointer
+from ..task import ReadyTask
+from .metrics import MetricsLog
+
+
+class Outcome(enum.Enum):
+    FINISHED = "finished"
+    EARLY_STOPPED = "stopped early"
+    STOPPED_TO_RESUME = "stopped to resume"  # on a signal or before the time limit, at a checkpoint
+
+
+@dataclass
+class Parts:
+    """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
+    `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints."""
+
+    task: ReadyTask
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loaders: Loaders
+    checkpointer: Checkpointer
+    metrics: MetricsLog
+    stop: StopFlag
+    deadline: Deadline  # rank 0's; the others follow its agreed decision
+
+
+@dataclass(frozen=True)
+class Settings:
+    train: TrainConfig
+    optim: OptimConfig
+    early_stopping: EarlyStoppingConfig
+    checkpoint: CheckpointConfig
+    precision: str  # resolved: fp32, bf16 or fp16
+    export_on_finish: bool = False  # part of the final work that must fit before the time limit
+
+
+class StepResult(NamedTuple):
+    step: int
+    lr: float
+    loss_sum: torch.Tensor  # this rank's mean loss over the micro-batches, on the device
+    grad_norm: torch.Tensor
