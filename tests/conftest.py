@@ -48,6 +48,25 @@ def slurm_cluster() -> Iterator[Path]:
         lock.close()
 
 
+# Set by pytest for each phase of a test, and by torch on first use of inductor: harmless to inherit.
+LIBRARIES_OWN = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found() -> Iterator[None]:
+    """A test that changes os.environ without monkeypatch changes every later test's and every Slurm job's
+    environment (sbatch exports it): a leaked GLOO_SOCKET_IFNAME once failed every multi-node test. Such a
+    test fails, and the environment is put back."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(key for key in before.keys() | os.environ.keys()
+                     if before.get(key) != os.environ.get(key) and key not in LIBRARIES_OWN)
+    os.environ.clear()
+    os.environ.update(before)
+    if changed:
+        pytest.fail(f"the test left the environment changed ({', '.join(changed)}): use monkeypatch")
+
+
 @pytest.fixture
 def root() -> None:
     """For tests that mount filesystems or make namespaces."""

@@ -147,11 +147,13 @@ def test_a_rank_that_starts_before_rank_0_opens_the_store_still_joins():
     assert run_ranks(2, join_after, {0: 1.5}) == [2, 2]
 
 
-def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint():
+def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint(monkeypatch):
     from qgtrain.errors import RendezvousError
     from tests.ranks import free_port
 
     port = free_port()
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):  # set by the process group in this process
+        monkeypatch.setenv(name, "lo")
     env = from_environ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     with pytest.raises(RendezvousError, match=rf"rank 1 could not join 2 ranks at 127.0.0.1:{port} within 2s.*HINT"):
