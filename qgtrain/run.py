@@ -22,7 +22,7 @@ from .config import RunConfig
 from .configload import config_to_dict
 from .data.loaders import build_loaders
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
-from .runtime import comms, compile_cache, cpu, distributed, log, precision, rng, slurm
+from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
@@ -99,7 +99,8 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
         with lifecycle.failures_recorded():
             log.add_rank_file(ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level)
             lifecycle.started()
-            outcome = _train_in_run(ctx, claim)
+            with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
+                outcome = _train_in_run(ctx, claim)
         lifecycle.ended(STATUS[outcome])
     return outcome, claim.path
 

@@ -3,6 +3,7 @@ and classification problem, and variants that break one rule of the Task contrac
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ def raises_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     else:
         task.train = BadSampleOnRankOne(len(task.train), 1)
     return task
+
+
+def vanishes_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """Rank 1's process ends while the model is being built, as on a node that is lost: no exception, no
+    note, only a peer that is gone."""
+    if dist.get_rank() == 1:
+        os._exit(137)
+    return points(cfg)
 
 
 @dataclass

@@ -93,7 +93,9 @@ def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_
                     configs=configs(tmp_path, step_retries=1))
     run = tmp_path / "runs" / "cpu"
     for attempt in (1, 2):
-        wait_until(lambda: rank_log(run, 0).count("rendezvous node1:") == attempt and logged_step(run) >= 150,
+        # The resume is logged after the metrics of the attempt before are cut back to its checkpoint.
+        wait_until(lambda: rank_log(run, 0).count("rendezvous node1:") == attempt and
+                   rank_log(run, 0).count("resumed from") == attempt - 1 and logged_step(run) >= 150,
                    300, f"attempt {attempt} to train past step 150")
         assert job(job_id)["NodeList"] == "node[1-2]"
         kill_rank(job_id, 1)

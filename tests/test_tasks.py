@@ -159,6 +159,20 @@ def test_a_task_that_raises_on_one_rank_stops_every_rank_with_that_ranks_message
     assert status["status"] == "failed" and "rank 1 failed: ValueError: sample 17" in status["error"]
 
 
+def test_a_peer_that_vanishes_before_training_is_the_machines_failure_and_may_be_retried(tmp_path):
+    """A rank lost while the task is built breaks rank 0's first collective outside the step loop: that is a
+    peer failure, which the batch script retries, not the run's own failure, which it would not."""
+    run = tmp_path / "run"
+    procs = start_cli_ranks(2, ["train", "--run-dir", str(run), "--set", "task=tests.tasks:vanishes_on_rank_one",
+                                *BASE], tmp_path)
+    assert wait_ranks(procs, 100) == [1, 137]
+    said = (tmp_path / "rank-0.out").read_text().strip().splitlines()[-1]
+    assert "a collective failed outside the step loop on rank 0: rank(s) [1] did not arrive" in said, said
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and status["retryable"] is True, status
+    assert not (run / "logs" / "failed-rank-0.txt").exists(), "a note would tell the batch script not to retry"
+
+
 SCRIPT = """
 import sys
 import qgtrain

@@ -23,6 +23,19 @@ SETS = ["data.name=synthetic", "data.synthetic_samples=1024", "data.seq_len=32",
         "logging.tensorboard=false", "logging.trackers=[wandb, mlflow]"]
 
 
+@pytest.fixture(autouse=True)
+def tracker_variables_stay_in_the_test():
+    """qgtrain turns on MLflow's file store, and wandb.init records its service's address, in os.environ of
+    the process that logs: here pytest's own, which every later test and Slurm job would inherit."""
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_ALLOW_FILE_STORE", "WANDB_SERVICE")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def arguments(tmp_path: Path, *sets: str) -> list[str]:
     return ["train", "--config", str(ROOT / "config.yaml"), "--set", *SETS, f"logging.runs_dir={tmp_path / 'runs'}",
             *sets]

@@ -8,6 +8,7 @@ the time any teardown may take, so a job never hangs until its time limit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import logging
@@ -17,6 +18,7 @@ import shutil
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,17 +87,39 @@ def explain(exc: BaseException, step: int, env: DistEnv, num_workers: int, timeo
             f"DDP found parameters that received no gradient in step {step - 1} on some rank(s): they were unused "
             "on that step only. HINT: set train.find_unused_parameters: true (slower), or make every step use "
             "every parameter")
-    if isinstance(exc, (dist.DistError, RuntimeError)) and any(s in text.lower() for s in _COLLECTIVE_SIGNS):
-        _dump_stacks(exc)
-        missing = missing_ranks(env)
-        who = (f"rank(s) {missing} did not arrive" if missing else "a peer rank failed")
-        arm_watchdog(30.0)  # the teardown that follows may not hang on the broken group
-        return PeerFailure(
-            f"a collective failed in step {step} on rank {env.rank}: {who} ({_gist(text)}). Every "
-            f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
-            f"and the job's output for why they died or stalled; if steps or checkpoint writes legitimately take "
-            f"longer than {timeout_s:.0f}s, raise train.collective_timeout_s{_nccl_evidence()}")
+    if is_broken_collective(exc):
+        return peer_failure(exc, f"in step {step}", env, timeout_s)
     return exc
+
+
+@contextlib.contextmanager
+def peers_watched(env: DistEnv, timeout_s: float) -> Iterator[None]:
+    """Around everything a rank does outside the step loop (building the task, restoring, the last wait):
+    a peer that dies there breaks a collective as surely as in a step, and is the machine's failure, which
+    the batch script retries, not the run's own, which it would not."""
+    try:
+        yield
+    except (dist.DistError, RuntimeError) as exc:
+        if not is_broken_collective(exc):
+            raise
+        raise peer_failure(exc, "outside the step loop", env, timeout_s) from exc
+
+
+def is_broken_collective(exc: BaseException) -> bool:
+    return isinstance(exc, (dist.DistError, RuntimeError)) and \
+        any(sign in str(exc).lower() for sign in _COLLECTIVE_SIGNS)
+
+
+def peer_failure(exc: BaseException, where: str, env: DistEnv, timeout_s: float) -> PeerFailure:
+    _dump_stacks(exc)
+    missing = missing_ranks(env)
+    who = (f"rank(s) {missing} did not arrive" if missing else "a peer rank failed")
+    arm_watchdog(30.0)  # the teardown that follows may not hang on the broken group
+    return PeerFailure(
+        f"a collective failed {where} on rank {env.rank}: {who} ({_gist(str(exc))}). Every "
+        f"surviving rank's stack is in its log. HINT: read the log of the rank(s) named (logs/rank_<N>.log) "
+        f"and the job's output for why they died or stalled; if steps or checkpoint writes legitimately take "
+        f"longer than {timeout_s:.0f}s, raise train.collective_timeout_s{_nccl_evidence()}")
 
 
 def _nccl_evidence() -> str:
