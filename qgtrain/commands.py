@@ -62,7 +62,10 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
 
     if not args.sweep:
         raise ConfigError("--max-parallel: only with --sweep")
-    planned = sweep.expand(cfg, sweep.parse(args.sweep))
+    axes = sweep.parse(args.sweep)
+    if not args.dry_run:
+        sweep.check_size(sweep.combinations(axes))
+    planned = sweep.expand(cfg, axes)
     if args.launcher == "sbatch" or args.dry_run:
         sys.stdout.write(sweep.submit_array(planned, args.max_parallel, dry_run=args.dry_run,
                                             launcher=args.launcher))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,17 @@ def environment_left_as_found() -> Iterator[None]:
     os.environ.update(before)
     if changed:
         pytest.fail(f"the test left the environment changed ({', '.join(changed)}): use monkeypatch")
+
+
+@pytest.fixture(scope="session")
+def two_node_reference(slurm_cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The final weights of the uninterrupted two-node run (helpers.two_node_configs), trained once for
+    every test whose interrupted run must end equal to it."""
+    from tests.helpers import TWO_NODE_STEPS, TWO_NODES, final_weights, sbatch, two_node_configs, wait_finished
+
+    tmp = tmp_path_factory.mktemp("two-node-reference")
+    assert wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=two_node_configs(tmp))) == "COMPLETED"
+    return final_weights(tmp / "runs" / "cpu", TWO_NODE_STEPS)
 
 
 @pytest.fixture

@@ -162,6 +162,15 @@ logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}
     return path
 
 
+# The two-node run that interrupted, requeued and retried runs must end equal to (conftest's
+# two_node_reference): the same settings whatever their checkpoint interval, which does not change training.
+TWO_NODE_STEPS = 600
+
+
+def two_node_configs(tmp_path: Path, every_steps: int = 100) -> list[Path]:
+    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, TWO_NODE_STEPS, every_steps)]
+
+
 def sbatch(tmp_path: Path, *options: str, configs: list[Path]) -> str:
     result = subprocess.run(["sbatch", "--parsable", *options, str(ROOT / "train.slurm"), *map(str, configs)],
                             cwd=tmp_path, capture_output=True, text=True, check=True)

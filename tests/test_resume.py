@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,17 +31,33 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint_state(run_dir / "checkpoints" / f"step-{MAX_STEPS}")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Path]:
+    """The uninterrupted run for a world size and worker count, trained once: the asynchronous-save case
+    compares with the same synchronous run as the synchronous case."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def run_for(world: int, workers: int) -> Path:
+        if (world, workers) not in made:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{world}-{workers}")
+            args = ["train", *settings(tmp, workers), "--run-dir", str(tmp / "run")]
+            assert wait_ranks(start_cli_ranks(world, args, tmp, log_prefix="ref"), 300) == [0] * world
+            made[world, workers] = tmp / "run"
+        return made[world, workers]
+
+    return run_for
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world, workers, async_save", [(2, 0, False), (1, 2, False), (2, 0, True)])
-def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path, world, workers, async_save):
+def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path, uninterrupted, world, workers,
+                                                                           async_save):
     """With async_save only the killed run writes in the background: its checkpoints must hold exactly what
     the synchronous reference's do, and a kill inside a background write must leave the previous one valid."""
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     picker = random.Random(seed)
     args = ["train", *settings(tmp_path, workers)]
-    reference = tmp_path / "reference"
-    assert wait_ranks(start_cli_ranks(world, [*args, "--run-dir", str(reference)], tmp_path, log_prefix="ref"),
-                      300) == [0] * world
+    reference = uninterrupted(world, workers)
 
     run = tmp_path / "killed"
     cmd = [*args, f"checkpoint.async_save={str(async_save).lower()}", "logging.tensorboard=true", "--run-dir",

@@ -19,6 +19,7 @@ import torch
 import qgtrain
 from tests.helpers import (
     ROOT,
+    TWO_NODE_STEPS,
     TWO_NODES,
     checkpoint_state,
     final_weights,
@@ -28,6 +29,7 @@ from tests.helpers import (
     rank_log,
     records,
     sbatch,
+    two_node_configs,
     wait_finished,
     wait_until,
 )
@@ -37,16 +39,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 
 LONG = 1200
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The uninterrupted run that interrupted ones must equal."""
-    tmp = tmp_path_factory.mktemp("reference")
-    job_id = sbatch(tmp, *TWO_NODES, "--time=10", configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml",
-                                                           overlay(tmp, LONG, every_steps=400)])
-    assert wait_finished(job_id) == "COMPLETED"
-    return final_weights(tmp / "runs" / "cpu", LONG)
 
 
 def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_path):
@@ -61,9 +53,8 @@ def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_pa
 
 
 @pytest.mark.parametrize("interrupt", ["warning signal", "scontrol requeue"])
-def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_path, reference, interrupt):
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10",
-                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, LONG, 400)])
+def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_path, two_node_reference, interrupt):
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=two_node_configs(tmp_path, every_steps=400))
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= 100, 120, "training to pass step 100")
     if interrupt == "warning signal":  # what --signal=USR2@120 sends before a time limit, or a preemption
@@ -79,8 +70,8 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_pa
     assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
         "the stop checkpoint was complete before the job was killed"
     assert f"Slurm job {job_id} restart 1" in log
-    resumed = final_weights(run, LONG)
-    assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
+    resumed = final_weights(run, TWO_NODE_STEPS)
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
 
 GRAPH_STEPS = 1500
@@ -320,25 +311,26 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
 
 
 def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
-    """A 2-minute job whose warning never reaches the ranks (URG) gets a 3-minute limit once it trains:
+    """A 1-minute job whose warning never reaches the ranks (URG) gets a 2-minute limit once it trains:
     qgtrain reads the new end time (every 5 s here) and stops at a checkpoint before it, well past the
-    2 minutes the job started with, instead of stopping early or being killed at them."""
+    minute the job started with, instead of stopping early or being killed at it. (Its stop margin is a
+    tenth of the time given, so the minute would have ended training near 50 s.)"""
     checks = tmp_path / "checks.yaml"
     checks.write_text("train: {time_limit_check_s: 5}\n")
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=2", "--signal=URG@10",
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=URG@10",
                     configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
                              overlay(tmp_path, 10**7), checks])
     run = tmp_path / "runs" / "preemptible"
     try:
         wait_until(lambda: logged_step(run) >= 1, 120, "training to start")
         started = time.mktime(time.strptime(job(job_id)["StartTime"], "%Y-%m-%dT%H:%M:%S"))
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=3"], check=True)
-        wait_until(lambda: "stopping at step" in rank_log(run, 0), 240, "the stop before the new limit")
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], check=True)
+        wait_until(lambda: "stopping at step" in rank_log(run, 0), 180, "the stop before the new limit")
         stopped_at = time.time()
     finally:
         subprocess.run(["scancel", job_id], check=True)
     assert "on the time limit: checkpoint saved" in rank_log(run, 0)
-    assert 125 < stopped_at - started < 180, "after the old limit, before the new one"
+    assert 65 < stopped_at - started < 120, "after the old limit, before the new one"
     assert "Slurm job" in rank_log(run, 0) and "restart 0" in rank_log(run, 0)
 
 

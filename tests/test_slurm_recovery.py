@@ -2,7 +2,7 @@
 SIGKILLed as the OOM killer or a lost node would end it, and the shipped train.slurm brings the run back by
 itself: a new srun step in the same allocation, then a requeue away from a node that keeps failing. A
 failure that is the run's own is not retried. Runs against: real sbatch jobs, real processes, the run
-directory's records, and the uninterrupted reference run of tests/test_slurm.py's settings."""
+directory's records, and the uninterrupted two-node reference run (conftest.two_node_reference)."""
 
 from __future__ import annotations
 
@@ -18,40 +18,33 @@ import torch
 
 from tests.helpers import (
     ROOT,
+    TWO_NODE_STEPS,
     TWO_NODES,
     final_weights,
     job,
     kill_rank,
     logged_step,
-    overlay,
     rank_log,
     sbatch,
+    two_node_configs,
     wait_finished,
     wait_until,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-STEPS = 600
 
 
 def configs(tmp: Path, step_retries: int = 2) -> list[Path]:
     settings = tmp / "recovery.yaml"
     settings.write_text(f"slurm: {{step_retries: {step_retries}}}\n")
-    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, STEPS, every_steps=100), settings]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    assert wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=configs(tmp))) == "COMPLETED"
-    return final_weights(tmp / "runs" / "cpu", STEPS)
+    return [*two_node_configs(tmp), settings]
 
 
 def failures(run: Path) -> list[dict[str, object]]:
     return json.loads((run / "status.json").read_text()).get("failures", [])
 
 
-def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(tmp_path, uninterrupted):
+def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(tmp_path, two_node_reference):
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs(tmp_path))
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
@@ -69,8 +62,8 @@ def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
     back = time.mktime(time.strptime(resumed_line[:19], "%Y-%m-%d %H:%M:%S"))
     print(f"kill to training again: {back - killed:.0f} s")  # the README's recovery figure (pytest -s)
-    resumed = final_weights(run, STEPS)
-    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+    resumed = final_weights(run, TWO_NODE_STEPS)
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
 
 def test_the_runs_own_failure_is_not_retried(tmp_path):
@@ -86,7 +79,7 @@ def test_the_runs_own_failure_is_not_retried(tmp_path):
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
 
 
-def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_path, uninterrupted):
+def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_path, two_node_reference):
     """One retry in the allocation; the second failure on node2 requeues the job with node2 excluded, and the
     new allocation (node1 and node3) finishes the run."""
     job_id = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
@@ -103,11 +96,11 @@ def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_
     shown = job(job_id)
     assert shown["Restarts"] == "1" and shown["ExcNodeList"] == "node2" and shown["NodeList"] == "node[1,3]"
     assert [f["action"] for f in failures(run)] == ["retry", "requeue node2"]
-    resumed = final_weights(run, STEPS)
-    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+    resumed = final_weights(run, TWO_NODE_STEPS)
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
 
-def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(tmp_path, uninterrupted):
+def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(tmp_path, two_node_reference):
     """submitit's script runs its srun line through the same retry loop as train.slurm (a shell function of
     the setup lines), so the failed step comes back in the allocation and the job's result is the run's."""
     import qgtrain
@@ -122,8 +115,8 @@ def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(tmp_pa
     assert job(submitted.job_id)["Restarts"] == "0"
     (failure,) = failures(run)
     assert (failure["rank"], failure["how"], failure["action"]) == (1, "Killed", "retry")
-    resumed = final_weights(run, STEPS)
-    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), "final weights differ"
+    resumed = final_weights(run, TWO_NODE_STEPS)
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
 
 def test_an_exclude_that_leaves_too_few_nodes_is_refused_before_sbatch(tmp_path):

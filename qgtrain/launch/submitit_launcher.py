@@ -216,9 +216,10 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
         planned = values
     else:
         base = config if isinstance(config, RunConfig) else load_config(config_files(config))
-        planned = sweep.expand(base, sweep.parse([f"{k}={','.join(map(_text, v))}" for k, v in values.items()]))
-    sweep.array_spec(len(planned.configs), max_parallel)
-    sweep.check_size(len(planned.configs))
+        axes = sweep.parse([f"{k}={','.join(map(_text, v))}" for k, v in values.items()])
+        sweep.check_size(sweep.combinations(axes))
+        planned = sweep.expand(base, axes)
+    sweep.array_spec(len(planned.configs), max_parallel)  # a Sweep given (by the CLI) was checked by its maker
     first = planned.configs[0]
     where = sweep.folder(planned)
     sweep.write(planned, where)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import subprocess
 from collections.abc import Sequence
@@ -51,6 +52,11 @@ def parse(options: Sequence[str]) -> list[tuple[str, list[str]]]:
     if not axes:
         raise ConfigError("--sweep: no values to sweep")
     return axes
+
+
+def combinations(axes: list[tuple[str, list[str]]]) -> int:
+    """How many tasks the axes make: checked against the cluster before a config is built for each."""
+    return math.prod(len(values) for _, values in axes)
 
 
 def expand(cfg: RunConfig, axes: list[tuple[str, list[str]]]) -> Sweep:
@@ -122,7 +128,6 @@ def submit_array(planned: Sweep, max_parallel: int | None, *, dry_run: bool, lau
     if dry_run:
         return (render(first.slurm, str(where), array=array) if launcher == "sbatch" else f"# array {array}\n") \
             + listing
-    check_size(tasks)
     write(planned, where)
     Path(first.slurm.output_dir).mkdir(parents=True, exist_ok=True)
     (where / "job.sbatch").write_text(render(first.slurm, str(where), array=array))
