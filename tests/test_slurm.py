@@ -74,7 +74,7 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_pa
     assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
 
-GRAPH_STEPS = 1500
+GRAPH_STEPS = 750
 GRAPH_OPTIONS = {"graphs": 1024, "hidden": 32, "layers": 2}
 
 
@@ -82,7 +82,7 @@ def graph_configs(tmp: Path) -> list[Path]:
     """jobs/graph.yaml's task (a factory given as a file path relative to the yaml) on the CPU job's
     settings; its run_name, graph, comes after cpu.yaml's and wins."""
     return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "graph.yaml",
-            overlay(tmp, GRAPH_STEPS, every_steps=500, task_options=GRAPH_OPTIONS)]
+            overlay(tmp, GRAPH_STEPS, every_steps=250, task_options=GRAPH_OPTIONS)]
 
 
 @pytest.fixture(scope="module")
