@@ -215,7 +215,8 @@ def _batches(todo: Plan, documents: dict[str, int],
 
 
 def _held_out_split(seed: int, path: str, document: int, held_out: dict[str, float]) -> str:
-    """A document's split, from a hash of the seed and its place: the same on every run and machine."""
+    """A document's split, from a hash of the seed and its place (the file's path as given, and the
+    document's index in it): the same on every run and node that reads the files at the same paths."""
     draw = xxhash.xxh3_64_intdigest(f"{seed}\0{path}\0{document}".encode()) / 2.0**64
     if draw < held_out["val"]:
         return "val"
