@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import CheckpointError, QgtrainError, first_line
 from ..state import checkpoint, sharded
-from ..state.weights import strip_wrapper_prefixes
+from ..state.weights import strip_wrapper_prefixes, within_budget
 
 Reader = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # meta tensors in, full tensors out
 INDEX = "model.safetensors.index.json"
@@ -79,32 +79,10 @@ def checkpoint_reader(ckpt: checkpoint.Checkpoint) -> Reader:
     return read
 
 
-def plan_files(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Names per file, in order: a new file once the next tensor would pass max_bytes."""
-    files: list[list[str]] = [[]]
-    total = 0
-    for name, size in sizes:
-        if files[-1] and total + size > max_bytes:
-            files.append([])
-            total = 0
-        files[-1].append(name)
-        total += size
-    return files
-
-
 def groups(names: list[str], meta: dict[str, torch.Tensor], read: Reader, budget: int
            ) -> Iterator[dict[str, torch.Tensor]]:
     """The tensors of `names`, read a group of at most `budget` bytes (or one tensor) at a time."""
-    group: list[str] = []
-    held = 0
-    for name in names:
-        size = _nbytes(meta[name])
-        if group and held + size > budget:
-            yield read({n: meta[n] for n in group})
-            group, held = [], 0
-        group.append(name)
-        held += size
-    if group:
+    for group in within_budget(((name, _nbytes(meta[name])) for name in names), budget):
         yield read({n: meta[n] for n in group})
 
 
@@ -112,7 +90,7 @@ def write_weights(folder: Path, meta: dict[str, torch.Tensor], read: Reader, dty
                   max_bytes: int) -> list[str]:
     """Write every tensor of `meta` into safetensors files in `folder`; returns the file names."""
     sizes = [(name, _nbytes(converted(t, dtype))) for name, t in meta.items()]
-    plan = plan_files(sizes, max_bytes)
+    plan = within_budget(sizes, max_bytes)
     names = ["model.safetensors"] if len(plan) == 1 else \
         [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     budget = max(_nbytes(t) for t in meta.values())

@@ -6,7 +6,7 @@ torch.compile's `_orig_mod.` prefixes; both are stripped before loading.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +41,17 @@ def load_weights(model: nn.Module, state: dict[str, Any], source: Path) -> None:
         raise CheckpointError(f"{source} does not fit the configured model: {'; '.join(parts)}. HINT: resume "
                               "with the model settings it was trained with, or set checkpoint.resume: never")
     model.load_state_dict(state)
+
+
+def within_budget(sizes: Iterable[tuple[str, int]], budget: int) -> list[list[str]]:
+    """Names in order, cut into consecutive groups of at most `budget` bytes (a larger one alone): how
+    weights are moved, built or written a bounded piece at a time."""
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name, size in sizes:
+        if groups[-1] and held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return [group for group in groups if group]

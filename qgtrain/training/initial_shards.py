@@ -25,6 +25,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
+from ..state.weights import within_budget
 from ..tasks.empty_weights import to_meta
 
 log = logging.getLogger("qgtrain")
@@ -70,13 +71,5 @@ def fill(model: nn.Module, full: dict[str, Any], device: torch.device) -> None:
 
 def groups(state: dict[str, Any], budget: int = GROUP_BYTES) -> list[list[str]]:
     """State names in order, in groups of at most `budget` bytes of full tensors (or one tensor)."""
-    out: list[list[str]] = [[]]
-    held = 0
-    for name, tensor in state.items():
-        size = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-        if out[-1] and held + size > budget:
-            out.append([])
-            held = 0
-        out[-1].append(name)
-        held += size
-    return out
+    return within_budget(((name, tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0)
+                          for name, tensor in state.items()), budget)
