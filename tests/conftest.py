@@ -20,6 +20,31 @@ CLUSTER = Path(__file__).resolve().parent / "cluster"
 LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 
 
+# The tests that use the Slurm cluster, and only they, live in files named so: pytest-xdist gives all of them to one
+# worker, where the cluster and the session fixtures built on it exist once and its tests take turns on its nodes.
+CLUSTER_TESTS = "tests/test_slurm"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    misplaced = [item.nodeid for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())
+                 and not item.nodeid.startswith(CLUSTER_TESTS)]
+    if misplaced:
+        raise pytest.UsageError(f"tests on the Slurm cluster belong in {CLUSTER_TESTS}*.py, so that one pytest-xdist "
+                                f"worker runs them all: move {', '.join(misplaced)}")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under --dist loadgroup, every test in a cluster file is one unit of work, and every other test its own.
+    xdist's own xdist_group marker does the same by rewriting node ids, which pytest 9 no longer lets it do."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm-cluster" if nodeid.startswith(CLUSTER_TESTS) else nodeid
+
+    return ClusterTestsTogether(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Path]:
     """A running three-node Slurm cluster; yields its slurm.conf. Clients find it through SLURM_CONF."""

@@ -162,6 +162,15 @@ logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}
     return path
 
 
+def sleep_paced(tmp_path: Path, step_s: float = 0.05) -> Path:
+    """Training steps that are a sleep of step_s (tests/tasks.py slow_evaluation), validations off: for a test
+    that waits out a real time limit, so that its minutes leave the CPUs to the tests running beside it."""
+    path = tmp_path / "paced.yaml"
+    path.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', "
+                    f"options: {{size: 4096, step_s: {step_s}}}}}\ntrain: {{eval_every: 0, cpu_threads: 1}}\n")
+    return path
+
+
 # The two-node run that interrupted, requeued and retried runs must end equal to (conftest's
 # two_node_reference): the same settings whatever their checkpoint interval, which does not change training.
 TWO_NODE_STEPS = 600
@@ -214,3 +223,20 @@ def rank_log(run_dir: Path, rank: int) -> str:
         return ""
 
 
+# Hostlists in the forms Slurm writes and accepts, and their hosts: checked against expand_nodelist and against
+# the test cluster's own `scontrol show hostnames`.
+NODELISTS = [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("nid[00010-00012]", ["nid00010", "nid00011", "nid00012"]),
+    ("a1,b[2-3]", ["a1", "b2", "b3"]),
+    ("gpu-a[1-2],gpu-b1", ["gpu-a1", "gpu-a2", "gpu-b1"]),
+    ("my-node-01", ["my-node-01"]),
+    ("linux[1,2]", ["linux1", "linux2"]),
+    ("a[3],b[1-2]", ["a3", "b1", "b2"]),
+    ("node[9-11]", ["node9", "node10", "node11"]),
+    ("x[3,1]", ["x3", "x1"]),
+    ("n[1-2]-ib[0-1]", ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]),
+    ("a1 b[2-3]", ["a1", "b2", "b3"]),  # Slurm separates on spaces and tabs too; python-hostlist does not
+    ("gpu[01-02]\tgpu07", ["gpu01", "gpu02", "gpu07"]),
+    ("x1, x[2,4] ", ["x1", "x2", "x4"]),
+]

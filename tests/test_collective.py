@@ -1,6 +1,6 @@
 """`qgtrain doctor --collective`: the pairing schedule, bus bandwidth and the verdict as tables; the
-measurement over real gloo ranks standing for three nodes; the throttled node on the Slurm test cluster's
-three nodes (tc's token bucket on one node's link)."""
+measurement over real gloo ranks standing for three nodes. The throttled node on the Slurm test cluster is
+in test_slurm_tools.py."""
 
 from __future__ import annotations
 
@@ -81,28 +81,3 @@ def test_bad_sizes_are_one_line_exit_2(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr == "qgtrain: error: --collective '1,big': give sizes in MB between 0 " \
                                                     "and 4096, e.g. 1,16,64\n"
-
-
-@pytest.mark.slurm
-def test_doctor_names_the_node_whose_link_is_throttled(slurm_cluster, tmp_path):
-    """node3's link from the cluster's bridge goes through a 10 Mbit/s token bucket; the links between node1
-    and node2 stay as they are."""
-    throttle = ["tc", "qdisc", "add", "dev", "veth-qg3", "root", "tbf", "rate", "10mbit", "burst", "32kbit",
-                "latency", "400ms"]
-    subprocess.run(throttle, check=True)
-    try:
-        result = subprocess.run(["srun", "--nodes=3", "--ntasks-per-node=1", "--time=5", f"--chdir={tmp_path}",
-                                 sys.executable, "-m", "qgtrain", "doctor", "--collective", "0.05,0.5",
-                                 "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
-    finally:
-        subprocess.run(["tc", "qdisc", "del", "dev", "veth-qg3", "root"], check=False)
-    out = result.stdout
-    assert result.returncode == 1 and "qgtrain doctor on node1 (rank 0 of 3)" in out, result.stdout + result.stderr
-    assert "all-reduce over 3 ranks on 3 node(s), bus bandwidth: 0.05 MB " in out
-    assert all(f"node{a}-node{b} " in out for a, b in ((1, 2), (1, 3), (2, 3)))
-    slow = next(line for line in out.splitlines() if " slow nodes " in line)
-    assert slow.lstrip().startswith("error") and "node3 (its best link" in slow and "--exclude=node3)" in out
-    assert "node1 (its" not in slow and "node2 (its" not in slow
-    for n in (1, 2, 3):
-        assert f"network            node{n}: " in out and f"use eth0 (its address 10.99.0.1{n} routes to " \
-                                                          f"MASTER_ADDR node1)" in out, out

@@ -1,10 +1,8 @@
 """Rendezvous from the environment. Runs against: environment tables (dict in, DistEnv out), among them the
-exact variables srun, torchrun and enroot's container hook set; the nodelist table is also checked against
-the real `scontrol show hostnames` of the Slurm test cluster."""
+exact variables srun, torchrun and enroot's container hook set. The nodelist table (tests/helpers.py) is also
+checked against the real `scontrol show hostnames` of the Slurm test cluster, in test_slurm_tools.py."""
 
 from __future__ import annotations
-
-import subprocess
 
 import pytest
 import torch
@@ -19,22 +17,7 @@ from qgtrain.runtime.rendezvous import (
     port_for_job,
     tasks_per_node,
 )
-
-NODELISTS = [
-    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-    ("nid[00010-00012]", ["nid00010", "nid00011", "nid00012"]),
-    ("a1,b[2-3]", ["a1", "b2", "b3"]),
-    ("gpu-a[1-2],gpu-b1", ["gpu-a1", "gpu-a2", "gpu-b1"]),
-    ("my-node-01", ["my-node-01"]),
-    ("linux[1,2]", ["linux1", "linux2"]),
-    ("a[3],b[1-2]", ["a3", "b1", "b2"]),
-    ("node[9-11]", ["node9", "node10", "node11"]),
-    ("x[3,1]", ["x3", "x1"]),
-    ("n[1-2]-ib[0-1]", ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]),
-    ("a1 b[2-3]", ["a1", "b2", "b3"]),  # Slurm separates on spaces and tabs too; python-hostlist does not
-    ("gpu[01-02]\tgpu07", ["gpu01", "gpu02", "gpu07"]),
-    ("x1, x[2,4] ", ["x1", "x2", "x4"]),
-]
+from tests.helpers import NODELISTS
 
 
 def slurm_step(**overrides: str) -> dict[str, str]:
@@ -50,16 +33,6 @@ def slurm_step(**overrides: str) -> dict[str, str]:
 @pytest.mark.parametrize("nodelist, hosts", NODELISTS)
 def test_nodelist_expands_like_scontrol(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
-
-
-@pytest.mark.slurm
-def test_nodelist_table_agrees_with_real_scontrol(slurm_cluster):
-    """The fixture installs Slurm where it can, so this runs in CI rather than skipping on a fresh machine."""
-    for nodelist, hosts in NODELISTS:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             env={"SLURM_CONF": str(slurm_cluster), "PATH": "/usr/bin:/bin"},
-                             check=True).stdout.split()
-        assert out == hosts == expand_nodelist(nodelist)
 
 
 def test_no_launcher_means_one_process():

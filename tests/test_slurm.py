@@ -29,6 +29,7 @@ from tests.helpers import (
     rank_log,
     records,
     sbatch,
+    sleep_paced,
     two_node_configs,
     wait_finished,
     wait_until,
@@ -121,11 +122,11 @@ def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped
 
 def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_path):
     # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit. The run is
-    # far longer than any machine trains in a minute, so every allocation ends on the time limit; after two
-    # such ends the job is cancelled. Finishing after a requeue is the interrupted-job test's concern.
+    # far longer than a minute (its steps are a sleep, sparing the CPUs), so every allocation ends on the time
+    # limit; after two such ends the job is cancelled. Finishing after a requeue is the interrupted-job test's concern.
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=USR2@10",
                     configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
-                             overlay(tmp_path, 10**7)])
+                             overlay(tmp_path, 10**7), sleep_paced(tmp_path)])
     run = tmp_path / "runs" / "preemptible"
     try:
         wait_until(lambda: rank_log(run, 0).count("resumed from") >= 2, 420, "a second resume")
@@ -319,7 +320,7 @@ def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
     checks.write_text("train: {time_limit_check_s: 5}\n")
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=URG@10",
                     configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
-                             overlay(tmp_path, 10**7), checks])
+                             overlay(tmp_path, 10**7), sleep_paced(tmp_path), checks])
     run = tmp_path / "runs" / "preemptible"
     try:
         wait_until(lambda: logged_step(run) >= 1, 120, "training to start")

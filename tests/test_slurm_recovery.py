@@ -61,7 +61,7 @@ def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never
     assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
     back = time.mktime(time.strptime(resumed_line[:19], "%Y-%m-%d %H:%M:%S"))
-    print(f"kill to training again: {back - killed:.0f} s")  # the README's recovery figure (pytest -s)
+    print(f"kill to training again: {back - killed:.0f} s")  # the README's recovery figure (pytest -n 0 -s)
     resumed = final_weights(run, TWO_NODE_STEPS)
     assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
 
