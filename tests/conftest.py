@@ -20,29 +20,49 @@ CLUSTER = Path(__file__).resolve().parent / "cluster"
 LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 
 
-# The tests that use the Slurm cluster, and only they, live in files named so: pytest-xdist gives all of them to one
-# worker, where the cluster and the session fixtures built on it exist once and its tests take turns on its nodes.
+# pytest-xdist's units of work: a unit runs whole on one worker. The tests that use the Slurm cluster, and only
+# they, live in files named so, and are one unit: the cluster and the session fixtures built on it exist once, and
+# its tests take turns on its nodes. A module whose tests share a module-scoped fixture (a reference run trained
+# once) is one unit, or each worker would build the fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
+SHARED_FIXTURE_MODULES = ("tests/test_export.py", "tests/test_molecules.py", "tests/test_resume.py")
+
+
+def work_unit(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    if module.startswith(CLUSTER_TESTS):
+        return "slurm-cluster"
+    return module if module in SHARED_FIXTURE_MODULES else nodeid
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    misplaced = [item.nodeid for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())
-                 and not item.nodeid.startswith(CLUSTER_TESTS)]
-    if misplaced:
-        raise pytest.UsageError(f"tests on the Slurm cluster belong in {CLUSTER_TESTS}*.py, so that one pytest-xdist "
-                                f"worker runs them all: move {', '.join(misplaced)}")
+    """Keeps the units above true as tests are added."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not module.startswith(CLUSTER_TESTS):
+            raise pytest.UsageError(f"{item.nodeid} uses the Slurm cluster: tests on it belong in "
+                                    f"{CLUSTER_TESTS}*.py, which one pytest-xdist worker runs")
+        if work_unit(item.nodeid) == item.nodeid and _uses_a_module_fixture(item):
+            raise pytest.UsageError(f"{item.nodeid} uses a module-scoped fixture: add {module} to "
+                                    "SHARED_FIXTURE_MODULES in tests/conftest.py, so that one worker builds it once")
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's record of the fixtures a test function uses
+    return info is not None and any(definition.scope == "module"
+                                    for definitions in info.name2fixturedefs.values() for definition in definitions)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under --dist loadgroup, every test in a cluster file is one unit of work, and every other test its own.
-    xdist's own xdist_group marker does the same by rewriting node ids, which pytest 9 no longer lets it do."""
+    """Under --dist loadgroup, xdist schedules the units of work_unit, largest first. (xdist's own xdist_group
+    marker groups by rewriting node ids, which pytest 9 no longer lets it do.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ClusterTestsTogether(LoadScopeScheduling):
+    class ByWorkUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slurm-cluster" if nodeid.startswith(CLUSTER_TESTS) else nodeid
+            return work_unit(nodeid)
 
-    return ClusterTestsTogether(config, log) if config.getvalue("dist") == "loadgroup" else None
+    return ByWorkUnit(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.fixture(scope="session")
