@@ -68,6 +68,9 @@ def _training_commands(sub: Any) -> None:
     which.add_argument("--step", type=int, help="the checkpoint of step N")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.add_argument("--dtype", choices=["auto", "bf16", "fp32"], help="the weights' dtype (default: export.dtype)")
+    export.add_argument("--trust-code", action="store_true",
+                        help="import the factories the run's config names even if the run is not "
+                             "yours (owned by you, writable by no one else); read that code first")
     export.set_defaults(func=commands.export)
 
     recover = sub.add_parser("recover", help="(train.slurm, after a failed step) print retry, requeue or end")

@@ -217,7 +217,8 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
 
     def export() -> tuple[int, str]:
         logger.info("exporting the final checkpoint to %s", out)
-        done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out", str(out), "--force"],
+        done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out", str(out), "--force",
+                               "--trust-code"],  # the code this job itself imported
                               capture_output=True, text=True)
         said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
         return done.returncode, said

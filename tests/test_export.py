@@ -176,7 +176,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
     trained = torch.load(done.checkpoint / "model.pt", weights_only=True)
     with safe_open(tmp_path / "plain-out" / "model.safetensors", "pt") as f:  # the model's own names
         assert sorted(f.keys()) == sorted(trained) and all(torch.equal(f.get_tensor(k), trained[k]) for k in trained)
-    model = qgtrain.load_model(tmp_path / "plain-out")
+    model = qgtrain.load_model(tmp_path / "plain-out", trust_code=True)
     assert type(model) is TinyLM and not model.training
     assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
     card = (tmp_path / "plain-out" / "README.md").read_text()
@@ -186,7 +186,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "hub"))[0]["exit"] == 0
     done = export.export_run(tmp_path / "hub", tmp_path / "hub-out")
     assert done.kind == "hub" and done.max_logit_diff == 0 and (tmp_path / "hub-out" / "model.safetensors").exists()
-    assert type(qgtrain.load_model(tmp_path / "hub-out")) is TinyHubLM
+    assert type(qgtrain.load_model(tmp_path / "hub-out", trust_code=True)) is TinyHubLM
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -201,7 +201,7 @@ def test_a_task_model_trained_on_two_ranks_comes_back_giving_the_runs_test_metri
     if parallel == "fsdp":
         assert (tmp_path / "run" / "checkpoints" / "step-12" / "sharded").is_dir()
     export.export_run(tmp_path / "run", tmp_path / "out")
-    model = qgtrain.load_model(tmp_path / "out")
+    model = qgtrain.load_model(tmp_path / "out", trust_code=True)
     reported = json.loads((tmp_path / "out" / "qgtrain_model.json").read_text())["run"]["test"]
     last = records(tmp_path / "run")[-1]
     assert reported == {"loss": last["test_loss"], "accuracy": last["test_accuracy"]}

@@ -29,6 +29,7 @@ from ..state import checkpoint, sharded
 from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
+from ..trust import config_code, not_yours, require
 from . import export_stream, export_task, export_writer, reload_check
 
 log = logging.getLogger("qgtrain")
@@ -48,9 +49,11 @@ class Exported:
 
 
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
-               force: bool = False, dtype: str | None = None) -> Exported:
+               force: bool = False, dtype: str | None = None,
+               trust_code: bool = False) -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
-    `dtype` (bf16 or fp32; default: the run's export.dtype)."""
+    `dtype` (bf16 or fp32; default: the run's export.dtype). The factories its config names are
+    imported only if built in, if the run is yours (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
     import transformers
 
@@ -59,6 +62,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise QgtrainError(f"export: {out} is not empty; choose another --out or pass --force to replace it")
     saved = yaml_config(ckpt)
+    _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
@@ -96,6 +100,17 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
              "" if diff is None else f"; largest output difference after reloading: {diff:.3g}")
     return Exported(out, ckpt.path, diff, kind, chosen, checked)
+
+
+def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: bool) -> None:
+    """The code the config names is imported if built in, if the run is yours, or if trusted."""
+    named = config_code(saved)
+    if trust_code or all(n.builtin() for n in named):
+        return
+    why_not = not_yours(source, config)
+    if why_not is not None:
+        require(named, config, why_not=why_not, what="export",
+                fix="--trust-code (trust_code=True in Python)")
 
 
 def export_dtype(setting: str, trained: str | None) -> str:

@@ -94,8 +94,9 @@ def usage(kind: str, model: nn.Module, builder: str) -> str:
     if kind == "hub":
         return f"from {cls.__module__} import {cls.__qualname__}\n" \
                f"model = {cls.__qualname__}.from_pretrained(\"path/to/this/folder\")"
-    return ("import qgtrain\nmodel = qgtrain.load_model(\"path/to/this/folder\")  # builds the model: "
-            f"{builder},\n# then loads model.safetensors into it, strictly\n\n"
+    return (f"import qgtrain\n# builds the model: {builder} (trust_code: read that code first),\n"
+            "# then loads model.safetensors into it, strictly\n"
+            "model = qgtrain.load_model(\"path/to/this/folder\", trust_code=True)\n\n"
             "# or without qgtrain, with the model built as the task builds it:\n"
             "from safetensors.torch import load_file\n"
             f"model = {cls.__qualname__}(...)\n"

@@ -22,34 +22,60 @@ from torch import nn
 
 from ..configload import config_from_dict
 from ..errors import CheckpointError
+from ..trust import Named, config_code, require
 from .export_task import rebuild_model
 from .export_writer import META
 
 
-def load_model(folder: str | Path) -> nn.Module:
-    """The model exported to `folder`, on the CPU in fp32, in eval mode."""
+def load_model(folder: str | Path, *, trust_code: bool = False) -> nn.Module:
+    """The model exported to `folder`, on the CPU in fp32, in eval mode. Code its qgtrain_model.json
+    names beyond the built-ins (a task function, a model class of yours) is imported only with
+    `trust_code=True`, whoever owns the folder (trust.py): read that code first, as for a Hugging
+    Face folder's trust_remote_code."""
     folder = Path(folder)
     meta = read_meta(folder)
     if meta["kind"] == "state_dict":
-        model = _rebuild(meta, folder)
+        model = _rebuild(meta, folder, trust_code)
         load_weights_strictly(model, folder, meta["class"])
     else:  # transformers or the hub mixin: the class's own from_pretrained
-        model = _exported_class(meta, folder).from_pretrained(folder)
+        model = _exported_class(meta, folder, trust_code).from_pretrained(folder)
     return model.float().eval()
 
 
-def _rebuild(meta: dict[str, Any], folder: Path) -> nn.Module:
-    return rebuild_model(config_from_dict(meta["config"], str(folder / META)), meta.get("model_facts", {}))
+def _rebuild(meta: dict[str, Any], folder: Path, trust_code: bool) -> nn.Module:
+    cfg = config_from_dict(meta["config"], str(folder / META))
+    _require(config_code(cfg), folder, trust_code)
+    return rebuild_model(cfg, meta.get("model_facts", {}))
 
 
-def _exported_class(meta: dict[str, Any], folder: Path) -> Any:
-    """The model's class, imported by name; a class defined in a task file (imported by qgtrain under a name
-    of its own) comes from building the model once."""
+def _exported_class(meta: dict[str, Any], folder: Path, trust_code: bool) -> Any:
+    """The model's class, imported by name; a class defined in a task file (imported by qgtrain
+    under a name of its own) comes from building the model once. A built-in name must name a
+    transformers model class, whose from_pretrained runs no code from the folder."""
+    _require([Named("class", meta["class"])], folder, trust_code)
     module, _, name = meta["class"].rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return type(_rebuild(meta, folder))
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return type(_rebuild(meta, folder, trust_code))
+    if not trust_code and not _transformers_model(found):
+        raise CheckpointError(f"load_model: the class {meta['class']!r} in {folder / META} is "
+                              "not a transformers model class. HINT: if you trust the folder, pass "
+                              "trust_code=True")
+    return found
+
+
+def _transformers_model(found: Any) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(found, type) and issubclass(found, PreTrainedModel)
+
+
+def _require(named: list[Named], folder: Path, trust_code: bool) -> None:
+    if not trust_code:
+        require(named, folder / META, what="load_model", fix="trust_code=True",
+                why_not="an export folder counts as yours only with trust_code=True (a copy or "
+                "download of someone's folder is owned by you)")
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

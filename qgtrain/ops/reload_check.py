@@ -42,7 +42,7 @@ def outputs(ckpt: Checkpoint, cfg: Any, facts: dict[str, Any], task: ReadyTask |
     model.load_state_dict(as_exported, strict=False)  # tied partners filled through the tensor written
     model.float().eval()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32) if lm else \
-        load_model(folder)
+        load_model(folder, trust_code=True)  # export.py decided about the same config's code
     run = export_task.task_batch(task) if task is not None else \
         export_task.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
     return export_task.verify(model, reloaded, run, folder)
