@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import QgtrainError
-from ..files import try_lock, write_atomic
+from ..files import open_lock, read_holder, try_lock, write_atomic, write_holder
 
 
 @dataclass(frozen=True)
@@ -125,18 +125,16 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
     A requeued job may start while its previous allocation is still exiting, hence the wait.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(run_dir).lock
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(RunDir(run_dir).lock, 0o600)
     try:
         deadline = time.monotonic() + wait_s
         while try_lock(fd) is False:  # None: a filesystem without locks, used unguarded
             if time.monotonic() > deadline:
-                holder = path.read_text().strip() or "another process"
+                holder = read_holder(fd) or "another process"
                 raise QgtrainError(f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
                                    "to end, or give this one another --run-dir or train.run_name") from None
             time.sleep(0.5)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})".encode())
+        write_holder(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})")
         yield
     finally:
         os.close(fd)
@@ -159,8 +157,10 @@ def read_status(run_dir: Path) -> dict[str, object]:
 
 def is_locked(run_dir: Path) -> bool | None:
     """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
-    try:
-        fd = os.open(RunDir(run_dir).lock, os.O_RDONLY)
+    try:  # never through a link, nor waiting on a FIFO planted there
+        fd = os.open(RunDir(run_dir).lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except PermissionError:  # another user's run (a shared runs folder): its lock says nothing to us
+        return None
     except OSError:
         return False
     try:

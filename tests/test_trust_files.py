@@ -1,0 +1,100 @@
+"""The user's files that qgtrain must never lose or overwrite: a folder of their own given as export.dir or
+as --run-dir, and whatever file a link planted at one of qgtrain's predictable names (in a shared data
+cache or run directory) points at. Runs against: real `qgtrain train` processes (tests/helpers.cli), real
+data preparation into a real cache, and real symbolic links."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from qgtrain import files
+from qgtrain.config import DataConfig
+from qgtrain.data import corpus, prepare
+from qgtrain.errors import QgtrainError
+from tests.helpers import TINY, cli
+
+SHORT = [*TINY, "train.eval_every=0"]
+
+
+def train(run: Path, *sets: str) -> tuple[int, str]:
+    done = cli("train", "--run-dir", str(run), "--set", *SHORT, *sets, cwd=run.parent)
+    return done.returncode, done.stderr
+
+
+def one_error_line(err: str) -> str:
+    """The refusal: one line, the last, and no traceback before it."""
+    assert "Traceback" not in err and err.count("qgtrain: error: ") == 1, err[-3000:]
+    return err.splitlines()[-1]
+
+
+def test_a_link_planted_at_the_run_directory_lock_leaves_its_target_alone(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(victim)
+    code, err = train(run, "train.max_steps=2")
+    assert code == 2, err[-3000:]
+    assert f"{run / '.lock'} is a symbolic link where qgtrain keeps a lock file" in one_error_line(err)
+    assert victim.read_text() == "precious"
+
+
+def test_a_link_planted_at_the_data_cache_lock_or_temporary_folder_leaves_its_target_alone(tmp_path):
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(50)))
+    data = replace(DataConfig(name="files", files=(str(source),), cache_dir=str(tmp_path / "cache")),
+                   val_fraction=0.1, test_fraction=0.1)
+    entry = prepare.plan(data).folder
+    entry.parent.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    lock = entry.with_name(f"{entry.name}.lock")  # its name follows from the data files' path, size and time
+    lock.symlink_to(victim)
+    with pytest.raises(QgtrainError, match="is a symbolic link where qgtrain keeps a lock file"):
+        prepare.prepare(data, 1)
+    assert victim.read_text() == "precious" and not entry.exists()
+    lock.unlink()
+    leftover = entry.with_name(f"{entry.name}.tmp-node3-1234")  # a job killed while tokenizing
+    leftover.mkdir()
+    (leftover / "train.bin").write_bytes(b"half")
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    (victims / "thesis.tex").write_text("precious")
+    planted = entry.with_name(f"{entry.name}.tmp-planted")
+    planted.symlink_to(victims, target_is_directory=True)
+    tokens, made = prepare.prepare(data, 1)
+    assert made and tokens.tokens["train"] > 0 and not leftover.exists() and not planted.is_symlink()
+    assert [p.name for p in victims.iterdir()] == ["thesis.tex"] and victim.read_text() == "precious"
+    assert lock.is_file() and not lock.is_symlink()
+
+
+def test_a_link_planted_at_the_corpus_temporary_folder_leaves_its_target_alone(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the corpus of this test, a few words long\n" * 50)
+    data = DataConfig(corpus=str(text), cache_dir=str(tmp_path / "cache"))
+    entry = corpus.prepare(data).folder
+    for path in sorted(entry.iterdir()):
+        path.unlink()
+    entry.rmdir()
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    (victims / "thesis.tex").write_text("precious")
+    entry.with_name(f"{entry.name}.tmp-{os.getpid()}").symlink_to(victims, target_is_directory=True)
+    assert corpus.prepare(data).folder == entry and (entry / "train.bin").is_file() and not entry.is_symlink()
+    assert [p.name for p in victims.iterdir()] == ["thesis.tex"]
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_a_temporary_name(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / f"status.json.tmp-{os.getpid()}").symlink_to(victim)  # the name it used to write through
+    files.write_atomic(tmp_path / "status.json", '{"status": "running"}')
+    assert victim.read_text() == "precious"
+    assert (tmp_path / "status.json").read_text() == '{"status": "running"}'
+    assert not (tmp_path / "status.json").is_symlink()
+    assert [p.name for p in tmp_path.glob("status.json.tmp-*") if not p.is_symlink()] == []
