@@ -16,7 +16,7 @@ from qgtrain import files
 from qgtrain.config import DataConfig
 from qgtrain.data import corpus, prepare
 from qgtrain.errors import QgtrainError
-from tests.helpers import TINY, cli
+from tests.helpers import TINY, cli, records
 
 SHORT = [*TINY, "train.eval_every=0"]
 
@@ -30,6 +30,28 @@ def one_error_line(err: str) -> str:
     """The refusal: one line, the last, and no traceback before it."""
     assert "Traceback" not in err and err.count("qgtrain: error: ") == 1, err[-3000:]
     return err.splitlines()[-1]
+
+
+def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path):
+    mine = tmp_path / "project"
+    mine.mkdir()
+    text = "# my settings: lr tuned by hand\ntrain: {max_steps: 5}\n"
+    (mine / "config.yaml").write_text(text)
+    code, err = train(mine, "train.max_steps=2")
+    assert code == 2, err[-3000:]
+    assert f"{mine} is not a run directory (it has no run.json) and holds other files ('config.yaml')" \
+        in one_error_line(err)
+    assert [p.name for p in mine.iterdir()] == ["config.yaml"] and (mine / "config.yaml").read_text() == text
+    run = tmp_path / "run"
+    assert train(run, "train.max_steps=2")[0] == 0  # a new folder
+    assert train(run, "train.max_steps=4")[0] == 0  # the run again: it resumes
+    assert [r["step"] for r in records(run) if "loss" in r] == [1, 2, 3, 4]
+    submitted = tmp_path / "submitted"  # what `qgtrain submit` wrote, and a first start killed before run.json
+    (submitted / "slurm").mkdir(parents=True)
+    (submitted / "slurm" / "config.yaml").write_text("train: {max_steps: 2}\n")
+    (submitted / ".lock").touch()
+    code, err = train(submitted, "train.max_steps=2")
+    assert code == 0 and (submitted / "run.json").is_file(), err[-3000:]
 
 
 def test_a_link_planted_at_the_run_directory_lock_leaves_its_target_alone(tmp_path):
