@@ -32,6 +32,33 @@ def one_error_line(err: str) -> str:
     return err.splitlines()[-1]
 
 
+def status(run: Path) -> str:
+    return str(json.loads((run / "status.json").read_text())["status"])
+
+
+def test_an_export_dir_of_other_files_is_left_as_it_was_and_an_earlier_export_is_replaced(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "notes.txt").write_text("my other models")
+    run = tmp_path / "run"
+    code, err = train(run, "train.max_steps=2", "export.on_finish=true", f"export.dir={models}")
+    assert code == 1, err[-3000:]  # as for an export that fails: training's result is kept, the export is not
+    assert [p.name for p in models.iterdir()] == ["notes.txt"]
+    assert (models / "notes.txt").read_text() == "my other models"
+    assert status(run) == "finished" and (run / "checkpoints" / "step-2").is_dir()
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert f"training finished, but nothing was exported: export: {models} holds files that are not a qgtrain " \
+           "export ('notes.txt')" in log
+    assert f"export by hand into another folder with `qgtrain export {run.resolve()} --out OTHER`" in log
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for _ in range(2):  # an empty folder is used; the second start finds the run done and exports again
+        code, err = train(run, "train.max_steps=2", "export.on_finish=true", f"export.dir={empty}")
+        assert code == 0, err[-3000:]
+        assert (empty / "qgtrain_model.json").is_file() and not (empty / "stale.txt").exists()
+        (empty / "stale.txt").write_text("written into the earlier export, so gone when it is replaced")
+
+
 def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path):
     mine = tmp_path / "project"
     mine.mkdir()
