@@ -217,7 +217,8 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
     out = Path(cfg.export.dir) if cfg.export.dir else RunDir(run_dir).export
 
     def export() -> tuple[int, str, bool]:
-        if (refused := export_target.refusal(out, force=True)) is not None:  # never the user's other files
+        refused = export_target.refusal(out, force=True)  # never over the user's other files
+        if refused is not None:
             return EXIT_FAILED, refused, True
         logger.info("exporting the final checkpoint to %s", out)
         done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out", str(out), "--force"],
@@ -228,9 +229,10 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
     returncode, said, refused = distributed.main_works_long(export, f"is exporting to {out}",
                                                             ("its limit", EXPORT_TIMEOUT_S))
     if refused:
-        logger.error("training finished, but nothing was exported: %s. HINT: the checkpoints are intact; export "
-                     "by hand into another folder with `qgtrain export %s --out OTHER`, or set export.dir to a new "
-                     "or empty folder", said, run_dir)
+        logger.error("training finished, but nothing was exported: %s. HINT: the checkpoints are "
+                     "intact; export by hand into another folder with "
+                     "`qgtrain export %s --out OTHER`, or set export.dir to a new or empty folder",
+                     said, run_dir)
         return EXIT_FAILED
     if returncode != 0:
         logger.error("training finished, but the export failed (exit %d): %s. HINT: the checkpoints are intact; "

@@ -62,7 +62,7 @@ def prepare(data: DataConfig) -> TokenFiles:
     n_train = len(ids) - n_val - n_test
     parts = {"train": ids[:n_train], "val": ids[n_train:n_train + n_val], "test": ids[n_train + n_val:]}
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(folder)  # a new folder of its own: never one planted (or linked) at a guessable name
+    tmp = make_temp_dir(folder)  # its own new folder, never one planted (or linked) at a known name
     for split, tokens in parts.items():
         tokens.astype(dtype).tofile(tmp / f"{split}.bin")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": info.vocab_size, "eos_id": info.eos_id,

@@ -120,7 +120,8 @@ def _ready(folder: Path) -> bool:
 
 
 def _remove(leftover: Path) -> None:
-    """A leftover temporary folder goes; a link there (planted, in a shared cache) goes, never what it names."""
+    """A leftover temporary folder goes; a link there (planted in a shared cache) goes, never
+    what it names."""
     if leftover.is_symlink() or not leftover.is_dir():
         leftover.unlink(missing_ok=True)
     else:
@@ -129,8 +130,8 @@ def _remove(leftover: Path) -> None:
 
 @contextlib.contextmanager
 def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
-    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed without).
-    Created with the umask's mode, as before: in a cache shared by a group, each member must take it."""
+    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed
+    without). Created with the umask's mode: in a cache a group shares, each member must take it."""
     path = folder.with_name(f"{folder.name}.lock")
     fd = open_lock(path, 0o666)
     try:
@@ -144,10 +145,12 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
                 yield False
                 return
             if waited > timeout_s:
-                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for {read_holder(fd)} to "
-                                  f"finish tokenizing into {folder}; remove {path} if that job is gone")
+                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for "
+                                  f"{read_holder(fd)} to finish tokenizing into {folder}; "
+                                  f"remove {path} if that job is gone")
             if waited >= said:
-                log.info("data: waiting for %s, which is tokenizing into %s", read_holder(fd), folder)
+                log.info("data: waiting for %s, which is tokenizing into %s", read_holder(fd),
+                         folder)
                 said = waited + 60
             time.sleep(0.5)
         write_holder(fd, f"process {os.getpid()} on {socket.gethostname()}")

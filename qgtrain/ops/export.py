@@ -154,15 +154,15 @@ def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.C
 
 
 def _replace(staging: Path, out: Path, force: bool) -> None:
-    """Move the verified export into place; a replaced folder goes only once the new one is there. `out` is
-    checked again: files may have arrived there while the export was written."""
+    """Move the verified export into place; a replaced folder goes only once the new one is there.
+    `out` is checked again: files may have arrived there while the export was written."""
     if (refused := export_target.refusal(out, force)) is not None:
         raise QgtrainError(refused)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.rename(out, old)
     os.rename(staging, out)
-    if old.is_symlink():  # --out named a link to an earlier export: the link goes, not what it names
+    if old.is_symlink():  # --out was a link to an earlier export: the link goes, not its target
         old.unlink()
     else:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,8 +1,8 @@
 """Where an export may go: a new folder, an empty one, or (with --force) an earlier qgtrain export.
 
-An export replaces its folder whole, so whatever else the folder held would be deleted: a folder of other
-models, a home directory given by a typo. No flag deletes those: --force is a request to replace an earlier
-export, recognised by the qgtrain_model.json every export holds.
+An export replaces its folder whole, so whatever else the folder held would be deleted: a folder of
+other models, a home directory given by a typo. No flag deletes those: --force asks to replace an
+earlier export, recognised by the qgtrain_model.json that every export holds.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def refusal(out: Path, force: bool) -> str | None:
     if not names:
         return None
     if (out / META).is_file():
-        return None if force else f"export: {out} holds an earlier export; choose another --out or pass --force " \
-                                  "to replace it"
-    shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"export: {out} holds files that are not a qgtrain export ({shown}); an export replaces only an empty "
-            f"folder or an earlier export (one with {META}), with --force too; choose another --out")
+        return None if force else (f"export: {out} holds an earlier export; choose another --out "
+                                   "or pass --force to replace it")
+    shown = ", ".join(map(repr, names[:3]))
+    shown += f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (f"export: {out} holds files that are not a qgtrain export ({shown}); an export "
+            f"replaces only an empty folder or an earlier export (one with {META}), with --force "
+            "too; choose another --out")

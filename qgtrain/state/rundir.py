@@ -10,8 +10,8 @@
     <run dir>/.lock              held by the rank 0 that is training in it
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
-it again without being told. A folder that holds anything but a run is refused (refuse_foreign): a run
-writes config.yaml, logs and checkpoints, which would land among, or over, the files already there.
+it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
+a run writes config.yaml, logs and checkpoints, which would land among, or over, what is there.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ class RunDir:
         return self.path / ".lock"
 
 
-# What qgtrain itself puts in a run directory before run.json records the run: the lock (a start waiting for
-# another, or killed before it recorded the run), the job's files of `qgtrain submit` (slurm/) and of
-# submitit (submitit/), and the status `qgtrain recover` records when a first start failed; and leftovers
-# <name>.tmp-<random> of these and of run.json, from a write cut short.
+# What qgtrain itself puts in a run directory before run.json records the run: the lock (a start
+# waiting for another, or killed before it recorded the run), the job's files of `qgtrain submit`
+# (slurm/) and of submitit (submitit/), the status `qgtrain recover` records when a first start
+# failed, and leftovers <name>.tmp-<random> of these and of run.json, from a write cut short.
 BEFORE_THE_RUN = frozenset({".lock", "slurm", "submitit", "status.json", "run.json"})
 
 
@@ -105,17 +105,19 @@ def is_run_dir(path: Path) -> bool:
 
 
 def refuse_foreign(path: Path) -> None:
-    """Refuse a folder that is neither new, nor empty, nor a run (nor one qgtrain started and has not yet
-    recorded): `--run-dir .` must not write over the user's own config.yaml."""
+    """Refuse a folder that is neither new, nor empty, nor a run (nor one that qgtrain started and
+    has not yet recorded): `--run-dir .` must not write over the user's own config.yaml."""
     if not path.is_dir() or is_run_dir(path):
         return
     foreign = sorted(entry.name for entry in path.iterdir()
                      if entry.name.partition(".tmp-")[0] not in BEFORE_THE_RUN)
     if foreign:
-        shown = ", ".join(map(repr, foreign[:3])) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise QgtrainError(f"{path} is not a run directory (it has no run.json) and holds other files ({shown}), "
-                           "which a run would write among or over. HINT: give --run-dir (or logging.runs_dir and "
-                           "train.run_name) a new or empty folder, or the directory of an existing run")
+        shown = ", ".join(map(repr, foreign[:3]))
+        shown += f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise QgtrainError(f"{path} is not a run directory (it has no run.json) and holds "
+                           f"other files ({shown}), which a run would write among or over. "
+                           "HINT: give --run-dir (or logging.runs_dir and train.run_name) a new or "
+                           "empty folder, or the directory of an existing run")
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -132,11 +134,11 @@ def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
     previous = read_run_id(run_dir)
     run_id = previous if previous and cfg.checkpoint.resume != "never" else uuid.uuid4().hex[:12]
     if run_id != previous:
-        if previous and run.metrics.exists():  # a fresh start over an earlier run keeps its history beside it
+        if previous and run.metrics.exists():  # a fresh start keeps the earlier run's history
             run.metrics.rename(run_dir / f"metrics.{previous}.jsonl")
         write_atomic(run.run_file, json.dumps({"run_id": run_id, "run_name": cfg.train.run_name,
                                                "created": time.time()}))
-    # Only after run.json: a config.yaml in a folder without run.json is never qgtrain's (refuse_foreign)
+    # After run.json: a config.yaml without a run.json is never qgtrain's (refuse_foreign)
     write_atomic(run.config, config_yaml)
     return run_id
 
@@ -180,9 +182,10 @@ def read_status(run_dir: Path) -> dict[str, object]:
 
 def is_locked(run_dir: Path) -> bool | None:
     """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
-    try:  # never through a link, nor waiting on a FIFO planted there
-        fd = os.open(RunDir(run_dir).lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except PermissionError:  # another user's run (a shared runs folder): its lock says nothing to us
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # no link, no FIFO wait
+    try:
+        fd = os.open(RunDir(run_dir).lock, flags)
+    except PermissionError:  # another user's run in a shared folder: its lock is not ours to read
         return None
     except OSError:
         return False
