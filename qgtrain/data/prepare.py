@@ -146,11 +146,11 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
                 return
             if waited > timeout_s:
                 raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for "
-                                  f"{read_holder(fd)} to finish tokenizing into {folder}; "
-                                  f"remove {path} if that job is gone")
+                                  f"{read_holder(fd) or 'another job'} to finish tokenizing into "
+                                  f"{folder}; remove {path} if that job is gone")
             if waited >= said:
-                log.info("data: waiting for %s, which is tokenizing into %s", read_holder(fd),
-                         folder)
+                log.info("data: waiting for %s, which is tokenizing into %s",
+                         read_holder(fd) or "another job", folder)
                 said = waited + 60
             time.sleep(0.5)
         write_holder(fd, f"process {os.getpid()} on {socket.gethostname()}")
