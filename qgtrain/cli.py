@@ -66,7 +66,8 @@ def _training_commands(sub: Any) -> None:
     which = export.add_mutually_exclusive_group()
     which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
     which.add_argument("--step", type=int, help="the checkpoint of step N")
-    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.add_argument("--force", action="store_true",
+                        help="replace an earlier export in --out (never other files)")
     export.add_argument("--dtype", choices=["auto", "bf16", "fp32"], help="the weights' dtype (default: export.dtype)")
     export.add_argument("--trust-code", action="store_true",
                         help="import the factories the run's config names even if the run is not "

@@ -22,6 +22,7 @@ from .config import RunConfig
 from .configload import config_to_dict
 from .data.loaders import build_loaders
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .ops import export_target
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
@@ -215,15 +216,25 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
     of its own); every rank returns its outcome. Training is finished and checkpointed either way."""
     out = Path(cfg.export.dir) if cfg.export.dir else RunDir(run_dir).export
 
-    def export() -> tuple[int, str]:
+    def export() -> tuple[int, str, bool]:
+        refused = export_target.refusal(out, force=True)  # never over the user's other files
+        if refused is not None:
+            return EXIT_FAILED, refused, True
         logger.info("exporting the final checkpoint to %s", out)
         done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out", str(out), "--force",
                                "--trust-code"],  # the code this job itself imported
                               capture_output=True, text=True)
         said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
-        return done.returncode, said
+        return done.returncode, said, False
 
-    returncode, said = distributed.main_works_long(export, f"is exporting to {out}", ("its limit", EXPORT_TIMEOUT_S))
+    returncode, said, refused = distributed.main_works_long(export, f"is exporting to {out}",
+                                                            ("its limit", EXPORT_TIMEOUT_S))
+    if refused:
+        logger.error("training finished, but nothing was exported: %s. HINT: the checkpoints are "
+                     "intact; export by hand into another folder with "
+                     "`qgtrain export %s --out OTHER`, or set export.dir to a new or empty folder",
+                     said, run_dir)
+        return EXIT_FAILED
     if returncode != 0:
         logger.error("training finished, but the export failed (exit %d): %s. HINT: the checkpoints are intact; "
                      "fix the cause and run `qgtrain export %s --out %s`", returncode, said, run_dir, out)

@@ -88,15 +88,22 @@ def test_best_and_step_pick_checkpoints_and_large_models_are_sharded(trained, tm
         export.export_run(trained, tmp_path / "x", step=7)
 
 
-def test_an_export_never_overwrites_without_force(trained, tmp_path):
+def test_an_export_replaces_only_an_earlier_export_and_only_with_force(trained, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(QgtrainError, match="is not empty; choose another --out or pass --force"):
-        export.export_run(trained, out)
+    for force in (False, True):
+        with pytest.raises(QgtrainError, match=r"not a qgtrain export \('keep.txt'\)"):
+            export.export_run(trained, out, force=force)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "mine"
-    export.export_run(trained, out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    earlier = tmp_path / "earlier"
+    export.export_run(trained, earlier)
+    with pytest.raises(QgtrainError, match="holds an earlier export; choose another --out or"):
+        export.export_run(trained, earlier)
+    (earlier / "stale.txt").write_text("from the earlier export")
+    export.export_run(trained, earlier, force=True)
+    assert not (earlier / "stale.txt").exists() and (earlier / "config.json").exists()
 
 
 @pytest.mark.parametrize("source, message", [
@@ -124,13 +131,14 @@ def test_cli_export_errors_are_one_line_with_exit_code_2(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "does not exist" in result.stderr
 
 
-def test_cli_export_into_a_folder_that_is_not_empty_is_one_line_with_exit_code_2(trained, tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(trained), "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True)
+def test_cli_export_into_other_files_is_one_line_with_exit_2_even_with_force(trained, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(trained), "--out",
+                             str(out), "--force"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
-    assert f"export: {tmp_path / 'out'} is not empty; choose another --out or pass --force" in result.stderr
+    assert f"export: {out} holds files that are not a qgtrain export ('keep.txt')" in result.stderr
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 

@@ -20,6 +20,7 @@ import xxhash
 
 from ..config import DataConfig
 from ..errors import ConfigError
+from ..files import make_temp_dir
 from . import tokenizer
 
 SPLITS = ("train", "val", "test")
@@ -60,8 +61,8 @@ def prepare(data: DataConfig) -> TokenFiles:
     n_val, n_test = int(len(ids) * data.val_fraction), int(len(ids) * data.test_fraction)
     n_train = len(ids) - n_val - n_test
     parts = {"train": ids[:n_train], "val": ids[n_train:n_train + n_val], "test": ids[n_train + n_val:]}
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(folder)  # its own new folder, never one planted (or linked) at a known name
     for split, tokens in parts.items():
         tokens.astype(dtype).tofile(tmp / f"{split}.bin")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": info.vocab_size, "eos_id": info.eos_id,

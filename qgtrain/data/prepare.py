@@ -35,7 +35,7 @@ import xxhash
 
 from ..config import DataConfig
 from ..errors import ConfigError
-from ..files import try_lock
+from ..files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
 from . import sources, tokenizer
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress
@@ -101,8 +101,8 @@ def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
             return load(todo.folder), False
         if locked:  # whoever left a temporary folder behind is gone: the lock was free
             for leftover in todo.folder.parent.glob(f"{todo.folder.name}.tmp-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
-        tmp = todo.folder.with_name(f"{todo.folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+                _remove(leftover)
+        tmp = make_temp_dir(todo.folder)
         try:
             _tokenize(todo, tmp, workers or len(os.sched_getaffinity(0)))
             try:
@@ -119,13 +119,24 @@ def _ready(folder: Path) -> bool:
     return (folder / "meta.json").is_file()
 
 
+def _remove(leftover: Path) -> None:
+    """A leftover temporary folder goes; a link there (planted in a shared cache) goes, never
+    what it names."""
+    if leftover.is_symlink() or not leftover.is_dir():
+        leftover.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
-    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed without)."""
+    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed
+    without). Created with the umask's mode: in a cache a group shares, each member must take it."""
     path = folder.with_name(f"{folder.name}.lock")
-    with open(path, "a+") as handle:
+    fd = open_lock(path, 0o666)
+    try:
         start, said = time.monotonic(), 0.0
-        while (taken := try_lock(handle.fileno())) is not True:
+        while (taken := try_lock(fd)) is not True:
             if taken is None:
                 yield False
                 return
@@ -134,26 +145,24 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
                 yield False
                 return
             if waited > timeout_s:
-                handle.seek(0)
-                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for {handle.read().strip()} to "
-                                  f"finish tokenizing into {folder}; remove {path} if that job is gone")
+                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for "
+                                  f"{read_holder(fd) or 'another job'} to finish tokenizing into "
+                                  f"{folder}; remove {path} if that job is gone")
             if waited >= said:
-                handle.seek(0)
-                log.info("data: waiting for %s, which is tokenizing into %s", handle.read().strip(), folder)
+                log.info("data: waiting for %s, which is tokenizing into %s",
+                         read_holder(fd) or "another job", folder)
                 said = waited + 60
             time.sleep(0.5)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
+        write_holder(fd, f"process {os.getpid()} on {socket.gethostname()}")
         try:
             yield True
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
-    tmp.mkdir(parents=True)
     info = todo.tokenizer
     dtype = np.dtype(np.uint16 if info.vocab_size <= 65535 else np.uint32)
     files = {split: open(tmp / f"{split}.bin", "wb") for split in SPLITS}

@@ -30,7 +30,7 @@ from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
 from ..trust import config_code, not_yours, require
-from . import export_stream, export_task, export_writer, reload_check
+from . import export_stream, export_target, export_task, export_writer, reload_check
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -59,8 +59,8 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
 
     transformers.utils.logging.disable_progress_bar()  # a bar per weight load is noise in a CLI
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise QgtrainError(f"export: {out} is not empty; choose another --out or pass --force to replace it")
+    if (refused := export_target.refusal(out, force)) is not None:
+        raise QgtrainError(refused)
     saved = yaml_config(ckpt)
     _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
     builtin = saved.task.factory == BUILTIN_LM
@@ -94,7 +94,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
         checked = export_stream.check_weights(staging, weights, read, torch_dtype)
         diff = reload_check.outputs(ckpt, saved, model_facts, task, weights, read, torch_dtype, staging, lm)
-        _replace(staging, out)
+        _replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
@@ -168,13 +168,19 @@ def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.C
     return list(reversed(committed))
 
 
-def _replace(staging: Path, out: Path) -> None:
-    """Move the verified export into place; a replaced folder goes only once the new one is there."""
+def _replace(staging: Path, out: Path, force: bool) -> None:
+    """Move the verified export into place; a replaced folder goes only once the new one is there.
+    `out` is checked again: files may have arrived there while the export was written."""
+    if (refused := export_target.refusal(out, force)) is not None:
+        raise QgtrainError(refused)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.rename(out, old)
     os.rename(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # --out was a link to an earlier export: the link goes, not its target
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _set_generation_eos(model: torch.nn.Module, eos: int | None) -> None:

@@ -47,6 +47,7 @@ def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.
     from before it writes anything there: a refusal leaves the run as it was."""
     path = (run_dir or rundir.default_run_dir(cfg)).resolve()
     try:
+        rundir.refuse_foreign(path)
         held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
         warnings: list[str] = []
         candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), cfg.checkpoint.resume,

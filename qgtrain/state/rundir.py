@@ -10,7 +10,8 @@
     <run dir>/.lock              held by the rank 0 that is training in it
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
-it again without being told.
+it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
+a run writes config.yaml, logs and checkpoints, which would land among, or over, what is there.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import QgtrainError
-from ..files import try_lock, write_atomic
+from ..files import open_lock, read_holder, try_lock, write_atomic, write_holder
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,35 @@ class RunDir:
         return self.path / ".lock"
 
 
+# What qgtrain itself puts in a run directory before run.json records the run: the lock (a start
+# waiting for another, or killed before it recorded the run), the job's files of `qgtrain submit`
+# (slurm/) and of submitit (submitit/), the status `qgtrain recover` records when a first start
+# failed, and leftovers <name>.tmp-<random> of these and of run.json, from a write cut short.
+BEFORE_THE_RUN = frozenset({".lock", "slurm", "submitit", "status.json", "run.json"})
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.logging.runs_dir) / cfg.train.run_name
 
 
 def is_run_dir(path: Path) -> bool:
     return RunDir(path).run_file.exists()
+
+
+def refuse_foreign(path: Path) -> None:
+    """Refuse a folder that is neither new, nor empty, nor a run (nor one that qgtrain started and
+    has not yet recorded): `--run-dir .` must not write over the user's own config.yaml."""
+    if not path.is_dir() or is_run_dir(path):
+        return
+    foreign = sorted(entry.name for entry in path.iterdir()
+                     if entry.name.partition(".tmp-")[0] not in BEFORE_THE_RUN)
+    if foreign:
+        shown = ", ".join(map(repr, foreign[:3]))
+        shown += f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise QgtrainError(f"{path} is not a run directory (it has no run.json) and holds "
+                           f"other files ({shown}), which a run would write among or over. "
+                           "HINT: give --run-dir (or logging.runs_dir and train.run_name) a new or "
+                           "empty folder, or the directory of an existing run")
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -107,14 +131,15 @@ def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
     """Record the resolved config; return this run's id: the recorded one, or a new one for a fresh start."""
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    run.config.write_text(config_yaml)
     previous = read_run_id(run_dir)
-    if previous and cfg.checkpoint.resume != "never":
-        return previous
-    run_id = uuid.uuid4().hex[:12]
-    if previous and run.metrics.exists():  # a fresh start over an earlier run keeps that run's history beside it
-        run.metrics.rename(run_dir / f"metrics.{previous}.jsonl")
-    write_atomic(run.run_file, json.dumps({"run_id": run_id, "run_name": cfg.train.run_name, "created": time.time()}))
+    run_id = previous if previous and cfg.checkpoint.resume != "never" else uuid.uuid4().hex[:12]
+    if run_id != previous:
+        if previous and run.metrics.exists():  # a fresh start keeps the earlier run's history
+            run.metrics.rename(run_dir / f"metrics.{previous}.jsonl")
+        write_atomic(run.run_file, json.dumps({"run_id": run_id, "run_name": cfg.train.run_name,
+                                               "created": time.time()}))
+    # After run.json: a config.yaml without a run.json is never qgtrain's (refuse_foreign)
+    write_atomic(run.config, config_yaml)
     return run_id
 
 
@@ -125,18 +150,16 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
     A requeued job may start while its previous allocation is still exiting, hence the wait.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(run_dir).lock
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(RunDir(run_dir).lock, 0o600)
     try:
         deadline = time.monotonic() + wait_s
         while try_lock(fd) is False:  # None: a filesystem without locks, used unguarded
             if time.monotonic() > deadline:
-                holder = path.read_text().strip() or "another process"
+                holder = read_holder(fd) or "another process"
                 raise QgtrainError(f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
                                    "to end, or give this one another --run-dir or train.run_name") from None
             time.sleep(0.5)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})".encode())
+        write_holder(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})")
         yield
     finally:
         os.close(fd)
@@ -159,8 +182,11 @@ def read_status(run_dir: Path) -> dict[str, object]:
 
 def is_locked(run_dir: Path) -> bool | None:
     """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # no link, no FIFO wait
     try:
-        fd = os.open(RunDir(run_dir).lock, os.O_RDONLY)
+        fd = os.open(RunDir(run_dir).lock, flags)
+    except PermissionError:  # another user's run in a shared folder: its lock is not ours to read
+        return None
     except OSError:
         return False
     try:
