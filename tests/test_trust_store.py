@@ -1,6 +1,6 @@
 """The rendezvous store is reachable from the network and takes keys from anyone: what ranks read from
-it never runs as code. Real 2-rank gloo groups (tests/ranks.py), a real hostile client on the store's
-port."""
+it never runs as code, and rank 0's store listens on MASTER_ADDR's address only. Real 2-rank gloo
+groups (tests/ranks.py), a real hostile client on the store's port, real sockets."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qgtrain.errors import CheckpointError, ConfigError, QgtrainError, TrainingError
-from qgtrain.runtime import wire
+from qgtrain.runtime import comms, store, wire
 from tests.ranks import free_port, run_ranks
 
 ONCE = "default_pg/0//qgtrain/once/0"  # the first qgtrain/once key, as torch's prefixes make it
@@ -125,6 +125,59 @@ def test_an_error_of_rank_0_s_work_reaches_every_rank_as_its_qgtrain_type(kind, 
     arrive by name. A task's own type failed there: a class pickle cannot import by name (here a
     local one) crashed rank 0; it now arrives as the qgtrain type it extends."""
     assert run_ranks(2, fails_on_rank_0, kind) == [[expected, expected]] * 2
+
+
+def connects(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def who_reaches_the_store() -> dict[str, bool] | None:
+    """On rank 0, inside the group: which local addresses reach the store's port."""
+    from qgtrain.runtime import distributed
+    from qgtrain.runtime.rendezvous import from_environ
+
+    env = from_environ(os.environ)
+    with distributed.process_group(env, torch.device("cpu"), 60, 60):
+        others = [i.address for i in comms.machine_interfaces() if i.address and not i.address.startswith("127.")]
+        reached = {a: connects(a, env.master_port) for a in ["127.0.0.1", "127.0.0.2", *others]} \
+            if env.is_main else None
+        distributed.barrier()
+        return reached
+
+
+def test_the_store_listens_on_master_addr_only():
+    """Fails on 26ab7a7: the store listened on `::`, and 127.0.0.2 (and the host's own address) reached it."""
+    reached = run_ranks(2, who_reaches_the_store)[0]
+    assert reached == {address: address == "127.0.0.1" for address in reached}, reached
+
+
+def test_a_store_that_cannot_be_bound_to_master_addr_listens_everywhere_and_the_job_starts():
+    """Two nodes with MASTER_ADDR on loopback (other nodes could not reach it): rank 0 falls back to
+    torch's own listener on every interface, and the ranks still join."""
+    reached = run_ranks(2, who_reaches_the_store, env={"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})[0]
+    assert reached["127.0.0.2"] and reached["127.0.0.1"]
+
+
+def test_the_listener_refuses_what_it_cannot_bind_and_says_why():
+    port = free_port()
+    listener, why = store.bound_listener("127.0.0.1", port, 1)
+    assert listener is not None and why == f"listens on 127.0.0.1 port {port} only (MASTER_ADDR 127.0.0.1)"
+    try:
+        assert connects("127.0.0.1", port) and not connects("127.0.0.2", port)
+        again, why = store.bound_listener("127.0.0.1", port, 1)
+        assert again is None and why.endswith("cannot be bound: Address already in use")
+    finally:
+        listener.close()
+    behind_nat, why = store.bound_listener("192.0.2.77", port, 2)  # TEST-NET-1: no host has it
+    assert behind_nat is None and why.endswith("cannot be bound: Cannot assign requested address")
+    loopback, why = store.bound_listener("127.0.0.1", port, 2)
+    assert loopback is None and "which other nodes cannot reach" in why
+    nowhere, why = store.bound_listener("no-such-host.invalid", port, 2)
+    assert nowhere is None and why.startswith("MASTER_ADDR no-such-host.invalid does not resolve here")
 
 
 @pytest.mark.parametrize("text, says", [

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JoinError, QgtrainError, first_line
-from . import comms, devices, once, wire
+from . import comms, devices, once, store, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv
 
@@ -61,9 +61,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         else:
             if not env.is_main:
                 _wait_for_listener(env.master_addr, env.master_port, time.monotonic() + startup_timeout_s)
-            dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                    rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=startup_timeout_s))
+            _join(env, backend, datetime.timedelta(seconds=startup_timeout_s))
             joined = torch.ones(1, device=device)
             dist.all_reduce(joined)  # every rank has joined, over NCCL too on a GPU
             joined.item()  # and the collective has finished, not only started
@@ -80,6 +78,18 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
     finally:
         _release_users()
         _destroy()
+
+
+def _join(env: DistEnv, backend: str, timeout: datetime.timedelta) -> None:
+    """Rank 0 hosts the store on MASTER_ADDR's address where it can (store.py); the others are its
+    clients, and the store's keys are the same either way."""
+    bound = store.master_store(env, timeout) if env.is_main else None
+    if bound is not None:
+        dist.init_process_group(backend, store=bound, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
