@@ -12,14 +12,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import errors
-from ..errors import QgtrainError
+from ..errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    JoinError,
+    PeerFailure,
+    QgtrainError,
+    RendezvousError,
+    TrainingError,
+)
 
 # qgtrain's own error types by name: an error from another rank becomes one of these, nothing else.
 ERRORS: dict[str, type[QgtrainError]] = {
-    cls.__name__: cls for cls in (errors.QgtrainError, errors.ConfigError, errors.RendezvousError,
-                                  errors.CheckpointError, errors.TrainingError, errors.PeerFailure,
-                                  errors.CheckpointWriteError, errors.JoinError)}
+    cls.__name__: cls for cls in (QgtrainError, ConfigError, RendezvousError, CheckpointError,
+                                  TrainingError, PeerFailure, CheckpointWriteError, JoinError)}
 
 
 def error_name(exc: QgtrainError) -> str:
