@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import itertools
 import logging
-import pickle
 import socket
 import sys
 import time
@@ -23,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JoinError, QgtrainError, first_line
-from . import comms, devices
+from . import comms, devices, once, store, wire
+from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv
 
 
@@ -62,9 +61,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         else:
             if not env.is_main:
                 _wait_for_listener(env.master_addr, env.master_port, time.monotonic() + startup_timeout_s)
-            dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                    rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=startup_timeout_s))
+            _join(env, backend, datetime.timedelta(seconds=startup_timeout_s))
             joined = torch.ones(1, device=device)
             dist.all_reduce(joined)  # every rank has joined, over NCCL too on a GPU
             joined.item()  # and the collective has finished, not only started
@@ -83,6 +80,18 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         _destroy()
 
 
+def _join(env: DistEnv, backend: str, timeout: datetime.timedelta) -> None:
+    """Rank 0 hosts the store on MASTER_ADDR's address where it can (store.py); the others are its
+    clients, and the store's keys are the same either way."""
+    bound = store.master_store(env, timeout) if env.is_main else None
+    if bound is not None:
+        dist.init_process_group(backend, store=bound, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+
+
 def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
     used = f"{'NCCL and gloo' if nccl else 'gloo'} used {network.name or 'interfaces of their own choosing'} " \
            f"({network.why}); "
@@ -99,7 +108,7 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     modules at nearly the same moment. Probing with a plain connect every few milliseconds costs the store
     one closed connection per rank.
     """
-    for pause in _pauses(0.005, 0.1):
+    for pause in once.pauses(0.005, 0.1):
         if time.monotonic() >= deadline:
             return
         try:
@@ -107,15 +116,6 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
             return
         except OSError:
             time.sleep(pause)
-
-
-def _pauses(first_s: float, longest_s: float) -> Iterator[float]:
-    """Sleeps between looks that grow by half each time: a wait that ends soon is seen at once, and a long
-    one costs few looks."""
-    pause = first_s
-    while True:
-        yield pause
-        pause = min(pause * 1.5, longest_s)
 
 
 def _release_users() -> None:
@@ -205,82 +205,18 @@ def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     return out
 
 
-_calls = itertools.count()
-
-
-def main_works_long(work: Callable[[], Any], what: str, timeout: tuple[str, float],
-                    visible: Callable[[Any], bool] | None = None) -> Any:
-    """Rank 0 runs `work` (tokenizing data, an export) and every rank gets its picklable result, however long
-    it takes up to `timeout` (what sets the limit, and seconds). Waiting ranks poll the rendezvous store,
-    not a collective, so the collective timeout does not cut them off, and say what they wait for; if rank
-    0 dies, the store it hosts goes and they fail at once. A QgtrainError raised by the work is raised on
-    every rank. With `visible`, a rank on a node that cannot see the result (a node-local folder) has the
-    work done once for its node, by the first of its ranks to ask."""
-    if dist.get_world_size() == 1:
-        return work()
-    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
-    key = f"qgtrain/once/{next(_calls)}"
-    if rank == 0:
-        _publish(store, key, work)
-    value = _collect(store, key, f"rank 0, which {what}", timeout)
-    if visible is not None and not visible(value):
-        host = socket.gethostname()
-        if store.add(f"{key}/{host}/asked", 1) == 1:
-            _publish(store, f"{key}/{host}", work)
-        value = _collect(store, f"{key}/{host}", f"another rank on {host}, which {what}", timeout)
-    store.set(f"{key}/done/{rank}", "1")
-    _wait_keys(store, [f"{key}/done/{r}" for r in range(dist.get_world_size())], f"the ranks of other nodes, "
-               f"where one {what}", timeout)
-    return value
-
-
-def _publish(store: Any, key: str, work: Callable[[], Any]) -> None:
-    try:
-        outcome: tuple[str, Any] = ("ok", work())
-    except QgtrainError as exc:
-        outcome = ("error", (type(exc), str(exc)))
-    store.set(key, pickle.dumps(outcome).hex())
-
-
-def _collect(store: Any, key: str, waiting_for: str, timeout: tuple[str, float]) -> Any:
-    _wait_keys(store, [key], waiting_for, timeout)
-    kind, value = pickle.loads(bytes.fromhex(store.get(key).decode()))
-    if kind == "error":
-        error_type, message = value
-        raise error_type(message)
-    return value
-
-
-def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str, float]) -> None:
-    """Poll, first every few milliseconds: most waits are short (rank 0 finds the data already prepared),
-    and a fixed pause of the longest interval cost every start about that much on every rank
-    (bench.train_speed's start breakdown)."""
-    start, said = time.monotonic(), 5.0  # a wait shorter than said goes unmentioned
-    for pause in _pauses(0.002, 0.2):
-        if store.check(keys):
-            return
-        waited = time.monotonic() - start
-        if waited > timeout[1]:
-            raise QgtrainError(f"waited {waited:.0f} s for {waiting_for}, longer than {timeout[0]} "
-                               f"({timeout[1]:.0f} s). HINT: rank 0's log says whether it is still at work; if "
-                               "it is, allow more time or do the work before the job")
-        if waited >= said:
-            logging.getLogger("qgtrain").info("waiting for %s (%.0f s so far)", waiting_for, waited)
-            said = waited + 60
-        time.sleep(pause)
-
-
 def main_decides(decide: Callable[[], Any]) -> Any:
     """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is raised on
-    every rank, so no rank is left waiting in a collective that rank 0 never reaches."""
+    every rank, so no rank is left waiting in a collective that rank 0 never reaches. The error
+    crosses by name and message (wire.py), never as a class; the result is pickled by torch and
+    travels over the group's own connections between ranks, trusted like every tensor on them."""
     outcome: tuple[str, Any] = ("ok", None)
     if dist.get_rank() == 0:
         try:
             outcome = ("ok", decide())
         except QgtrainError as exc:
-            outcome = ("error", (type(exc), str(exc)))
+            outcome = ("error", wire.error(exc))
     kind, value = broadcast_from_main(outcome)
     if kind == "error":
-        error_type, message = value
-        raise error_type(message)
+        wire.decode(value, "rank 0's decision")
     return value
