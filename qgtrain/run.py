@@ -174,6 +174,7 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
                             cfg.data.num_workers, device, cfg.train.seed)
     parts = Parts(task, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device), loaders,
                   checkpointer, metrics, ctx.stop, ctx.deadline)
+    checkpointer.prepare(model, parts.optimizer)  # pins an async save's host buffers in the background
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish)
     return Trainer(parts, settings, env, device)
 

@@ -3,7 +3,8 @@
 train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind decides:
 srun's own report of the first task that failed (node, rank, how it ended), the notes failing ranks left
 in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was the machine's failure
-or the run's own), and the run's history of failures per node. The answer is one line the script acts on:
+or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank NCCL's watchdog took down
+leaves no note), and the run's history of failures per node. The answer is one line the script acts on:
 
     retry                    a new srun step in this allocation, from the last committed checkpoint
     requeue [NODE[,NODE]]    requeue the job, keeping it away from these nodes
@@ -24,6 +25,7 @@ from typing import Any, Literal
 from ..config import SlurmConfig
 from ..state import rundir
 from ..state.lifecycle import read_note
+from . import aborts
 
 _TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
 
@@ -48,20 +50,30 @@ class Decision:
 
 
 def first_failure(srun_log: str) -> TaskFailure | None:
+    failures = task_failures(srun_log)
+    return failures[0] if failures else None
+
+
+def task_failures(srun_log: str) -> list[TaskFailure]:
+    """Every task srun reported, one per rank ("tasks 4-7" is four), in srun's order."""
+    found = []
     for line in srun_log.splitlines():
         match = _TASK_LINE.match(line)
         if match:
-            first = re.split(r"[,-]", match.group("ranks"))[0]
-            return TaskFailure(match.group("node"), int(first), match.group("how"))
-    return None
+            for part in match.group("ranks").split(","):
+                first, _, last = part.partition("-")
+                found += [TaskFailure(match.group("node"), rank, match.group("how"))
+                          for rank in range(int(first), int(last or first) + 1)]
+    return found
 
 
 def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attempt: int, step_retries: int,
            restart: int, max_restarts: int, requeue: bool, failures_per_node: dict[str, int],
-           spare_nodes: int | None) -> Decision:
+           spare_nodes: int | None, nccl: aborts.Abort | None = None) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `spare_nodes`: nodes the
-    partition has beyond what the job needs (None where unknown)."""
+    partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and dumps
+    say (the machine's failure, so retried like a rank that died, and named in the reason)."""
     own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
     if own:
         rank, note = min(own.items())
@@ -70,14 +82,15 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
     if failure is not None and failure.how == "Exited with exit code 2":
         return Decision("end", f"rank {failure.rank} on {failure.node} stopped on bad input (exit 2); its message "
                                "is in the job's output")
+    said = f"{nccl.text()}; " if nccl else ""
     if attempt < step_retries:
-        return Decision("retry", f"retry {attempt + 1} of {step_retries} in this allocation")
+        return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
-        return Decision("end", f"{step_retries} retries in this allocation failed, and the job is not requeued "
+        return Decision("end", f"{said}{step_retries} retries in this allocation failed, and the job is not requeued "
                                f"(slurm.requeue={requeue}, restart {restart} of at most {max_restarts})")
     repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
     exclude = tuple(repeat) if spare_nodes is not None and len(repeat) <= spare_nodes else ()
-    why = f"{step_retries} retries in this allocation failed; requeueing"
+    why = f"{said}{step_retries} retries in this allocation failed; requeueing"
     if repeat and not exclude:
         why += f" (not excluding {', '.join(repeat)}: the partition has no other nodes to take their place)"
     elif exclude:
@@ -95,20 +108,45 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, r
         except OSError:
             srun_log = ""
     notes = {rank: note for rank in range(world_size) if (note := read_note(run, rank)) is not None}
-    failure = first_failure(srun_log)
+    failures = task_failures(srun_log)
+    failure = failures[0] if failures else None
     status = rundir.read_status(run_dir)
     recorded = status.get("failures")
     history = [f for f in recorded if isinstance(f, dict)] if isinstance(recorded, list) else []
     record = _record(run, failure, notes, exit_code, attempt, restart)
+    dumped, folder = _keep_dumps(run, len(history) + 1)
+    nccl = aborts.diagnose({f.rank: f.how for f in failures}, exit_code, dumped, world_size, str(folder))
+    if nccl is not None:
+        record["nccl"] = nccl.record()
     per_node: dict[str, int] = {}
     for entry in [*history, record]:
         if entry.get("node"):
             per_node[entry["node"]] = per_node.get(entry["node"], 0) + 1
     decision = decide(notes, failure, attempt, slurm.step_retries, restart, slurm.max_restarts, slurm.requeue, per_node,
-                      spare_nodes)
+                      spare_nodes, nccl)
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision
+
+
+def _keep_dumps(run: rundir.RunDir, failure: int) -> tuple[tuple[int, ...], Path]:
+    """Move this step's Flight Recorder dumps into nccl/failure-<failure>/ (one failure's dumps are what
+    `torchfrtrace` reads, and the next failure's are then told apart); their ranks, and where they are."""
+    prefix = run.nccl_dumps
+    try:
+        names = [p.name for p in prefix.parent.iterdir() if p.is_file()]
+    except OSError:
+        return (), prefix.parent
+    kept = prefix.parent / f"failure-{failure}"
+    moved = []
+    for rank in aborts.dumped_ranks(names, prefix.name):
+        try:
+            kept.mkdir(exist_ok=True)
+            (prefix.parent / f"{prefix.name}{rank}").rename(kept / f"{prefix.name}{rank}")
+        except OSError:
+            continue
+        moved.append(rank)
+    return tuple(moved), kept if moved else prefix.parent
 
 
 def _record(run: rundir.RunDir, failure: TaskFailure | None, notes: dict[int, dict[str, Any]], exit_code: int,

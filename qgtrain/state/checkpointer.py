@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ..errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
-from ..runtime.mesh import two_d_mesh
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, sharded
+from .snapshot import CpuSnapshot, saved_layouts
 
 log = logging.getLogger("qgtrain")
 
@@ -61,6 +61,12 @@ class Checkpointer:
         if env.is_main:
             for path in checkpoint.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """At start, for asynchronous saves: pin the host buffers in the background (snapshot.py), so the
+        first save does not stall on it."""
+        if self.async_save:
+            self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))
 
     def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
              meta: dict[str, Any], *, blocking: bool = False, shards: dict[str, Any] | None = None,
@@ -189,60 +195,3 @@ class Checkpointer:
             except OSError as exc:
                 log.warning("could not rotate old checkpoints in %s: %s", self.root, exc)
 
-
-class CpuSnapshot:
-    """Copies state into CPU buffers kept from the previous save, so an async save's stall is one memcpy.
-
-    Fresh buffers would cost as much again in page faults on first touch; for CUDA state they are pinned,
-    so the device-to-host copy runs at full speed. Buffers are reused only after the previous save has
-    finished (Checkpointer.save waits for it first). Tensors sharing storage (tied embeddings) stay shared.
-    A shard (DTensor) is rebuilt around its host copy on a CPU twin of its mesh: DTensor.from_local moves
-    the local tensor to its mesh's device, so on the GPU mesh the "snapshot" would be a second copy of the
-    shards in GPU memory. The price: one host copy of the state held for the whole run.
-    """
-
-    def __init__(self, timeout_s: float = 300.0) -> None:
-        self.timeout_s = timeout_s  # for the CPU twins' own groups
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._cpu_meshes: dict[Any, Any] = {}
-
-    def copy(self, obj: Any) -> Any:
-        shared: dict[tuple[Any, ...], torch.Tensor] = {}
-        snapshot = self._copy(obj, (), shared)
-        for device in {key[0] for key in shared if key[0].type == "cuda"}:  # the rank's own GPU
-            torch.cuda.synchronize(device)  # the non-blocking copies must land before the writer reads them
-        return snapshot
-
-    def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
-        if (shard := sharded.shard_of(obj)) is not None:  # copy the local part, keep where it lies in the whole
-            local = self._copy(shard.to_local(), path, shared)
-            return type(shard).from_local(local, self._cpu_mesh(shard.device_mesh), shard.placements,
-                                          run_check=False, shape=shard.shape, stride=shard.stride())
-        if isinstance(obj, torch.Tensor):
-            alias = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(),
-                     obj.dtype)
-            if alias not in shared:
-                buffer = self._buffers.get(path)
-                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
-                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
-                    self._buffers[path] = buffer
-                shared[alias] = buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
-            return shared[alias]
-        if isinstance(obj, dict):
-            return {key: self._copy(value, (*path, key), shared) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, (*path, index), shared) for index, value in enumerate(obj))
-        return obj
-
-    def _cpu_mesh(self, mesh: Any) -> Any:
-        """The same ranks in the same shape on the CPU, made once per mesh: a whole-world 1-D mesh reuses the
-        default group; hsdp's 2-D one gets gloo groups bounded by the collective timeout (a collective every
-        rank reaches here together)."""
-        if mesh.device_type == "cpu":
-            return mesh
-        if mesh not in self._cpu_meshes:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._cpu_meshes[mesh] = two_d_mesh(mesh.mesh.tolist(), "cpu", self.timeout_s, backend="gloo") \
-                if mesh.ndim == 2 else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
-        return self._cpu_meshes[mesh]

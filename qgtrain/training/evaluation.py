@@ -1,8 +1,10 @@
 """Validation and test: the loss and the task's metrics, exact over the whole split on any world size.
 
 Every rank evaluates its own shard (each sample exactly once, so shards may be uneven) and keeps sums
-and counts on the device; one all-reduce of those sums at the end gives every rank the same values.
-A metric is sum / count of all ranks together, never a mean of per-rank means.
+and counts where they are: tensors on the device, Python numbers (a batch's size, a count the task
+reports as an int) in host floats, so that no batch waits for a host-to-device copy of a number. One
+all-reduce of those sums at the end gives every rank the same values. A metric is sum / count of all
+ranks together, never a mean of per-rank means.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         rounds = int(most.item())
     sums: dict[str, list[torch.Tensor]] = {"loss": [_zero(device), _zero(device)]}
+    host: dict[str, list[float]] = {"loss": [0.0, 0.0]}
     was_training = model.training
     model.eval()
     try:
@@ -55,15 +58,17 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
             if index >= own:
                 continue
             sums["loss"][0] += loss.detach().double() * sizes[index]
-            sums["loss"][1] += sizes[index]
+            host["loss"][1] += sizes[index]
             for name, pair in _checked(reported).items():
-                acc = sums.setdefault(name, [_zero(device), _zero(device)])
-                acc[0] += torch.as_tensor(pair[0], device=device).double().sum()
-                acc[1] += torch.as_tensor(pair[1], device=device).double().sum()
+                for part, value in enumerate(pair):
+                    _add(sums, host, name, part, value, device)
     finally:
         model.train(was_training)
-    names = _agreed_names(sums)
-    flat = torch.stack([value for name in names for value in sums.get(name, [_zero(device), _zero(device)])])
+    names = _agreed_names({**sums, **host})
+    zeros = [_zero(device), _zero(device)]
+    flat = torch.stack([value for name in names for value in sums.get(name, zeros)])
+    flat += torch.tensor([value for name in names for value in host.get(name, [0.0, 0.0])],
+                         dtype=torch.float64).to(device)  # the host's part: one copy for the whole evaluation
     dist.all_reduce(flat)
     totals = flat.tolist()
     return {name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
@@ -77,6 +82,17 @@ def decide_early_stop(es: EarlyStoppingConfig, value: float | None, best: float 
     improved = value is not None and (best is None or sign * value < sign * best - es.min_delta)
     since = 0 if improved else evals_since_best + 1
     return (value if improved else best), since, bool(es.patience) and since >= es.patience
+
+
+def _add(sums: dict[str, list[torch.Tensor]], host: dict[str, list[float]], name: str, part: int, value: Any,
+         device: torch.device) -> None:
+    """Add a metric's sum (part 0) or count (part 1): a Python number on the host, anything else (a
+    tensor, an array) on the device."""
+    if isinstance(value, (int, float)):  # bool too
+        host.setdefault(name, [0.0, 0.0])[part] += float(value)
+    else:
+        acc = sums.setdefault(name, [_zero(device), _zero(device)])
+        acc[part] += torch.as_tensor(value, device=device).double().sum()
 
 
 def _zero(device: torch.device) -> torch.Tensor:
@@ -100,7 +116,7 @@ def _checked(reported: Any) -> Mapping[str, tuple[Any, Any]]:
     return reported
 
 
-def _agreed_names(sums: dict[str, list[torch.Tensor]]) -> list[str]:
+def _agreed_names(sums: Mapping[str, object]) -> list[str]:
     """The metric names of all ranks, in one order: a rank whose shard was empty reported none."""
     if dist.get_world_size() == 1:
         return ["loss", *sorted(set(sums) - {"loss"})]

@@ -1,0 +1,75 @@
+"""An asynchronous save's pinned host buffers are made at start, in the background, not by the first save
+on the main thread. Runs against: a real model and torch's AdamW before its first step, the snapshot's
+allocation function recorded (a CPU cannot pin: every tensor stands in for a GPU one here), and the
+layout a CPU run prepares (none)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from qgtrain.state.snapshot import CpuSnapshot, saved_layouts
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(11, 6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.wte.weight  # tied: saved once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.wte(x)))
+
+
+def everything_on_a_gpu(tensor: torch.Tensor) -> bool:
+    return True
+
+
+def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_allocates_none():
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # fused: `step` lies with the params
+    calls: list[tuple[str, torch.Size]] = []
+
+    def allocate(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        calls.append((threading.current_thread().name, shape))
+        return torch.empty(shape, dtype=dtype)
+
+    snapshot = CpuSnapshot(allocate=allocate, pinned=everything_on_a_gpu)
+    layouts = saved_layouts(model, optimizer, True, pinned=everything_on_a_gpu)
+    snapshot.prepare(layouts)  # before the optimizer has any state
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()  # now the state exists, as at the first save
+    state = {"model.pt": model.state_dict(), "optim.pt": {"optimizer": optimizer.state_dict()}}
+    first = snapshot.copy(state)
+    assert {name for name, _ in calls} == {"qgtrain-pin-buffers"}, "the first save allocated nothing itself"
+    # wte (= head), mid.weight, mid.bias; then exp_avg, exp_avg_sq and step for each of the 3 parameters
+    assert len(calls) == len(layouts) == 3 + 3 * 3
+    assert first["model.pt"]["wte.weight"] is first["model.pt"]["head.weight"]
+    assert torch.equal(first["model.pt"]["mid.weight"], model.mid.weight)
+    moments = first["optim.pt"]["optimizer"]["state"]
+    assert all(torch.equal(moments[i]["exp_avg"], optimizer.state[p]["exp_avg"])
+               for i, p in enumerate(model.parameters()))
+    snapshot.copy(state)
+    assert len(calls) == len(layouts), "later saves reuse the same buffers"
+
+
+def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert saved_layouts(model, optimizer, True) == [], "nothing is pinned on a CPU"
+    assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], "ddp: rank 0 writes the state"
+    snapshot = CpuSnapshot(allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU")))
+    snapshot.prepare([])
+    copy = snapshot.copy({"w": model.mid.weight.detach()})
+    assert torch.equal(copy["w"], model.mid.weight)
+
+
+def test_an_optimizer_whose_state_is_not_predicted_leaves_it_to_the_first_save():
+    model = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert saved_layouts(model, sgd, True, pinned=everything_on_a_gpu) == [(torch.Size([4, 4]), torch.float32),
+                                                                           (torch.Size([4]), torch.float32)]
