@@ -26,6 +26,7 @@ from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from . import replicas
 from .agreement import Agreement, Flags, Health
+from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .metrics import format_metrics, prefixed
 from .optim import clip_gradients
@@ -51,7 +52,8 @@ class Trainer:
                                    settings.train.eval_batches, settings.precision, env, device, self.timer)
         self.agreement = Agreement(device)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
-                                 settings.train.grad_accum_steps, settings.train.max_steps)
+                                 settings.train.grad_accum_steps, settings.train.max_steps,
+                                 device_peak(device, settings.precision, settings.train.peak_tflops))
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
@@ -129,7 +131,7 @@ class Trainer:
         loss_sum = accumulate_gradients(parts.wrapped, parts.task.loss, micro_batches, self.settings.precision,
                                         parts.scaler, self.device)
         parts.scaler.unscale_(parts.optimizer)
-        grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip)
+        grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip, self.device)
         # with fp16, non-finite gradients are the loss scaler's to skip
         health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
         return loss_sum, grad_norm
