@@ -132,6 +132,8 @@ class TrainConfig:
                                           min=1.0, max=MAX_TIMEOUT_S)
     socket_ifname: str = setting("", "the network interface NCCL and gloo use, e.g. ib0 ('' = the one whose "
                                  "address routes to MASTER_ADDR, unless NCCL_/GLOO_SOCKET_IFNAME are set)")
+    peak_tflops: float = setting(0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from "
+                                 "qgtrain's table of GPUs; none for a GPU it lacks)", min=0.0)
 
 
 @dataclass(frozen=True)
