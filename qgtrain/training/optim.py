@@ -37,3 +37,25 @@ def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> t
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: torch.Tensor) -> None:
+    """Take the optimizer step unless `skip`, a device flag the same on every rank (the reduced gradients
+    were non-finite), without reading it on the host where the optimizer can skip on the device.
+
+    Fused Adam, AdamW and SGD (`_step_supports_amp_scaling`) take a `found_inf` tensor as GradScaler gives
+    it: a non-zero value skips the update in the kernel and takes back the step count (torch/optim/
+    adam.py _fused_adam, torch/amp/grad_scaler.py GradScaler.step). Any other optimizer reads the flag
+    (a host sync, free on a CPU). fp16 leaves non-finite steps to its GradScaler, as before.
+    """
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        setattr(optimizer, "found_inf", skip.float())
+        try:
+            optimizer.step()
+        finally:
+            delattr(optimizer, "found_inf")
+    elif not bool(skip):
+        optimizer.step()
+    scaler.update()
