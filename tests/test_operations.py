@@ -202,6 +202,7 @@ def test_memory_is_logged_and_a_limit_warns(tmp_path):
 PEAK_TABLE = [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.5),
     ("NVIDIA H100 NVL", "bf16", 835.5), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("Tesla V100-SXM2-32GB", "tf32", 15.7),
     ("NVIDIA H800", "bf16", 989.4), ("NVIDIA H200", "bf16", 989.4), ("NVIDIA GH200 480GB", "bf16", 989.4),
     ("NVIDIA L40S", "bf16", 362.1), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L4", "bf16", 121.0),
     ("NVIDIA A40", "bf16", 149.7), ("NVIDIA RTX A4000", "bf16", None), ("NVIDIA A10", "bf16", 125.0),
