@@ -98,7 +98,7 @@ class TrainConfig:
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", min=1)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
         "auto", "auto: bf16 where the GPU computes it natively (compute capability 8.0+), else fp32; fp16 uses a "
-        "GradScaler")
+        "GradScaler; fp32 multiplies matrices in TF32 on compute capability 8.0+")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: a GPU if one is visible: the task's own, or "
                                                      "the one at its local rank")
     log_every: int = setting(10, "steps between logged (all-reduced) losses", min=1)
@@ -132,6 +132,8 @@ class TrainConfig:
                                           min=1.0, max=MAX_TIMEOUT_S)
     socket_ifname: str = setting("", "the network interface NCCL and gloo use, e.g. ib0 ('' = the one whose "
                                  "address routes to MASTER_ADDR, unless NCCL_/GLOO_SOCKET_IFNAME are set)")
+    peak_tflops: float = setting(0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from "
+                                 "qgtrain's table of GPUs; none for a GPU it lacks)", min=0.0)
 
 
 @dataclass(frozen=True)

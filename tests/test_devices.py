@@ -245,6 +245,18 @@ def test_precision_follows_native_bf16_support(requested, device, capability, na
         assert name in choice.why and ("natively" in choice.why) == (chosen == "bf16")
 
 
+# the resolved precision, device, compute capability, ROCm -> whether fp32 matrix products use TF32
+TF32 = [("fp32", "cuda", (8, 0), False, True), ("fp32", "cuda", (9, 0), False, True),
+        ("fp32", "cuda", (7, 0), False, False), ("fp32", "cuda", (7, 5), False, False),
+        ("fp32", "cuda", (9, 4), True, False), ("fp32", "cpu", None, False, False),
+        ("bf16", "cuda", (9, 0), False, False)]
+
+
+@pytest.mark.parametrize("chosen, device, capability, rocm, tf32", TF32)
+def test_fp32_uses_tf32_tensor_cores_from_compute_capability_8(chosen, device, capability, rocm, tf32):
+    assert precision.uses_tf32(chosen, device, capability, rocm) == tf32
+
+
 def test_fp16_on_the_cpu_is_refused():
     with pytest.raises(ConfigError, match=r"train.precision: fp16 needs a GPU"):
         precision.choose("fp16", "cpu")

@@ -10,6 +10,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,3 +198,56 @@ def test_activation_checkpointing_keeps_less_for_backward_and_gives_the_same_gra
     assert checkpointed_bytes < 0.6 * plain_bytes, (checkpointed_bytes, plain_bytes)
     assert plain_grads.keys() == checkpointed_grads.keys()
     assert all(torch.equal(plain_grads[k], checkpointed_grads[k]) for k in plain_grads)
+
+
+def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
+    """Between two micro-batches of one step: how many elements of unsharded gradient the FSDP units hold
+    (FSDP2's own bookkeeping: FSDPParam.unsharded_accumulated_grad, or the unsharded parameter's .grad
+    kept for later), and after the step each rank's reduced gradient shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from qgtrain.runtime.distributed import process_group
+    from qgtrain.runtime.mesh import two_d_mesh
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.sharding import find_blocks, shard
+
+    def unsharded_held(m: torch.nn.Module) -> int:
+        held = 0
+        for unit in (u for u in m.modules() if isinstance(u, FSDPModule)):
+            group = unit._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else []:
+                unsharded = getattr(param, "_unsharded_param", None)
+                for grad in (param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
+                    held += grad.numel() if grad is not None else 0
+        return held
+
+    env, cpu = from_environ(os.environ), torch.device("cpu")
+    seen: dict[str, Any] = {}
+    with process_group(env, cpu, 60, 60):
+        torch.manual_seed(0)
+        model = tiny_gpt2()
+        mesh = two_d_mesh([[0], [1]], "cpu", 60) if layout == "hsdp" else None
+        model = shard(model, find_blocks(model, []), "fp32", cpu, mesh)
+
+        def loss(m: Any, ids: torch.Tensor) -> torch.Tensor:
+            seen.setdefault("held", []).append(unsharded_held(m))
+            return m(input_ids=ids, labels=ids).loss
+
+        torch.manual_seed(1 + env.rank)  # each rank its own data: unreduced gradients would differ
+        batches = [torch.randint(0, 200, (2, 16)) for _ in range(2)]
+        accumulate_gradients(model, loss, batches, "fp32", torch.amp.GradScaler("cpu", enabled=False), cpu)
+        seen["grads"] = [p.grad.full_tensor() for p in model.parameters()]
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_accumulation_holds_no_unsharded_gradient_between_micro_batches(layout):
+    """fsdp reduce-scatters every micro-batch and hsdp postpones only the all-reduce across replicas (here
+    2 replicas of 1 rank), so between micro-batches no unit keeps a full-size gradient (4 bytes x every
+    parameter on every GPU otherwise); the step's gradient is still reduced over both ranks in the end."""
+    ranks = run_ranks(2, gradients_between_micro_batches, layout)
+    for seen in ranks:
+        assert seen["held"] == [0, 0]
+    for first, second in zip(ranks[0]["grads"], ranks[1]["grads"]):
+        assert torch.equal(first, second)

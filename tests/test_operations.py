@@ -198,17 +198,50 @@ def test_memory_is_logged_and_a_limit_warns(tmp_path):
     assert log.count("mem_rss_gb is") == 1 and "above logging.memory_warn_gb=0.01" in log
 
 
-def test_model_flops_utilisation_uses_the_peak_of_the_device_kind():
+# (device name as torch reports it, the run's precision, the expected dense peak in TFLOP/s or None)
+PEAK_TABLE = [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.5),
+    ("NVIDIA H100 NVL", "bf16", 835.5), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("Tesla V100-SXM2-32GB", "tf32", 15.7),
+    ("NVIDIA H800", "bf16", 989.4), ("NVIDIA H200", "bf16", 989.4), ("NVIDIA GH200 480GB", "bf16", 989.4),
+    ("NVIDIA L40S", "bf16", 362.1), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA A40", "bf16", 149.7), ("NVIDIA RTX A4000", "bf16", None), ("NVIDIA A10", "bf16", 125.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
+    ("Tesla V100-SXM2-32GB", "fp16", 125.0), ("Tesla V100-SXM2-32GB", "bf16", None),
+    ("Tesla T4", "fp32", 8.1), ("AMD Instinct MI250X", "bf16", 191.5), ("AMD Instinct MI300X", "bf16", 1307.4),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Some Future Accelerator", "bf16", None),
+]
+
+
+@pytest.mark.parametrize("name,precision,tflops", PEAK_TABLE)
+def test_model_flops_utilisation_uses_the_peak_of_the_exact_device_and_precision(name, precision, tflops):
+    """Names nest (L40 and L4, RTX A4000 and A40, H100 PCIe and H100): each is matched whole; an MI250X
+    shows up as one GCD, half the module; V100 and T4 have no bf16 to measure against."""
+    from qgtrain.training.flops import peak_flops
+
+    assert peak_flops(name, precision) == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_train_peak_tflops_overrides_the_table_and_mfu_needs_a_peak():
+    import torch
+
+    from qgtrain.training.flops import device_peak, utilisation
+
+    assert device_peak(torch.device("cpu"), "bf16") is None
+    assert device_peak(torch.device("cpu"), "bf16", 100.0) == 100e12
+    assert utilisation(1e12, 50.0, 100e12, 2) == {"mfu": 0.25}
+    assert utilisation(1e12, 50.0, None, 2) == {} and utilisation(None, 50.0, 100e12, 2) == {}
+
+
+def test_training_flops_count_matrix_products_not_embedding_lookups():
     from qgtrain.tasks.causal_lm import training_flops
     from qgtrain.tasks.models import build_model
-    from qgtrain.training.metrics import peak_flops
 
-    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
-    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L4") == 121e12
-    assert peak_flops("Some Future Accelerator") is None
-    model = build_model(load_config([]).model, 257, 128, 256)  # the main job's GPT-2
+    model = build_model(load_config([]).model, 257, 128, 256)  # the main job's GPT-2, its head tied
     params = sum(p.numel() for p in model.parameters())
-    assert training_flops(model, 128) == 128 * (6 * params + 12 * 4 * 128 * 128)
+    positions = model.transformer.wpe.weight.numel()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert training_flops(model, 128) == 128 * (6 * (params - positions) + 12 * 4 * 128 * 128)
 
 
 @pytest.mark.slow

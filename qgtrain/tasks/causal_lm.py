@@ -63,11 +63,17 @@ def _prepare(data: DataConfig) -> Path:
 
 def training_flops(model: torch.nn.Module, seq_len: int) -> float:
     """Per sample of seq_len tokens: 6 x parameters per token (forward and backward matrix products),
-    plus attention's 12 x layers x width x seq_len per token (PaLM's appendix B, as nanoGPT counts)."""
+    plus attention's 12 x layers x width x seq_len per token (PaLM's appendix B, as nanoGPT counts).
+    Embedding lookups multiply nothing, so their tables are left out; an output head that shares the
+    token embedding's table is a matrix product and counts."""
     params = sum(p.numel() for p in model.parameters())
+    tables = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    tables.pop(id(getattr(head, "weight", None)), None)
     config = getattr(model, "config", None)
     layers, width = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
-    return float(seq_len * (6 * params + 12 * layers * width * seq_len))
+    matmul_params = params - sum(tables.values())
+    return float(seq_len * (6 * matmul_params + 12 * layers * width * seq_len))
 
 
 def batch_tokens(batch: torch.Tensor) -> int:

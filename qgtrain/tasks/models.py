@@ -50,7 +50,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over a batch of token windows."""
+    """Mean next-token cross-entropy over a batch of token windows.
+
+    The labels are shifted, not the logits: slicing the logits' last position off makes a flattened
+    copy of them, the largest activation of a language model, before the fp32 copy the loss needs."""
     out = model(input_ids=tokens)
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # the last position predicts nothing
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)

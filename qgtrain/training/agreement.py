@@ -5,6 +5,11 @@ checkpoint write may fail on any rank, a loss may turn non-finite on one: each i
 everywhere if it is true anywhere (an all-reduce with MAX). Each agreement is started before a step's
 forward and read after the backward of the next agreeing step, so its round trip between ranks runs while
 the ranks compute: the decisions land one agreement later, and no step waits for the network.
+
+Nor does a step wait for the host to read them: what is read is copied to the host (pinned memory on a
+GPU) and taken at the read after, once a whole step has run. So a decision lands a step later still, and
+a GPU is never made to drain its queue. What must not wait a step (an update from non-finite gradients)
+is skipped on the device (`optim.apply_update`); before a checkpoint, everything pending is settled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Flags:
     out_of_time: bool = False  # the time limit no longer holds the work before the next agreement (rank 0)
     bad_loss: bool = False  # a loss since the last agreement was non-finite on some rank
     bad_grads: bool = False  # the reduced gradients were non-finite: the same on every rank, so not agreed
+    as_of: int = 0  # the step at whose read these flags were taken
 
     @property
     def stop(self) -> bool:
@@ -43,6 +49,7 @@ class Agreement:
         self.device = device
         nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)  # what is known before any agreement
         self._in_flight = self._started = lambda: nothing
+        self._landing = HostCopy(AGREED + 1, device)
 
     def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
         """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for all of
@@ -51,14 +58,54 @@ class Agreement:
         flags = torch.cat([on_host.to(self.device, non_blocking=True), bad_loss.reshape(1).to(torch.int32)])
         self._started, self._in_flight = self._in_flight, distributed.any_flags_later(flags)
 
-    def read(self, bad_grads: torch.Tensor) -> Flags:
-        """The agreement before the one just started, with this rank's `bad_grads`: the step's one host sync."""
-        values = torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)]).tolist()
-        return Flags(**dict(zip([*HOST_FLAGS, "bad_loss", "bad_grads"], map(bool, values))))
+    def read(self, bad_grads: torch.Tensor, step: int) -> Flags:
+        """Send the agreement before the one just started, with this rank's `bad_grads`, to the host, and
+        return what the previous read sent (no host sync: it has had a step's time to arrive)."""
+        landed = self._landing.swap(torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)]), step)
+        return _flags(*landed)
+
+    def settle(self, bad_grads: torch.Tensor, step: int) -> Flags:
+        """Everything known now, waiting for it: the flags on their way to the host (which the next read
+        still returns), with `bad_grads` of this step. Before a checkpoint, which must never hold a
+        step that went bad."""
+        values, as_of = self._landing.take()
+        if not values[-1] and bool(bad_grads):
+            values[-1], as_of = 1, step
+        return _flags(values, as_of)
 
     def finish(self) -> None:
         """Complete the agreement in flight: the process group must outlive every collective of ours."""
         self._in_flight()
+
+
+def _flags(values: list[int], as_of: int) -> Flags:
+    return Flags(**dict(zip([*HOST_FLAGS, "bad_loss", "bad_grads"], map(bool, values))), as_of=as_of)
+
+
+class HostCopy:
+    """A small int32 device tensor's values on the host one swap later: copied without blocking into
+    pinned memory on a GPU (a copy from device to pageable memory would wait for the GPU), and waited
+    for at the next swap, by which time a step has run and the copy with it. On a CPU it is a plain copy."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        on_gpu = device.type == "cuda"
+        self._buffer = torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu)
+        self._copied = torch.cuda.Event() if on_gpu else None
+        self._as_of = 0
+
+    def swap(self, values: torch.Tensor, step: int) -> tuple[list[int], int]:
+        """The values sent by the previous swap (and its step), then start sending `values`."""
+        landed = self.take()
+        self._buffer.copy_(values, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self._as_of = step
+        return landed
+
+    def take(self) -> tuple[list[int], int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._buffer.tolist(), self._as_of
 
 
 class Health:

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import EarlyStoppingConfig
 from ..data.batches import to_device
 from ..errors import ConfigError
-from ..runtime import precision
+from .sharding import autocast_for
 
 
 @torch.no_grad()
@@ -52,7 +52,7 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
                 batch = to_device(next(batches), device)
             elif batch is None:  # an empty shard: any sample will do, its results are dropped
                 batch = to_device(loader.collate_fn([loader.dataset[0]]), device)
-            with precision.autocast(precision_name, device):
+            with autocast_for(model, precision_name, device):
                 loss = loss_fn(model, batch)
                 reported = metrics_fn(model, batch) if metrics_fn is not None else {}
             if index >= own:

@@ -153,31 +153,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-# Dense bf16 tensor-core peaks per GPU (vendor data sheets, SXM parts where there are two), the yardstick for
-# model FLOPs utilisation as nanoGPT and nanochat report it. Matched by substring of the device name.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-                   "L40S": 362e12, "L4": 121e12, "A10": 125e12, "A40": 150e12, "V100": 125e12, "MI300X": 1307e12,
-                   "MI250X": 383e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
-
-
-def peak_flops(device_name: str) -> float | None:
-    for kind in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "GH200" before "H200", "L40S" before "L4"
-        if kind in device_name:
-            return PEAK_BF16_FLOPS[kind]
-    return None
-
-
-def utilisation(flops_per_sample: float | None, samples_per_s: float, device: torch.device,
-                world_size: int) -> dict[str, float]:
-    """{'mfu': ...} where both the task's FLOPs per sample and the GPU's peak are known, else {}."""
-    if not flops_per_sample or device.type != "cuda":
-        return {}
-    import torch
-
-    peak = peak_flops(torch.cuda.get_device_name(device))
-    return {"mfu": flops_per_sample * samples_per_s / (peak * world_size)} if peak else {}
-
-
 def prefixed(split: str, metrics: dict[str, float | None]) -> dict[str, float | None]:
     return {f"{split}_{name}": value for name, value in metrics.items()}
 

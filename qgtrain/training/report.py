@@ -13,7 +13,8 @@ from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state.train_state import TrainState
 from ..task import ReadyTask
-from .metrics import MetricsLog, format_metrics, memory_gb, prefixed, utilisation
+from .flops import utilisation
+from .metrics import MetricsLog, format_metrics, memory_gb, prefixed
 from .timing import Interval
 
 log = logging.getLogger("qgtrain")
@@ -21,8 +22,9 @@ log = logging.getLogger("qgtrain")
 
 class Reporter:
     def __init__(self, task: ReadyTask, metrics: MetricsLog, env: DistEnv, device: torch.device,
-                 samples_per_step: int, max_steps: int) -> None:
+                 samples_per_step: int, max_steps: int, peak_flops: float | None) -> None:
         self.task, self.metrics, self.env, self.device = task, metrics, env, device
+        self.peak_flops = peak_flops  # of one rank's device, in the run's precision (training/flops.py)
         self.samples_per_step, self.max_steps = samples_per_step, max_steps
         self.pending_tokens = 0  # this rank's tokens since they were last summed over ranks
 
@@ -57,7 +59,7 @@ class Reporter:
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
         record.update(data_wait_frac=interval.data_s / interval.busy_s, time=time.time(), **memory_gb(self.device),
-                      **utilisation(self.task.flops_per_sample, samples_per_s, self.device, world))
+                      **utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world))
         self.metrics.warn_memory(self.env.rank, state.step, record)
         if evaluated:
             record.update(prefixed("val", state.val_metrics))

@@ -12,6 +12,7 @@ stay what they are without it, and it works the same under DDP and FSDP.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
+from ..runtime import precision as precisions
 from ..runtime.precision import DTYPES
+from ..state.sharded import is_sharded_model
 
 
 def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -79,6 +82,14 @@ def shard(model: nn.Module, blocks: Sequence[nn.Module], precision: str, device:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def autocast_for(model: nn.Module, precision: str,
+                 device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast for a replicated model; none for a sharded one, which computes in its FSDP
+    MixedPrecisionPolicy's param_dtype (`shard`). FSDP's documentation: autocast on top of it casts
+    every weight again and keeps a second low-precision copy."""
+    return precisions.autocast("fp32" if is_sharded_model(model) else precision, device)
 
 
 def local_numel(tensors: Sequence[torch.Tensor]) -> int:

@@ -26,9 +26,10 @@ from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from . import replicas
 from .agreement import Agreement, Flags, Health
+from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .metrics import format_metrics, prefixed
-from .optim import clip_gradients
+from .optim import apply_update, clip_gradients
 from .parts import Outcome, Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
@@ -49,9 +50,10 @@ class Trainer:
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
                                    settings.train.eval_batches, settings.precision, env, device, self.timer)
-        self.agreement = Agreement(device)
+        self.agreement, self.health = Agreement(device), Health(device)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
-                                 settings.train.grad_accum_steps, settings.train.max_steps)
+                                 settings.train.grad_accum_steps, settings.train.max_steps,
+                                 device_peak(device, settings.precision, settings.train.peak_tflops))
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
@@ -74,7 +76,7 @@ class Trainer:
             return ended
         # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
         watchdog = diagnose.ProgressWatchdog(2 * train.collective_timeout_s + 300)
-        health, self._first_step = Health(self.device), self.state.step + 1
+        health, self._first_step = self.health, self.state.step + 1
         self.timer.restart(self.state.step)
         if self.state.step == train.max_steps:  # trained to the end, the final work left for this allocation
             return self._at_the_end(None, Flags())
@@ -90,10 +92,10 @@ class Trainer:
                              for _ in range(train.grad_accum_steps)]
             self.timer.data_ready()
             loss_sum, grad_norm = self._forward_backward(micro_batches, health)
-            agreed = self.agreement.read(health.bad_grads) if agreeing else Flags()
+            agreed = self.agreement.read(health.bad_grads, step) if agreeing else Flags()
             if agreeing:
                 self._act_on(agreed, step, health)
-            self._apply_update(step, micro_batches)
+            self._apply_update(step, micro_batches, health)
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
                 return self._at_the_end(done, agreed)
@@ -129,7 +131,7 @@ class Trainer:
         loss_sum = accumulate_gradients(parts.wrapped, parts.task.loss, micro_batches, self.settings.precision,
                                         parts.scaler, self.device)
         parts.scaler.unscale_(parts.optimizer)
-        grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip)
+        grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip, self.device)
         # with fp16, non-finite gradients are the loss scaler's to skip
         health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
         return loss_sum, grad_norm
@@ -140,11 +142,10 @@ class Trainer:
             self.parts.checkpointer.wait()  # raises the failure, the same on every rank
         unused = step == self._first_step and distributed.any_flags([self._has_unused()], self.device)[0]
         if agreed.bad_loss or agreed.bad_grads or unused:
-            self._fail(step, not unused, bool(health.bad_loss.item()))
+            self._fail(agreed.as_of if not unused else step, not unused, bool(health.bad_loss.item()))
 
-    def _apply_update(self, step: int, micro_batches: list[Any]) -> None:
-        self.parts.scaler.step(self.parts.optimizer)
-        self.parts.scaler.update()
+    def _apply_update(self, step: int, micro_batches: list[Any], health: Health) -> None:
+        apply_update(self.parts.optimizer, self.parts.scaler, health.bad_grads)
         self.parts.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.parts.metrics.advance(step)
@@ -207,6 +208,9 @@ class Trainer:
                              evaluated)
 
     def _save(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
+        settled = self.agreement.settle(self.health.bad_grads, self.state.step)
+        if settled.bad_loss or settled.bad_grads:  # not yet read: a checkpoint must not hold it
+            self._fail(settled.as_of, True, bool(self.health.bad_loss.item()))
         saving = time.perf_counter()
         self.save(evaluated, blocking=blocking, again=again)
         self.timer.saved(saving)

@@ -1,0 +1,118 @@
+"""Parts of one training step, in one process: gradient clipping and the precision a model computes in.
+Runs against: real modules and optimizers (and a real FSDP2 unit on a one-rank gloo group)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.helpers import tiny_gpt2
+from tests.ranks import run_ranks
+
+
+def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm():
+    """Clipping to infinity would multiply each gradient by 1.0 in place: a pass over all of them per step
+    (the version counter shows the in-place write)."""
+    from qgtrain.training.optim import clip_gradients
+
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    versions = [g._version for g in grads]
+    norm = clip_gradients(model, 0.0, torch.device("cpu"))
+    assert [g._version for g in grads] == versions
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    clip_gradients(model, 0.5, torch.device("cpu"))
+    assert [g._version for g in grads] != versions  # a real bound still clips
+
+
+def test_a_model_without_gradients_reports_norm_0_on_the_ranks_device():
+    """The report stacks the norm with device tensors: torch's norm of no tensors is a CPU tensor,
+    which a CUDA run cannot stack (shown here with the meta device, which CPU tensors do not mix with)."""
+    from qgtrain.training.optim import clip_gradients
+
+    norm = clip_gradients(torch.nn.Linear(4, 3), 1.0, torch.device("meta"))
+    assert norm.device == torch.device("meta") and norm.dim() == 0
+
+
+def autocast_while_computing_loss() -> dict[str, bool]:
+    from qgtrain.runtime.distributed import process_group
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.sharding import find_blocks, shard
+
+    env, cpu = from_environ(os.environ), torch.device("cpu")
+    seen = {}
+    with process_group(env, cpu, 60, 60):
+        for layout in ("replicated", "sharded"):
+            model = tiny_gpt2()
+            if layout == "sharded":
+                model = shard(model, find_blocks(model, []), "bf16", cpu)
+
+            def loss(m: torch.nn.Module, ids: torch.Tensor, layout: str = layout) -> torch.Tensor:
+                seen[layout] = torch.is_autocast_enabled("cpu")
+                return m(input_ids=ids, labels=ids).loss.float()
+
+            ids = torch.randint(0, 200, (2, 16))
+            accumulate_gradients(model, loss, [ids], "bf16", torch.amp.GradScaler("cpu", enabled=False), cpu)
+    return seen
+
+
+def test_bf16_autocasts_a_replicated_model_and_leaves_a_sharded_one_to_fsdps_policy():
+    """FSDP2's MixedPrecisionPolicy already computes in bf16; autocast on top would cast every weight again."""
+    assert run_ranks(1, autocast_while_computing_loss) == [{"replicated": True, "sharded": False}]
+
+
+def test_the_built_in_loss_equals_transformers_own_causal_lm_loss():
+    from qgtrain.tasks.models import lm_loss
+
+    torch.manual_seed(0)
+    model, ids = tiny_gpt2(), torch.randint(0, 200, (3, 16))
+    torch.testing.assert_close(lm_loss(model, ids), model(input_ids=ids, labels=ids).loss)
+
+
+def test_an_update_from_non_finite_gradients_is_skipped_on_the_device_by_fused_optimizers():
+    """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count; another
+    optimizer skips by reading the flag. Either way the weights and the state stay as they were."""
+    from qgtrain.training.optim import apply_update
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for fused in (True, False):
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=fused or None)
+        assert getattr(optimizer, "_step_supports_amp_scaling", False) == fused
+        model(torch.ones(1, 3)).sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        apply_update(optimizer, scaler, torch.tensor(True))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert all(state["step"] == 0 for state in optimizer.state.values())
+        apply_update(optimizer, scaler, torch.tensor(False))
+        assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert not hasattr(optimizer, "found_inf")
+
+
+def flags_as_reads_go_by() -> list[tuple[bool, bool, int]]:
+    from qgtrain.runtime.distributed import process_group
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.agreement import Agreement, Flags
+
+    env, cpu = from_environ(os.environ), torch.device("cpu")
+    seen = []
+    with process_group(env, cpu, 60, 60):
+        agreement, ok, bad = Agreement(cpu), torch.tensor(False), torch.tensor(True)
+        for step, (stop, grads) in enumerate([(True, ok), (False, ok), (False, bad), (False, ok)], 1):
+            agreement.start(Flags(stop_requested=stop and env.rank == 1), torch.tensor(False))
+            flags = agreement.read(grads, step)
+            seen.append((flags.stop_requested, flags.bad_grads, flags.as_of))
+        settled = agreement.settle(ok, 5)
+        seen.append((settled.stop_requested, settled.bad_grads, settled.as_of))
+        agreement.finish()
+    return seen
+
+
+def test_agreed_flags_reach_the_host_one_read_later_and_settle_waits_for_them():
+    """A stop asked on rank 1 before step 1 is agreed by step 2's read and on the host at step 3's, on
+    both ranks; non-finite gradients read at step 3 come back at step 4's read, naming step 3."""
+    expected = [(False, False, 0), (False, False, 1), (True, False, 2), (False, True, 3), (False, False, 4)]
+    assert run_ranks(2, flags_as_reads_go_by) == [expected, expected]
