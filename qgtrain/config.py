@@ -204,7 +204,8 @@ class LoggingConfig:
     wandb_project: str = setting("qgtrain", "the W&B project")
     wandb_mode: Literal["offline", "online"] = setting(
         "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often have no network)")
-    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns)")
+    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without "
+                              "credentials: set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
     mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")

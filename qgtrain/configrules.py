@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .durations import duration_s
+from .redact import mask_text, uri_credentials
 
 if TYPE_CHECKING:  # config.py imports these rules; they only read its dataclasses
     from .config import RunConfig
@@ -71,4 +72,15 @@ def reporting_rules(cfg: RunConfig) -> Problem:
                                         "wandb, mlflow")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
         return "early_stopping.patience", "early stopping needs validations: set train.eval_every > 0"
-    return None
+    return _tracker_uri_rule(cfg.logging.mlflow_uri)
+
+
+def _tracker_uri_rule(uri: str) -> Problem:
+    """A credential in the config would be copied into config.yaml of the run, of every checkpoint, of slurm/
+    and of sweep tasks, and into the tracker's own params; MLflow reads its own variables instead."""
+    found = uri_credentials(uri) if uri else None
+    if found is None:
+        return None
+    return "logging.mlflow_uri", (f"{mask_text(uri)!r} holds {found}, which the run's files would keep; give "
+                                  "the URI without it and set MLFLOW_TRACKING_USERNAME and "
+                                  "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the job's environment")

@@ -1,0 +1,70 @@
+"""What qgtrain publishes: no tracker credential in its console, logs or run files, and no credential
+accepted into a config. Runs against: real `qgtrain` processes (train with real W&B offline and MLflow
+stores) and a real MLflow HTTP client failing on a closed port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY, cli
+from tests.ranks import ROOT
+
+PASSWORD = "s3cret-Pa55word"
+API_KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+def every_file(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_tracker_credential_reaches_no_console_log_or_run_file(tmp_path):
+    """MLflow reads a password in MLFLOW_TRACKING_URI itself: qgtrain uses the URI but shows it masked;
+    WANDB_API_KEY is never shown."""
+    store = tmp_path / "mlstore"
+    uri = f"file://alice:{PASSWORD}@localhost{store}"
+    run_dir = tmp_path / "runs" / "run"
+    done = cli("train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run_dir), "--set", *TINY,
+               "train.max_steps=2", "logging.trackers=[wandb, mlflow]", cwd=tmp_path,
+               env={"MLFLOW_TRACKING_URI": uri, "WANDB_API_KEY": API_KEY, "WANDB_SILENT": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    for where, text in {"console": console.encode(), **every_file(run_dir)}.items():
+        assert PASSWORD.encode() not in text and API_KEY.encode() not in text, where
+    assert f"MLFLOW_TRACKING_URI=file://alice:***@localhost{store} from the environment" in console
+    assert "logging to mlflow run" in console and list(store.glob("*/*/metrics/loss")), "MLflow got the run"
+
+
+def test_a_tracker_failure_quoting_its_uri_is_logged_masked(tmp_path, caplog, monkeypatch):
+    """A library's error message may quote the URI it failed on, password included (MLflow's does)."""
+    from qgtrain.config import LoggingConfig
+    from qgtrain.training.trackers import open_trackers
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once on the closed port
+    with caplog.at_level("INFO", logger="qgtrain"):
+        opened = open_trackers(LoggingConfig(trackers=("mlflow",)), tmp_path, "run", {},
+                               environ={"MLFLOW_TRACKING_URI": f"http://alice:{PASSWORD}@127.0.0.1:9/"})
+    assert opened == [] and "mlflow could not start" in caplog.text
+    assert "http://alice:***@127.0.0.1:9/" in caplog.text and PASSWORD not in caplog.text
+
+
+@pytest.mark.parametrize("how", ["--set", "file"])
+@pytest.mark.parametrize("uri, found", [(f"http://alice:{PASSWORD}@mlflow.example:5000", "a user name and password"),
+                                        (f"https://mlflow.example/?token={PASSWORD}", "the query parameter 'token'")])
+def test_a_credential_in_logging_mlflow_uri_is_refused_before_anything_is_written(tmp_path, how, uri, found):
+    """In the config it would be copied into config.yaml of the run, its checkpoints, slurm/ and sweep
+    tasks, and the tracker's params: MLflow's own variables carry it instead."""
+    run_dir = tmp_path / "run"
+    given = ["--set", f"logging.mlflow_uri={uri}"]
+    if how == "file":
+        (tmp_path / "site.yaml").write_text(f"logging:\n  mlflow_uri: '{uri}'\n")
+        given = ["--config", str(tmp_path / "site.yaml")]
+    done = cli("train", *given, "--run-dir", str(run_dir), "--set", *TINY, "train.max_steps=1", cwd=tmp_path,
+               timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "logging.mlflow_uri" in done.stderr and found in done.stderr
+    assert all(name in done.stderr for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                                                "MLFLOW_TRACKING_TOKEN"))
+    assert PASSWORD not in done.stdout + done.stderr
+    assert not run_dir.exists()
