@@ -1,9 +1,11 @@
-"""What qgtrain publishes: no tracker credential in its console, logs or run files, and no credential
-accepted into a config. Runs against: real `qgtrain` processes (train with real W&B offline and MLflow
-stores) and a real MLflow HTTP client failing on a closed port."""
+"""What qgtrain publishes: no tracker credential in its console, logs, run files or exported folder, no
+credential accepted into a config, and no exported folder that says where the user's machines are. Runs
+against: real `qgtrain` processes (train with real W&B offline and MLflow stores, export) and a real
+MLflow HTTP client failing on a closed port."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,20 +15,23 @@ from tests.ranks import ROOT
 
 PASSWORD = "s3cret-Pa55word"
 API_KEY = "0123456789abcdef0123456789abcdef01234567"
+MARKERS = ("acct-marker-7", "project-marker-7")  # slurm.account, logging.wandb_project: about the user's site
 
 
 def every_file(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-def test_a_tracker_credential_reaches_no_console_log_or_run_file(tmp_path):
+def test_a_tracker_credential_reaches_no_console_log_run_file_or_export(tmp_path):
     """MLflow reads a password in MLFLOW_TRACKING_URI itself: qgtrain uses the URI but shows it masked;
-    WANDB_API_KEY is never shown."""
+    WANDB_API_KEY is never shown. The exported model card and qgtrain_model.json, made to be published,
+    keep the model's config but not the sections about the user's site (logging, slurm, export)."""
     store = tmp_path / "mlstore"
     uri = f"file://alice:{PASSWORD}@localhost{store}"
     run_dir = tmp_path / "runs" / "run"
     done = cli("train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run_dir), "--set", *TINY,
-               "train.max_steps=2", "logging.trackers=[wandb, mlflow]", cwd=tmp_path,
+               "train.max_steps=2", "logging.trackers=[wandb, mlflow]", f"logging.wandb_project={MARKERS[1]}",
+               f"slurm.account={MARKERS[0]}", "export.on_finish=true", cwd=tmp_path,
                env={"MLFLOW_TRACKING_URI": uri, "WANDB_API_KEY": API_KEY, "WANDB_SILENT": "true"})
     assert done.returncode == 0, done.stderr[-3000:]
     console = done.stdout + done.stderr
@@ -34,6 +39,15 @@ def test_a_tracker_credential_reaches_no_console_log_or_run_file(tmp_path):
         assert PASSWORD.encode() not in text and API_KEY.encode() not in text, where
     assert f"MLFLOW_TRACKING_URI=file://alice:***@localhost{store} from the environment" in console
     assert "logging to mlflow run" in console and list(store.glob("*/*/metrics/loss")), "MLflow got the run"
+    exported = every_file(run_dir / "export")
+    assert {"README.md", "qgtrain_model.json"} <= set(exported)
+    for name, text in exported.items():
+        assert not any(marker.encode() in text for marker in MARKERS), name
+        assert str(tmp_path).encode() not in text, f"{name} names the user's folders"
+    meta = json.loads(exported["qgtrain_model.json"])
+    assert set(meta["config"]) == {"task", "model", "data", "optim", "train", "early_stopping", "checkpoint"}
+    assert meta["config"]["model"]["factory"] == "tests.factories:tiny" and meta["run"]["checkpoint"] == "step-2"
+    assert "factory: tests.factories:tiny" in exported["README.md"].decode()
 
 
 def test_a_tracker_failure_quoting_its_uri_is_logged_masked(tmp_path, caplog, monkeypatch):
