@@ -211,6 +211,8 @@ class LoggingConfig:
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
     memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
                                     min=0.0)
+    shared: bool = setting(False, "false: a new run directory is private to you (mode 0700); true: it follows "
+                           "your umask, for a group project, but is never writable by everyone")
 
 
 @dataclass(frozen=True)

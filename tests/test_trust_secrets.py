@@ -1,11 +1,14 @@
 """What qgtrain publishes: no tracker credential in its console, logs, run files or exported folder, no
-credential accepted into a config, and no exported folder that says where the user's machines are. Runs
-against: real `qgtrain` processes (train with real W&B offline and MLflow stores, export) and a real
-MLflow HTTP client failing on a closed port."""
+credential accepted into a config, no exported folder that says where the user's machines are, and run
+directories private unless shared. Runs against: real `qgtrain` processes (train with real W&B offline
+and MLflow stores, export), a real MLflow HTTP client failing on a closed port, and the real filesystem's
+modes."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,15 @@ from tests.ranks import ROOT
 PASSWORD = "s3cret-Pa55word"
 API_KEY = "0123456789abcdef0123456789abcdef01234567"
 MARKERS = ("acct-marker-7", "project-marker-7")  # slurm.account, logging.wandb_project: about the user's site
+
+
+@pytest.fixture
+def umask_022():
+    """The umask most clusters give their users, under which a folder is world-readable unless made
+    otherwise; the CLI processes a test starts inherit it."""
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
 
 
 def every_file(folder: Path) -> dict[str, bytes]:
@@ -82,3 +94,31 @@ def test_a_credential_in_logging_mlflow_uri_is_refused_before_anything_is_writte
                                                 "MLFLOW_TRACKING_TOKEN"))
     assert PASSWORD not in done.stdout + done.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_new_run_directory_is_private_unless_shared(tmp_path, umask_022, shared):
+    """Under umask 022 every folder is world-readable; a run's config, logs and weights are not for
+    everyone on the cluster. logging.shared opens it to the group (the umask decides), never to writes by
+    everyone."""
+    run_dir = tmp_path / "runs" / "run"
+    done = cli("train", "--run-dir", str(run_dir), "--set", *TINY, "train.max_steps=1", "checkpoint.every_steps=1",
+               f"logging.shared={str(shared).lower()}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mode = stat.S_IMODE(run_dir.stat().st_mode)
+    assert mode == (0o755 if shared else 0o700), oct(mode)
+    assert "open to other users" not in done.stderr
+
+
+def test_an_existing_run_directory_keeps_its_mode_and_an_open_one_is_named(tmp_path, umask_022):
+    """A folder made before (by the user, or an older qgtrain) is not changed behind the user's back."""
+    from qgtrain.state.rundir import create
+
+    made = tmp_path / "mine"
+    made.mkdir()
+    assert "open to other users (mode 0755)" in (create(made, shared=False) or "")
+    assert create(made, shared=True) is None and stat.S_IMODE(made.stat().st_mode) == 0o755
+    made.chmod(0o750)
+    assert create(made, shared=False) is None and stat.S_IMODE(made.stat().st_mode) == 0o750
+    assert create(tmp_path / "new" / "run", shared=False) is None
+    assert stat.S_IMODE((tmp_path / "new" / "run").stat().st_mode) == 0o700
