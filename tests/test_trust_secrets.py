@@ -1,8 +1,8 @@
 """What qgtrain publishes: no tracker credential in its console, logs, run files or exported folder, no
-credential accepted into a config, no exported folder that says where the user's machines are, and run
-directories private unless shared. Runs against: real `qgtrain` processes (train with real W&B offline
-and MLflow stores, export), a real MLflow HTTP client failing on a closed port, and the real filesystem's
-modes."""
+credential accepted into a config, no exported folder that says where the user's machines are, run
+directories private unless shared, and `qgtrain runs` showing other users' files without letting them drive
+the terminal. Runs against: real `qgtrain` processes (train with real W&B offline and MLflow stores, export,
+runs), a real MLflow HTTP client failing on a closed port, and the real filesystem's modes."""
 
 from __future__ import annotations
 
@@ -122,3 +122,22 @@ def test_an_existing_run_directory_keeps_its_mode_and_an_open_one_is_named(tmp_p
     assert create(made, shared=False) is None and stat.S_IMODE(made.stat().st_mode) == 0o750
     assert create(tmp_path / "new" / "run", shared=False) is None
     assert stat.S_IMODE((tmp_path / "new" / "run").stat().st_mode) == 0o700
+
+
+def test_runs_shows_control_characters_from_a_run_directory_escaped(tmp_path):
+    """Anyone who can write a shared run directory writes what `qgtrain runs` shows: escape sequences that
+    recolour, clear or retitle the terminal, and lines that pose as other runs, are shown as text."""
+    run = tmp_path / "runs" / "evil"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    (run / "status.json").write_text(json.dumps({
+        "status": "failed", "error": "boom\x1b[2J\r\nother-run: finished\u202e", "job_id": "7\x1b]0;owned\x07",
+        "failures": [{"rank": 0, "node": "n1\x1b[31m", "how": "killed\x9b", "action": "end"}]}))
+    table = cli("runs", str(tmp_path / "runs"), cwd=tmp_path)
+    listed = cli("runs", str(tmp_path / "runs"), "--json", cwd=tmp_path)
+    assert table.returncode == 0 and listed.returncode == 0, table.stderr + listed.stderr
+    for shown in (table.stdout, listed.stdout):
+        assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 or c == "\u202e" for c in shown), shown
+    assert "evil: boom\\x1b[2J\\r\\nother-run: finished\\u202e" in table.stdout
+    assert "7\\x1b]0;owned\\x07" in table.stdout and "n1\\x1b[31m" in table.stdout
+    assert json.loads(listed.stdout)[0]["error"] == "boom\x1b[2J\r\nother-run: finished\u202e"
