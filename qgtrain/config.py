@@ -1,4 +1,5 @@
-"""The run configuration: one frozen dataclass per section of config.yaml, and the rules between fields.
+"""The run configuration: one frozen dataclass per section of config.yaml, and the rules between fields
+(written in configrules.py).
 
 Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py) can
 validate a file and explain a mistake without a second copy of the schema. World size and ranks are
@@ -11,7 +12,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .durations import duration_s
+from .configrules import model_and_data_rules, reporting_rules, training_rules
 from .errors import ConfigError
 from .task import BUILTIN_LM
 
@@ -205,12 +206,15 @@ class LoggingConfig:
     wandb_project: str = setting("qgtrain", "the W&B project")
     wandb_mode: Literal["offline", "online"] = setting(
         "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often have no network)")
-    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns)")
+    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without "
+                              "credentials: set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
     mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
     memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
                                     min=0.0)
+    shared: bool = setting(False, "false: a new run directory is private to you (mode 0700); true: it follows "
+                           "your umask, for a group project, but is never writable by everyone")
 
 
 @dataclass(frozen=True)
@@ -232,71 +236,8 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] fo
 
 def check_rules(cfg: RunConfig, source: str) -> None:
     """Rules that involve more than one field; `source` names where the values came from."""
-    for rules in (_model_and_data_rules, _training_rules, _reporting_rules):
+    for rules in (model_and_data_rules, training_rules, reporting_rules):
         problem = rules(cfg)
         if problem is not None:
             key, text = problem
             raise ConfigError(f"{source}: {key}: {text}")
-
-
-Problem = tuple[str, str] | None  # (the key, what is wrong with it and what to do)
-
-
-def _model_and_data_rules(cfg: RunConfig) -> Problem:
-    if cfg.model.pretrained and cfg.model.factory:
-        return "model.factory", "set either model.pretrained or model.factory, not both"
-    if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
-        return "model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}"
-    if cfg.data.name == "factory" and not cfg.data.factory:
-        return "data.factory", "data.name is 'factory' but no 'package.module:function' is given"
-    for key, value in (("task.factory", cfg.task.factory), ("model.factory", cfg.model.factory),
-                       ("data.factory", cfg.data.factory)):
-        if value and (value.count(":") != 1 or not all(value.split(":"))):
-            return key, f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'"
-    if cfg.data.name == "files" and not cfg.data.files:
-        return "data.files", ("data.name is 'files' but no files are named; give globs, files or folders, e.g. "
-                              "['/shared/corpus/*.jsonl.gz']")
-    if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
-        return "data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training"
-    return None
-
-
-def _training_rules(cfg: RunConfig) -> Problem:
-    train = cfg.train
-    if cfg.optim.min_lr > cfg.optim.lr:
-        return "optim.min_lr", f"{cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}"
-    if cfg.checkpoint.keep_last < 2:
-        return "checkpoint.keep_last", (f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
-                                        "half-written when a job dies, so the one before it must survive rotation")
-    if train.parallel != "ddp" and train.precision == "fp16":
-        return "train.precision", ("fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
-                                   f"bf16 with train.parallel: {train.parallel}")
-    if train.parallel != "ddp" and cfg.model.compile:
-        return "model.compile", (f"torch.compile with train.parallel: {train.parallel} is not supported yet; use "
-                                 "ddp to compile, or turn model.compile off")
-    if train.shard_group_size and train.parallel != "hsdp":
-        return "train.shard_group_size", f"applies to train.parallel: hsdp, not {train.parallel}; set it to 0"
-    if train.precision == "fp16" and train.device == "cpu":
-        return "train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU"
-    name = train.run_name
-    if not name.strip() or name != name.strip() or "/" in name or name in (".", "..") or \
-            any(ord(c) < 32 for c in name):
-        return "train.run_name", (f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
-                                  "trailing spaces, no control characters")
-    if train.max_time and duration_s(train.max_time) is None:
-        return "train.max_time", (f"{train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, or "
-                                  "Slurm's HH:MM:SS or D-HH:MM:SS")
-    return None
-
-
-def _reporting_rules(cfg: RunConfig) -> Problem:
-    if not cfg.early_stopping.metric.startswith("val_"):
-        return "early_stopping.metric", (f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss "
-                                         "or val_<name> for a metric your task reports")
-    for tracker in cfg.logging.trackers:
-        if tracker not in ("tensorboard", "wandb", "mlflow"):
-            return "logging.trackers", (f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, "
-                                        "wandb, mlflow")
-    if cfg.early_stopping.patience and not cfg.train.eval_every:
-        return "early_stopping.patience", "early stopping needs validations: set train.eval_every > 0"
-    return None

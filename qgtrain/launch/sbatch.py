@@ -213,10 +213,12 @@ exit "$?"
 def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run) -> str:
     """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it."""
     from ..configload import dump_yaml
+    from ..state.rundir import create
     from .nodes import check_exclusions
 
     script = render(cfg.slurm, str(job_dir / "config.yaml"))
     check_exclusions(cfg.slurm, run)
+    create(job_dir.parent, cfg.logging.shared)  # the run directory, private unless logging.shared
     job_dir.mkdir(parents=True, exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
     (job_dir / "config.yaml").write_text(dump_yaml(cfg))

@@ -31,7 +31,7 @@ from ..runtime.slurm import (
     reason_not_to_requeue,
     seconds_left,
 )
-from ..state.rundir import default_run_dir
+from ..state.rundir import create, default_run_dir
 from . import submitit_compat, sweep
 from .sbatch import retry_steps, tasks_per_node, time_minutes, validate
 from .sweep import Sweep
@@ -204,6 +204,8 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
                            "or train directly with `qgtrain train`")
     executor.update_parameters(**executor_parameters(cfg, recover_args=_recover_args(cfg, target)))
     submitit_compat.use_job_class(executor, TrainJob)
+    if folder is None:  # submitit's folder inside the run directory would create it with the umask's mode
+        create(target, cfg.logging.shared)
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 
 

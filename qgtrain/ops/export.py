@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
-from ..configload import config_from_dict, config_to_dict, dump_yaml
+from ..configload import config_from_dict, config_to_dict
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
 from ..state import checkpoint, sharded
@@ -80,11 +80,12 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
         builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
-        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts, dump_yaml(saved),
+        published = export_writer.publishable(config_to_dict(saved))
+        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts, published,
                                         LM_USAGE if lm else export_writer.usage(kind, model, builder),
                                         "text-generation" if lm else None)
         meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
-                "run": facts, "config": config_to_dict(saved)}
+                "run": facts, "config": published}
         torch_dtype = export_stream.DTYPES[chosen]
         export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
                             weights=lambda folder, size: export_stream.write_weights(folder, weights, read,
@@ -191,14 +192,15 @@ def _set_generation_eos(model: torch.nn.Module, eos: int | None) -> None:
 
 
 def run_facts(ckpt: checkpoint.Checkpoint, cfg: RunConfig, tokenizer_name: str | None) -> dict[str, Any]:
-    """What training did, from the checkpoint and the run's metrics: in the model card and qgtrain_model.json."""
+    """What training did, from the checkpoint and the run's metrics: in the model card and qgtrain_model.json
+    (the checkpoint by its folder's name: its full path names the user's home and cluster)."""
     state = checkpoint.load_json(ckpt, "state.json")
     trainer, versions = state["trainer"], state.get("versions", {})
     metrics = RunDir(ckpt.path.parent.parent).metrics
     losses = [r["loss"] for r in read_metrics(metrics) if "loss" in r and r["step"] <= ckpt.step] \
         if metrics.exists() else []
     return {"qgtrain": versions.get("qgtrain", "?"), "torch": versions.get("torch", "?"),
-            "checkpoint": str(ckpt.path), "step": ckpt.step, "epochs": trainer["epoch"] + 1,
+            "checkpoint": ckpt.path.name, "step": ckpt.step, "epochs": trainer["epoch"] + 1,
             "tokens_seen": trainer.get("tokens_seen"), "train_loss": losses[-1] if losses else None,
             "val": trainer.get("val_metrics", {"loss": trainer.get("val_loss")}),
             "test": trainer.get("test_metrics", {"loss": trainer.get("test_loss")}),

@@ -1,7 +1,8 @@
 """The one export writer: a model's weights, what rebuilds it, the run's facts and a model card, in one folder.
 
 Whatever the model, the folder holds `qgtrain_model.json` (what kind of export it is, the task and options
-that built the model, the resolved config, the run's facts) and a `README.md` model card; the weights are
+that built the model, the resolved config, the run's facts) and a `README.md` model card, both made to be
+published: the config's sections about the user's own machines (PRIVATE_SECTIONS) stay out of them; the weights are
 written the model's own way. A transformers PreTrainedModel and a huggingface_hub PyTorchModelHubMixin use
 their own config files (their own class reloads them without qgtrain); any other module's `state_dict` goes
 to `model.safetensors`, with the model's own names, and `qgtrain.load_model(folder)` rebuilds it by calling
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 META = "qgtrain_model.json"
+# Where the run was trained, not what was trained: tracker servers and projects, the runs folder (logging),
+# the Slurm account, partition, setup lines and images (slurm), and the export's own folder (export).
+PRIVATE_SECTIONS = ("logging", "slurm", "export")
 SHARD_SIZE = "2GB"
 ONE_FILE = 2**62
 FORMAT = 1
@@ -65,15 +69,24 @@ def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, token
     return kind
 
 
+def publishable(config: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config as an exported folder shows it: without PRIVATE_SECTIONS, which a rebuild of the
+    model never reads (they come back as the defaults)."""
+    return {section: values for section, values in config.items() if section not in PRIVATE_SECTIONS}
+
+
 def size_in_bytes(size: str) -> int:
     """'2GB' -> 2 * 10**9, as transformers and huggingface_hub count shard sizes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
     return int(float(size[:-2]) * units[size[-2:].upper()]) if size[-2:].upper() in units else int(size)
 
 
-def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], config_yaml: str,
+def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], config: dict[str, Any],
                usage: str, pipeline_tag: str | None = None) -> str:
-    """What a reader of the folder wants to know: what it is, how it was trained, how to load it."""
+    """What a reader of the folder wants to know: what it is, how it was trained (`config`: publishable's),
+    how to load it."""
+    import yaml
+
     kind = kind_of(model)
     header = ["---", f"library_name: {'transformers' if kind == 'transformers' else 'pytorch'}", "tags: [qgtrain]"]
     if pipeline_tag:
@@ -81,7 +94,7 @@ def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], co
     return "\n".join([*header, "---", f"# {name}", "",
                       f"A `{type(model).__name__}` trained with qgtrain (task `{task}`).", "", facts_table(facts), "",
                       "```python", usage.strip(), "```", "", "## Resolved training config", "", "```yaml",
-                      config_yaml.rstrip(), "```", ""])
+                      yaml.safe_dump(config, sort_keys=False).rstrip(), "```", ""])
 
 
 def usage(kind: str, model: nn.Module, builder: str) -> str:

@@ -48,8 +48,9 @@ def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.
     path = (run_dir or rundir.default_run_dir(cfg)).resolve()
     try:
         rundir.refuse_foreign(path)
+        exposed = rundir.create(path, cfg.logging.shared)
         held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
-        warnings: list[str] = []
+        warnings: list[str] = [exposed] if exposed else []
         candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), cfg.checkpoint.resume,
                                        warnings.append)
         return Claim(path, "", None, warnings, candidates)

@@ -11,7 +11,8 @@ start writes a new offline file; each start therefore replays the run's history 
 the resumed step) into its file before logging on, so the newest file alone holds the whole step axis. A tracker that
 fails (no library, bad credentials, no network in online mode) warns once and is dropped: training never
 stops for a tracker. Neither library is imported unless configured; both work without a network (W&B's
-offline mode, synced later with `wandb sync`; MLflow's file store).
+offline mode, synced later with `wandb sync`; MLflow's file store). A credential in a tracker's setting
+(MLFLOW_TRACKING_URI's password, WANDB_API_KEY) is passed to the library but never logged (redact.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from ..config import LoggingConfig
 from ..errors import ConfigError, first_line
 from ..files import write_atomic
+from ..redact import mask_setting, mask_text
 from ..state.rundir import RunDir
 
 log = logging.getLogger("qgtrain")
@@ -82,7 +84,7 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             self.broken = True
             log.warning("logging.trackers: %s failed to %s (%s: %s); training goes on without it", self.name,
-                        what, type(exc).__name__, first_line(exc, 200))
+                        what, type(exc).__name__, mask_text(first_line(exc, 200)))
             return False
 
 
@@ -109,7 +111,7 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
             run = starter(cfg, run_dir, run_name, config, state.get(f"{name}_id"), environ)
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             log.warning("logging.trackers: %s could not start (%s: %s); training goes on without it", name,
-                        type(exc).__name__, first_line(exc, 200))
+                        type(exc).__name__, mask_text(first_line(exc, 200)))
             continue
         state[f"{name}_id"] = run.run_id
         write_atomic(state_path, json.dumps(state, indent=1))
@@ -120,14 +122,15 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
 
 def tracker_setting(cfg: LoggingConfig, key: str, variable: str, environ: Mapping[str, str]) -> str:
     """The tracker's own environment variable where the config leaves `key` at its default (a site sets
-    them once for every tool); a value set in the config wins. The log says which was used."""
+    them once for every tool); a value set in the config wins. The log says which was used, masked."""
     value, default = getattr(cfg, key), next(f.default for f in fields(LoggingConfig) if f.name == key)
-    if value == default and environ.get(variable):
-        log.info("logging.%s: using %s=%s from the environment", key, variable, environ[variable])
-        return environ[variable]
-    if value != default and environ.get(variable) and environ[variable] != value:
-        log.info("logging.%s: %s from the config (the environment's %s=%s is not used)", key, value, variable,
-                 environ[variable])
+    given = environ.get(variable)
+    if value == default and given:
+        log.info("logging.%s: using %s=%s from the environment", key, variable, mask_setting(variable, given))
+        return given
+    if value != default and given and given != value:
+        log.info("logging.%s: %s from the config (the environment's %s=%s is not used)", key,
+                 mask_setting(variable, str(value)), variable, mask_setting(variable, given))
     return str(value)
 
 
