@@ -3,10 +3,11 @@
     checkpoints/step-<N>/      committed: manifest.json lists every file with its size and xxh3 checksum
     checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
 
-A folder counts as a checkpoint only if its manifest (written last, then the rename) parses and names this
-format. Before a checkpoint is used its files are checked against the manifest, so a truncated
-or corrupted file is reported by name and the previous checkpoint is used instead. Files are torch.save'd
-and loaded with weights_only=True, so loading never runs code from a file. This module knows nothing of
+A folder counts as a checkpoint only if its manifest (written last, then the rename) parses and
+names this format. Before a checkpoint is used its files are checked against the manifest, so a
+truncated or corrupted file is reported by name and the previous checkpoint is used instead. Files
+are torch.save'd and loaded with weights_only=True, so loading never runs code from a file; a
+manifest's names count only inside the folder (manifest_files.py). This module knows nothing of
 ranks; checkpointer.py decides who writes what.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import pickle
 import re
@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from ..errors import CheckpointError, first_line
+from . import manifest_files as listed
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
 _COMMITTED = re.compile(r"step-(\d+)")
-_WINDOW = 16 << 20  # a multiple of mmap's allocation granularity
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
                 (folder / name).write_bytes(obj)
             else:
                 torch.save(obj, folder / name)
-            digests[name] = pool.submit(_digest, folder / name)
+            digests[name] = pool.submit(listed.digest, folder / name)
         return {name: {"size": (folder / name).stat().st_size, "xxh3": future.result()}
                 for name, future in digests.items()}
 
@@ -107,19 +105,7 @@ def _nbytes(obj: Any) -> int:
 
 def file_entry(path: Path) -> dict[str, Any]:
     """A file's manifest entry, for files written by others (torch.distributed.checkpoint)."""
-    return {"size": path.stat().st_size, "xxh3": _digest(path)}
-
-
-def _digest(path: Path) -> str:
-    """xxh3-128 of a file, read through mmap (half the time of chunked reads, as fast as the page cache) a
-    window at a time: a process that checks a 16 GB shard holds 16 MiB of it, not 16 GB, in its memory."""
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for offset in range(0, size, _WINDOW):
-            with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as view:
-                hasher.update(view)
-    return hasher.hexdigest()
+    return {"size": path.stat().st_size, "xxh3": listed.digest(path)}
 
 
 def commit(staging: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
@@ -203,14 +189,23 @@ def _step_folders(root: Path) -> list[Path]:
 def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
     """None if every file (or the named ones) matches its manifest entry, else what is wrong, naming the
     file. Without `checksums` only sizes are compared: a stat per file, no reading."""
+    try:  # names that leave the folder, then links, FIFOs and devices in it, listed or not
+        problem = listed.listing_problem(ckpt.manifest, ckpt.path / MANIFEST) \
+            or listed.stray_problem(ckpt.path)
+    except OSError as exc:
+        problem = f"{ckpt.path} cannot be read ({exc.strerror or exc})"
+    if problem:
+        return problem
     files = ckpt.manifest.get("files", {})
     for name in files if names is None else names:
         path, entry = ckpt.path / name, files[name]
         try:
-            size = path.stat().st_size
+            size = listed.regular_file(ckpt.path, name).st_size
             if size != entry["size"]:
                 return f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
-            digest = _digest(path) if checksums else entry["xxh3"]
+            digest = listed.digest(path) if checksums else entry["xxh3"]
+        except listed.UnsafeFile as exc:
+            return f"{exc}, which a checkpoint's manifest may not list"
         except OSError as exc:
             return f"{path} cannot be read ({exc.strerror or exc})"
         if digest != entry["xxh3"]:
@@ -225,6 +220,7 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
 
     path = ckpt.path / name
     try:
+        listed.regular_file(ckpt.path, name)  # torch.load would wait forever on a FIFO
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing from the checkpoint") from None
@@ -234,7 +230,7 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
 
 
 def load_json(ckpt: Checkpoint, name: str) -> Any:
-    return json.loads((ckpt.path / name).read_text())
+    return json.loads(listed.read_regular(ckpt.path / name))
 
 
 def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:
