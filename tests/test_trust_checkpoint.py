@@ -1,26 +1,59 @@
-"""A checkpoint folder someone else could write never hangs a start or an export, nor makes them read
-outside it. Runs against: real files on disk (FIFOs, symlinks, names outside the folder) and real
-`qgtrain train` and `qgtrain export` processes on a run whose newest checkpoint was planted as an
-attacker would plant it (the manifest's checksums recomputed). A hang fails by timeout."""
+"""A checkpoint folder someone else could write never runs code, nor hangs a start or an export.
+Runs against: real files on disk (pickles that call os.system, FIFOs, symlinks, names outside the
+folder), real sharded folders written by torch.distributed.checkpoint, and real `qgtrain train` and
+`qgtrain export` processes on a run whose newest checkpoint was planted as an attacker would plant
+it (the manifest's checksums recomputed). A payload that ran leaves its marker file; a hang fails by
+timeout."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
+import pickle
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from qgtrain.errors import CheckpointError
-from qgtrain.state import checkpoint
+from qgtrain.state import checkpoint, sharded
 from tests.helpers import cli, small_gpt2_run
 
 RUN_S = 240  # a hang fails the CLI tests within this; a run takes well under it
 Entry = dict[str, Any]
+
+
+class Exploit:
+    """Pickles as a call of `function(argument)`: unpickling it makes the call."""
+
+    def __init__(self, function: Callable[[str], object], argument: str) -> None:
+        self.function, self.argument = function, argument
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (self.function, (self.argument,))
+
+
+def touch(marker: Path) -> Exploit:
+    return Exploit(os.system, f"touch {marker}")
+
+
+def evaluate_touch(marker: Path) -> Exploit:
+    return Exploit(builtins.eval, f"__import__('os').system('touch {marker}')")
+
+
+def write_dcp(folder: Path, state: dict[str, Any]) -> None:
+    """A sharded/ folder as DCP writes it (one process, one file)."""
+    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def relist(folder: Path, step: int, extra: dict[str, Entry] | None = None) -> checkpoint.Checkpoint:
@@ -46,6 +79,84 @@ def committed(tmp_path: Path) -> checkpoint.Checkpoint:
                                              "state.json": b"{}"})
     final = tmp_path / "checkpoints" / "step-1"
     return checkpoint.commit(staging, final, files, {"step": 1, "run_id": "run-a"})
+
+
+def with_payload_in_metadata(folder: Path, payload: Exploit) -> None:
+    """The checkpoint's DCP metadata, well-formed but for one field, which holds the payload."""
+    path = folder / "sharded" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # our own, just written: trusted here
+    metadata.planner_data = payload
+    path.write_bytes(pickle.dumps(metadata))
+
+
+PAYLOADS = [(touch, "posix.system"), (evaluate_touch, "builtins.eval")]
+
+
+@pytest.mark.parametrize("payload, refused", PAYLOADS)
+def test_verify_refuses_dcp_metadata_that_would_run_code_naming_it(tmp_path, payload, refused):
+    ckpt = committed(tmp_path)
+    marker = tmp_path / "PWNED"
+    write_dcp(ckpt.path / "sharded", {"model": {"weight": torch.ones(2, 2)}})
+    with_payload_in_metadata(ckpt.path, payload(marker))
+    ckpt = relist(ckpt.path, 1)
+    problem = checkpoint.verify(ckpt)
+    said = f"qgtrain refuses to unpickle {refused} from {ckpt.path}/sharded/.metadata"
+    assert problem is not None and said in problem and "\n" not in problem, problem
+    assert checkpoint.verify(ckpt, checksums=False) is None, "the cheap pass reads nothing"
+    with pytest.raises(CheckpointError, match=f"refuses to unpickle {refused}"):
+        sharded.load_model(ckpt, nn.Linear(2, 2, bias=False))  # the load checks again
+    assert not marker.exists()
+
+
+def test_a_byte_entry_that_would_run_code_is_refused_by_verification_and_by_the_load(tmp_path):
+    ckpt = committed(tmp_path)
+    marker = tmp_path / "PWNED"
+    write_dcp(ckpt.path / "sharded", {"model": {"weight": touch(marker)}})  # saved as bytes
+    ckpt = relist(ckpt.path, 1)
+    problem = checkpoint.verify(ckpt)
+    assert problem is not None and "qgtrain refuses to unpickle posix.system from" in problem
+    assert "sharded/__0_0.distcp (model.weight)" in problem
+    with pytest.raises(CheckpointError, match="model.weight as pickled bytes where a tensor"):
+        sharded.load_model(ckpt, nn.Linear(2, 2, bias=False))
+    from qgtrain.state import dcp_safe  # here: the tests above run on the code before it too
+
+    state: dict[str, Any] = {"model": {"weight": None}}  # not a tensor's place: loaded as data
+    with pytest.raises(CheckpointError, match="refuses to unpickle posix.system from the sharded "
+                                              "checkpoint's entry model.weight"):
+        dcp_safe.load(ckpt, state, no_dist=True)
+    assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_of_qgtrain_s_own_kind_verifies_and_loads_whole(tmp_path):
+    """What qgtrain's fsdp checkpoints hold as bytes: the optimizer's param_groups (numbers, flags,
+    None, tuples, parameter names); their metadata names dtypes, sizes, layouts and paths."""
+    ckpt = committed(tmp_path)
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "foreach": None,
+               "params": ["weight"]}]
+    model = {"weight": torch.randn(3, 2), "half": torch.ones(4, dtype=torch.bfloat16),
+             "step": torch.tensor(7), "t": torch.randn(2, 2).t()}
+    write_dcp(ckpt.path / "sharded", {"model": model, "optim": {"param_groups": groups}})
+    ckpt = relist(ckpt.path, 1)
+    assert checkpoint.verify(ckpt) is None
+    from qgtrain.state import dcp_safe
+
+    empty = {"model": {k: torch.empty_like(v) for k, v in model.items()},
+             "optim": {"param_groups": [dict.fromkeys(groups[0])]}}
+    dcp_safe.load(ckpt, empty, no_dist=True)
+    assert all(torch.equal(empty["model"][k], v) for k, v in model.items())
+    assert empty["optim"] == {"param_groups": groups}
+
+
+def test_dcp_metadata_that_points_outside_sharded_is_refused(tmp_path):
+    ckpt = committed(tmp_path)
+    write_dcp(ckpt.path / "sharded", {"model": {"weight": torch.ones(2, 2)}})
+    metadata = pickle.loads((ckpt.path / "sharded" / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../../etc/hostname"
+    (ckpt.path / "sharded" / ".metadata").write_bytes(pickle.dumps(metadata))
+    problem = checkpoint.verify(relist(ckpt.path, 1))
+    assert problem is not None and "stores 'model.weight' in '../../../../etc/hostname', which " \
+        "is not a file of sharded/ that the manifest lists" in problem
 
 
 def fifo(path: Path) -> Entry:
@@ -128,16 +239,35 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "run"
 
 
+def evil_metadata(marker: Path) -> Callable[[Path], None]:
+    def plant(folder: Path) -> None:
+        write_dcp(folder / "sharded", {"model": torch.load(folder / "model.pt", weights_only=True)})
+        with_payload_in_metadata(folder, touch(marker))
+    return plant
+
+
+def evil_bytes(marker: Path) -> Callable[[Path], None]:
+    def plant(folder: Path) -> None:
+        weights = torch.load(folder / "model.pt", weights_only=True)
+        weights["transformer.ln_f.weight"] = touch(marker)  # not tied: an export reads it
+        write_dcp(folder / "sharded", {"model": weights})
+    return plant
+
+
 def a_fifo(folder: Path) -> dict[str, Entry]:
     return {"pipe": fifo(folder / "pipe")}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(4 * RUN_S)
-@pytest.mark.parametrize("kind", ["fifo"])
+@pytest.mark.parametrize("kind", ["metadata", "byte entry", "fifo"])
 def test_a_planted_checkpoint_is_refused_by_export_and_passed_over_by_resume(trained, tmp_path,
                                                                              kind):
-    plant, said = {"fifo": (a_fifo, "pipe is a FIFO (named pipe)")}[kind]
+    marker = tmp_path / "PWNED"
+    refusal = "qgtrain refuses to unpickle posix.system from "
+    plant, said = {"metadata": (evil_metadata(marker), refusal),
+                   "byte entry": (evil_bytes(marker), refusal),
+                   "fifo": (a_fifo, "pipe is a FIFO (named pipe)")}[kind]
     run = tmp_path / "run"
     shutil.copytree(trained, run, symlinks=True)
     step4, step6 = run / "checkpoints" / "step-4", run / "checkpoints" / "step-6"
@@ -146,17 +276,20 @@ def test_a_planted_checkpoint_is_refused_by_export_and_passed_over_by_resume(tra
 
     refused = cli("export", str(run), "--step", "6", "--out", str(tmp_path / "six"), cwd=tmp_path,
                   timeout=RUN_S)
+    assert not marker.exists(), "the export ran the payload"
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert refused.returncode == 2 and len(lines) == 1, lines
     assert lines[0].startswith("qgtrain: error: export: ") and said in lines[0]
     assert str(step6) in lines[0]
 
     exported = cli("export", str(run), "--out", str(tmp_path / "hf"), cwd=tmp_path, timeout=RUN_S)
+    assert not marker.exists(), "the export ran the payload"
     assert exported.returncode == 0 and f"exported {step4} to" in exported.stdout, exported.stderr
     assert "skipping checkpoint step-6: " in exported.stderr and said in exported.stderr
 
     args = small_gpt2_run(run, "train.max_steps=6", "checkpoint.every_steps=2")
     resumed = cli(*args, cwd=tmp_path, timeout=RUN_S)
+    assert not marker.exists(), "the resume ran the payload"
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = (run / "logs" / "rank_0.log").read_text()
     skipped = [line for line in log.splitlines() if "skipping checkpoint step-6: " in line]

@@ -7,8 +7,9 @@ A folder counts as a checkpoint only if its manifest (written last, then the ren
 names this format. Before a checkpoint is used its files are checked against the manifest, so a
 truncated or corrupted file is reported by name and the previous checkpoint is used instead. Files
 are torch.save'd and loaded with weights_only=True, so loading never runs code from a file; a
-manifest's names count only inside the folder (manifest_files.py). This module knows nothing of
-ranks; checkpointer.py decides who writes what.
+manifest's names count only inside the folder (manifest_files.py), and DCP's metadata only as its
+own classes (dcp_safe.py). This module knows nothing of ranks; checkpointer.py decides who writes
+what.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from . import manifest_files as listed
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
+SHARDED_METADATA = "sharded/.metadata"  # DCP's index of a sharded checkpoint (sharded.py)
 _COMMITTED = re.compile(r"step-(\d+)")
 
 
@@ -188,7 +190,8 @@ def _step_folders(root: Path) -> list[Path]:
 
 def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
     """None if every file (or the named ones) matches its manifest entry, else what is wrong, naming the
-    file. Without `checksums` only sizes are compared: a stat per file, no reading."""
+    file. Without `checksums` only sizes are compared: a stat per file, no reading. With them, a
+    sharded checkpoint's `.metadata` must also hold nothing that would run code (dcp_safe.py)."""
     try:  # names that leave the folder, then links, FIFOs and devices in it, listed or not
         problem = listed.listing_problem(ckpt.manifest, ckpt.path / MANIFEST) \
             or listed.stray_problem(ckpt.path)
@@ -210,6 +213,10 @@ def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool 
             return f"{path} cannot be read ({exc.strerror or exc})"
         if digest != entry["xxh3"]:
             return f"{path} does not match its checksum in {ckpt.path / MANIFEST} (corrupted)"
+    if checksums and SHARDED_METADATA in (files if names is None else names):
+        from .dcp_safe import metadata_problem  # torch: only where a sharded checkpoint is checked
+
+        return metadata_problem(ckpt)
     return None
 
 
