@@ -25,7 +25,8 @@ LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 # its tests take turns on its nodes. A module whose tests share a module-scoped fixture (a reference run trained
 # once) is one unit, or each worker would build the fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
-SHARED_FIXTURE_MODULES = ("tests/test_export.py", "tests/test_molecules.py", "tests/test_resume.py")
+SHARED_FIXTURE_MODULES = ("tests/test_export.py", "tests/test_molecules.py", "tests/test_resume.py",
+                          "tests/test_trust_checkpoint.py")
 
 
 def work_unit(nodeid: str) -> str:

@@ -198,8 +198,7 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_fai
     saved["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
     torch.save(saved, folder / "optim.pt")
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())  # a consistent file, checksum and all
-    manifest["files"]["optim.pt"] = {"size": (folder / "optim.pt").stat().st_size,
-                                     "xxh3": checkpoint._digest(folder / "optim.pt")}
+    manifest["files"]["optim.pt"] = checkpoint.file_entry(folder / "optim.pt")
     (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     result = train_once(synthetic("train.max_steps=4"), run)
     assert result["exit"] == 2

@@ -64,13 +64,15 @@ def checkpoint_reader(ckpt: checkpoint.Checkpoint) -> Reader:
 
         return pick
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+    from ..state import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
+
+    reader = dcp_safe.SafeReader(ckpt)  # the metadata read and checked once for every group
 
     def read(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = {"model": {name: torch.empty(t.shape, dtype=t.dtype) for name, t in wanted.items()}}
         try:
-            load_shards(state, storage_reader=FileSystemReader(ckpt.path / sharded.FOLDER), no_dist=True)
+            dcp_safe.load(ckpt, state, reader=reader, no_dist=True)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{ckpt.path / sharded.FOLDER} does not fit the model built from the "
                                   f"checkpoint's config ({first_line(exc)})") from None

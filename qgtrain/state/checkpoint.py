@@ -3,18 +3,19 @@
     checkpoints/step-<N>/      committed: manifest.json lists every file with its size and xxh3 checksum
     checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
 
-A folder counts as a checkpoint only if its manifest (written last, then the rename) parses and names this
-format. Before a checkpoint is used its files are checked against the manifest, so a truncated
-or corrupted file is reported by name and the previous checkpoint is used instead. Files are torch.save'd
-and loaded with weights_only=True, so loading never runs code from a file. This module knows nothing of
-ranks; checkpointer.py decides who writes what.
+A folder counts as a checkpoint only if its manifest (written last, then the rename) parses and
+names this format. Before a checkpoint is used its files are checked against the manifest, so a
+truncated or corrupted file is reported by name and the previous checkpoint is used instead. Files
+are torch.save'd and loaded with weights_only=True, so loading never runs code from a file; a
+manifest's names count only inside the folder (manifest_files.py), and DCP's metadata only as its
+own classes (dcp_safe.py). This module knows nothing of ranks; checkpointer.py decides who writes
+what.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import pickle
 import re
@@ -25,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from ..errors import CheckpointError, first_line
+from . import manifest_files as listed
 
 FORMAT = "qgtrain-checkpoint-1"
 MANIFEST = "manifest.json"
+SHARDED_METADATA = "sharded/.metadata"  # DCP's index of a sharded checkpoint (sharded.py)
 _COMMITTED = re.compile(r"step-(\d+)")
-_WINDOW = 16 << 20  # a multiple of mmap's allocation granularity
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
                 (folder / name).write_bytes(obj)
             else:
                 torch.save(obj, folder / name)
-            digests[name] = pool.submit(_digest, folder / name)
+            digests[name] = pool.submit(listed.digest, folder / name)
         return {name: {"size": (folder / name).stat().st_size, "xxh3": future.result()}
                 for name, future in digests.items()}
 
@@ -107,19 +107,7 @@ def _nbytes(obj: Any) -> int:
 
 def file_entry(path: Path) -> dict[str, Any]:
     """A file's manifest entry, for files written by others (torch.distributed.checkpoint)."""
-    return {"size": path.stat().st_size, "xxh3": _digest(path)}
-
-
-def _digest(path: Path) -> str:
-    """xxh3-128 of a file, read through mmap (half the time of chunked reads, as fast as the page cache) a
-    window at a time: a process that checks a 16 GB shard holds 16 MiB of it, not 16 GB, in its memory."""
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for offset in range(0, size, _WINDOW):
-            with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as view:
-                hasher.update(view)
-    return hasher.hexdigest()
+    return {"size": path.stat().st_size, "xxh3": listed.digest(path)}
 
 
 def commit(staging: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
@@ -202,19 +190,33 @@ def _step_folders(root: Path) -> list[Path]:
 
 def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
     """None if every file (or the named ones) matches its manifest entry, else what is wrong, naming the
-    file. Without `checksums` only sizes are compared: a stat per file, no reading."""
+    file. Without `checksums` only sizes are compared: a stat per file, no reading. With them, a
+    sharded checkpoint's `.metadata` must also hold nothing that would run code (dcp_safe.py)."""
+    try:  # names that leave the folder, then links, FIFOs and devices in it, listed or not
+        problem = listed.listing_problem(ckpt.manifest, ckpt.path / MANIFEST) \
+            or listed.stray_problem(ckpt.path)
+    except OSError as exc:
+        problem = f"{ckpt.path} cannot be read ({exc.strerror or exc})"
+    if problem:
+        return problem
     files = ckpt.manifest.get("files", {})
     for name in files if names is None else names:
         path, entry = ckpt.path / name, files[name]
         try:
-            size = path.stat().st_size
+            size = listed.regular_file(ckpt.path, name).st_size
             if size != entry["size"]:
                 return f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
-            digest = _digest(path) if checksums else entry["xxh3"]
+            digest = listed.digest(path) if checksums else entry["xxh3"]
+        except listed.UnsafeFile as exc:
+            return f"{exc}, which a checkpoint's manifest may not list"
         except OSError as exc:
             return f"{path} cannot be read ({exc.strerror or exc})"
         if digest != entry["xxh3"]:
             return f"{path} does not match its checksum in {ckpt.path / MANIFEST} (corrupted)"
+    if checksums and SHARDED_METADATA in (files if names is None else names):
+        from .dcp_safe import metadata_problem  # torch: only where a sharded checkpoint is checked
+
+        return metadata_problem(ckpt)
     return None
 
 
@@ -225,6 +227,7 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
 
     path = ckpt.path / name
     try:
+        listed.regular_file(ckpt.path, name)  # torch.load would wait forever on a FIFO
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing from the checkpoint") from None
@@ -234,7 +237,7 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
 
 
 def load_json(ckpt: Checkpoint, name: str) -> Any:
-    return json.loads((ckpt.path / name).read_text())
+    return json.loads(listed.read_regular(ckpt.path / name))
 
 
 def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:

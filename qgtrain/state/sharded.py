@@ -18,14 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .checkpoint import Checkpoint, file_entry, load_file
+from .checkpoint import SHARDED_METADATA, Checkpoint, file_entry, load_file
 from .weights import load_weights, strip_wrapper_prefixes
 
 FOLDER = "sharded"
 
 
 def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
-    return f"{FOLDER}/.metadata" in ckpt.manifest.get("files", {})
+    return SHARDED_METADATA in ckpt.manifest.get("files", {})
 
 
 def is_sharded_model(model: nn.Module) -> bool:
@@ -70,12 +70,12 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
 
     if is_sharded_checkpoint(ckpt):
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+        from . import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
 
         state = sharded_state(model, optimizer)
         try:
-            load_shards(state, storage_reader=FileSystemReader(ckpt.path / FOLDER))
+            dcp_safe.load(ckpt, state)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
                                   f"({first_line(exc)}). HINT: resume with the model settings it was trained "
@@ -111,12 +111,11 @@ def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
         load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
         return
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+    from . import dcp_safe
 
     try:
-        load_shards({"model": model.state_dict()}, storage_reader=FileSystemReader(ckpt.path / FOLDER),
-                    no_dist=True)
+        dcp_safe.load(ckpt, {"model": model.state_dict()}, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
                               f"({first_line(exc)})") from None

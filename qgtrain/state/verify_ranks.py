@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, QgtrainError
 from .checkpoint import MANIFEST, read_manifest, verify
+from .manifest_files import listing_problem
 from .resume import Candidates, refusal
 
 log = logging.getLogger("qgtrain")
@@ -82,8 +83,10 @@ def _check_share(path: Path, rank: int, world_size: int) -> tuple[str | None, bo
     ckpt = read_manifest(path)
     if ckpt is None:
         return f"{path / MANIFEST} cannot be read", False
-    sizes = {name: int(entry["size"]) for name, entry in ckpt.manifest.get("files", {}).items()}
-    problem = verify(ckpt, assign(sizes, world_size)[rank])
+    problem = listing_problem(ckpt.manifest, path / MANIFEST)  # before its names and sizes are used
+    if problem is None:
+        sizes = {name: int(entry["size"]) for name, entry in ckpt.manifest.get("files", {}).items()}
+        problem = verify(ckpt, assign(sizes, world_size)[rank])
     if problem:
         log.warning("rank %d found a damaged file: %s", rank, problem)
     return problem, False
