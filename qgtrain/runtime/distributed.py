@@ -148,6 +148,24 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def collectives_wait(seconds: float, then: float) -> Iterator[None]:
+    """Collectives started inside wait up to `seconds`, and `then` after: for the start, where one rank
+    legitimately works far longer than the others (rank 0 reading a 70B model from a shared filesystem
+    while the rest build theirs empty) and only train.startup_timeout_s should cut the wait short. A
+    peer that is gone still fails the collective at once (its connection closes). The timeout is the
+    group's (distributed_c10d._set_pg_timeout, as the join sets train.collective_timeout_s); one
+    process has nothing to wait for."""
+    if dist.get_world_size() == 1:
+        yield
+        return
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=then))
+
+
 def barrier() -> None:
     dist.barrier()
 
