@@ -251,3 +251,11 @@ def drawn_after_model(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     order = torch.randperm(600).tolist()
     data = [Points(600, 1)[i] for i in order]
     return qgtrain.Task(model=model, train=data[:500], val=data[500:], loss=classify_loss, metrics=accuracy)
+
+
+def slow_on_rank_zero(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """Rank 0 takes task.options.build_s to build its task (a large from_pretrained from a shared
+    filesystem, say) while the other ranks are done at once and wait for it."""
+    if dist.get_rank() == 0:
+        time.sleep(float(cfg.task.options.get("build_s", 6)))
+    return points(cfg)

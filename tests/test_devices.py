@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.errors import ConfigError, RendezvousError
-from qgtrain.runtime import distributed, precision
+from qgtrain.runtime import devices, distributed, precision
 from qgtrain.runtime.devices import choose, count_without_cuda, gpu_device_files, visible_entries
 from qgtrain.runtime.rendezvous import DistEnv, from_environ, hook_port, port_for_job
 
@@ -260,3 +260,41 @@ def test_fp32_uses_tf32_tensor_cores_from_compute_capability_8(chosen, device, c
 def test_fp16_on_the_cpu_is_refused():
     with pytest.raises(ConfigError, match=r"train.precision: fp16 needs a GPU"):
         precision.choose("fp16", "cpu")
+
+
+# each rank's (node, device, GPU UUID) -> the ranks named as sharing one GPU, or None
+SHARED_GPUS = [
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:1", "GPU-b")], None),
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a")], "ranks [0, 1] on n1"),  # torchrun x2, 1 GPU
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"),
+      ("n2", "cuda:0", "GPU-c"), ("n2", "cuda:1", "GPU-d")], "ranks [0, 1, 2, 3] on n1"),  # 4 tasks, 1 GPU
+    ([("n1", "cuda:0", "GPU-a"), ("n2", "cuda:0", "GPU-c")], None),  # one GPU per node, index 0 on each
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:1", "GPU-a")], "ranks [0, 1] on n1"),  # two names, one GPU
+]
+
+
+@pytest.mark.parametrize("claims, named", SHARED_GPUS)
+def test_ranks_that_would_share_a_gpu_are_named_before_nccls_join(claims, named):
+    why = devices.shared_gpu(claims)
+    assert (why is None) == (named is None)
+    if named:
+        assert named in why and "HINT" in why and "--ntasks-per-node" in why and "--nproc_per_node" in why
+
+
+def exchange_through_the_job_store() -> list[str]:
+    import datetime
+    import os
+
+    from qgtrain.runtime import store
+    from qgtrain.runtime.rendezvous import from_environ
+
+    env = from_environ(os.environ)
+    job_store = store.job_store(env, datetime.timedelta(seconds=30))
+    return store.exchange(job_store, "gpu", f"rank {env.rank} here", env)
+
+
+def test_ranks_tell_each_other_their_gpus_through_the_store_before_the_process_group():
+    from tests.ranks import run_ranks
+
+    seen = run_ranks(2, exchange_through_the_job_store)
+    assert seen == [["rank 0 here", "rank 1 here"]] * 2

@@ -201,3 +201,15 @@ def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_record
     assert "factory: tests.tasks:points" in (run / "config.yaml").read_text(), "export can rebuild the task"
     assert run_script(script, run, "train.max_steps=16") == [0, 0]
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text() and records(run)[-1]["step"] == 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_still_trains(tmp_path, parallel):
+    """The ranks wait for a slow rank 0 (a large model read from a shared filesystem) up to
+    train.startup_timeout_s, not train.collective_timeout_s: here 6 s of building against 2 s."""
+    sharding = ["train.parallel=fsdp", "train.shard_modules=[Linear]"] if parallel == "fsdp" else []
+    procs = start_cli_ranks(2, ["train", "--run-dir", str(tmp_path / "run"), "--set",
+                                "task=tests.tasks:slow_on_rank_zero", "task.options={build_s: 6}",
+                                "train.collective_timeout_s=2", *sharding, *BASE], tmp_path)
+    assert wait_ranks(procs, 120) == [0, 0], (tmp_path / "rank-1.out").read_text()[-2000:]

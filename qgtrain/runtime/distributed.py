@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import logging
 import socket
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import JoinError, QgtrainError, first_line
+from ..errors import JoinError, QgtrainError, RendezvousError, first_line
 from . import comms, devices, once, store, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv
@@ -61,7 +62,7 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         else:
             if not env.is_main:
                 _wait_for_listener(env.master_addr, env.master_port, time.monotonic() + startup_timeout_s)
-            _join(env, backend, datetime.timedelta(seconds=startup_timeout_s))
+            _join(env, backend, datetime.timedelta(seconds=startup_timeout_s), device)
             joined = torch.ones(1, device=device)
             dist.all_reduce(joined)  # every rank has joined, over NCCL too on a GPU
             joined.item()  # and the collective has finished, not only started
@@ -80,16 +81,26 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         _destroy()
 
 
-def _join(env: DistEnv, backend: str, timeout: datetime.timedelta) -> None:
+def _join(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
     """Rank 0 hosts the store on MASTER_ADDR's address where it can (store.py); the others are its
-    clients, and the store's keys are the same either way."""
-    bound = store.master_store(env, timeout) if env.is_main else None
-    if bound is not None:
-        dist.init_process_group(backend, store=bound, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+    clients. On GPUs the ranks first make sure no two drive one GPU, then bind the group to the rank's
+    GPU (device_id): NCCL forms its communicator at once, and every later group of a subset (hsdp's mesh,
+    the doctor's pairs) splits from it (ncclCommSplit) instead of paying a full NCCL init
+    (torch/distributed/distributed_c10d.py init_process_group's device_id, _new_process_group_helper's
+    split_from)."""
+    job_store = store.job_store(env, timeout)
+    if device.type == "cuda":
+        _refuse_shared_gpus(job_store, env, device)
+    dist.init_process_group(backend, store=job_store, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
+
+
+def _refuse_shared_gpus(job_store: Any, env: DistEnv, device: torch.device) -> None:
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    claims = [json.loads(claim) for claim in
+              store.exchange(job_store, "gpu", json.dumps([env.node_name, str(device), uuid]), env)]
+    if (why := devices.shared_gpu([tuple(claim) for claim in claims])) is not None:
+        raise RendezvousError(why)
 
 
 def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
@@ -135,6 +146,24 @@ def _release_users() -> None:
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def collectives_wait(seconds: float, then: float) -> Iterator[None]:
+    """Collectives started inside wait up to `seconds`, and `then` after: for the start, where one rank
+    legitimately works far longer than the others (rank 0 reading a 70B model from a shared filesystem
+    while the rest build theirs empty) and only train.startup_timeout_s should cut the wait short. A
+    peer that is gone still fails the collective at once (its connection closes). The timeout is the
+    group's (distributed_c10d._set_pg_timeout, as the join sets train.collective_timeout_s); one
+    process has nothing to wait for."""
+    if dist.get_world_size() == 1:
+        yield
+        return
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=then))
 
 
 def barrier() -> None:

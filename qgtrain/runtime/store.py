@@ -6,7 +6,9 @@ TCPStore can instead take over a socket bound by its caller (master_listen_fd), 
 MASTER_ADDR's address and port and hands the socket over. Where that address is not this host's
 (a master behind NAT), names several addresses, or is a loopback address other nodes cannot
 reach, rank 0 listens everywhere as before and says why: a job must still start. The other ranks
-are clients either way and join through torch's tcp:// rendezvous, unchanged.
+are clients either way. Every rank builds its store itself, as torch's tcp:// rendezvous would
+(torch/distributed/rendezvous.py _create_c10d_store), so the ranks can exchange what must be known
+before the process group exists (which GPU each drives) and hand the store to init_process_group.
 """
 
 from __future__ import annotations
@@ -26,19 +28,35 @@ from .rendezvous import DistEnv
 log = logging.getLogger("qgtrain")
 
 
-def master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
-    """Rank 0's store bound to MASTER_ADDR, keyed as torch's tcp:// rendezvous keys it (a
-    "default_pg" prefix); None where it cannot be bound, for the caller to listen everywhere."""
+def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
+    """This rank's handle on the job's store, keyed as torch's tcp:// rendezvous keys it (a
+    "default_pg" prefix): rank 0 hosts it, the others are its clients."""
+    store = _master_store(env, timeout) if env.is_main else dist.TCPStore(  # type: ignore[attr-defined]
+        env.master_addr, env.master_port, env.world_size, False, timeout)
+    store.set_timeout(timeout)
+    return dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+
+
+def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
+    """Bound to MASTER_ADDR where it can be, else listening everywhere (multi_tenant, as torch's own)."""
     listener, why = bound_listener(env.master_addr, env.master_port, env.num_nodes)
     if listener is None:
         log.info("rendezvous store: listens on every interface of %s, as %s", env.node_name, why)
-        return None
-    store = dist.TCPStore(  # type: ignore[attr-defined]
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            env.master_addr, env.master_port, env.world_size, True, timeout, multi_tenant=True)
+    log.info("rendezvous store: %s", why)
+    return dist.TCPStore(  # type: ignore[attr-defined]
         env.master_addr, env.master_port, env.world_size, True, timeout,
         master_listen_fd=listener.detach(), use_libuv=_libuv_takes_fd())
-    log.info("rendezvous store: %s", why)
-    store.set_timeout(timeout)
-    return dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+
+
+def exchange(store: Any, name: str, mine: str, env: DistEnv) -> list[str]:
+    """Every rank's string for `name`, in rank order: each sets its own key and reads the others'
+    (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not guard."""
+    store.set(f"qgtrain/{name}/{env.rank}", mine)
+    keys = [f"qgtrain/{name}/{rank}" for rank in range(env.world_size)]
+    store.wait(keys)
+    return [store.get(key).decode() for key in keys]
 
 
 def bound_listener(host: str, port: int, num_nodes: int) -> tuple[socket.socket | None, str]:

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, default_collate
 from ..config import RunConfig
 from ..errors import ConfigError, QgtrainError
 from ..factory import load_factory
+from ..runtime import distributed, wire
 from ..task import ReadyTask, Task
 from .empty_weights import building_empty, to_meta
 
@@ -35,7 +36,7 @@ def build_task(cfg: RunConfig, given: TaskSource | None = None, *, empty: bool =
     else:
         spec = "the Task given in Python" if isinstance(given, Task) else getattr(given, "__qualname__", repr(given))
         factory = (lambda _: given) if isinstance(given, Task) else given
-    made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg))
+    made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg), cfg)
     if not isinstance(made, Task):
         raise ConfigError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
                           "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
@@ -52,23 +53,24 @@ def _call_empty(factory: Callable[[RunConfig], Any], cfg: RunConfig) -> Any:
     return made
 
 
-def _fail_together(work: Callable[[], Any]) -> Any:
+def _fail_together(work: Callable[[], Any], cfg: RunConfig) -> Any:
     """Run `work` on every rank; a QgtrainError on any rank is raised on all of them (the lowest rank's), so
     work that differs between ranks (only rank 0 reads a pretrained model) cannot leave the others waiting
-    in the next collective for a rank that has gone."""
+    in the next collective for a rank that has gone. That work can take rank 0 far longer than the others:
+    they wait for it up to train.startup_timeout_s."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
     result, failure = None, None
     try:
         result = work()
     except QgtrainError as exc:
-        failure = (type(exc), str(exc))
+        failure = wire.error(exc)  # by name (wire.py): no class crosses between ranks
     failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    first = next((f for f in failures if f is not None), None)
-    if first is not None:
-        error_type, message = first
-        raise error_type(message)
+    with distributed.collectives_wait(cfg.train.startup_timeout_s, then=cfg.train.collective_timeout_s):
+        dist.all_gather_object(failures, failure)
+    for rank, failed in enumerate(failures):
+        if failed is not None:
+            wire.decode(failed, f"rank {rank}'s task build")
     return result
 
 
