@@ -1,5 +1,5 @@
-"""The run configuration: one frozen dataclass per section of config.yaml, and the rules between fields
-(written in configrules.py).
+"""The run configuration: one frozen dataclass per section of config.yaml, and the rules between
+fields (written in configrules.py).
 
 Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py) can
 validate a file and explain a mistake without a second copy of the schema. World size and ranks are
@@ -133,8 +133,9 @@ class TrainConfig:
                                           min=1.0, max=MAX_TIMEOUT_S)
     socket_ifname: str = setting("", "the network interface NCCL and gloo use, e.g. ib0 ('' = the one whose "
                                  "address routes to MASTER_ADDR, unless NCCL_/GLOO_SOCKET_IFNAME are set)")
-    peak_tflops: float = setting(0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from "
-                                 "qgtrain's table of GPUs; none for a GPU it lacks)", min=0.0)
+    peak_tflops: float = setting(
+        0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from qgtrain's table of "
+        "GPUs; none for a GPU it lacks)", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -206,15 +207,17 @@ class LoggingConfig:
     wandb_project: str = setting("qgtrain", "the W&B project")
     wandb_mode: Literal["offline", "online"] = setting(
         "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often have no network)")
-    mlflow_uri: str = setting("", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without "
-                              "credentials: set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
+    mlflow_uri: str = setting(
+        "", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without credentials: "
+        "set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
     mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
     memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
                                     min=0.0)
-    shared: bool = setting(False, "false: a new run directory is private to you (mode 0700); true: it follows "
-                           "your umask, for a group project, but is never writable by everyone")
+    shared: bool = setting(
+        False, "false: a new run directory is private to you (mode 0700); true: it follows your "
+        "umask, for a group project, but is never writable by everyone")
 
 
 @dataclass(frozen=True)

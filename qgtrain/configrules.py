@@ -19,18 +19,21 @@ def model_and_data_rules(cfg: RunConfig) -> Problem:
     if cfg.model.pretrained and cfg.model.factory:
         return "model.factory", "set either model.pretrained or model.factory, not both"
     if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
-        return "model.hidden", f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}"
+        return "model.hidden", (
+            f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
     if cfg.data.name == "factory" and not cfg.data.factory:
         return "data.factory", "data.name is 'factory' but no 'package.module:function' is given"
     for key, value in (("task.factory", cfg.task.factory), ("model.factory", cfg.model.factory),
                        ("data.factory", cfg.data.factory)):
         if value and (value.count(":") != 1 or not all(value.split(":"))):
-            return key, f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'"
+            return key, (f"'{value}' is not of the form 'package.module:function' or "
+                         "'path/to/file.py:function'")
     if cfg.data.name == "files" and not cfg.data.files:
-        return "data.files", ("data.name is 'files' but no files are named; give globs, files or folders, e.g. "
-                              "['/shared/corpus/*.jsonl.gz']")
+        return "data.files", ("data.name is 'files' but no files are named; give globs, files or "
+                              "folders, e.g. ['/shared/corpus/*.jsonl.gz']")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
-        return "data.test_fraction", "data.val_fraction + data.test_fraction must leave most text for training"
+        return "data.test_fraction", (
+            "data.val_fraction + data.test_fraction must leave most text for training")
     return None
 
 
@@ -39,48 +42,59 @@ def training_rules(cfg: RunConfig) -> Problem:
     if cfg.optim.min_lr > cfg.optim.lr:
         return "optim.min_lr", f"{cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}"
     if cfg.checkpoint.keep_last < 2:
-        return "checkpoint.keep_last", (f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be "
-                                        "half-written when a job dies, so the one before it must survive rotation")
+        return "checkpoint.keep_last", (
+            f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be half-written "
+            "when a job dies, so the one before it must survive rotation")
     if train.parallel != "ddp" and train.precision == "fp16":
-        return "train.precision", ("fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
-                                   f"bf16 with train.parallel: {train.parallel}")
+        return "train.precision", (
+            "fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
+            f"bf16 with train.parallel: {train.parallel}")
     if train.parallel != "ddp" and cfg.model.compile:
-        return "model.compile", (f"torch.compile with train.parallel: {train.parallel} is not supported yet; use "
-                                 "ddp to compile, or turn model.compile off")
+        return "model.compile", (
+            f"torch.compile with train.parallel: {train.parallel} is not supported yet; use "
+            "ddp to compile, or turn model.compile off")
     if train.shard_group_size and train.parallel != "hsdp":
-        return "train.shard_group_size", f"applies to train.parallel: hsdp, not {train.parallel}; set it to 0"
+        return "train.shard_group_size", (
+            f"applies to train.parallel: hsdp, not {train.parallel}; set it to 0")
     if train.precision == "fp16" and train.device == "cpu":
         return "train.precision", "fp16 needs a GPU; use bf16 or fp32 on CPU"
     name = train.run_name
     if not name.strip() or name != name.strip() or "/" in name or name in (".", "..") or \
             any(ord(c) < 32 for c in name):
-        return "train.run_name", (f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
-                                  "trailing spaces, no control characters")
+        return "train.run_name", (
+            f"{name!r} must be a plain directory name: not empty, no '/', no leading or "
+            "trailing spaces, no control characters")
     if train.max_time and duration_s(train.max_time) is None:
-        return "train.max_time", (f"{train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, or "
-                                  "Slurm's HH:MM:SS or D-HH:MM:SS")
+        return "train.max_time", (
+            f"{train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, or "
+            "Slurm's HH:MM:SS or D-HH:MM:SS")
     return None
 
 
 def reporting_rules(cfg: RunConfig) -> Problem:
     if not cfg.early_stopping.metric.startswith("val_"):
-        return "early_stopping.metric", (f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss "
-                                         "or val_<name> for a metric your task reports")
+        return "early_stopping.metric", (
+            f"'{cfg.early_stopping.metric}' is not a validation metric; use val_loss "
+            "or val_<name> for a metric your task reports")
     for tracker in cfg.logging.trackers:
         if tracker not in ("tensorboard", "wandb", "mlflow"):
-            return "logging.trackers", (f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, "
-                                        "wandb, mlflow")
+            return "logging.trackers", (
+                f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, "
+                "wandb, mlflow")
     if cfg.early_stopping.patience and not cfg.train.eval_every:
-        return "early_stopping.patience", "early stopping needs validations: set train.eval_every > 0"
+        return "early_stopping.patience", (
+            "early stopping needs validations: set train.eval_every > 0")
     return _tracker_uri_rule(cfg.logging.mlflow_uri)
 
 
 def _tracker_uri_rule(uri: str) -> Problem:
-    """A credential in the config would be copied into config.yaml of the run, of every checkpoint, of slurm/
-    and of sweep tasks, and into the tracker's own params; MLflow reads its own variables instead."""
+    """A credential in the config would be copied into config.yaml of the run, of every checkpoint,
+    of slurm/ and of sweep tasks, and into the tracker's own params; MLflow reads its own variables
+    instead."""
     found = uri_credentials(uri) if uri else None
     if found is None:
         return None
-    return "logging.mlflow_uri", (f"{mask_text(uri)!r} holds {found}, which the run's files would keep; give "
-                                  "the URI without it and set MLFLOW_TRACKING_USERNAME and "
-                                  "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the job's environment")
+    return "logging.mlflow_uri", (
+        f"{mask_text(uri)!r} holds {found}, which the run's files would keep; give the URI without "
+        "it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+        "MLFLOW_TRACKING_TOKEN) in the job's environment")

@@ -174,7 +174,8 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
                             cfg.data.num_workers, device, cfg.train.seed)
     parts = Parts(task, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device), loaders,
                   checkpointer, metrics, ctx.stop, ctx.deadline)
-    checkpointer.prepare(model, parts.optimizer)  # pins an async save's host buffers in the background
+    # pins an async save's host buffers in the background
+    checkpointer.prepare(model, parts.optimizer)
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish)
     return Trainer(parts, settings, env, device)
 
@@ -222,7 +223,8 @@ def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
         if refused is not None:
             return EXIT_FAILED, refused, True
         logger.info("exporting the final checkpoint to %s", out)
-        done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out", str(out), "--force",
+        done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out",
+                               str(out), "--force",
                                "--trust-code"],  # the code this job itself imported
                               capture_output=True, text=True)
         said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]

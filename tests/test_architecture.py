@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
 # Folders are layers; a module imports only from its own layer or below. Top-level modules are placed one
 # by one: the foundation everything reads (errors, config, the Task contract) and the interface on top.
 LAYERS: dict[int, set[str]] = {
-    0: {"errors", "config", "configload", "configrules", "durations", "factory", "files", "redact", "task",
-        "trust", "version"},
+    0: {"errors", "config", "configload", "configrules", "durations", "factory", "files", "redact",
+        "task", "trust", "version"},
     1: {"runtime"},           # the process: rendezvous, its group and device, signals, logs, diagnosis
     2: {"data", "state"},     # samples and loaders; everything on disk (checkpoints, the run directory)
     3: {"tasks"},             # the built-in tasks and models
@@ -31,7 +31,8 @@ NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgt
             "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
-            "qgtrain.durations", "qgtrain.files", "qgtrain.configrules", "qgtrain.redact", "qgtrain.trust"]
+            "qgtrain.durations", "qgtrain.files", "qgtrain.configrules", "qgtrain.redact",
+            "qgtrain.trust"]
 
 
 def dotted(path: Path) -> str:

@@ -253,7 +253,8 @@ TF32 = [("fp32", "cuda", (8, 0), False, True), ("fp32", "cuda", (9, 0), False, T
 
 
 @pytest.mark.parametrize("chosen, device, capability, rocm, tf32", TF32)
-def test_fp32_uses_tf32_tensor_cores_from_compute_capability_8(chosen, device, capability, rocm, tf32):
+def test_fp32_uses_tf32_tensor_cores_from_compute_capability_8(
+        chosen, device, capability, rocm, tf32):
     assert precision.uses_tf32(chosen, device, capability, rocm) == tf32
 
 
@@ -265,11 +266,16 @@ def test_fp16_on_the_cpu_is_refused():
 # each rank's (node, device, GPU UUID) -> the ranks named as sharing one GPU, or None
 SHARED_GPUS = [
     ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:1", "GPU-b")], None),
-    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a")], "ranks [0, 1] on n1"),  # torchrun x2, 1 GPU
-    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"),
-      ("n2", "cuda:0", "GPU-c"), ("n2", "cuda:1", "GPU-d")], "ranks [0, 1, 2, 3] on n1"),  # 4 tasks, 1 GPU
-    ([("n1", "cuda:0", "GPU-a"), ("n2", "cuda:0", "GPU-c")], None),  # one GPU per node, index 0 on each
-    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:1", "GPU-a")], "ranks [0, 1] on n1"),  # two names, one GPU
+    # torchrun x2, 1 GPU
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a")], "ranks [0, 1] on n1"),
+    # 4 tasks, 1 GPU
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"), ("n1", "cuda:0", "GPU-a"),
+      ("n1", "cuda:0", "GPU-a"), ("n2", "cuda:0", "GPU-c"), ("n2", "cuda:1", "GPU-d")],
+     "ranks [0, 1, 2, 3] on n1"),
+    # one GPU per node, index 0 on each
+    ([("n1", "cuda:0", "GPU-a"), ("n2", "cuda:0", "GPU-c")], None),
+    # two names, one GPU
+    ([("n1", "cuda:0", "GPU-a"), ("n1", "cuda:1", "GPU-a")], "ranks [0, 1] on n1"),
 ]
 
 
@@ -278,7 +284,8 @@ def test_ranks_that_would_share_a_gpu_are_named_before_nccls_join(claims, named)
     why = devices.shared_gpu(claims)
     assert (why is None) == (named is None)
     if named:
-        assert named in why and "HINT" in why and "--ntasks-per-node" in why and "--nproc_per_node" in why
+        assert (named in why and "HINT" in why and "--ntasks-per-node" in why
+                and "--nproc_per_node" in why)
 
 
 def exchange_through_the_job_store() -> list[str]:

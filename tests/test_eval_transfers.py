@@ -1,7 +1,8 @@
-"""What evaluation and batch moving copy to the device: Python numbers a task reports are summed on the
-host (no tensor, so no blocking host-to-device copy, per batch), and objects that move themselves are
-asked for non-blocking copies where their `.to` takes it. Runs against: a real one-rank gloo group
-evaluating a real model, with torch.as_tensor counted; batch classes recording how they were moved."""
+"""What evaluation and batch moving copy to the device: Python numbers a task reports are summed on
+the host (no tensor, so no blocking host-to-device copy, per batch), and objects that move
+themselves are asked for non-blocking copies where their `.to` takes it. Runs against: a real
+one-rank gloo group evaluating a real model, with torch.as_tensor counted; batch classes recording
+how they were moved."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
     from qgtrain.training.evaluation import evaluate
     from tests.tasks import Points, classify_loss
 
-    def metrics(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+    def metrics(model: torch.nn.Module,
+                batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
         labels = batch["label"].tolist()
-        return {"ones": (sum(labels), len(labels)), "share": (0.5 * len(labels), float(len(labels))),
+        return {"ones": (sum(labels), len(labels)),
+                "share": (0.5 * len(labels), float(len(labels))),
                 "right": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(labels))}
 
     env = from_environ(os.environ)
@@ -38,10 +41,12 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
     with process_group(env, torch.device("cpu"), 60, 60):
         torch.manual_seed(0)
         data = Points(size, 5)
-        loader = make_loader(data, EvalShard(data, env), batch_size, 0, torch.device("cpu"), 0, False)
+        shard = EvalShard(data, env)
+        loader = make_loader(data, shard, batch_size, 0, torch.device("cpu"), 0, False)
         torch.as_tensor = counted
         try:
-            result = evaluate(torch.nn.Linear(8, 2), loader, classify_loss, metrics, torch.device("cpu"), "fp32", 0)
+            result = evaluate(torch.nn.Linear(8, 2), loader, classify_loss, metrics,
+                              torch.device("cpu"), "fp32", 0)
         finally:
             torch.as_tensor = real
     labels = [int(data[i]["label"]) for i in range(size)]
@@ -50,13 +55,15 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
 
 def test_python_numbers_from_a_task_s_metrics_are_summed_on_the_host():
     seen = run_ranks(1, evaluate_with_python_numbers, 10, 4)[0]
-    assert seen["made"] == ["Tensor"] * 3, "only the tensor metric's sums and no Python number became a tensor"
+    assert seen["made"] == ["Tensor"] * 3, (
+        "only the tensor metric's sums and no Python number became a tensor")
     assert seen["result"]["ones"] == seen["ones"] / 10 and seen["result"]["share"] == 0.5
     assert 0 <= seen["result"]["right"] <= 1
 
 
 class Recording:
-    """A batch type that moves itself, as PyG's Batch does (BaseData.to(device, *args, non_blocking=False))."""
+    """A batch type that moves itself, as PyG's Batch does (BaseData.to(device, *args,
+    non_blocking=False))."""
 
     def __init__(self) -> None:
         self.how: dict[str, Any] | None = None

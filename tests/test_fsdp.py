@@ -201,9 +201,9 @@ def test_activation_checkpointing_keeps_less_for_backward_and_gives_the_same_gra
 
 
 def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
-    """Between two micro-batches of one step: how many elements of unsharded gradient the FSDP units hold
-    (FSDP2's own bookkeeping: FSDPParam.unsharded_accumulated_grad, or the unsharded parameter's .grad
-    kept for later), and after the step each rank's reduced gradient shards."""
+    """Between two micro-batches of one step: how many elements of unsharded gradient the FSDP units
+    hold (FSDP2's own bookkeeping: FSDPParam.unsharded_accumulated_grad, or the unsharded
+    parameter's .grad kept for later), and after the step each rank's reduced gradient shards."""
     from torch.distributed.fsdp import FSDPModule
 
     from qgtrain.runtime.distributed import process_group
@@ -236,16 +236,18 @@ def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
 
         torch.manual_seed(1 + env.rank)  # each rank its own data: unreduced gradients would differ
         batches = [torch.randint(0, 200, (2, 16)) for _ in range(2)]
-        accumulate_gradients(model, loss, batches, "fp32", torch.amp.GradScaler("cpu", enabled=False), cpu)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        accumulate_gradients(model, loss, batches, "fp32", scaler, cpu)
         seen["grads"] = [p.grad.full_tensor() for p in model.parameters()]
     return seen
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
 def test_accumulation_holds_no_unsharded_gradient_between_micro_batches(layout):
-    """fsdp reduce-scatters every micro-batch and hsdp postpones only the all-reduce across replicas (here
-    2 replicas of 1 rank), so between micro-batches no unit keeps a full-size gradient (4 bytes x every
-    parameter on every GPU otherwise); the step's gradient is still reduced over both ranks in the end."""
+    """fsdp reduce-scatters every micro-batch and hsdp postpones only the all-reduce across replicas
+    (here 2 replicas of 1 rank), so between micro-batches no unit keeps a full-size gradient (4
+    bytes x every parameter on every GPU otherwise); the step's gradient is still reduced over both
+    ranks in the end."""
     ranks = run_ranks(2, gradients_between_micro_batches, layout)
     for seen in ranks:
         assert seen["held"] == [0, 0]

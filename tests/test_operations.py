@@ -203,20 +203,24 @@ PEAK_TABLE = [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.5),
     ("NVIDIA H100 NVL", "bf16", 835.5), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
     ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("Tesla V100-SXM2-32GB", "tf32", 15.7),
-    ("NVIDIA H800", "bf16", 989.4), ("NVIDIA H200", "bf16", 989.4), ("NVIDIA GH200 480GB", "bf16", 989.4),
+    ("NVIDIA H800", "bf16", 989.4), ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA GH200 480GB", "bf16", 989.4),
     ("NVIDIA L40S", "bf16", 362.1), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L4", "bf16", 121.0),
-    ("NVIDIA A40", "bf16", 149.7), ("NVIDIA RTX A4000", "bf16", None), ("NVIDIA A10", "bf16", 125.0),
+    ("NVIDIA A40", "bf16", 149.7), ("NVIDIA RTX A4000", "bf16", None),
+    ("NVIDIA A10", "bf16", 125.0),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
     ("Tesla V100-SXM2-32GB", "fp16", 125.0), ("Tesla V100-SXM2-32GB", "bf16", None),
-    ("Tesla T4", "fp32", 8.1), ("AMD Instinct MI250X", "bf16", 191.5), ("AMD Instinct MI300X", "bf16", 1307.4),
+    ("Tesla T4", "fp32", 8.1), ("AMD Instinct MI250X", "bf16", 191.5),
+    ("AMD Instinct MI300X", "bf16", 1307.4),
     ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Some Future Accelerator", "bf16", None),
 ]
 
 
 @pytest.mark.parametrize("name,precision,tflops", PEAK_TABLE)
-def test_model_flops_utilisation_uses_the_peak_of_the_exact_device_and_precision(name, precision, tflops):
-    """Names nest (L40 and L4, RTX A4000 and A40, H100 PCIe and H100): each is matched whole; an MI250X
-    shows up as one GCD, half the module; V100 and T4 have no bf16 to measure against."""
+def test_model_flops_utilisation_uses_the_peak_of_the_exact_device_and_precision(
+        name, precision, tflops):
+    """Names nest (L40 and L4, RTX A4000 and A40, H100 PCIe and H100): each is matched whole; an
+    MI250X shows up as one GCD, half the module; V100 and T4 have no bf16 to measure against."""
     from qgtrain.training.flops import peak_flops
 
     assert peak_flops(name, precision) == (None if tflops is None else pytest.approx(tflops * 1e12))

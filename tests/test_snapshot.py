@@ -1,7 +1,7 @@
-"""An asynchronous save's pinned host buffers are made at start, in the background, not by the first save
-on the main thread. Runs against: a real model and torch's AdamW before its first step, the snapshot's
-allocation function recorded (a CPU cannot pin: every tensor stands in for a GPU one here), and the
-layout a CPU run prepares (none)."""
+"""An asynchronous save's pinned host buffers are made at start, in the background, not by the first
+save on the main thread. Runs against: a real model and torch's AdamW before its first step, the
+snapshot's allocation function recorded (a CPU cannot pin: every tensor stands in for a GPU one
+here), and the layout a CPU run prepares (none)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def everything_on_a_gpu(tensor: torch.Tensor) -> bool:
 def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_allocates_none():
     torch.manual_seed(0)
     model = Tied()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # fused: `step` lies with the params
+    # fused: `step` lies with the params
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     calls: list[tuple[str, torch.Size]] = []
 
     def allocate(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -45,8 +46,10 @@ def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_al
     optimizer.step()  # now the state exists, as at the first save
     state = {"model.pt": model.state_dict(), "optim.pt": {"optimizer": optimizer.state_dict()}}
     first = snapshot.copy(state)
-    assert {name for name, _ in calls} == {"qgtrain-pin-buffers"}, "the first save allocated nothing itself"
-    # wte (= head), mid.weight, mid.bias; then exp_avg, exp_avg_sq and step for each of the 3 parameters
+    assert {name for name, _ in calls} == {"qgtrain-pin-buffers"}, (
+        "the first save allocated nothing itself")
+    # wte (= head), mid.weight, mid.bias; then exp_avg, exp_avg_sq and step for each of the 3
+    # parameters
     assert len(calls) == len(layouts) == 3 + 3 * 3
     assert first["model.pt"]["wte.weight"] is first["model.pt"]["head.weight"]
     assert torch.equal(first["model.pt"]["mid.weight"], model.mid.weight)
@@ -61,8 +64,10 @@ def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
     model = Tied()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert saved_layouts(model, optimizer, True) == [], "nothing is pinned on a CPU"
-    assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], "ddp: rank 0 writes the state"
-    snapshot = CpuSnapshot(allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU")))
+    assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], (
+        "ddp: rank 0 writes the state")
+    snapshot = CpuSnapshot(
+        allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU")))
     snapshot.prepare([])
     copy = snapshot.copy({"w": model.mid.weight.detach()})
     assert torch.equal(copy["w"], model.mid.weight)
@@ -71,5 +76,5 @@ def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
 def test_an_optimizer_whose_state_is_not_predicted_leaves_it_to_the_first_save():
     model = torch.nn.Linear(4, 4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert saved_layouts(model, sgd, True, pinned=everything_on_a_gpu) == [(torch.Size([4, 4]), torch.float32),
-                                                                           (torch.Size([4]), torch.float32)]
+    assert saved_layouts(model, sgd, True, pinned=everything_on_a_gpu) == [
+        (torch.Size([4, 4]), torch.float32), (torch.Size([4]), torch.float32)]

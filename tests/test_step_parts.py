@@ -1,5 +1,5 @@
-"""Parts of one training step, in one process: gradient clipping and the precision a model computes in.
-Runs against: real modules and optimizers (and a real FSDP2 unit on a one-rank gloo group)."""
+"""Parts of one training step, in one process: gradient clipping and the precision a model computes
+in. Runs against: real modules and optimizers (and a real FSDP2 unit on a one-rank gloo group)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.ranks import run_ranks
 
 
 def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm():
-    """Clipping to infinity would multiply each gradient by 1.0 in place: a pass over all of them per step
-    (the version counter shows the in-place write)."""
+    """Clipping to infinity would multiply each gradient by 1.0 in place: a pass over all of them
+    per step (the version counter shows the in-place write)."""
     from qgtrain.training.optim import clip_gradients
 
     model = torch.nn.Linear(4, 3)
@@ -22,14 +22,16 @@ def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm(
     versions = [g._version for g in grads]
     norm = clip_gradients(model, 0.0, torch.device("cpu"))
     assert [g._version for g in grads] == versions
-    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    torch.testing.assert_close(norm,
+                               torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
     clip_gradients(model, 0.5, torch.device("cpu"))
     assert [g._version for g in grads] != versions  # a real bound still clips
 
 
 def test_a_model_without_gradients_reports_norm_0_on_the_ranks_device():
     """The report stacks the norm with device tensors: torch's norm of no tensors is a CPU tensor,
-    which a CUDA run cannot stack (shown here with the meta device, which CPU tensors do not mix with)."""
+    which a CUDA run cannot stack (shown here with the meta device, which CPU tensors do not mix
+    with)."""
     from qgtrain.training.optim import clip_gradients
 
     norm = clip_gradients(torch.nn.Linear(4, 3), 1.0, torch.device("meta"))
@@ -55,12 +57,14 @@ def autocast_while_computing_loss() -> dict[str, bool]:
                 return m(input_ids=ids, labels=ids).loss.float()
 
             ids = torch.randint(0, 200, (2, 16))
-            accumulate_gradients(model, loss, [ids], "bf16", torch.amp.GradScaler("cpu", enabled=False), cpu)
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            accumulate_gradients(model, loss, [ids], "bf16", scaler, cpu)
     return seen
 
 
 def test_bf16_autocasts_a_replicated_model_and_leaves_a_sharded_one_to_fsdps_policy():
-    """FSDP2's MixedPrecisionPolicy already computes in bf16; autocast on top would cast every weight again."""
+    """FSDP2's MixedPrecisionPolicy already computes in bf16; autocast on top would cast every
+    weight again."""
     assert run_ranks(1, autocast_while_computing_loss) == [{"replicated": True, "sharded": False}]
 
 
@@ -73,8 +77,9 @@ def test_the_built_in_loss_equals_transformers_own_causal_lm_loss():
 
 
 def test_an_update_from_non_finite_gradients_is_skipped_on_the_device_by_fused_optimizers():
-    """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count; another
-    optimizer skips by reading the flag. Either way the weights and the state stay as they were."""
+    """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count;
+    another optimizer skips by reading the flag. Either way the weights and the state stay as they
+    were."""
     from qgtrain.training.optim import apply_update
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -101,7 +106,8 @@ def flags_as_reads_go_by() -> list[tuple[bool, bool, int]]:
     seen = []
     with process_group(env, cpu, 60, 60):
         agreement, ok, bad = Agreement(cpu), torch.tensor(False), torch.tensor(True)
-        for step, (stop, grads) in enumerate([(True, ok), (False, ok), (False, bad), (False, ok)], 1):
+        reads = [(True, ok), (False, ok), (False, bad), (False, ok)]
+        for step, (stop, grads) in enumerate(reads, 1):
             agreement.start(Flags(stop_requested=stop and env.rank == 1), torch.tensor(False))
             flags = agreement.read(grads, step)
             seen.append((flags.stop_requested, flags.bad_grads, flags.as_of))
@@ -112,7 +118,8 @@ def flags_as_reads_go_by() -> list[tuple[bool, bool, int]]:
 
 
 def test_agreed_flags_reach_the_host_one_read_later_and_settle_waits_for_them():
-    """A stop asked on rank 1 before step 1 is agreed by step 2's read and on the host at step 3's, on
-    both ranks; non-finite gradients read at step 3 come back at step 4's read, naming step 3."""
-    expected = [(False, False, 0), (False, False, 1), (True, False, 2), (False, True, 3), (False, False, 4)]
+    """A stop asked on rank 1 before step 1 is agreed by step 2's read and on the host at step 3's,
+    on both ranks; non-finite gradients read at step 3 come back at step 4's read, naming step 3."""
+    expected = [(False, False, 0), (False, False, 1), (True, False, 2), (False, True, 3),
+                (False, False, 4)]
     assert run_ranks(2, flags_as_reads_go_by) == [expected, expected]

@@ -205,7 +205,8 @@ def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_record
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_still_trains(tmp_path, parallel):
+def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_still_trains(
+        tmp_path, parallel):
     """The ranks wait for a slow rank 0 (a large model read from a shared filesystem) up to
     train.startup_timeout_s, not train.collective_timeout_s: here 6 s of building against 2 s."""
     sharding = ["train.parallel=fsdp", "train.shard_modules=[Linear]"] if parallel == "fsdp" else []

@@ -2,12 +2,12 @@
 
 Tensors move; dicts, lists, tuples (named ones too) and dataclasses are rebuilt around their moved
 contents; any other object with a `.to(device)` (a PyTorch Geometric Batch) moves itself, told
-non_blocking=True where its `.to` takes it (PyG's BaseData.to does). Every copy is asynchronous, which
-pays where the host side is pinned: the DataLoader pins tensors, containers and objects with their own
-`pin_memory()` (PyG's) on CUDA, but not a dataclass (torch/utils/data/_utils/pin_memory.py), whose
-fields then copy from pageable memory. Plain values (numbers, text, None, numpy arrays) stay as they
-are. Anything else cannot be placed on a device by us, and saying so at the first step beats a device
-mismatch deep inside the model.
+non_blocking=True where its `.to` takes it (PyG's BaseData.to does). Every copy is asynchronous,
+which pays where the host side is pinned: the DataLoader pins tensors, containers and objects with
+their own `pin_memory()` (PyG's) on CUDA, but not a dataclass
+(torch/utils/data/_utils/pin_memory.py), whose fields then copy from pageable memory. Plain values
+(numbers, text, None, numpy arrays) stay as they are. Anything else cannot be placed on a device by
+us, and saying so at the first step beats a device mismatch deep inside the model.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def to_device(batch: Any, device: torch.device, where: tuple[tuple[str, Any], ..
 
 
 def takes_non_blocking(method: Callable[..., Any]) -> bool:
-    """Whether a `.to` accepts non_blocking= (by name, or through **kwargs); asked once per class."""
+    """Whether a `.to` accepts non_blocking= (by name, or through **kwargs); asked once per
+    class."""
     function = getattr(method, "__func__", None)  # a method: the same for every batch of its class
     return _accepts(function) if function is not None else _accepts.__wrapped__(method)
 

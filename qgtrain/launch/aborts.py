@@ -1,17 +1,20 @@
-"""A step whose ranks NCCL's watchdog took down: what srun and the run directory show, and what it means.
+"""A step whose ranks NCCL's watchdog took down: what srun and the run directory show, and what it
+means.
 
-On NCCL a collective that times out or breaks never raises in Python. ProcessGroupNCCL's watchdog thread
-writes the Flight Recorder's dump (TORCH_NCCL_DUMP_ON_TIMEOUT) and rethrows the error in itself, which
-aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING, both set in runtime/comms.py): no failure note is
-left and diagnose.peer_failure never runs. What is left is srun's line for the task, "Aborted" or
-"Aborted (core dumped)" (strsignal(SIGABRT), as srun writes a task's signal), or "Exited with exit code
-134" through a wrapper that turns the signal into a status, srun's own exit 134 (128 + SIGABRT), and the
-dumps, <run dir>/nccl/rank_<global rank> (torch names them TORCH_FR_DUMP_TEMP_FILE + rank:
-distributed/flight_recorder/components/loader.py reads the rank back from the name the same way).
+On NCCL a collective that times out or breaks never raises in Python. ProcessGroupNCCL's watchdog
+thread writes the Flight Recorder's dump (TORCH_NCCL_DUMP_ON_TIMEOUT) and rethrows the error in
+itself, which aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING, both set in runtime/comms.py): no
+failure note is left and diagnose.peer_failure never runs. What is left is srun's line for the task,
+"Aborted" or "Aborted (core dumped)" (strsignal(SIGABRT), as srun writes a task's signal), or
+"Exited with exit code 134" through a wrapper that turns the signal into a status, srun's own exit
+134 (128 + SIGABRT), and the dumps, <run dir>/nccl/rank_<global rank> (torch names them
+TORCH_FR_DUMP_TEMP_FILE + rank: distributed/flight_recorder/components/loader.py reads the rank back
+from the name the same way).
 
 Each rank whose collective failed dumps (and asks the others through the store to dump too), so the
-dumps name the ranks that were still there, and a rank without one is the first suspect. The diagnosis
-is a plain function of the exits per rank and the dumps' ranks; the batch node needs no torch for it.
+dumps name the ranks that were still there, and a rank without one is the first suspect. The
+diagnosis is a plain function of the exits per rank and the dumps' ranks; the batch node needs no
+torch for it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def dumped_ranks(names: Iterable[str], prefix: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Abort:
     """What the step's end says about NCCL. kind: "collective", ranks aborted and dumps written (a
-    collective timed out or broke: the machine's failure); "abort", ranks aborted without a dump here;
-    "dumps", dumps written but no rank reported as aborted."""
+    collective timed out or broke: the machine's failure); "abort", ranks aborted without a dump
+    here; "dumps", dumps written but no rank reported as aborted."""
 
     kind: Literal["collective", "abort", "dumps"]
     aborted: tuple[int, ...]  # the ranks srun saw die of SIGABRT; () where only srun's exit says so
@@ -50,18 +53,19 @@ class Abort:
     def text(self) -> str:
         aborted = f"rank(s) {_ranks(self.aborted)} aborted" if self.aborted else "the step aborted"
         trace = f"`torchfrtrace {self.folder}` says which rank stopped in which collective"
-        silent = (f"; rank(s) {_ranks(self.silent)} left no dump: they died or hung before they could write one"
-                  if self.silent else "")
+        silent = (f"; rank(s) {_ranks(self.silent)} left no dump: they died or hung before they "
+                  "could write one" if self.silent else "")
         if self.kind == "collective":
-            return (f"an NCCL collective failed or timed out, the machine's failure: {aborted} (SIGABRT, exit 134, "
-                    f"from NCCL's watchdog); the Flight Recorder dumps of rank(s) {_ranks(self.dumped)} are in "
-                    f"{self.folder}: {trace}{silent}")
+            return (f"an NCCL collective failed or timed out, the machine's failure: {aborted} "
+                    "(SIGABRT, exit 134, from NCCL's watchdog); the Flight Recorder dumps of "
+                    f"rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}")
         if self.kind == "abort":
-            return (f"{aborted} (SIGABRT, exit 134) with no NCCL Flight Recorder dump in {self.folder}: NCCL's "
-                    "watchdog where the job turned TORCH_NCCL_DUMP_ON_TIMEOUT off or sent the dumps elsewhere, "
-                    "or another abort in native code; the job's output holds its last words")
-        return (f"an NCCL collective failed or timed out before the step ended: the Flight Recorder dumps of "
-                f"rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}")
+            return (f"{aborted} (SIGABRT, exit 134) with no NCCL Flight Recorder dump in "
+                    f"{self.folder}: NCCL's watchdog where the job turned "
+                    "TORCH_NCCL_DUMP_ON_TIMEOUT off or sent the dumps elsewhere, or another abort "
+                    "in native code; the job's output holds its last words")
+        return ("an NCCL collective failed or timed out before the step ended: the Flight Recorder "
+                f"dumps of rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}")
 
     def record(self) -> dict[str, object]:
         return {"kind": self.kind, "aborted": list(self.aborted), "dumped": list(self.dumped),
@@ -77,8 +81,9 @@ def diagnose(exits: Mapping[int, str], exit_code: int, dumped: Iterable[int], wo
     if not dumps and not aborted and exit_code != SIGABRT_STATUS:
         return None
     silent = tuple(rank for rank in range(world_size) if rank not in dumps) if dumps else ()
-    kind: Literal["collective", "abort", "dumps"] = \
-        "dumps" if not (aborted or exit_code == SIGABRT_STATUS) else "collective" if dumps else "abort"
+    kind: Literal["collective", "abort", "dumps"] = (
+        "dumps" if not (aborted or exit_code == SIGABRT_STATUS)
+        else "collective" if dumps else "abort")
     return Abort(kind, aborted, dumps, silent, folder)
 
 

@@ -3,8 +3,9 @@
 train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind decides:
 srun's own report of the first task that failed (node, rank, how it ended), the notes failing ranks left
 in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was the machine's failure
-or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank NCCL's watchdog took down
-leaves no note), and the run's history of failures per node. The answer is one line the script acts on:
+or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank NCCL's watchdog took
+down leaves no note), and the run's history of failures per node. The answer is one line the script
+acts on:
 
     retry                    a new srun step in this allocation, from the last committed checkpoint
     requeue [NODE[,NODE]]    requeue the job, keeping it away from these nodes
@@ -72,8 +73,8 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
            spare_nodes: int | None, nccl: aborts.Abort | None = None) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `spare_nodes`: nodes the
-    partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and dumps
-    say (the machine's failure, so retried like a rank that died, and named in the reason)."""
+    partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
+    dumps say (the machine's failure, so retried like a rank that died, and named in the reason)."""
     own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
     if own:
         rank, note = min(own.items())
@@ -86,8 +87,9 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
-        return Decision("end", f"{said}{step_retries} retries in this allocation failed, and the job is not requeued "
-                               f"(slurm.requeue={requeue}, restart {restart} of at most {max_restarts})")
+        return Decision("end", f"{said}{step_retries} retries in this allocation failed, and the "
+                               f"job is not requeued (slurm.requeue={requeue}, restart {restart} "
+                               f"of at most {max_restarts})")
     repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
     exclude = tuple(repeat) if spare_nodes is not None and len(repeat) <= spare_nodes else ()
     why = f"{said}{step_retries} retries in this allocation failed; requeueing"
@@ -115,7 +117,8 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, r
     history = [f for f in recorded if isinstance(f, dict)] if isinstance(recorded, list) else []
     record = _record(run, failure, notes, exit_code, attempt, restart)
     dumped, folder = _keep_dumps(run, len(history) + 1)
-    nccl = aborts.diagnose({f.rank: f.how for f in failures}, exit_code, dumped, world_size, str(folder))
+    exits = {f.rank: f.how for f in failures}
+    nccl = aborts.diagnose(exits, exit_code, dumped, world_size, str(folder))
     if nccl is not None:
         record["nccl"] = nccl.record()
     per_node: dict[str, int] = {}
@@ -130,8 +133,9 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, r
 
 
 def _keep_dumps(run: rundir.RunDir, failure: int) -> tuple[tuple[int, ...], Path]:
-    """Move this step's Flight Recorder dumps into nccl/failure-<failure>/ (one failure's dumps are what
-    `torchfrtrace` reads, and the next failure's are then told apart); their ranks, and where they are."""
+    """Move this step's Flight Recorder dumps into nccl/failure-<failure>/ (one failure's dumps are
+    what `torchfrtrace` reads, and the next failure's are then told apart); their ranks, and where
+    they are."""
     prefix = run.nccl_dumps
     try:
         names = [p.name for p in prefix.parent.iterdir() if p.is_file()]

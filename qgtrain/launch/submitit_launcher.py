@@ -204,7 +204,8 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
                            "or train directly with `qgtrain train`")
     executor.update_parameters(**executor_parameters(cfg, recover_args=_recover_args(cfg, target)))
     submitit_compat.use_job_class(executor, TrainJob)
-    if folder is None:  # submitit's folder inside the run directory would create it with the umask's mode
+    # submitit's folder inside the run directory would create it with the umask's mode
+    if folder is None:
         create(target, cfg.logging.shared)
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 

@@ -81,7 +81,8 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
             _set_generation_eos(model, model_facts.get("eos_id"))
         builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
         published = export_writer.publishable(config_to_dict(saved))
-        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts, published,
+        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts,
+                                        published,
                                         LM_USAGE if lm else export_writer.usage(kind, model, builder),
                                         "text-generation" if lm else None)
         meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
@@ -192,8 +193,9 @@ def _set_generation_eos(model: torch.nn.Module, eos: int | None) -> None:
 
 
 def run_facts(ckpt: checkpoint.Checkpoint, cfg: RunConfig, tokenizer_name: str | None) -> dict[str, Any]:
-    """What training did, from the checkpoint and the run's metrics: in the model card and qgtrain_model.json
-    (the checkpoint by its folder's name: its full path names the user's home and cluster)."""
+    """What training did, from the checkpoint and the run's metrics: in the model card and
+    qgtrain_model.json (the checkpoint by its folder's name: its full path names the user's home and
+    cluster)."""
     state = checkpoint.load_json(ckpt, "state.json")
     trainer, versions = state["trainer"], state.get("versions", {})
     metrics = RunDir(ckpt.path.parent.parent).metrics

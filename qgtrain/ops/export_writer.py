@@ -1,13 +1,14 @@
 """The one export writer: a model's weights, what rebuilds it, the run's facts and a model card, in one folder.
 
 Whatever the model, the folder holds `qgtrain_model.json` (what kind of export it is, the task and options
-that built the model, the resolved config, the run's facts) and a `README.md` model card, both made to be
-published: the config's sections about the user's own machines (PRIVATE_SECTIONS) stay out of them; the weights are
-written the model's own way. A transformers PreTrainedModel and a huggingface_hub PyTorchModelHubMixin use
-their own config files (their own class reloads them without qgtrain); any other module's `state_dict` goes
-to `model.safetensors`, with the model's own names, and `qgtrain.load_model(folder)` rebuilds it by calling
-the task function again. The weights themselves are streamed from the checkpoint (export_stream.py),
-sharded past SHARD_SIZE as transformers shards them, except for the hub mixin, whose loader reads one file.
+that built the model, the resolved config, the run's facts) and a `README.md` model card, both made
+to be published: the config's sections about the user's own machines (PRIVATE_SECTIONS) stay out of
+them; the weights are written the model's own way. A transformers PreTrainedModel and a
+huggingface_hub PyTorchModelHubMixin use their own config files (their own class reloads them
+without qgtrain); any other module's `state_dict` goes to `model.safetensors`, with the model's own
+names, and `qgtrain.load_model(folder)` rebuilds it by calling the task function again. The weights
+themselves are streamed from the checkpoint (export_stream.py), sharded past SHARD_SIZE as
+transformers shards them, except for the hub mixin, whose loader reads one file.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from torch import nn
 
 META = "qgtrain_model.json"
-# Where the run was trained, not what was trained: tracker servers and projects, the runs folder (logging),
-# the Slurm account, partition, setup lines and images (slurm), and the export's own folder (export).
+# Where the run was trained, not what was trained: tracker servers and projects, the runs folder
+# (logging), the Slurm account, partition, setup lines and images (slurm), and the export's own
+# folder (export).
 PRIVATE_SECTIONS = ("logging", "slurm", "export")
 SHARD_SIZE = "2GB"
 ONE_FILE = 2**62
@@ -70,9 +72,10 @@ def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, token
 
 
 def publishable(config: dict[str, Any]) -> dict[str, Any]:
-    """The resolved config as an exported folder shows it: without PRIVATE_SECTIONS, which a rebuild of the
-    model never reads (they come back as the defaults)."""
-    return {section: values for section, values in config.items() if section not in PRIVATE_SECTIONS}
+    """The resolved config as an exported folder shows it: without PRIVATE_SECTIONS, which a rebuild
+    of the model never reads (they come back as the defaults)."""
+    return {section: values for section, values in config.items()
+            if section not in PRIVATE_SECTIONS}
 
 
 def size_in_bytes(size: str) -> int:
@@ -81,10 +84,10 @@ def size_in_bytes(size: str) -> int:
     return int(float(size[:-2]) * units[size[-2:].upper()]) if size[-2:].upper() in units else int(size)
 
 
-def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any], config: dict[str, Any],
-               usage: str, pipeline_tag: str | None = None) -> str:
-    """What a reader of the folder wants to know: what it is, how it was trained (`config`: publishable's),
-    how to load it."""
+def model_card(name: str, model: nn.Module, task: str, facts: dict[str, Any],
+               config: dict[str, Any], usage: str, pipeline_tag: str | None = None) -> str:
+    """What a reader of the folder wants to know: what it is, how it was trained (`config`:
+    publishable's), how to load it."""
     import yaml
 
     kind = kind_of(model)

@@ -1,8 +1,9 @@
 """`qgtrain runs`: what every run under a folder is doing, read from its files alone (no torch, no Slurm).
 
-Every text it shows was written by whoever could write the run directory (on a shared filesystem: anyone
-allowed to), so the table shows control characters escaped (`\x1b`, `\n`, `\u202e`): a status.json
-cannot move the cursor, recolour or rewrite the terminal, or add lines of its own. --json escapes them too.
+Every text it shows was written by whoever could write the run directory (on a shared filesystem:
+anyone allowed to), so the table shows control characters escaped (`\x1b`, `\n`, `\u202e`): a
+status.json cannot move the cursor, recolour or rewrite the terminal, or add lines of its own.
+--json escapes them too.
 
 Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run that
 says "running" while nobody holds its lock was killed before it could say anything else (interrupted),
@@ -106,11 +107,16 @@ def as_table(rows: list[RunSummary]) -> str:
 
     header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "FAILURES", "JOB",
               "METRICS", "SWEPT")
-    cells = [header] + [(fmt(r.name), fmt(r.status), fmt(r.step), fmt(r.epoch), fmt(r.best_val_loss),
-                         fmt(r.last_val_loss), fmt(r.checkpoint), fmt(r.restarts), str(len(r.failures)),
-                         fmt(r.job_id),
-                         " ".join(f"{fmt(k)} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-",
-                         " ".join(f"{fmt(k)}={fmt(v)}" for k, v in r.swept.items()) or "-") for r in rows]
+    def metrics(r: RunSummary) -> str:
+        return " ".join(f"{fmt(k)} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-"
+
+    def swept(r: RunSummary) -> str:
+        return " ".join(f"{fmt(k)}={fmt(v)}" for k, v in r.swept.items()) or "-"
+
+    cells = [header] + [(fmt(r.name), fmt(r.status), fmt(r.step), fmt(r.epoch),
+                         fmt(r.best_val_loss), fmt(r.last_val_loss), fmt(r.checkpoint),
+                         fmt(r.restarts), str(len(r.failures)), fmt(r.job_id), metrics(r), swept(r))
+                        for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
     lines += [f"{fmt(r.name)}: {fmt(r.error)}" for r in rows if r.status == "failed" and r.error]
@@ -120,6 +126,8 @@ def as_table(rows: list[RunSummary]) -> str:
 
 
 def shown(text: str) -> str:
-    """`text` with every character a terminal would act on instead of print (C0 and C1 controls, DEL, line
-    and paragraph separators, bidirectional overrides) written as its Python escape: one row stays one line."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    """`text` with every character a terminal would act on instead of print (C0 and C1 controls,
+    DEL, line and paragraph separators, bidirectional overrides) written as its Python escape: one
+    row stays one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)

@@ -12,16 +12,17 @@ the first NCCL group is made) and, when a collective times out, dumps it to TORC
 a name read at the first dump: so the buffer is set before the process group, the place once the run
 directory is known. `torchfrtrace <folder>` says which rank stopped where.
 
-A collective that times out or breaks on NCCL never raises in Python: ProcessGroupNCCL's watchdog thread
-rethrows the error in itself, which ends the process with SIGABRT (exit 134) after the dump. How it gets
-there is TORCH_NCCL_ASYNC_ERROR_HANDLING, read when each NCCL group is made; torchrun's agent sets it to 1
-for its workers when unset (elastic/agent/server/local_elastic_agent.py), srun sets nothing, so without a
-choice here the two launchers would differ. qgtrain sets 3 (abort the process, skip the communicators'
-cleanup): a new attempt is always a new process (train.slurm's next srun step), which frees every
-communicator anyway, while 1 first runs ncclCommAbort, which can itself hang on a broken fabric until the
-heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 8 minutes by default) aborts the process all the
-same. 0 and 2 never end the process: the main thread would wait forever on a kernel that never finishes,
-or go on with garbage. `qgtrain recover` recognises the abort (launch/aborts.py).
+A collective that times out or breaks on NCCL never raises in Python: ProcessGroupNCCL's watchdog
+thread rethrows the error in itself, which ends the process with SIGABRT (exit 134) after the dump.
+How it gets there is TORCH_NCCL_ASYNC_ERROR_HANDLING, read when each NCCL group is made; torchrun's
+agent sets it to 1 for its workers when unset (elastic/agent/server/local_elastic_agent.py), srun
+sets nothing, so without a choice here the two launchers would differ. qgtrain sets 3 (abort the
+process, skip the communicators' cleanup): a new attempt is always a new process (train.slurm's next
+srun step), which frees every communicator anyway, while 1 first runs ncclCommAbort, which can
+itself hang on a broken fabric until the heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 8
+minutes by default) aborts the process all the same. 0 and 2 never end the process: the main thread
+would wait forever on a kernel that never finishes, or go on with garbage. `qgtrain recover`
+recognises the abort (launch/aborts.py).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def recorder_settings(env: DistEnv) -> dict[str, str]:
 
 
 def error_handling(env: DistEnv) -> tuple[dict[str, str], str]:
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING, unless the job (or torchrun's agent) set it. Returns the settings and
-    the value NCCL's groups will run with."""
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING, unless the job (or torchrun's agent) set it. Returns the
+    settings and the value NCCL's groups will run with."""
     given = dict(env.comm_env).get(ERROR_HANDLING)
     return ({}, given) if given else ({ERROR_HANDLING: ABORT_AT_ONCE}, ABORT_AT_ONCE)
 
@@ -131,8 +132,8 @@ def apply(settings: Mapping[str, str]) -> None:
 
 
 def configure_network(env: DistEnv, nccl: bool, socket_ifname: str) -> InterfaceChoice:
-    """Before the process group: the interface (and on NCCL the Flight Recorder's buffer and what a failed
-    collective does), set and logged."""
+    """Before the process group: the interface (and on NCCL the Flight Recorder's buffer and what a
+    failed collective does), set and logged."""
     choice = choose_interface(socket_ifname, machine_interfaces(), route_source(env.master_addr), env)
     settings = socket_settings(choice, env)
     handling, value = error_handling(env)
@@ -149,9 +150,10 @@ def on_failed_collective(value: str, own: bool) -> str:
     """What a collective that times out or breaks does to this process, for the log."""
     source = f"{ERROR_HANDLING}={value}" + (" from the environment" if own else "")
     if value.strip() in ("1", "3"):
-        return f"a collective that times out or breaks ends this process with SIGABRT (exit 134) ({source})"
-    return (f"a collective that times out or breaks does not end this process ({source}): it may wait until "
-            f"the job's time limit; unset it, or set {ABORT_AT_ONCE}")
+        return ("a collective that times out or breaks ends this process with SIGABRT (exit 134) "
+                f"({source})")
+    return (f"a collective that times out or breaks does not end this process ({source}): it may "
+            f"wait until the job's time limit; unset it, or set {ABORT_AT_ONCE}")
 
 
 def keep_nccl_dumps(prefix: Path, env: DistEnv, device_type: str) -> None:

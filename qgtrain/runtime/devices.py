@@ -100,9 +100,9 @@ def _shown(env: DistEnv) -> str:
 
 
 def shared_gpu(claims: list[tuple[str, str, str]]) -> str | None:
-    """Why the ranks cannot start, if two of them would drive one GPU: each rank's (node, device, GPU
-    UUID) in rank order, as the ranks tell each other before NCCL's join. NCCL refuses it with "Duplicate
-    GPU detected", which qgtrain would otherwise report as a network join failure."""
+    """Why the ranks cannot start, if two of them would drive one GPU: each rank's (node, device,
+    GPU UUID) in rank order, as the ranks tell each other before NCCL's join. NCCL refuses it with
+    "Duplicate GPU detected", which qgtrain would otherwise report as a network join failure."""
     by_gpu: dict[str, list[int]] = {}
     for rank, (_, _, uuid) in enumerate(claims):
         by_gpu.setdefault(uuid, []).append(rank)
@@ -110,7 +110,7 @@ def shared_gpu(claims: list[tuple[str, str, str]]) -> str | None:
     if shared is None:
         return None
     node, device, uuid = claims[shared[0]]
-    return (f"ranks {shared} on {node} would all drive one GPU ({device}, {uuid}), and NCCL runs one rank "
-            f"per GPU. HINT: start as many tasks per node as the node has GPUs ({SLURM_BINDING}); under "
-            "torchrun, --nproc_per_node equal to the GPUs it sees; a CUDA_VISIBLE_DEVICES set by hand "
-            "must differ between the node's ranks")
+    return (f"ranks {shared} on {node} would all drive one GPU ({device}, {uuid}), and NCCL runs "
+            "one rank per GPU. HINT: start as many tasks per node as the node has GPUs "
+            f"({SLURM_BINDING}); under torchrun, --nproc_per_node equal to the GPUs it sees; a "
+            "CUDA_VISIBLE_DEVICES set by hand must differ between the node's ranks")

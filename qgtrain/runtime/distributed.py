@@ -83,11 +83,11 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
 
 def _join(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
     """Rank 0 hosts the store on MASTER_ADDR's address where it can (store.py); the others are its
-    clients. On GPUs the ranks first make sure no two drive one GPU, then bind the group to the rank's
-    GPU (device_id): NCCL forms its communicator at once, and every later group of a subset (hsdp's mesh,
-    the doctor's pairs) splits from it (ncclCommSplit) instead of paying a full NCCL init
-    (torch/distributed/distributed_c10d.py init_process_group's device_id, _new_process_group_helper's
-    split_from)."""
+    clients. On GPUs the ranks first make sure no two drive one GPU, then bind the group to the
+    rank's GPU (device_id): NCCL forms its communicator at once, and every later group of a subset
+    (hsdp's mesh, the doctor's pairs) splits from it (ncclCommSplit) instead of paying a full NCCL
+    init (torch/distributed/distributed_c10d.py init_process_group's device_id,
+    _new_process_group_helper's split_from)."""
     job_store = store.job_store(env, timeout)
     if device.type == "cuda":
         _refuse_shared_gpus(job_store, env, device)
@@ -150,12 +150,12 @@ def _destroy() -> None:
 
 @contextlib.contextmanager
 def collectives_wait(seconds: float, then: float) -> Iterator[None]:
-    """Collectives started inside wait up to `seconds`, and `then` after: for the start, where one rank
-    legitimately works far longer than the others (rank 0 reading a 70B model from a shared filesystem
-    while the rest build theirs empty) and only train.startup_timeout_s should cut the wait short. A
-    peer that is gone still fails the collective at once (its connection closes). The timeout is the
-    group's (distributed_c10d._set_pg_timeout, as the join sets train.collective_timeout_s); one
-    process has nothing to wait for."""
+    """Collectives started inside wait up to `seconds`, and `then` after: for the start, where one
+    rank legitimately works far longer than the others (rank 0 reading a 70B model from a shared
+    filesystem while the rest build theirs empty) and only train.startup_timeout_s should cut the
+    wait short. A peer that is gone still fails the collective at once (its connection closes). The
+    timeout is the group's (distributed_c10d._set_pg_timeout, as the join sets
+    train.collective_timeout_s); one process has nothing to wait for."""
     if dist.get_world_size() == 1:
         yield
         return

@@ -4,10 +4,10 @@ Which precision is a plain function of the device's kind and compute capability 
 for every GPU can be checked without one. bf16 runs natively from compute capability 8.0 (A100, H100, L4,
 ...). Below that (V100 7.0, T4 7.5) torch only emulates it, without tensor cores, though
 `torch.cuda.is_bf16_supported()` says yes by default: `auto` picks fp32 there, and an explicit bf16 is
-kept but warned about. fp32 on those GPUs runs its matrix products on TF32 tensor cores (fp32 storage and
-accumulation, a 10-bit mantissa for the products' inputs), as nanoGPT and the cuDNN convolutions do by
-default: several times faster than plain fp32 (training/flops.py has the peaks), and what PyTorch's own
-documentation recommends for training.
+kept but warned about. fp32 on those GPUs runs its matrix products on TF32 tensor cores (fp32
+storage and accumulation, a 10-bit mantissa for the products' inputs), as nanoGPT and the cuDNN
+convolutions do by default: several times faster than plain fp32 (training/flops.py has the peaks),
+and what PyTorch's own documentation recommends for training.
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ def choose(requested: str, device_type: str, capability: tuple[int, int] | None 
     return Choice(requested, "train.precision")
 
 
-def uses_tf32(precision: str, device_type: str, capability: tuple[int, int] | None, rocm: bool = False) -> bool:
-    """Whether fp32 matrix products run on TF32 tensor cores: compute capability 8.0 and newer (NVIDIA)."""
-    return precision == "fp32" and device_type == "cuda" and not rocm and capability is not None and \
-        tuple(capability) >= NATIVE_BF16
+def uses_tf32(precision: str, device_type: str, capability: tuple[int, int] | None,
+              rocm: bool = False) -> bool:
+    """Whether fp32 matrix products run on TF32 tensor cores: compute capability 8.0 and newer
+    (NVIDIA)."""
+    return (precision == "fp32" and device_type == "cuda" and not rocm and capability is not None
+            and tuple(capability) >= NATIVE_BF16)
 
 
 def resolve(precision: str, device: torch.device) -> str:
@@ -74,8 +76,10 @@ def resolve(precision: str, device: torch.device) -> str:
     choice = choose(precision, device.type, capability, name, rocm=rocm)
     tf32 = uses_tf32(choice.precision, device.type, capability, rocm)
     if tf32:
-        torch.set_float32_matmul_precision("high")  # torch/__init__.py: "high" allows TF32 for matmuls
-    log.info("precision %s%s (%s)", choice.precision, " with TF32 matrix products" if tf32 else "", choice.why)
+        # torch/__init__.py: "high" allows TF32 for matmuls
+        torch.set_float32_matmul_precision("high")
+    with_tf32 = " with TF32 matrix products" if tf32 else ""
+    log.info("precision %s%s (%s)", choice.precision, with_tf32, choice.why)
     if choice.warning:
         log.warning("%s", choice.warning)
     return choice.precision

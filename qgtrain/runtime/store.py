@@ -31,14 +31,18 @@ log = logging.getLogger("qgtrain")
 def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
     """This rank's handle on the job's store, keyed as torch's tcp:// rendezvous keys it (a
     "default_pg" prefix): rank 0 hosts it, the others are its clients."""
-    store = _master_store(env, timeout) if env.is_main else dist.TCPStore(  # type: ignore[attr-defined]
-        env.master_addr, env.master_port, env.world_size, False, timeout)
+    if env.is_main:
+        store = _master_store(env, timeout)
+    else:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            env.master_addr, env.master_port, env.world_size, False, timeout)
     store.set_timeout(timeout)
     return dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
 
 
 def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
-    """Bound to MASTER_ADDR where it can be, else listening everywhere (multi_tenant, as torch's own)."""
+    """Bound to MASTER_ADDR where it can be, else listening everywhere (multi_tenant, as torch's
+    own)."""
     listener, why = bound_listener(env.master_addr, env.master_port, env.num_nodes)
     if listener is None:
         log.info("rendezvous store: listens on every interface of %s, as %s", env.node_name, why)
@@ -52,7 +56,8 @@ def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
 
 def exchange(store: Any, name: str, mine: str, env: DistEnv) -> list[str]:
     """Every rank's string for `name`, in rank order: each sets its own key and reads the others'
-    (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not guard."""
+    (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not
+    guard."""
     store.set(f"qgtrain/{name}/{env.rank}", mine)
     keys = [f"qgtrain/{name}/{rank}" for rank in range(env.world_size)]
     store.wait(keys)

@@ -63,8 +63,8 @@ class Checkpointer:
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """At start, for asynchronous saves: pin the host buffers in the background (snapshot.py), so the
-        first save does not stall on it."""
+        """At start, for asynchronous saves: pin the host buffers in the background (snapshot.py),
+        so the first save does not stall on it."""
         if self.async_save:
             self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))
 

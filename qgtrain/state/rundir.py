@@ -11,9 +11,9 @@
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
 it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
-a run writes config.yaml, logs and checkpoints, which would land among, or over, what is there. It holds
-the config, logs and weights of someone's work, on filesystems every user of a cluster can read: qgtrain
-creates it private (see `create`).
+a run writes config.yaml, logs and checkpoints, which would land among, or over, what is there. It
+holds the config, logs and weights of someone's work, on filesystems every user of a cluster can
+read: qgtrain creates it private (see `create`).
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 def create(path: Path, shared: bool) -> str | None:
     """Make the run directory's top folder if it is missing: private to its owner (0700), or with
-    logging.shared as the umask says but never writable by everyone. A folder that exists keeps its mode
-    (the user, or a qgtrain before 0700, chose it): one others can read is named in the returned warning."""
+    logging.shared as the umask says but never writable by everyone. A folder that exists keeps its
+    mode (the user, or a qgtrain before 0700, chose it): one others can read is named in the
+    returned warning."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=0o775 if shared else 0o700)  # the umask takes bits away, never adds them
@@ -114,8 +115,9 @@ def create(path: Path, shared: bool) -> str | None:
         mode = path.stat().st_mode & 0o777
     if shared or not mode & 0o007:
         return None
-    return (f"the run directory {path} is open to other users (mode {mode:04o}); qgtrain leaves the mode of "
-            f"a folder it finds. HINT: chmod 700 {path}, or set logging.shared: true if it is meant to be")
+    return (f"the run directory {path} is open to other users (mode {mode:04o}); qgtrain "
+            f"leaves the mode of a folder it finds. HINT: chmod 700 {path}, or set "
+            "logging.shared: true if it is meant to be")
 
 
 def is_run_dir(path: Path) -> bool:

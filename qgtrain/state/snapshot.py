@@ -1,13 +1,14 @@
-"""The host copy an asynchronous save writes from, and its buffers made before the first save needs them.
+"""The host copy an asynchronous save writes from, and its buffers made before the first save needs
+them.
 
-Pinning host memory for a large model takes seconds to tens of seconds (page-locking every page). Done by
-the first save, on the main thread, the deadline planner counts it as a checkpoint stall. So at start,
-once the model and optimizer exist, a background thread allocates and pins a buffer for every tensor a
-save will copy from the GPU (`prepare`); the first save takes them (waiting only for what is not done
-yet), and later saves reuse them as before. The optimizer's state does not exist before its first step:
-for Adam and AdamW it is predicted as torch makes it (optim/adam.py: Adam._init_group: exp_avg and
-exp_avg_sq like the parameter, `step` on the parameter's device when fused or capturable). On a CPU
-nothing is pinned, so nothing is prepared.
+Pinning host memory for a large model takes seconds to tens of seconds (page-locking every page).
+Done by the first save, on the main thread, the deadline planner counts it as a checkpoint stall. So
+at start, once the model and optimizer exist, a background thread allocates and pins a buffer for
+every tensor a save will copy from the GPU (`prepare`); the first save takes them (waiting only for
+what is not done yet), and later saves reuse them as before. The optimizer's state does not exist
+before its first step: for Adam and AdamW it is predicted as torch makes it (optim/adam.py:
+Adam._init_group: exp_avg and exp_avg_sq like the parameter, `step` on the parameter's device when
+fused or capturable). On a CPU nothing is pinned, so nothing is prepared.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ Layout = tuple[torch.Size, torch.dtype]
 
 
 def pin(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A page-locked host buffer, so the device-to-host copy runs at full speed (and asynchronously)."""
+    """A page-locked host buffer, so the device-to-host copy runs at full speed (and
+    asynchronously)."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
@@ -39,12 +41,14 @@ def is_pinned_copy(tensor: torch.Tensor) -> bool:
 
 def saved_layouts(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool,
                   pinned: Callable[[torch.Tensor], bool] = is_pinned_copy) -> list[Layout]:
-    """The buffers to pin for what this rank's saves will copy, as far as it is known before training:
-    rank 0's replicated files, or every rank's shards under FSDP (their local parts). One per distinct
-    tensor (tied weights share one); the optimizer's state predicted where it is not made yet."""
+    """The buffers to pin for what this rank's saves will copy, as far as it is known before
+    training: rank 0's replicated files, or every rank's shards under FSDP (their local parts). One
+    per distinct tensor (tied weights share one); the optimizer's state predicted where it is not
+    made yet."""
     if not (is_main or sharded.is_sharded_model(model)):
         return []
-    made = [*model.state_dict().values(), *(v for state in optimizer.state.values() for v in state.values())]
+    made = [*model.state_dict().values(),
+            *(v for state in optimizer.state.values() for v in state.values())]
     seen, found = set(), []
     for tensor in (_local(t) for t in made if isinstance(t, torch.Tensor)):
         if pinned(tensor) and (alias := _alias(tensor)) not in seen:
@@ -58,13 +62,15 @@ def saved_layouts(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: b
     return found
 
 
-def _predicted(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> list[Layout]:
-    """The state torch's Adam and AdamW make for `param` at their first step; other optimizers' is left to
-    the first save."""
+def _predicted(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+               param: torch.Tensor) -> list[Layout]:
+    """The state torch's Adam and AdamW make for `param` at their first step; other optimizers' is
+    left to the first save."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return []
     like = [(param.shape, param.dtype)] * (3 if group.get("amsgrad") else 2)
-    step: list[Layout] = [(torch.Size(()), torch.float32)] if group.get("fused") or group.get("capturable") else []
+    on_device = group.get("fused") or group.get("capturable")
+    step: list[Layout] = [(torch.Size(()), torch.float32)] if on_device else []
     return like + step
 
 
@@ -74,21 +80,25 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _alias(t: torch.Tensor) -> tuple[Any, ...]:
-    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(),
+            t.dtype)
 
 
 class CpuSnapshot:
-    """Copies state into CPU buffers kept from the previous save, so an async save's stall is one memcpy.
+    """Copies state into CPU buffers kept from the previous save, so an async save's stall is one
+    memcpy.
 
-    Fresh buffers would cost as much again in page faults on first touch; for CUDA state they are pinned,
-    so the device-to-host copy runs at full speed. Buffers are reused only after the previous save has
-    finished (Checkpointer.save waits for it first). Tensors sharing storage (tied embeddings) stay shared.
-    A shard (DTensor) is rebuilt around its host copy on a CPU twin of its mesh: DTensor.from_local moves
-    the local tensor to its mesh's device, so on the GPU mesh the "snapshot" would be a second copy of the
-    shards in GPU memory. The price: one host copy of the state held for the whole run.
+    Fresh buffers would cost as much again in page faults on first touch; for CUDA state they are
+    pinned, so the device-to-host copy runs at full speed. Buffers are reused only after the
+    previous save has finished (Checkpointer.save waits for it first). Tensors sharing storage (tied
+    embeddings) stay shared. A shard (DTensor) is rebuilt around its host copy on a CPU twin of its
+    mesh: DTensor.from_local moves the local tensor to its mesh's device, so on the GPU mesh the
+    "snapshot" would be a second copy of the shards in GPU memory. The price: one host copy of the
+    state held for the whole run.
     """
 
-    def __init__(self, timeout_s: float = 300.0, allocate: Callable[[torch.Size, torch.dtype], torch.Tensor] = pin,
+    def __init__(self, timeout_s: float = 300.0,
+                 allocate: Callable[[torch.Size, torch.dtype], torch.Tensor] = pin,
                  pinned: Callable[[torch.Tensor], bool] = is_pinned_copy) -> None:
         self.timeout_s = timeout_s  # for the CPU twins' own groups
         self._allocate, self._pinned = allocate, pinned
@@ -106,7 +116,8 @@ class CpuSnapshot:
             try:
                 for layout in layouts:
                     self._prepared.setdefault(layout, []).append(self._allocate(*layout))
-            except BaseException as exc:  # the first save allocates what is missing, and says what fails
+            except BaseException as exc:
+                # the first save allocates what is missing, and says what fails
                 log.warning("could not pin the async checkpoint's host buffers ahead: %s", exc)
 
         self._preparing = threading.Thread(target=allocate, name="qgtrain-pin-buffers", daemon=True)
@@ -120,14 +131,18 @@ class CpuSnapshot:
         snapshot = self._copy(obj, (), shared)
         self._prepared.clear()  # a predicted buffer no save used is not kept
         for device in {key[0] for key in shared if key[0].type == "cuda"}:  # the rank's own GPU
-            torch.cuda.synchronize(device)  # the non-blocking copies must land before the writer reads them
+            # the non-blocking copies must land before the writer reads them
+            torch.cuda.synchronize(device)
         return snapshot
 
-    def _copy(self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
-        if (shard := sharded.shard_of(obj)) is not None:  # copy the local part, keep where it lies in the whole
+    def _copy(self, obj: Any, path: tuple[Any, ...],
+              shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+        # copy the local part, keep where it lies in the whole
+        if (shard := sharded.shard_of(obj)) is not None:
             local = self._copy(shard.to_local(), path, shared)
-            return type(shard).from_local(local, self._cpu_mesh(shard.device_mesh), shard.placements,
-                                          run_check=False, shape=shard.shape, stride=shard.stride())
+            mesh = self._cpu_mesh(shard.device_mesh)
+            return type(shard).from_local(local, mesh, shard.placements, run_check=False,
+                                          shape=shard.shape, stride=shard.stride())
         if isinstance(obj, torch.Tensor):
             alias = _alias(obj)
             if alias not in shared:
@@ -140,7 +155,8 @@ class CpuSnapshot:
         if isinstance(obj, dict):
             return {key: self._copy(value, (*path, key), shared) for key, value in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, (*path, index), shared) for index, value in enumerate(obj))
+            return type(obj)(self._copy(value, (*path, index), shared)
+                             for index, value in enumerate(obj))
         return obj
 
     def _buffer(self, obj: torch.Tensor) -> torch.Tensor:
@@ -150,14 +166,16 @@ class CpuSnapshot:
         return ready.pop() if ready else self._allocate(obj.shape, obj.dtype)
 
     def _cpu_mesh(self, mesh: Any) -> Any:
-        """The same ranks in the same shape on the CPU, made once per mesh: a whole-world 1-D mesh reuses the
-        default group; hsdp's 2-D one gets gloo groups bounded by the collective timeout (a collective every
-        rank reaches here together)."""
+        """The same ranks in the same shape on the CPU, made once per mesh: a whole-world 1-D mesh
+        reuses the default group; hsdp's 2-D one gets gloo groups bounded by the collective timeout
+        (a collective every rank reaches here together)."""
         if mesh.device_type == "cpu":
             return mesh
         if mesh not in self._cpu_meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._cpu_meshes[mesh] = two_d_mesh(mesh.mesh.tolist(), "cpu", self.timeout_s, backend="gloo") \
-                if mesh.ndim == 2 else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+            self._cpu_meshes[mesh] = (
+                two_d_mesh(mesh.mesh.tolist(), "cpu", self.timeout_s, backend="gloo")
+                if mesh.ndim == 2
+                else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
         return self._cpu_meshes[mesh]

@@ -56,8 +56,8 @@ def _call_empty(factory: Callable[[RunConfig], Any], cfg: RunConfig) -> Any:
 def _fail_together(work: Callable[[], Any], cfg: RunConfig) -> Any:
     """Run `work` on every rank; a QgtrainError on any rank is raised on all of them (the lowest rank's), so
     work that differs between ranks (only rank 0 reads a pretrained model) cannot leave the others waiting
-    in the next collective for a rank that has gone. That work can take rank 0 far longer than the others:
-    they wait for it up to train.startup_timeout_s."""
+    in the next collective for a rank that has gone. That work can take rank 0 far longer than the
+    others: they wait for it up to train.startup_timeout_s."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
     result, failure = None, None
@@ -66,7 +66,8 @@ def _fail_together(work: Callable[[], Any], cfg: RunConfig) -> Any:
     except QgtrainError as exc:
         failure = wire.error(exc)  # by name (wire.py): no class crosses between ranks
     failures: list[Any] = [None] * dist.get_world_size()
-    with distributed.collectives_wait(cfg.train.startup_timeout_s, then=cfg.train.collective_timeout_s):
+    with distributed.collectives_wait(cfg.train.startup_timeout_s,
+                                      then=cfg.train.collective_timeout_s):
         dist.all_gather_object(failures, failure)
     for rank, failed in enumerate(failures):
         if failed is not None:

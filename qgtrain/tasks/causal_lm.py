@@ -67,7 +67,8 @@ def training_flops(model: torch.nn.Module, seq_len: int) -> float:
     Embedding lookups multiply nothing, so their tables are left out; an output head that shares the
     token embedding's table is a matrix product and counts."""
     params = sum(p.numel() for p in model.parameters())
-    tables = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    tables = {id(m.weight): m.weight.numel() for m in model.modules()
+              if isinstance(m, torch.nn.Embedding)}
     head = getattr(model, "get_output_embeddings", lambda: None)()
     tables.pop(id(getattr(head, "weight", None)), None)
     config = getattr(model, "config", None)

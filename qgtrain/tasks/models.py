@@ -53,7 +53,8 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over a batch of token windows.
 
     The labels are shifted, not the logits: slicing the logits' last position off makes a flattened
-    copy of them, the largest activation of a language model, before the fp32 copy the loss needs."""
+    copy of them, the largest activation of a language model, before the fp32 copy the loss
+    needs."""
     out = model(input_ids=tokens)
     logits = out.logits if hasattr(out, "logits") else out
     labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # the last position predicts nothing

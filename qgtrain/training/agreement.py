@@ -6,10 +6,11 @@ everywhere if it is true anywhere (an all-reduce with MAX). Each agreement is st
 forward and read after the backward of the next agreeing step, so its round trip between ranks runs while
 the ranks compute: the decisions land one agreement later, and no step waits for the network.
 
-Nor does a step wait for the host to read them: what is read is copied to the host (pinned memory on a
-GPU) and taken at the read after, once a whole step has run. So a decision lands a step later still, and
-a GPU is never made to drain its queue. What must not wait a step (an update from non-finite gradients)
-is skipped on the device (`optim.apply_update`); before a checkpoint, everything pending is settled.
+Nor does a step wait for the host to read them: what is read is copied to the host (pinned memory on
+a GPU) and taken at the read after, once a whole step has run. So a decision lands a step later
+still, and a GPU is never made to drain its queue. What must not wait a step (an update from
+non-finite gradients) is skipped on the device (`optim.apply_update`); before a checkpoint,
+everything pending is settled.
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ class Agreement:
         self._started, self._in_flight = self._in_flight, distributed.any_flags_later(flags)
 
     def read(self, bad_grads: torch.Tensor, step: int) -> Flags:
-        """Send the agreement before the one just started, with this rank's `bad_grads`, to the host, and
-        return what the previous read sent (no host sync: it has had a step's time to arrive)."""
-        landed = self._landing.swap(torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)]), step)
+        """Send the agreement before the one just started, with this rank's `bad_grads`, to the
+        host, and return what the previous read sent (no host sync: it has had a step's time to
+        arrive)."""
+        flags = torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)])
+        landed = self._landing.swap(flags, step)
         return _flags(*landed)
 
     def settle(self, bad_grads: torch.Tensor, step: int) -> Flags:
-        """Everything known now, waiting for it: the flags on their way to the host (which the next read
-        still returns), with `bad_grads` of this step. Before a checkpoint, which must never hold a
-        step that went bad."""
+        """Everything known now, waiting for it: the flags on their way to the host (which the next
+        read still returns), with `bad_grads` of this step. Before a checkpoint, which must never
+        hold a step that went bad."""
         values, as_of = self._landing.take()
         if not values[-1] and bool(bad_grads):
             values[-1], as_of = 1, step
@@ -79,13 +82,15 @@ class Agreement:
 
 
 def _flags(values: list[int], as_of: int) -> Flags:
-    return Flags(**dict(zip([*HOST_FLAGS, "bad_loss", "bad_grads"], map(bool, values))), as_of=as_of)
+    names = [*HOST_FLAGS, "bad_loss", "bad_grads"]
+    return Flags(**dict(zip(names, map(bool, values))), as_of=as_of)
 
 
 class HostCopy:
     """A small int32 device tensor's values on the host one swap later: copied without blocking into
-    pinned memory on a GPU (a copy from device to pageable memory would wait for the GPU), and waited
-    for at the next swap, by which time a step has run and the copy with it. On a CPU it is a plain copy."""
+    pinned memory on a GPU (a copy from device to pageable memory would wait for the GPU), and
+    waited for at the next swap, by which time a step has run and the copy with it. On a CPU it is a
+    plain copy."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         on_gpu = device.type == "cuda"

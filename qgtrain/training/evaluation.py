@@ -67,8 +67,9 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
     names = _agreed_names({**sums, **host})
     zeros = [_zero(device), _zero(device)]
     flat = torch.stack([value for name in names for value in sums.get(name, zeros)])
+    # the host's part: one copy for the whole evaluation
     flat += torch.tensor([value for name in names for value in host.get(name, [0.0, 0.0])],
-                         dtype=torch.float64).to(device)  # the host's part: one copy for the whole evaluation
+                         dtype=torch.float64).to(device)
     dist.all_reduce(flat)
     totals = flat.tolist()
     return {name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
@@ -84,8 +85,8 @@ def decide_early_stop(es: EarlyStoppingConfig, value: float | None, best: float 
     return (value if improved else best), since, bool(es.patience) and since >= es.patience
 
 
-def _add(sums: dict[str, list[torch.Tensor]], host: dict[str, list[float]], name: str, part: int, value: Any,
-         device: torch.device) -> None:
+def _add(sums: dict[str, list[torch.Tensor]], host: dict[str, list[float]], name: str, part: int,
+         value: Any, device: torch.device) -> None:
     """Add a metric's sum (part 0) or count (part 1): a Python number on the host, anything else (a
     tensor, an array) on the device."""
     if isinstance(value, (int, float)):  # bool too

@@ -1,13 +1,13 @@
-"""Model FLOPs utilisation: the achieved training FLOP/s over what the rank's GPU can do at most in the
-run's precision.
+"""Model FLOPs utilisation: the achieved training FLOP/s over what the rank's GPU can do at most in
+the run's precision.
 
-The peak is dense tensor-core throughput from the vendor's data sheet, per device that torch sees (an
-MI250X shows up as two devices, one per GCD, so its row is half the module). Device names are matched
-whole, after the vendor's prefix, because part names nest: an L40 is not an L4, an RTX A4000 is not an
-A40, an H100 PCIe is not an H100 SXM. A GPU missing from the table gets no MFU rather than a wrong one;
-train.peak_tflops names its peak. An fp32 run is measured against TF32 where its matrix products use TF32
-(runtime/precision.py allows it from compute capability 8.0), else plain fp32; bf16 on a GPU without it
-(V100, T4) has no peak: torch emulates it.
+The peak is dense tensor-core throughput from the vendor's data sheet, per device that torch sees
+(an MI250X shows up as two devices, one per GCD, so its row is half the module). Device names are
+matched whole, after the vendor's prefix, because part names nest: an L40 is not an L4, an RTX A4000
+is not an A40, an H100 PCIe is not an H100 SXM. A GPU missing from the table gets no MFU rather than
+a wrong one; train.peak_tflops names its peak. An fp32 run is measured against TF32 where its matrix
+products use TF32 (runtime/precision.py allows it from compute capability 8.0), else plain fp32;
+bf16 on a GPU without it (V100, T4) has no peak: torch emulates it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class Peak:
     fp32: float
 
 
-# (full-name pattern, peak), from each vendor's data sheet; the SXM part where a name has no form factor.
+# (full-name pattern, peak), from each vendor's data sheet; the SXM part where a name has no form
+# factor.
 PEAKS: list[tuple[str, Peak]] = [
     (rf"H100{_SXM}", Peak(989.4, 989.4, 494.7, 66.9)),
     (rf"H100 PCIe{_MEMORY}", Peak(756.5, 756.5, 378.0, 51.2)),
@@ -64,7 +65,8 @@ PEAKS: list[tuple[str, Peak]] = [
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:
-    """FLOP/s at most of one device named `device_name` computing in `precision`, or None if unknown."""
+    """FLOP/s at most of one device named `device_name` computing in `precision`, or None if
+    unknown."""
     name = _PREFIXES.sub("", device_name.strip())
     for pattern, peak in PEAKS:
         if re.fullmatch(pattern, name):

@@ -36,14 +36,15 @@ def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any
 def _reduction_deferred(model: nn.Module, defer: bool) -> contextlib.AbstractContextManager[object]:
     """Postpone what can wait for the last micro-batch without costing memory.
 
-    DDP: the all-reduce (no_sync): each rank's gradients are full-size anyway. FSDP: nothing. Skipping its
-    reduce-scatter would keep every parameter's *unsharded* gradient, upcast to the fp32 reduce dtype,
-    until the last micro-batch (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
-    FSDPParamGroup.post_backward when reduce_grads is false; _fsdp_param.py, FSDPParam.
-    to_accumulated_grad_if_needed): 4 bytes x all parameters on every rank, where reducing each
-    micro-batch keeps only this rank's shard. HSDP: only the all-reduce across
-    replicas waits (FSDPModule.set_requires_all_reduce; _fsdp_param_group.py all_reduce_grads), the
-    reduce-scatter within a node still runs, as torchtitan does it.
+    DDP: the all-reduce (no_sync): each rank's gradients are full-size anyway. FSDP: nothing.
+    Skipping its reduce-scatter would keep every parameter's *unsharded* gradient, upcast to the
+    fp32 reduce dtype, until the last micro-batch
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPParamGroup.post_backward when
+    reduce_grads is false; _fsdp_param.py, FSDPParam.to_accumulated_grad_if_needed): 4 bytes x all
+    parameters on every rank, where reducing each micro-batch keeps only this rank's shard. HSDP:
+    only the all-reduce across replicas waits (FSDPModule.set_requires_all_reduce;
+    _fsdp_param_group.py all_reduce_grads), the reduce-scatter within a node still runs, as
+    torchtitan does it.
     """
     if isinstance(model, DDP):
         return model.no_sync() if defer else contextlib.nullcontext()

@@ -20,13 +20,14 @@ def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.o
 
 
 def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
-    """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor on `device` (no host
-    sync). At 0 the gradients are left alone: clipping to infinity would still multiply every one by 1.0.
+    """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor on `device` (no
+    host sync). At 0 the gradients are left alone: clipping to infinity would still multiply every
+    one by 1.0.
 
     Sharded (FSDP) gradients give each rank the norm of its shards: the global norm is reduced over the
     ranks before clipping, so every rank clips by the same factor as an unsharded run would. A model
-    without gradients has norm 0 on the rank's device, where the report stacks it with the loss (torch's
-    get_total_norm of no tensors is a CPU tensor).
+    without gradients has norm 0 on the rank's device, where the report stacks it with the loss
+    (torch's get_total_norm of no tensors is a CPU tensor).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
@@ -39,14 +40,17 @@ def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> t
     return norm
 
 
-def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: torch.Tensor) -> None:
-    """Take the optimizer step unless `skip`, a device flag the same on every rank (the reduced gradients
-    were non-finite), without reading it on the host where the optimizer can skip on the device.
+def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 skip: torch.Tensor) -> None:
+    """Take the optimizer step unless `skip`, a device flag the same on every rank (the reduced
+    gradients were non-finite), without reading it on the host where the optimizer can skip on the
+    device.
 
-    Fused Adam, AdamW and SGD (`_step_supports_amp_scaling`) take a `found_inf` tensor as GradScaler gives
-    it: a non-zero value skips the update in the kernel and takes back the step count (torch/optim/
-    adam.py _fused_adam, torch/amp/grad_scaler.py GradScaler.step). Any other optimizer reads the flag
-    (a host sync, free on a CPU). fp16 leaves non-finite steps to its GradScaler, as before.
+    Fused Adam, AdamW and SGD (`_step_supports_amp_scaling`) take a `found_inf` tensor as GradScaler
+    gives it: a non-zero value skips the update in the kernel and takes back the step count
+    (torch/optim/adam.py _fused_adam, torch/amp/grad_scaler.py GradScaler.step). Any other
+    optimizer reads the flag (a host sync, free on a CPU). fp16 leaves non-finite steps to its
+    GradScaler, as before.
     """
     if scaler.is_enabled():
         scaler.step(optimizer)

@@ -24,7 +24,8 @@ class Reporter:
     def __init__(self, task: ReadyTask, metrics: MetricsLog, env: DistEnv, device: torch.device,
                  samples_per_step: int, max_steps: int, peak_flops: float | None) -> None:
         self.task, self.metrics, self.env, self.device = task, metrics, env, device
-        self.peak_flops = peak_flops  # of one rank's device, in the run's precision (training/flops.py)
+        # of one rank's device, in the run's precision (training/flops.py)
+        self.peak_flops = peak_flops
         self.samples_per_step, self.max_steps = samples_per_step, max_steps
         self.pending_tokens = 0  # this rank's tokens since they were last summed over ranks
 
@@ -58,8 +59,9 @@ class Reporter:
                                   "grad_norm": norm / world, "samples_per_s": samples_per_s}
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
+        utilised = utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world)
         record.update(data_wait_frac=interval.data_s / interval.busy_s, time=time.time(), **memory_gb(self.device),
-                      **utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world))
+                      **utilised)
         self.metrics.warn_memory(self.env.rank, state.step, record)
         if evaluated:
             record.update(prefixed("val", state.val_metrics))

@@ -11,8 +11,9 @@ start writes a new offline file; each start therefore replays the run's history 
 the resumed step) into its file before logging on, so the newest file alone holds the whole step axis. A tracker that
 fails (no library, bad credentials, no network in online mode) warns once and is dropped: training never
 stops for a tracker. Neither library is imported unless configured; both work without a network (W&B's
-offline mode, synced later with `wandb sync`; MLflow's file store). A credential in a tracker's setting
-(MLFLOW_TRACKING_URI's password, WANDB_API_KEY) is passed to the library but never logged (redact.py).
+offline mode, synced later with `wandb sync`; MLflow's file store). A credential in a tracker's
+setting (MLFLOW_TRACKING_URI's password, WANDB_API_KEY) is passed to the library but never logged
+(redact.py).
 """
 
 from __future__ import annotations
@@ -122,11 +123,13 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
 
 def tracker_setting(cfg: LoggingConfig, key: str, variable: str, environ: Mapping[str, str]) -> str:
     """The tracker's own environment variable where the config leaves `key` at its default (a site sets
-    them once for every tool); a value set in the config wins. The log says which was used, masked."""
+    them once for every tool); a value set in the config wins. The log says which was used,
+    masked."""
     value, default = getattr(cfg, key), next(f.default for f in fields(LoggingConfig) if f.name == key)
     given = environ.get(variable)
     if value == default and given:
-        log.info("logging.%s: using %s=%s from the environment", key, variable, mask_setting(variable, given))
+        shown = mask_setting(variable, given)
+        log.info("logging.%s: using %s=%s from the environment", key, variable, shown)
         return given
     if value != default and given and given != value:
         log.info("logging.%s: %s from the config (the environment's %s=%s is not used)", key,

@@ -51,9 +51,9 @@ class Trainer:
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
                                    settings.train.eval_batches, settings.precision, env, device, self.timer)
         self.agreement, self.health = Agreement(device), Health(device)
+        peak = device_peak(device, settings.precision, settings.train.peak_tflops)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
-                                 settings.train.grad_accum_steps, settings.train.max_steps,
-                                 device_peak(device, settings.precision, settings.train.peak_tflops))
+                                 settings.train.grad_accum_steps, settings.train.max_steps, peak)
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
@@ -142,7 +142,8 @@ class Trainer:
             self.parts.checkpointer.wait()  # raises the failure, the same on every rank
         unused = step == self._first_step and distributed.any_flags([self._has_unused()], self.device)[0]
         if agreed.bad_loss or agreed.bad_grads or unused:
-            self._fail(agreed.as_of if not unused else step, not unused, bool(health.bad_loss.item()))
+            as_of = agreed.as_of if not unused else step
+            self._fail(as_of, not unused, bool(health.bad_loss.item()))
 
     def _apply_update(self, step: int, micro_batches: list[Any], health: Health) -> None:
         apply_update(self.parts.optimizer, self.parts.scaler, health.bad_grads)
