@@ -4,7 +4,8 @@ parameter's unsharded gradient until the last one).
 
 Per rank: peak RSS growth (VmHWM from /proc) over the rank's RSS once the model is sharded and its
 optimizer made, through two optimizer steps, on a GPT-2 of --layers x --hidden (24 x 1024: 302.6M
-parameters, 1.2 GB in fp32) at 2 gloo ranks. The same happens on a GPU with its memory.
+parameters, 1.2 GB in fp32) at 2 gloo ranks, with glibc's malloc set up as a training rank sets it
+(runtime/cpu.py). The same happens on a GPU with its memory.
 
 Usage: python -m bench.accumulation_memory [--layers 24 --hidden 1024]
 """
@@ -22,6 +23,7 @@ from bench.big_model import spawn, status_bytes
 
 def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str, float]:
     from qgtrain.configload import load_config
+    from qgtrain.runtime import cpu as cpu_use
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
     from qgtrain.training.gradients import accumulate_gradients
@@ -30,6 +32,7 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.training.parallel import wrap
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
+    cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are reused, not returned
     rng.seed_everything(cfg.train.seed)
     model = build_task(cfg, empty=builds_empty(cfg.train, env, True)).model
     model._apply(lambda t: torch.empty_like(t, device=cpu) if t.is_meta else t)

@@ -123,3 +123,31 @@ def test_agreed_flags_reach_the_host_one_read_later_and_settle_waits_for_them():
     expected = [(False, False, 0), (False, False, 1), (True, False, 2), (False, True, 3),
                 (False, False, 4)]
     assert run_ranks(2, flags_as_reads_go_by) == [expected, expected]
+
+
+def fused_update_over_shards() -> tuple[bool, bool]:
+    from torch.distributed.fsdp import fully_shard
+
+    from qgtrain.runtime.distributed import process_group
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.optim import apply_update
+
+    with process_group(from_environ(os.environ), torch.device("cpu"), 60, 60):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        model(torch.ones(2, 4)).sum().backward()
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        apply_update(optimizer, scaler, torch.zeros((), dtype=torch.bool).logical_not())
+        unchanged = [torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters())]
+        apply_update(optimizer, scaler, torch.zeros((), dtype=torch.bool))
+        changed = [not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters())]
+    return all(unchanged), all(changed)
+
+
+def test_a_fused_optimizer_over_fsdp_shards_takes_the_skip_flag_as_a_plain_scalar():
+    """On GPUs fsdp's parameters are DTensors and the flag a plain 0-dim tensor: DTensor treats a
+    one-element tensor as replicated (torch/distributed/tensor/_dispatch.py,
+    _try_replicate_spec_for_scalar_tensor)."""
+    assert run_ranks(1, fused_update_over_shards) == [(True, True)]
