@@ -59,5 +59,6 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
                       launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "qgtrain"))
     assert stopped.returncode == 1 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"
-    assert re.search(r"stopping at step 2[12] on the time limit: checkpoint saved", (run / "logs" /
+    # the flags of the first agreement (step 21) reach the host at the read two agreements later
+    assert re.search(r"stopping at step 2[1-3] on the time limit: checkpoint saved", (run / "logs" /
                                                                                      "rank_0.log").read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -235,9 +236,13 @@ def test_train_max_time_stops_every_rank_at_one_checkpoint_without_any_signal(tm
     saved = sorted((run / "checkpoints").iterdir())
     assert len(saved) == 1
     committed = (saved[0] / "manifest.json").stat().st_mtime
-    assert committed < started + 8, f"the checkpoint was committed {committed - started:.1f} s after the start"
-    step = json.loads((saved[0] / "manifest.json").read_text())["step"]
     logs = [(run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
+    # On a loaded machine the start alone can pass 8 s: then the run stops at its first chances.
+    first_step_s = float(re.search(r"([\d.]+) s from process start to the end of the first step",
+                                   logs[0]).group(1))
+    assert committed < started + max(8.0, first_step_s + 2.0), \
+        f"the checkpoint was committed {committed - started:.1f} s after the start"
+    step = json.loads((saved[0] / "manifest.json").read_text())["step"]
     assert f"stopping at step {step} on the time limit: checkpoint saved" in logs[0]
     assert "the time limit is" in logs[0] and "s away" in logs[0]
     assert f"stopping at step {step} on the time limit: checkpoint saved" in logs[1], "rank 1 follows rank 0"

@@ -1,11 +1,13 @@
 """What must fit before the time limit: all the work until the next chance to stop, each kind measured
 on its own (a step is a step; a validation, the test evaluation, a checkpoint and the export are not).
 
-Rank 0 asks at every agreement whether the work ahead still fits: the steps until the agreement started
-now is read (two agreements away), each validation due in that window, the stop's checkpoint, and, when the
-run ends in that window (its last step, or an early stop), the final validation, the test evaluation, the
-final checkpoint and the export. If it does not fit, every rank stops at a checkpoint now, and the next
-allocation does the rest: a run is finished only when its final work is done.
+Rank 0 asks at every agreement whether the work ahead still fits: the steps until the agreement
+started now takes effect (it is read at the next agreement and reaches the host at the one after:
+three agreements' worth of steps, agreement.py), each validation due in that window, the stop's
+checkpoint, and, when the run ends in that window (its last step, or an early stop), the final
+validation, the test evaluation, the final checkpoint and the export. If it does not fit, every rank
+stops at a checkpoint now, and the next allocation does the rest: a run is finished only when its
+final work is done.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Planner:
 
     def _work_from(self, step: int) -> tuple[float, list[str]]:
         s, timer = self.schedule, self.timer
-        window = range(step, min(step + 2 * s.agree_every, s.max_steps + 1))
+        window = range(step, min(step + 3 * s.agree_every, s.max_steps + 1))
         validations = sum(1 for v in window if s.eval_every and v % s.eval_every == 0 and v < s.max_steps)
         ends = s.max_steps in window or (validations > 0 and s.early_stopping)
         step_s = timer.longest_step_s
