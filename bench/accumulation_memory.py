@@ -1,6 +1,6 @@
-"""Gradient accumulation under fsdp: peak memory with 4 micro-batches against 1, qgtrain's way against
-the way before (every micro-batch but the last kept FSDP2 from reducing, so each rank held every
-parameter's unsharded gradient until the last one).
+"""Gradient accumulation under fsdp: peak memory with 4 micro-batches against 1, qgtrain's way
+against the way before (every micro-batch but the last kept FSDP2 from reducing, so each rank held
+every parameter's unsharded gradient until the last one).
 
 Per rank: peak RSS growth (VmHWM from /proc) over the rank's RSS once the model is sharded and its
 optimizer made, through two optimizer steps, on a GPT-2 of --layers x --hidden (24 x 1024: 302.6M
@@ -32,7 +32,7 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.training.parallel import wrap
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
-    cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are reused, not returned
+    cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are kept for reuse
     rng.seed_everything(cfg.train.seed)
     model = build_task(cfg, empty=builds_empty(cfg.train, env, True)).model
     model._apply(lambda t: torch.empty_like(t, device=cpu) if t.is_meta else t)
@@ -55,8 +55,8 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _deferred_reduction(model: Any, micro: int) -> Any:
-    """The way before: no reduce-scatter until the last micro-batch (set_requires_gradient_sync), done
-    here by a pre-forward hook counting the micro-batches of the step."""
+    """The way before: no reduce-scatter until the last micro-batch (set_requires_gradient_sync),
+    done here by a pre-forward hook counting the micro-batches of the step."""
     seen = [0]
 
     def before_forward(*_: Any) -> None:
@@ -77,9 +77,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     args = parser.parse_args()
     sets = [f"model.layers={args.layers}", f"model.hidden={args.hidden}", "model.heads=16",
-            "data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=64", "train.parallel=fsdp"]
-    print(f"GPT-2 {args.layers} x {args.hidden}, 2 gloo ranks, fsdp; peak RSS growth per rank over two "
-          "steps, MB (rank 0 / rank 1)")
+            "data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=64",
+            "train.parallel=fsdp"]
+    print(f"GPT-2 {args.layers} x {args.hidden}, 2 gloo ranks, fsdp; peak RSS growth per rank over "
+          "two steps, MB (rank 0 / rank 1)")
     peaks = {}
     for name, deferred in (("qgtrain (reduce-scatter every micro-batch)", False),
                            ("before (reduce at the last micro-batch)", True)):
@@ -87,8 +88,8 @@ def main() -> None:
             got = spawn(2, step_rank, sets, micro, deferred)
             peaks[name, micro] = max(got[r]["peak"] for r in got)
             print(f"  {name}, {micro} micro-batch(es): {got[0]['peak']:.0f} / {got[1]['peak']:.0f}")
-        print(f"  {name}: 4 micro-batches cost {peaks[name, 4] - peaks[name, 1]:+.0f} MB over 1 (goal: "
-              "within 150 MB)")
+        grown = peaks[name, 4] - peaks[name, 1]
+        print(f"  {name}: 4 micro-batches cost {grown:+.0f} MB over 1 (goal: within 150 MB)")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def test_an_async_snapshot_of_gpu_shards_stays_in_host_memory_and_writes_as_shar
 @pytest.fixture(autouse=True)
 def _no_cuda_here() -> None:
     if torch.cuda.is_available():
-        pytest.skip("these stand-ins are for machines without CUDA; python -m bench.gpu_check runs the real paths")
+        pytest.skip("these stand-ins are for machines without CUDA; "
+                    "python -m bench.gpu_check runs the real paths")
 
 
 def cpu_twin_of_an_hsdp_mesh() -> dict[str, Any]:

@@ -71,7 +71,8 @@ def test_a_run_others_can_write_exports_its_task_file_only_with_trust_code(tmp_p
     os.chown(run, os.getuid(), -1)
     shutil.move(config, tmp_path / "config.yaml")
     config.symlink_to(tmp_path / "config.yaml")
-    linked = cli("export", str(run), "--out", str(out), cwd=tmp_path)  # a checkpoint never holds a link
+    # a checkpoint never holds a link: verification refuses it before its code is considered
+    linked = cli("export", str(run), "--out", str(out), cwd=tmp_path)
     assert linked.returncode == 2 and f"{config} is a symbolic link" in linked.stderr, linked.stderr
     assert not imported.exists() and not out.exists()
     config.unlink()
