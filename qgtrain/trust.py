@@ -56,10 +56,13 @@ def config_code(cfg: Any) -> list[Named]:
     """The factories of a RunConfig that export and load_model may call. Both rebuild the built-in
     language model from model.* alone, never its data: data.factory counts beside a task only."""
     builtin = cfg.task.factory == BUILTIN_LM
-    named = [Named("task.factory", cfg.task.factory)] * (not builtin)
-    named += [Named("model.factory", cfg.model.factory)] * bool(cfg.model.factory)
-    data = cfg.data.name == "factory" and cfg.data.factory and not builtin
-    named += [Named("data.factory", cfg.data.factory)] * bool(data)
+    named = []
+    if not builtin:
+        named.append(Named("task.factory", cfg.task.factory))
+    if cfg.model.factory:
+        named.append(Named("model.factory", cfg.model.factory))
+    if cfg.data.name == "factory" and cfg.data.factory and not builtin:
+        named.append(Named("data.factory", cfg.data.factory))
     return named
 
 

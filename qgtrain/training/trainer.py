@@ -76,7 +76,7 @@ class Trainer:
             return ended
         # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
         watchdog = diagnose.ProgressWatchdog(2 * train.collective_timeout_s + 300)
-        health, self._first_step = self.health, self.state.step + 1
+        self._first_step = self.state.step + 1
         self.timer.restart(self.state.step)
         if self.state.step == train.max_steps:  # trained to the end, the final work left for this allocation
             return self._at_the_end(None, Flags())
@@ -86,16 +86,16 @@ class Trainer:
             self.timer.start_step()
             agreeing = step == self._first_step or step % train.agree_every == 0
             if agreeing:
-                self.agreement.start(self._what_this_rank_knows(step), health.bad_loss)
+                self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
             lr = self._set_lr()
             micro_batches = [to_device(self.batches.next(self.state), self.device)
                              for _ in range(train.grad_accum_steps)]
             self.timer.data_ready()
-            loss_sum, grad_norm = self._forward_backward(micro_batches, health)
-            agreed = self.agreement.read(health.bad_grads, step) if agreeing else Flags()
+            loss_sum, grad_norm = self._forward_backward(micro_batches)
+            agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
             if agreeing:
-                self._act_on(agreed, step, health)
-            self._apply_update(step, micro_batches, health)
+                self._act_on(agreed, step)
+            self._apply_update(step, micro_batches)
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
                 return self._at_the_end(done, agreed)
@@ -126,27 +126,27 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _forward_backward(self, micro_batches: list[Any], health: Health) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.parts
         loss_sum = accumulate_gradients(parts.wrapped, parts.task.loss, micro_batches, self.settings.precision,
                                         parts.scaler, self.device)
         parts.scaler.unscale_(parts.optimizer)
         grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip, self.device)
         # with fp16, non-finite gradients are the loss scaler's to skip
-        health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
+        self.health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
         return loss_sum, grad_norm
 
-    def _act_on(self, agreed: Flags, step: int, health: Health) -> None:
+    def _act_on(self, agreed: Flags, step: int) -> None:
         """What must stop every rank before the update: a failed write, a bad value, unused parameters."""
         if agreed.save_failed:
             self.parts.checkpointer.wait()  # raises the failure, the same on every rank
         unused = step == self._first_step and distributed.any_flags([self._has_unused()], self.device)[0]
         if agreed.bad_loss or agreed.bad_grads or unused:
             as_of = agreed.as_of if not unused else step
-            self._fail(as_of, not unused, bool(health.bad_loss.item()))
+            self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
 
-    def _apply_update(self, step: int, micro_batches: list[Any], health: Health) -> None:
-        apply_update(self.parts.optimizer, self.parts.scaler, health.bad_grads)
+    def _apply_update(self, step: int, micro_batches: list[Any]) -> None:
+        apply_update(self.parts.optimizer, self.parts.scaler, self.health.bad_grads)
         self.parts.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.parts.metrics.advance(step)
