@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .configrules import model_and_data_rules, reporting_rules, training_rules
+from .configrules import model_and_data_rules, reporting_rules, spike_rules, training_rules
 from .errors import ConfigError
 from .task import BUILTIN_LM
 
@@ -136,6 +136,18 @@ class TrainConfig:
     peak_tflops: float = setting(
         0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from qgtrain's table of "
         "GPUs; none for a GPU it lacks)", min=0.0)
+    spike_factor: float = setting(
+        0.0, "a step whose loss (all ranks' mean) is above this x the median of the last train.spike_window "
+        "applied steps' losses is a spike: its update is not applied, its batch is dropped and the step taken "
+        "again with the next batch (0 = off, else above 1; costs an all-reduce of the loss and a host read of "
+        "one flag per step)", min=0.0)
+    spike_window: int = setting(50, "applied steps whose losses the spike median is taken over; decisions "
+                                "start once min(this, 10) losses are known", min=2)
+    skip_steps: tuple[int, ...] = setting((), "steps whose batch is dropped and the step taken again with the "
+                                          "next, as after a spike: the steps of a run's \"skipped\" records "
+                                          "repeat it from its start (a step listed twice drops two batches)")
+    max_skips: int = setting(10, "loss spikes skipped in a run before it stops: more are the data's or the "
+                             "learning rate's fault, not one batch's", min=0)
 
 
 @dataclass(frozen=True)
@@ -239,7 +251,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] fo
 
 def check_rules(cfg: RunConfig, source: str) -> None:
     """Rules that involve more than one field; `source` names where the values came from."""
-    for rules in (model_and_data_rules, training_rules, reporting_rules):
+    for rules in (model_and_data_rules, training_rules, reporting_rules, spike_rules):
         problem = rules(cfg)
         if problem is not None:
             key, text = problem

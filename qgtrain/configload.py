@@ -213,7 +213,7 @@ def _convert(raw: Any, hint: Any, spec: dataclasses.Field[Any], where: str, *, f
     if typing.get_origin(hint) is dict:
         return _to_mapping(raw, where, from_text)
     if typing.get_origin(hint) is tuple:
-        return _to_text_list(raw, where, from_text)
+        return _to_list(raw, args[0], where, from_text)
     raise AssertionError(f"unsupported config type {hint!r} for {where}")
 
 
@@ -244,12 +244,17 @@ def _to_mapping(raw: Any, where: str, from_text: bool) -> dict[str, Any]:
     return dict(raw)
 
 
-def _to_text_list(raw: Any, where: str, from_text: bool) -> tuple[str, ...]:
+def _to_list(raw: Any, item: Any, where: str, from_text: bool) -> tuple[Any, ...]:
+    """A list of text items, or of integers where the field holds integers (train.skip_steps)."""
     if from_text:
-        raw = _parse_text_list(raw, where)
-    if not isinstance(raw, list) or any(isinstance(item, (dict, list)) or item is None for item in raw):
-        raise ConfigError(f"{where}: expected a list of text items, e.g. ['--exclusive'], got {_describe(raw)}")
-    return tuple(str(item) for item in raw)
+        raw = _parse_yaml_text(str(raw), where)
+    numbers = item is int
+    wrong = (lambda v: isinstance(v, bool) or not isinstance(v, int)) if numbers else \
+        (lambda v: isinstance(v, (dict, list)) or v is None)
+    if not isinstance(raw, list) or any(map(wrong, raw)):
+        kind = "integers, e.g. [120, 455]" if numbers else "text items, e.g. ['--exclusive']"
+        raise ConfigError(f"{where}: expected a list of {kind}, got {_describe(raw)}")
+    return tuple(raw) if numbers else tuple(str(v) for v in raw)
 
 
 def _to_bool(raw: Any, where: str, from_text: bool) -> bool:
@@ -284,13 +289,6 @@ def _bounds(spec: dataclasses.Field[Any]) -> str:
     if low is not None:
         return f" >= {low}"
     return f" <= {high}" if high is not None else ""
-
-
-def _parse_text_list(text: Any, where: str) -> Any:
-    try:
-        return yaml.safe_load(str(text))
-    except yaml.YAMLError:
-        raise ConfigError(f"{where}: expected a YAML list such as ['a', 'b'], got {text!r}") from None
 
 
 def _parse_yaml_text(text: str, where: str) -> Any:

@@ -98,3 +98,21 @@ def _tracker_uri_rule(uri: str) -> Problem:
         f"{mask_text(uri)!r} holds {found}, which the run's files would keep; give the URI without "
         "it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
         "MLFLOW_TRACKING_TOKEN) in the job's environment")
+
+
+def spike_rules(cfg: RunConfig) -> Problem:
+    train = cfg.train
+    if 0 < train.spike_factor <= 1:
+        return "train.spike_factor", (
+            f"{train.spike_factor} would call a loss at or below the recent median a spike; use 0 (off) "
+            "or a factor above 1, e.g. 3")
+    for step in train.skip_steps:
+        if not 1 <= step <= train.max_steps:
+            return "train.skip_steps", (
+                f"step {step} is not a step of this run; list steps from 1 to train.max_steps="
+                f"{train.max_steps}")
+    if (train.spike_factor or train.skip_steps) and train.precision == "fp16":
+        key = "train.spike_factor" if train.spike_factor else "train.skip_steps"
+        return key, ("fp16's loss scaler decides itself which updates to skip and takes no other "
+                     "flag; use train.precision: bf16 or fp32 to skip steps")
+    return None

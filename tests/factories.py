@@ -140,3 +140,49 @@ class DriftsApart(TinyLM):
 
 def drifts_apart(vocab_size: int, seq_len: int) -> nn.Module:
     return DriftsApart(vocab_size)
+
+
+# A poisoned sample for the loss-spike tests (test_spikes.py): with 2 ranks, train.batch_size 4 and
+# train.seed's shuffle of epoch 0, the sample at position POISON_AT of the permutation is the second of
+# rank 1's batch at step 13 (rank r takes positions r, r + 2, ...; DistributedSampler's permutation).
+POISON_AT, POISON_TOKEN = 2 * (12 * 4 + 1) + 1, 256
+
+
+class Poisoned(torch.utils.data.Dataset):
+    """Learnable sequences of tokens below 256; one sample is all POISON_TOKEN."""
+
+    def __init__(self, samples: int, seq_len: int, seed: int, poisoned: int | None) -> None:
+        from qgtrain.data.tokens import SyntheticTokens
+
+        self.clean, self.seq_len, self.poisoned = SyntheticTokens(samples, seq_len, 256, seed), seq_len, poisoned
+
+    def __len__(self) -> int:
+        return len(self.clean)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.seq_len,), POISON_TOKEN) if index == self.poisoned else self.clean[index]
+
+
+def poisoned_data(seq_len: int, seed: int) -> tuple:
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(seed)).tolist()
+    return (Poisoned(256, seq_len, seed, order[POISON_AT]), Poisoned(16, seq_len, seed + 1, None),
+            Poisoned(16, seq_len, seed + 2, None), 257)
+
+
+class SpikesOnPoison(TinyLM):
+    """With dropout (a forward draws random numbers); a training batch that holds the poison token gets a
+    loss some thousand times its usual size, finite, as a corrupt sample might."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.dropout(torch.tanh(self.hidden(self.embed(input_ids)))))
+        if self.training:
+            return logits * torch.where((input_ids == POISON_TOKEN).any(), 1e4, 1.0)
+        return logits
+
+
+def spikes_on_poison(vocab_size: int, seq_len: int) -> nn.Module:
+    return SpikesOnPoison(vocab_size)

@@ -41,6 +41,8 @@ class TrainState:
     val_metrics: dict[str, float | None] = field(default_factory=dict)  # the latest validation: loss, ...
     test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
     outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
+    loss_window: list[float] = field(default_factory=list)  # recent steps' losses, oldest first (spikes.py)
+    spikes_skipped: int = 0  # loss spikes skipped so far, against train.max_skips
 
 
 def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

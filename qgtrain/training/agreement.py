@@ -15,6 +15,7 @@ everything pending is settled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class Flags:
 
 HOST_FLAGS = ("stop_requested", "checkpoint_due", "save_failed", "out_of_time")
 AGREED = len(HOST_FLAGS) + 1  # and bad_loss, which stays on the device
+FLAG_NAMES = (*HOST_FLAGS, "bad_loss", "bad_grads")
 
 
 class Agreement:
@@ -51,6 +53,7 @@ class Agreement:
         nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)  # what is known before any agreement
         self._in_flight = self._started = lambda: nothing
         self._landing = HostCopy(AGREED + 1, device)
+        self._held = Flags()
 
     def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
         """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for all of
@@ -64,8 +67,15 @@ class Agreement:
         host, and return what the previous read sent (no host sync: it has had a step's time to
         arrive)."""
         flags = torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)])
-        landed = self._landing.swap(flags, step)
-        return _flags(*landed)
+        landed = _flags(*self._landing.swap(flags, step))
+        held, self._held = self._held, Flags()
+        return dataclasses.replace(landed, **{name: getattr(landed, name) or getattr(held, name)
+                                              for name in FLAG_NAMES})
+
+    def hold(self, flags: Flags) -> None:
+        """Keep what a read gave for a step that is taken again (its batch was dropped, spikes.py): the
+        next read returns it too, so no decision is lost."""
+        self._held = flags
 
     def settle(self, bad_grads: torch.Tensor, step: int) -> Flags:
         """Everything known now, waiting for it: the flags on their way to the host (which the next
@@ -82,8 +92,7 @@ class Agreement:
 
 
 def _flags(values: list[int], as_of: int) -> Flags:
-    names = [*HOST_FLAGS, "bad_loss", "bad_grads"]
-    return Flags(**dict(zip(names, map(bool, values))), as_of=as_of)
+    return Flags(**dict(zip(FLAG_NAMES, map(bool, values))), as_of=as_of)
 
 
 class HostCopy:

@@ -34,6 +34,7 @@ from .parts import Outcome, Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
 from .schedule import lr_at
+from .spikes import Spikes
 from .timing import StepTimer
 from .validation import Validator
 
@@ -51,6 +52,7 @@ class Trainer:
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
                                    settings.train.eval_batches, settings.precision, env, device, self.timer)
         self.agreement, self.health = Agreement(device), Health(device)
+        self.spikes = Spikes(settings.train, parts.metrics, device)
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
                                  settings.train.grad_accum_steps, settings.train.max_steps, peak)
@@ -95,7 +97,9 @@ class Trainer:
             agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
             if agreeing:
                 self._act_on(agreed, step)
-            self._apply_update(step, micro_batches)
+            if not self._apply_update(step, micro_batches, loss_sum):
+                self.agreement.hold(agreed)  # the batch was dropped: acted on when the step is taken again
+                continue
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
                 return self._at_the_end(done, agreed)
@@ -145,13 +149,19 @@ class Trainer:
             as_of = agreed.as_of if not unused else step
             self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
 
-    def _apply_update(self, step: int, micro_batches: list[Any]) -> None:
-        apply_update(self.parts.optimizer, self.parts.scaler, self.health.bad_grads)
+    def _apply_update(self, step: int, micro_batches: list[Any], loss_sum: torch.Tensor) -> bool:
+        """The update, skipped on the device after non-finite gradients or for a dropped batch (a loss
+        spike, train.skip_steps): then False, and the step is taken again with the next batch."""
+        skip = self.spikes.judge(loss_sum, step, self.health.bad_grads)
+        apply_update(self.parts.optimizer, self.parts.scaler, skip)
         self.parts.optimizer.zero_grad(set_to_none=True)
+        self.timer.training_done()
+        if self.spikes.dropped(step):
+            return False
         self.state.step = step
         self.parts.metrics.advance(step)
         self.reporter.count_tokens(micro_batches)
-        self.timer.training_done()
+        return True
 
     def _after_step(self, done: StepResult, agreed: Flags) -> Outcome | None:
         """Every step but the last: validate, report, checkpoint and stop when due."""
@@ -231,6 +241,7 @@ class Trainer:
 
     def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
         state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)
+        self.spikes.store(state)
         replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         parts.checkpointer.save(
@@ -242,6 +253,7 @@ class Trainer:
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
+        self.spikes.load(self.state)
         self.parts.checkpointer.last_step = ckpt.step
 
 
