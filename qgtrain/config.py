@@ -148,6 +148,10 @@ class TrainConfig:
                                           "repeat it from its start (a step listed twice drops two batches)")
     max_skips: int = setting(10, "loss spikes skipped in a run before it stops: more are the data's or the "
                              "learning rate's fault, not one batch's", min=0)
+    spike_action: Literal["skip", "rollback"] = setting(
+        "skip", "what a spike does: skip (its update is not applied) or rollback (the weights may be damaged "
+        "already: every rank goes back to the latest checkpoint and skips the batches drawn since; counted "
+        "against train.max_skips)")
 
 
 @dataclass(frozen=True)

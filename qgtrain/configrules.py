@@ -115,4 +115,17 @@ def spike_rules(cfg: RunConfig) -> Problem:
         key = "train.spike_factor" if train.spike_factor else "train.skip_steps"
         return key, ("fp16's loss scaler decides itself which updates to skip and takes no other "
                      "flag; use train.precision: bf16 or fp32 to skip steps")
+    return _rollback_rule(cfg)
+
+
+def _rollback_rule(cfg: RunConfig) -> Problem:
+    if cfg.train.spike_action != "rollback":
+        return None
+    if not cfg.train.spike_factor:
+        return "train.spike_action", ("rollback acts on loss spikes, which train.spike_factor: 0 does not "
+                                      "look for; set train.spike_factor above 1, e.g. 3, or use skip")
+    if not cfg.checkpoint.every_steps and not cfg.checkpoint.every_minutes:
+        return "train.spike_action", ("rollback goes back to the latest checkpoint, and checkpoint.every_steps "
+                                      "and checkpoint.every_minutes are both 0 (none is written before the "
+                                      "end); set checkpoint.every_steps, e.g. 10, or use skip")
     return None

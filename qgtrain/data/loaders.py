@@ -73,6 +73,11 @@ class TrainBatches:
         position.samples_in_epoch += self.samples
         return batch
 
+    def between(self, start: tuple[int, int], end: tuple[int, int]) -> int:
+        """Micro-batches drawn from data position `start` to `end`, each (epoch, samples in it)."""
+        per_epoch = self.sampler.num_samples // (self.loader.batch_size or 1) * self.samples
+        return ((end[0] - start[0]) * per_epoch + end[1] - start[1]) // self.samples
+
 
 class Position(Protocol):
     epoch: int

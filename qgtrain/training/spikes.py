@@ -16,6 +16,9 @@ its update is skipped the same way: dropout draws the same random numbers, batch
 the optimizer see the same, so the two runs stay equal, at the cost of one forward and backward per
 listed skip. (Putting back the random streams instead would cost a capture every step and still miss
 what a forward changes in the model.)
+
+Under train.spike_action: rollback a spike is counted the same way, and then handed to rollback.py,
+which takes every rank back to the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ class _Verdict(NamedTuple):
     spike: torch.Tensor | None = None
 
 
+class Spike(NamedTuple):
+    """A spike whose step is to be rolled back (train.spike_action: rollback)."""
+
+    step: int
+    loss: float
+    median: float
+    nth: int  # spikes of the run so far, this one included
+
+
 class Spikes:
     """The window of recent losses, the spikes skipped so far, and the batches train.skip_steps drops."""
 
@@ -56,6 +68,8 @@ class Spikes:
         self.skips = 0  # spikes skipped in the run, held against train.max_skips
         self._planned_done = 0  # batches train.skip_steps has dropped at the step being taken
         self._verdict: _Verdict | None = None
+        self.rolls_back = train.spike_action == "rollback"
+        self.rollback: Spike | None = None  # a spike rollback.py has yet to roll back
 
     def judge(self, loss_sum: torch.Tensor, step: int, bad_grads: torch.Tensor) -> torch.Tensor:
         """Whether to skip this step's update, as a device flag: train.skip_steps, a spike, or
@@ -100,6 +114,9 @@ class Spikes:
         self.skips += 1
         if self.skips > self.max_skips:
             raise diagnose.too_many_spikes(step, loss, median, self.skips, self.max_skips)
+        if self.rolls_back:
+            self.rollback = Spike(step, loss, median, self.skips)
+            return
         log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g of the last %d "
                     "steps' losses: the update was not applied, the batch is dropped and the step is taken "
                     "again with the next batch (spike %d of at most train.max_skips=%d; train.skip_steps: [%d] "
@@ -122,6 +139,7 @@ class Spikes:
         self.window[:len(values)] = torch.tensor(values, dtype=torch.float64)
         self.known, self._next = len(values), len(values) % len(self.window)
         self.skips = state.spikes_skipped
+        self._planned_done, self._verdict = 0, None  # the step taken next is state.step + 1, from its start
 
 
 def _mean_over_ranks(loss_sum: torch.Tensor) -> torch.Tensor:

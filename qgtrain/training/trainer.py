@@ -24,7 +24,7 @@ from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
-from . import replicas
+from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
@@ -99,6 +99,7 @@ class Trainer:
                 self._act_on(agreed, step)
             if not self._apply_update(step, micro_batches, loss_sum):
                 self.agreement.hold(agreed)  # the batch was dropped: acted on when the step is taken again
+                rollback.if_due(self)  # train.spike_action: rollback goes back to the latest checkpoint
                 continue
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:

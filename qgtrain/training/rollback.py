@@ -1,0 +1,104 @@
+"""train.spike_action: rollback. A spike can show after the update that did the damage: the weights
+are bad already, and skipping the spiking batch keeps them. So every rank goes back to the latest
+valid checkpoint of the run, in the process, restored exactly as a resume restores it (weights,
+optimizer, loss scaler, random streams, progress, the spike window), and the data position is then
+moved past every batch drawn since that checkpoint, the spiking one included: those batches are not
+trained on again.
+
+Every rank reaches the spike from the same all-reduced loss (spikes.py), so all roll back together,
+and finding the checkpoint is the start's own finding (rank 0 lists, every rank checks its share).
+What a later resume needs is in the state the next checkpoint saves: the data position past the
+skipped batches and the spikes counted. A job killed before that checkpoint resumes from the same
+one, trains the same steps, meets the same spike and rolls back the same way, so the run ends as if
+never stopped. metrics.jsonl keeps the records of the steps rolled back, before the rollback's.
+
+With no checkpoint yet (a spike before the first), the run stops: rolling back to the run's start
+would need the initial weights kept, and skipping instead would keep weights the user has said a
+spike may have damaged. The message names checkpoint.every_steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+from ..data.loaders import TrainBatches
+from ..errors import TrainingError
+from ..runtime import distributed
+from ..state import verify_ranks
+from ..state.checkpoint import Checkpoint, read_manifest
+from ..state.checkpointer import Checkpointer
+from ..state.resume import Candidates, resume_candidates
+from ..state.train_state import TrainState
+from .parts import Parts
+from .report import Reporter
+from .spikes import Spike, Spikes
+from .timing import StepTimer
+
+log = logging.getLogger("qgtrain")
+
+
+class Rewinding(Protocol):
+    """What a rollback changes of the trainer."""
+
+    state: TrainState
+    parts: Parts
+    batches: TrainBatches
+    spikes: Spikes
+    reporter: Reporter
+    timer: StepTimer
+
+    def restore(self, ckpt: Checkpoint) -> None: ...
+
+
+def if_due(trainer: Rewinding) -> None:
+    """Roll every rank back if the step just dropped was a spike under train.spike_action: rollback
+    (collectives: every rank calls this and all reach the same decision)."""
+    spike, trainer.spikes.rollback = trainer.spikes.rollback, None
+    if spike is None:
+        return
+    checkpointer = trainer.parts.checkpointer
+    checkpointer.wait()  # a save in flight may be the latest checkpoint
+    ckpt = latest_checkpoint(checkpointer, trainer.state.step)
+    if ckpt is None:
+        raise nothing_to_roll_back_to(spike, checkpointer.root)
+    here = (trainer.state.epoch, trainer.state.samples_in_epoch)
+    trainer.restore(ckpt)
+    state = trainer.state
+    batches = trainer.batches.between((state.epoch, state.samples_in_epoch), here)
+    state.epoch, state.samples_in_epoch = here  # where the loader's iterator stands: it simply goes on
+    trainer.spikes.skips = spike.nth  # a rollback never takes back a count: repeated ones reach the limit
+    trainer.reporter.pending_tokens = 0  # counted for steps now undone; the checkpoint's count stands
+    trainer.timer.restart(state.step)
+    log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g: rolled back to the "
+                "checkpoint of step %d and skipped the %d batch(es) drawn since, the spiking one included "
+                "(spike %d of at most train.max_skips=%d)", spike.step, spike.loss, trainer.spikes.factor,
+                spike.median, state.step, batches, spike.nth, trainer.spikes.max_skips)
+    trainer.parts.metrics.write({"step": spike.step, "skipped": "rollback", "to_step": state.step,
+                                 "batches": batches, "spike_loss": spike.loss, "spike_median": spike.median,
+                                 "spikes": spike.nth, "time": time.time()})
+
+
+def latest_checkpoint(checkpointer: Checkpointer, step: int) -> Checkpoint | None:
+    """The run's newest checkpoint at or before `step` whose files every rank finds intact, as a start
+    finds the one it resumes from; damaged ones are passed over with a warning (collectives)."""
+    def listed() -> Candidates:
+        found = resume_candidates(checkpointer.root, checkpointer.run_id, "auto", log.warning)
+        kept = [path for path in found.paths if (ckpt := read_manifest(Path(path))) and ckpt.step <= step]
+        return dataclasses.replace(found, paths=kept, problems=[])
+
+    path, passed_over = verify_ranks.choose(distributed.main_decides(listed), checkpointer.root)
+    for warning in passed_over if checkpointer.env.is_main else []:
+        log.warning("%s", warning)
+    return read_manifest(Path(path)) if path is not None else None
+
+
+def nothing_to_roll_back_to(spike: Spike, root: Path) -> TrainingError:
+    return TrainingError(
+        f"the loss spiked at step {spike.step} ({spike.loss:.6g} against a recent median of {spike.median:.6g}) "
+        f"and train.spike_action is rollback, but {root} holds no valid checkpoint of this run to roll back "
+        "to. The step was not applied. HINT: set checkpoint.every_steps below the step of the first spike "
+        "judged (from step 11 with the default window), or use train.spike_action: skip")
