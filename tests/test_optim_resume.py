@@ -83,7 +83,7 @@ def test_a_longer_run_is_refused_by_the_cli_unless_wsd_is_flat_or_rewarm_steps_s
     """One cosine run trained to its end at step 8: the CLI refuses 16 steps (exit 2, one line, the
     checkpoints untouched); optim.rewarm_steps then extends it. A wsd run extends from its flat
     phase."""
-    every = ["checkpoint.every_steps=4", "train.eval_every=0"]
+    every = ["checkpoint.every_steps=4", "train.eval_every=0", "optim.schedule=cosine"]
     run = tmp_path / "run"
     assert (
         run_ranks(1, train_rank, tiny_config("train.max_steps=8", *every), str(run))[0]["exit"] == 0
