@@ -76,7 +76,7 @@ def _anchored(values: dict[str, tuple[Any, str]], base: Path) -> dict[str, tuple
     """A task, model or data function named as 'file.py:function' with a relative path is relative to the
     config file that names it (to the working directory for --set), and recorded absolute: a requeued
     job, an export or a run started elsewhere finds the same file."""
-    for key in ("task.factory", "model.factory", "data.factory"):
+    for key in ("task.factory", "model.factory", "data.factory", "optim.name", "optim.schedule"):
         raw, origin = values.get(key, (None, ""))
         if isinstance(raw, str) and raw.count(":") == 1:
             file, function = raw.split(":")

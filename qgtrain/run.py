@@ -38,7 +38,7 @@ from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
-from .training.optim import adamw
+from .training.optimizers import build_optimizer, name_of
 from .training.parts import Outcome, Parts, Settings
 from .training.trainer import Trainer
 
@@ -172,7 +172,10 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)
-    parts = Parts(task, wrapped, adamw(model, cfg.optim, device), precision.grad_scaler(resolved, device), loaders,
+    optimizer = build_optimizer(task, cfg.optim, device)
+    logger.info("optimizer %s%s, schedule %s", name_of(optimizer), " (the task's)" if task.optimizer else "",
+                cfg.optim.schedule)
+    parts = Parts(task, wrapped, optimizer, precision.grad_scaler(resolved, device), loaders,
                   checkpointer, metrics, ctx.stop, ctx.deadline)
     # pins an async save's host buffers in the background
     checkpointer.prepare(model, parts.optimizer)

@@ -36,6 +36,11 @@ class Task:
         (`mfu` in the metrics, on GPUs whose peak is known).
     facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of the
         built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
+    optimizer: optimizer(model, optim_config) -> a torch.optim.Optimizer over the model's parameters
+        (param groups, per-layer learning rates), instead of the one optim.name names. It is called with
+        the model already on its device and sharded (fsdp). The schedule sets every group's rate each
+        step, keeping a group's ratio to optim.lr as it was built (a group made with lr=optim.lr / 10
+        stays at a tenth).
     """
 
     model: Any
@@ -49,6 +54,7 @@ class Task:
     tokenizer: Any = None
     flops_per_sample: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    optimizer: Callable[[Any, Any], Any] | None = None
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
 # by one: the foundation everything reads (errors, config, the Task contract) and the interface on top.
 LAYERS: dict[int, set[str]] = {
     0: {"errors", "config", "configload", "configrules", "durations", "factory", "files", "redact",
-        "task", "trust", "version"},
+        "task", "trust", "version", "optimrules"},
     1: {"runtime"},           # the process: rendezvous, its group and device, signals, logs, diagnosis
     2: {"data", "state"},     # samples and loaders; everything on disk (checkpoints, the run directory)
     3: {"tasks"},             # the built-in tasks and models
@@ -32,7 +32,7 @@ NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgt
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
             "qgtrain.durations", "qgtrain.files", "qgtrain.configrules", "qgtrain.redact",
-            "qgtrain.trust"]
+            "qgtrain.trust", "qgtrain.optimrules"]
 
 
 def dotted(path: Path) -> str:

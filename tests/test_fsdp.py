@@ -102,11 +102,13 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
 def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
     """fsdp on 2 ranks, then 1 rank (no sharding), fsdp on 3, ddp on 2: each start reshards the last one's
     checkpoint; 12 samples a step on 2 ranks keeps every data position divisible by the next world size."""
-    run_cli(2, small_gpt2_run(tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp"), tmp_path, "ref")
+    constant = "optim.schedule=constant"  # each phase raises train.max_steps: a rate that does not move
+    run_cli(2, small_gpt2_run(tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp", constant),
+            tmp_path, "ref")
     run = tmp_path / "run"
     phases = [(2, "fsdp", 12), (1, "fsdp", 16), (3, "fsdp", 20), (2, "ddp", 24)]
     for world, mode, until in phases:
-        args = small_gpt2_run(run, f"train.max_steps={until}", f"train.parallel={mode}")
+        args = small_gpt2_run(run, f"train.max_steps={until}", f"train.parallel={mode}", constant)
         run_cli(world, args, tmp_path, f"{mode}{world}")
         shutil.copytree(run, tmp_path / f"at-{until}")  # as this layout left it, for the probes below
     log = (run / "logs" / "rank_0.log").read_text()

@@ -230,7 +230,7 @@ def test_train_max_time_stops_every_rank_at_one_checkpoint_without_any_signal(tm
     args = ["train", "--run-dir", str(run), "--set", "data.name=synthetic", "data.seq_len=16", "train.batch_size=4",
             "train.max_steps=100000", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=0",
             "logging.tensorboard=false", "model.factory=tests.factories:tiny", "train.max_time=8s",
-            "train.stop_margin_s=1"]
+            "train.stop_margin_s=1", "optim.schedule=constant"]  # extended below: no change of rate
     started = time.time()  # before the processes start: train.max_time counts from their start
     assert wait_ranks(start_cli_ranks(2, args, tmp_path), 120) == [EXIT_STOPPED, EXIT_STOPPED]
     saved = sorted((run / "checkpoints").iterdir())

@@ -199,7 +199,8 @@ def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_record
     assert run_script(script, run) == [0, 0]
     assert records(run)[-1]["val_accuracy"] is not None and records(run)[-1]["step"] == 12
     assert "factory: tests.tasks:points" in (run / "config.yaml").read_text(), "export can rebuild the task"
-    assert run_script(script, run, "train.max_steps=16") == [0, 0]
+    # a longer run after the end: a new decay from the current rate (a bare change would be refused)
+    assert run_script(script, run, "train.max_steps=16", "optim.rewarm_steps=0") == [0, 0]
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text() and records(run)[-1]["step"] == 16
 
 

@@ -43,6 +43,9 @@ class TrainState:
     outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
     loss_window: list[float] = field(default_factory=list)  # recent steps' losses, oldest first (spikes.py)
     spikes_skipped: int = 0  # loss spikes skipped so far, against train.max_skips
+    max_steps: int | None = None  # the train.max_steps trained toward (None: an older checkpoint)
+    horizons: list[dict[str, Any]] = field(default_factory=list)  # its changes (horizon.py)
+    optimizer: str | None = None  # the optimizer's class, as module.Name
 
 
 def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -110,7 +113,7 @@ def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: t
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, values in saved["optimizer"]["state"].items():
             for name, value in values.items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[index].shape:
+                if isinstance(value, torch.Tensor) and value.dim() and not _fits(value, params[index]):
                     raise ValueError(f"state {name!r} of parameter {index} has shape {tuple(value.shape)}, "
                                      f"the parameter {tuple(params[index].shape)}")
         optimizer.load_state_dict(saved["optimizer"])
@@ -118,6 +121,12 @@ def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: t
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path} does not fit the configured model and optimizer ({exc}). HINT: resume with "
                               "the model settings it was trained with, or set checkpoint.resume: never") from None
+
+
+def _fits(state: torch.Tensor, param: torch.Tensor) -> bool:
+    """A state tensor shaped as its parameter, or factored along some of its dimensions (Adafactor's
+    row and column moments keep those dimensions at 1)."""
+    return state.dim() == param.dim() and all(s in (1, p) for s, p in zip(state.shape, param.shape))
 
 
 def _state_from(saved: dict[str, Any]) -> TrainState:

@@ -107,7 +107,7 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
                  "(data.name: files)")
     if len(task.train) == 0:
         fail("has an empty train dataset")
-    for part in ("collate", "loss", "metrics", "tokens"):
+    for part in ("collate", "loss", "metrics", "tokens", "optimizer"):
         value = getattr(task, part)
         if value is not None and not callable(value):
             fail(f"has {part}={type(value).__name__}, which cannot be called")

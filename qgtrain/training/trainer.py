@@ -28,12 +28,13 @@ from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
+from .horizon import LearningRate, saved_max_steps
 from .metrics import format_metrics, prefixed
 from .optim import apply_update, clip_gradients
+from .optimizers import check_resumed, name_of
 from .parts import Outcome, Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
-from .schedule import lr_at
 from .spikes import Spikes
 from .timing import StepTimer
 from .validation import Validator
@@ -45,7 +46,8 @@ class Trainer:
     def __init__(self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device) -> None:
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
-        self.state = TrainState()
+        self.state = TrainState(max_steps=settings.train.max_steps, optimizer=name_of(parts.optimizer))
+        self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer)
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
@@ -89,7 +91,7 @@ class Trainer:
             agreeing = step == self._first_step or step % train.agree_every == 0
             if agreeing:
                 self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
-            lr = self._set_lr()
+            lr = self.lr.set(self.state)
             micro_batches = [to_device(self.batches.next(self.state), self.device)
                              for _ in range(train.grad_accum_steps)]
             self.timer.data_ready()
@@ -124,12 +126,6 @@ class Trainer:
                      checkpoint_due=self.env.is_main and bool(every) and time.monotonic() - self._last_save >= every,
                      save_failed=self.parts.checkpointer.failed,
                      out_of_time=self.env.is_main and self.planner.out_of_time(step))
-
-    def _set_lr(self) -> float:
-        lr = lr_at(self.state.step, self.settings.optim, self.settings.train.max_steps)
-        for group in self.parts.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
 
     def _forward_backward(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.parts
@@ -254,6 +250,8 @@ class Trainer:
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
+        check_resumed(self.state, self.parts.optimizer)
+        self.lr.resumed(self.state, saved_max_steps(ckpt, self.state), self.env.is_main)
         self.spikes.load(self.state)
         self.parts.checkpointer.last_step = ckpt.step
 
