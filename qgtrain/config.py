@@ -136,6 +136,12 @@ class TrainConfig:
     peak_tflops: float = setting(
         0.0, "one GPU's peak TFLOP/s in the run's precision, for mfu (0 = from qgtrain's table of "
         "GPUs; none for a GPU it lacks)", min=0.0)
+    ema_decay: float = setting(
+        0.0, "keep an EMA of the weights, ema = d * ema + (1 - d) * weights after every applied step, in "
+        "[0, 1) (0 = off; 0.999 averages over about the last 1000 steps); checkpointed, exported with "
+        "`qgtrain export RUN --weights ema`")
+    eval_ema: bool = setting(False, "validate and test with the EMA of the weights (train.ema_decay > 0); "
+                             "training goes on with its own weights")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from . import replicas
 from .agreement import Agreement, Flags, Health
+from .ema import Ema
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .metrics import format_metrics, prefixed
@@ -48,8 +49,10 @@ class Trainer:
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
+        self.ema = Ema(self.model, settings.train.ema_decay)
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
-                                   settings.train.eval_batches, settings.precision, env, device, self.timer)
+                                   settings.train.eval_batches, settings.precision, env, device, self.timer,
+                                   weights=self.ema.in_use if settings.train.eval_ema else None)
         self.agreement, self.health = Agreement(device), Health(device)
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
@@ -146,7 +149,7 @@ class Trainer:
             self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
 
     def _apply_update(self, step: int, micro_batches: list[Any]) -> None:
-        apply_update(self.parts.optimizer, self.parts.scaler, self.health.bad_grads)
+        self.ema.update(apply_update(self.parts.optimizer, self.parts.scaler, self.health.bad_grads))
         self.parts.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.parts.metrics.advance(step)
@@ -234,14 +237,17 @@ class Trainer:
         replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         parts.checkpointer.save(
-            state.step, lambda: train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
-                                                             self.settings.precision, self.env.world_size),
+            state.step, lambda: {**train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
+                                                                self.settings.precision, self.env.world_size),
+                                 **self.ema.replicated_files()},
             train_state.rank_state(state), train_state.manifest_facts(state, evaluated, es.metric, es.mode),
-            blocking=blocking, shards=sharded_state(self.model, parts.optimizer) if sharded else None, again=again)
+            blocking=blocking, shards={**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
+            if sharded else None, again=again)
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
+        self.ema.restore(ckpt)
         self.parts.checkpointer.last_step = ckpt.step
 
 
