@@ -1,7 +1,8 @@
-"""The EMA of the weights across a SIGKILL, under ddp and fsdp, and exported: two ranks of `qgtrain
-train` killed at a random step and resumed, compared with the uninterrupted run bit for bit (the loss,
-the validations on the average, the weights, the optimizer and the average); the resumed run's average
-exported with `--weights ema` and loaded by transformers itself."""
+"""The EMA of the weights across a SIGKILL, under ddp and fsdp, and exported: two training ranks (real
+processes in a real gloo group, tests/ranks.py) SIGKILLed at a random step and resumed, compared with
+the uninterrupted run bit for bit (the loss, the validations on the average, the weights, the optimizer
+and the average); the resumed run's average exported with `--weights ema` and loaded by transformers
+itself."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import checkpoint_state, records, wait_for
-from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, train_rank
+from tests.helpers import checkpoint_state, records
+from tests.ranks import ROOT, run_ranks, start_ranks, train_rank
 
-KILLED_STEPS = 16
+KILLED_STEPS = 12
 GPT2 = ["data.name=synthetic", "data.synthetic_samples=2048", "data.seq_len=32", "model.hidden=64",
-        "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=8",
-        "train.eval_batches=2", "checkpoint.every_steps=4", "optim.warmup_steps=4", "logging.tensorboard=false",
+        "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=6",
+        "train.eval_batches=2", "checkpoint.every_steps=3", "optim.warmup_steps=4", "logging.tensorboard=false",
         f"train.max_steps={KILLED_STEPS}", "train.ema_decay=0.9", "train.eval_ema=true", "model.dropout=0.1"]
 
 
@@ -35,12 +36,18 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         cfg = load_config([ROOT / "config.yaml"], sets)
         assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(tmp / "reference"))] == [0, 0]
         seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
-        kill_at = random.Random(seed).randrange(5, 12)
+        kill_at = random.Random(seed).randrange(4, 10)
         run = tmp / "killed"
-        args = ["train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run), "--set", *sets]
-        procs = start_cli_ranks(2, args, tmp, log_prefix="killed")
-        wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-        kill_ranks(procs)
+        procs = start_ranks(2, train_rank, cfg, str(run))
+        try:
+            deadline = time.monotonic() + 300
+            while not any(r["step"] >= kill_at for r in records(run)[-1:]):
+                assert all(p.is_alive() for p in procs) and time.monotonic() < deadline, f"step {kill_at}"
+                time.sleep(0.002)
+        finally:
+            for proc in procs:
+                proc.kill()  # SIGKILL
+                proc.join()
         assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(run))] == [0, 0]
         made[layout] = (tmp / "reference", run, f"(seed {seed}: {layout} killed at step {kill_at})")
     return made

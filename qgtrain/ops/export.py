@@ -57,12 +57,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     ema (their EMA). The factories its config names are imported only if built in, if the run is yours
     (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
-    if weights not in ("model", "ema"):
-        raise QgtrainError(f"export: weights {weights!r} is not allowed; choose model or ema")
-    if weights == "ema" and not ema_files.saved(ckpt):
-        raise QgtrainError(f"export --weights ema: {ckpt.path} holds no EMA of the weights (its run "
-                           "trained with train.ema_decay 0); export --weights model, or train with "
-                           "train.ema_decay above 0, e.g. 0.999")
+    _check_weights(ckpt, weights)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # a bar per weight load is noise in a CLI
@@ -112,6 +107,15 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
              "" if diff is None else f"; largest output difference after reloading: {diff:.3g}")
     return Exported(out, ckpt.path, diff, kind, chosen, checked)
+
+
+def _check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:
+    if weights not in ("model", "ema"):
+        raise QgtrainError(f"export: weights {weights!r} is not allowed; choose model or ema")
+    if weights == "ema" and not ema_files.saved(ckpt):
+        raise QgtrainError(f"export --weights ema: {ckpt.path} holds no EMA of the weights (its run "
+                           "trained with train.ema_decay 0); export --weights model, or train with "
+                           "train.ema_decay above 0, e.g. 0.999")
 
 
 def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: bool) -> None:
