@@ -168,6 +168,12 @@ class TrainConfig:
         "skip", "what a spike does: skip (its update is not applied) or rollback (the weights may be damaged "
         "already: every rank goes back to the latest checkpoint and skips the batches drawn since; counted "
         "against train.max_skips)")
+    ema_decay: float = setting(
+        0.0, "keep an EMA of the weights, ema = d * ema + (1 - d) * weights after every applied step, in "
+        "[0, 1) (0 = off; 0.999 averages over about the last 1000 steps); checkpointed, exported with "
+        "`qgtrain export RUN --weights ema`")
+    eval_ema: bool = setting(False, "validate and test with the EMA of the weights (train.ema_decay > 0); "
+                             "training goes on with its own weights")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,12 @@ def training_rules(cfg: RunConfig) -> Problem:
         return "train.max_time", (
             f"{train.max_time!r} is not a duration; use e.g. 45m, 3h30m, 1d2h, 90s, or "
             "Slurm's HH:MM:SS or D-HH:MM:SS")
+    if not 0.0 <= train.ema_decay < 1.0:
+        return "train.ema_decay", (
+            f"{train.ema_decay} is outside [0, 1): 0 turns the EMA of the weights off, a value "
+            "below 1 such as 0.999 keeps it")
+    if train.eval_ema and not train.ema_decay:
+        return "train.eval_ema", "needs an EMA of the weights: set train.ema_decay, e.g. 0.999"
     return None
 
 

@@ -61,19 +61,22 @@ def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type
 
 
 def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
-    """A committed checkpoint's model and optimizer tensors, flat (`model.<name>`, `optim.<param>.<key>`), of
-    either kind: rank 0's model.pt and optim.pt, or every rank's shards (read whole through DCP)."""
+    """A committed checkpoint's model and optimizer tensors, flat (`model.<name>`, `optim.<param>.<key>`,
+    and `ema.<name>` where it holds an EMA of the weights), of either kind: rank 0's model.pt, optim.pt
+    and ema.pt, or every rank's shards (read whole through DCP)."""
     if (folder / "sharded").exists():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         whole = folder.parent / f"{folder.name}-whole.pt"
         dcp_to_torch_save(folder / "sharded", whole)
         saved = torch.load(whole, weights_only=False)
-        model, optim = saved["model"], saved["optim"]["state"]
+        model, optim, ema = saved["model"], saved["optim"]["state"], saved.get("ema", {})
     else:
         model = torch.load(folder / "model.pt", weights_only=True)
         optim = torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"]
+        ema = torch.load(folder / "ema.pt", weights_only=True) if (folder / "ema.pt").exists() else {}
     flat = {f"model.{k}": v for k, v in model.items()}
+    flat.update({f"ema.{k}": v for k, v in ema.items()})
     for param, state in optim.items():
         flat.update({f"optim.{param}.{k}": v for k, v in state.items()})
     return flat

@@ -73,6 +73,19 @@ def run_ranks(world_size: int, target: Callable[..., Any], *args: Any,
     return [collected[rank] for rank in range(world_size)]
 
 
+def start_ranks(world_size: int, target: Callable[..., Any], *args: Any) -> list[Any]:
+    """target(*args) on every rank as run_ranks starts them, not waited for: for a test that SIGKILLs
+    ranks at work (Process.kill) without the seconds each `qgtrain` process spends importing."""
+    port, results, stacks = free_port(), _CTX.Queue(), tempfile.mkdtemp(prefix="qgtrain-ranks-")
+    procs = [_CTX.Process(target=_rank_main, args=(rank, world_size, port, {}, target, args, results, stacks,
+                                                   600.0))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.results = results  # the queue lives as long as its ranks: they open it as they start
+        proc.start()
+    return procs
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as f:

@@ -6,7 +6,8 @@ checkpoint's weights are read into it (a sharded checkpoint's shards straight in
 writer (export_writer.py) writes it: save_pretrained for a transformers model or a PyTorchModelHubMixin,
 model.safetensors for any other module, with the task, config, run facts and a model card. The folder is
 then reloaded as a user would (`qgtrain.load_model`, or AutoModelForCausalLM for the built-in language
-model) and its outputs compared with the checkpoint's model before it is moved into place.
+model) and its outputs compared with the checkpoint's model before it is moved into place. With
+`weights="ema"` (`--weights ema`) the trained parameters are their EMA instead (export_ema.py).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from ..config import RunConfig
 from ..configload import config_from_dict, config_to_dict
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint, sharded
+from ..state import checkpoint, ema_files, sharded
 from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
 from ..trust import config_code, not_yours, require
-from . import export_stream, export_target, export_task, export_writer, reload_check
+from . import export_ema, export_stream, export_target, export_task, export_writer, reload_check
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -50,11 +51,13 @@ class Exported:
 
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
                force: bool = False, dtype: str | None = None,
-               trust_code: bool = False) -> Exported:
+               trust_code: bool = False, weights: str = "model") -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
-    `dtype` (bf16 or fp32; default: the run's export.dtype). The factories its config names are
-    imported only if built in, if the run is yours (trust.py), or with `trust_code`."""
+    `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones) or
+    ema (their EMA). The factories its config names are imported only if built in, if the run is yours
+    (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
+    _check_weights(ckpt, weights)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # a bar per weight load is noise in a CLI
@@ -68,7 +71,9 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
     model = task.model if task is not None else export_task.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
     chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
-    weights, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
+    tensors, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
+    if weights == "ema":
+        read = export_ema.averaged(ckpt, model, read)
     kind = export_writer.kind_of(model)
     lm = builtin and kind == "transformers"
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -76,7 +81,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     staging.mkdir(parents=True)
     try:
         facts = {**run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
-                             if builtin else None), "dtype": chosen}
+                             if builtin else None), "dtype": chosen, "weights": weights}
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
         builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
@@ -89,19 +94,28 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                 "run": facts, "config": published}
         torch_dtype = export_stream.DTYPES[chosen]
         export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
-                            weights=lambda folder, size: export_stream.write_weights(folder, weights, read,
+                            weights=lambda folder, size: export_stream.write_weights(folder, tensors, read,
                                                                                      torch_dtype, size),
                             dtype=torch_dtype)
         if builtin and model_facts.get("tokenizer"):
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-        checked = export_stream.check_weights(staging, weights, read, torch_dtype)
-        diff = reload_check.outputs(ckpt, saved, model_facts, task, weights, read, torch_dtype, staging, lm)
+        checked = export_stream.check_weights(staging, tensors, read, torch_dtype)
+        diff = reload_check.outputs(ckpt, saved, model_facts, task, tensors, read, torch_dtype, staging, lm)
         _replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
              "" if diff is None else f"; largest output difference after reloading: {diff:.3g}")
     return Exported(out, ckpt.path, diff, kind, chosen, checked)
+
+
+def _check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:
+    if weights not in ("model", "ema"):
+        raise QgtrainError(f"export: weights {weights!r} is not allowed; choose model or ema")
+    if weights == "ema" and not ema_files.saved(ckpt):
+        raise QgtrainError(f"export --weights ema: {ckpt.path} holds no EMA of the weights (its run "
+                           "trained with train.ema_decay 0); export --weights model, or train with "
+                           "train.ema_decay above 0, e.g. 0.999")
 
 
 def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: bool) -> None:

@@ -40,7 +40,7 @@ def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> t
 
 
 def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 skip: torch.Tensor) -> None:
+                 skip: torch.Tensor) -> torch.Tensor:
     """Take the optimizer step unless `skip`, a device flag the same on every rank (the reduced
     gradients were non-finite), without reading it on the host where the optimizer can skip on the
     device.
@@ -50,9 +50,15 @@ def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
     (torch/optim/adam.py _fused_adam, torch/amp/grad_scaler.py GradScaler.step). Any other
     optimizer reads the flag (a host sync, free on a CPU). fp16 leaves non-finite steps to its
     GradScaler, as before.
+
+    Returns the device flag of an update not taken: `skip`, or under fp16 what the scaler found
+    (read before its update forgets it), for what must follow applied updates only (ema.py).
     """
+    skipped = skip
     if scaler.is_enabled():
         scaler.step(optimizer)
+        found = scaler._found_inf_per_device(optimizer).values()
+        skipped = torch.stack([f.to(skip.device) for f in found]).sum() > 0
     elif getattr(optimizer, "_step_supports_amp_scaling", False):
         setattr(optimizer, "found_inf", skip.float())
         try:
@@ -62,3 +68,4 @@ def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
     elif not bool(skip):
         optimizer.step()
     scaler.update()
+    return skipped

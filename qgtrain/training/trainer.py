@@ -26,6 +26,7 @@ from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import TrainState
 from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
+from .ema import Ema
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .horizon import LearningRate, saved_max_steps
@@ -51,8 +52,10 @@ class Trainer:
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
+        self.ema = Ema(self.model, settings.train.ema_decay)
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
-                                   settings.train.eval_batches, settings.precision, env, device, self.timer)
+                                   settings.train.eval_batches, settings.precision, env, device, self.timer,
+                                   weights=self.ema.in_use if settings.train.eval_ema else None)
         self.agreement, self.health = Agreement(device), Health(device)
         self.spikes = Spikes(settings.train, parts.metrics, device)
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
@@ -150,7 +153,7 @@ class Trainer:
         """The update, skipped on the device after non-finite gradients or for a dropped batch (a loss
         spike, train.skip_steps): then False, and the step is taken again with the next batch."""
         skip = self.spikes.judge(loss_sum, step, self.health.bad_grads)
-        apply_update(self.parts.optimizer, self.parts.scaler, skip)
+        self.ema.update(apply_update(self.parts.optimizer, self.parts.scaler, skip))
         self.parts.optimizer.zero_grad(set_to_none=True)
         self.timer.training_done()
         if self.spikes.dropped(step):
@@ -242,16 +245,19 @@ class Trainer:
         replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         parts.checkpointer.save(
-            state.step, lambda: train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
-                                                             self.settings.precision, self.env.world_size),
+            state.step, lambda: {**train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
+                                                                self.settings.precision, self.env.world_size),
+                                 **self.ema.replicated_files()},
             train_state.rank_state(state), train_state.manifest_facts(state, evaluated, es.metric, es.mode),
-            blocking=blocking, shards=sharded_state(self.model, parts.optimizer) if sharded else None, again=again)
+            blocking=blocking, shards={**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
+            if sharded else None, again=again)
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
         check_resumed(self.state, self.parts.optimizer)
         self.lr.resumed(self.state, saved_max_steps(ckpt, self.state), self.env.is_main)
+        self.ema.restore(ckpt)
         self.spikes.load(self.state)
         self.parts.checkpointer.last_step = ckpt.step
 

@@ -3,7 +3,9 @@ stopping decided on rank 0 from the all-reduced metric and broadcast, so every r
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,11 +27,15 @@ from .timing import StepTimer
 class Validator:
     def __init__(self, model: nn.Module, wrapped: nn.Module, task: ReadyTask, loaders: Loaders,
                  early_stopping: EarlyStoppingConfig, eval_batches: int, precision: str, env: DistEnv,
-                 device: torch.device, timer: StepTimer) -> None:
+                 device: torch.device, timer: StepTimer,
+                 weights: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
+        """`weights`: what puts the weights to evaluate in the model and takes them out again (the EMA's,
+        train.eval_ema); none: the training weights as they are."""
         self.model, self.wrapped, self.task, self.loaders, self.early_stopping = \
             model, wrapped, task, loaders, early_stopping
         self.eval_batches, self.precision, self.env, self.device, self.timer = \
             eval_batches, precision, env, device, timer
+        self.weights = weights or contextlib.nullcontext
 
     def validate(self, state: TrainState) -> bool:
         """Evaluate the validation split; whether early stopping says stop (the same on every rank)."""
@@ -52,7 +58,8 @@ class Validator:
             return {}
         started = time.perf_counter()
         replicas.agree_before_evaluation(self.model, self.wrapped)  # what the saved model gives, on every rank
-        metrics = evaluate(self.model, loader, self.task.loss, self.task.metrics, self.device, self.precision,
-                           max_batches, lockstep=is_sharded_model(self.model))
+        with self.weights():
+            metrics = evaluate(self.model, loader, self.task.loss, self.task.metrics, self.device,
+                               self.precision, max_batches, lockstep=is_sharded_model(self.model))
         self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)
         return metrics
