@@ -57,11 +57,20 @@ def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
 def exchange(store: Any, name: str, mine: str, env: DistEnv) -> list[str]:
     """Every rank's string for `name`, in rank order: each sets its own key and reads the others'
     (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not
-    guard."""
+    guard.
+
+    Rank 0 hosts the store, so it returns only once every rank has read: a rank 0 that went on to
+    fail (a refusal every rank reaches from the same strings) would otherwise take the store down
+    under a slower rank still reading, which would then fail with a lost connection instead."""
     store.set(f"qgtrain/{name}/{env.rank}", mine)
     keys = [f"qgtrain/{name}/{rank}" for rank in range(env.world_size)]
     store.wait(keys)
-    return [store.get(key).decode() for key in keys]
+    seen = [store.get(key).decode() for key in keys]
+    if store.add(f"qgtrain/{name}/read", 1) == env.world_size:
+        store.set(f"qgtrain/{name}/all-read", "1")
+    if env.rank == 0:
+        store.wait([f"qgtrain/{name}/all-read"])
+    return seen
 
 
 def bound_listener(host: str, port: int, num_nodes: int) -> tuple[socket.socket | None, str]:
