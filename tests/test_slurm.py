@@ -246,7 +246,9 @@ FSDP_STEPS = 600
 
 def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
     sharded = tmp / "fsdp.yaml"
-    sharded.write_text("train: {parallel: fsdp}\nmodel: {layers: 2}\n")
+    # a longer run than the checkpoint's says how its learning rate goes on: from where it is (rewarm 0)
+    extended = "optim: {rewarm_steps: 0}\n" if max_steps != FSDP_STEPS else ""
+    sharded.write_text(f"train: {{parallel: fsdp}}\nmodel: {{layers: 2}}\n{extended}")
     return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, max_steps, every_steps=200), sharded]
 
 

@@ -31,7 +31,9 @@ STEPS = 200
 def configs(tmp: Path, parallel: str, steps: int = STEPS) -> list[Path]:
     tmp.mkdir(exist_ok=True)
     mode = tmp / f"{parallel}.yaml"
-    mode.write_text(f"train: {{parallel: {parallel}}}\nmodel: {{layers: 2}}\nslurm: {{step_retries: 2}}\n")
+    # a longer run than the checkpoint's says how its learning rate goes on: from where it is (rewarm 0)
+    extended = "optim: {rewarm_steps: 0}\n" if steps != STEPS else ""
+    mode.write_text(f"train: {{parallel: {parallel}}}\nmodel: {{layers: 2}}\nslurm: {{step_retries: 2}}\n{extended}")
     return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, steps, every_steps=100), mode]
 
 
