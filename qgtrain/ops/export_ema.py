@@ -1,11 +1,10 @@
 """`qgtrain export RUN --weights ema`: the EMA of the weights written in place of the trained ones.
 
-The export reads a checkpoint through a Reader (export_stream.py: meta tensors in, full tensors out);
-this one answers each trained parameter with its average and everything else (buffers, frozen
+The export reads a checkpoint through a Reader (export_stream.py: meta tensors in, full tensors
+out); this one answers each trained parameter with its average and everything else (buffers, frozen
 parameters, which are not averaged) with the checkpoint's model, so writing, the bit-for-bit check
 and the reload comparison all see the same weights. A tied parameter is asked for by its first name
-in the state dict and found by identity, whatever name the average was saved under.
-"""
+in the state dict and found by identity, whatever name the average was saved under."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The EMA of the weights in a checkpoint (train.ema_decay), and reading it back.
 
 Replicated (ddp, one process): `ema.pt` beside model.pt, written by rank 0, the full fp32 average of
-each trained parameter by name. Sharded (fsdp): entries `ema.<parameter>` of the state every rank writes
-(sharded.py), each rank its own shards. A checkpoint without EMA (a run without it, or one written
-before qgtrain had it) is exactly what it always was. Either kind loads into a model of either kind, as
-the weights do: DCP reshards, and a full `ema.pt` is cut to a sharded model's shards on every rank.
-"""
+each trained parameter by name. Sharded (fsdp): entries `ema.<parameter>` of the state every rank
+writes (sharded.py), each rank its own shards. A checkpoint without EMA (a run without it, or one
+written before qgtrain had it) is exactly what it always was. Either kind loads into a model of
+either kind, as the weights do: DCP reshards, and a full `ema.pt` is cut to a sharded model's shards
+on every rank."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def saved(ckpt: Checkpoint) -> bool:
 
 
 def load(ckpt: Checkpoint, averages: dict[str, torch.Tensor]) -> bool:
-    """Fill `averages` (plain tensors, or a sharded model's DTensors) in place from the checkpoint, a
-    collective for a sharded one; False, untouched, if it holds no EMA."""
+    """Fill `averages` (plain tensors, or a sharded model's DTensors) in place from the checkpoint,
+    a collective for a sharded one; False, untouched, if it holds no EMA."""
     if not saved(ckpt):
         return False
     if is_sharded_checkpoint(ckpt):
@@ -54,8 +54,8 @@ def load(ckpt: Checkpoint, averages: dict[str, torch.Tensor]) -> bool:
         if name not in full or tuple(full[name].shape) != tuple(average.shape):
             found = tuple(full[name].shape) if name in full else "nothing"
             raise CheckpointError(f"{ckpt.path / FILE} holds {found} for {name}, the model "
-                                  f"{tuple(average.shape)}. HINT: resume with the model settings it "
-                                  "was trained with, or set checkpoint.resume: never")
+                                  f"{tuple(average.shape)}. HINT: resume with the model settings "
+                                  "it was trained with, or set checkpoint.resume: never")
         _fill(average, full[name])
     return True
 
@@ -71,14 +71,16 @@ def reader(ckpt: Checkpoint) -> Callable[[dict[str, torch.Tensor]], dict[str, to
     safe = dcp_safe.SafeReader(ckpt)  # the metadata read and checked once for every group
 
     def read(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        state = {KEY: {name: torch.empty(t.shape, dtype=torch.float32) for name, t in wanted.items()}}
+        empty = {name: torch.empty(t.shape, dtype=torch.float32) for name, t in wanted.items()}
+        state = {KEY: empty}
         _load_sharded(ckpt, state, no_dist=True, reader=safe)
         return state[KEY]
 
     return read
 
 
-def _load_sharded(ckpt: Checkpoint, state: dict[str, Any], no_dist: bool, reader: Any = None) -> None:
+def _load_sharded(ckpt: Checkpoint, state: dict[str, Any], no_dist: bool,
+                  reader: Any = None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from . import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
@@ -86,9 +88,9 @@ def _load_sharded(ckpt: Checkpoint, state: dict[str, Any], no_dist: bool, reader
     try:
         dcp_safe.load(ckpt, state, reader=reader, no_dist=no_dist)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{ckpt.path / FOLDER}: its EMA of the weights does not fit the model "
-                              f"({first_line(exc)}). HINT: resume with the model settings it was "
-                              "trained with, or set checkpoint.resume: never") from None
+        raise CheckpointError(f"{ckpt.path / FOLDER}: its EMA of the weights does not fit the "
+                              f"model ({first_line(exc)}). HINT: resume with the model settings it "
+                              "was trained with, or set checkpoint.resume: never") from None
 
 
 def _fill(average: torch.Tensor, full: torch.Tensor) -> None:
@@ -101,5 +103,6 @@ def _fill(average: torch.Tensor, full: torch.Tensor) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     local = shard.to_local()
-    cut = distribute_tensor(full.to(local.device), shard.device_mesh, shard.placements, src_data_rank=None)
+    cut = distribute_tensor(full.to(local.device), shard.device_mesh, shard.placements,
+                            src_data_rank=None)
     local.copy_(cut.to_local())

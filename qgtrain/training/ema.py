@@ -2,16 +2,15 @@
 
 After each optimizer step that was applied, ema = d * ema + (1 - d) * weights, starting from the
 weights the run starts with (built, pretrained, or sent as shards). The average is kept in fp32 for
-every trained parameter and laid out like it: under fsdp it is a DTensor of the parameter's placement,
-so a rank holds only its shards' average. A step the optimizer did not take (non-finite gradients
-skipped on the device, fp16's loss scaler) moves it by nothing: the update's weight is chosen on the
-device from the skip flag, so the loop never waits for the host. torch's multi-tensor lerp makes the
-update in place, one pass over the weights and the average and no temporary copy (with a weight that
-is a device scalar, CUDA runs it as a kernel per tensor).
+every trained parameter and laid out like it: under fsdp it is a DTensor of the parameter's
+placement, so a rank holds only its shards' average. A step the optimizer did not take (non-finite
+gradients skipped on the device, fp16's loss scaler) moves it by nothing: the update's weight is
+chosen on the device from the skip flag, so the loop never waits for the host. torch's multi-tensor
+lerp makes the update in place, one pass over the weights and the average and no temporary copy
+(with a weight that is a device scalar, CUDA runs it as a kernel per tensor).
 
 With train.ema_decay 0 the class holds nothing and each call returns at once, so the loop calls it
-unconditionally. Frozen parameters and buffers are not averaged: they are the model's own.
-"""
+unconditionally. Frozen parameters and buffers are not averaged: they are the model's own."""
 
 from __future__ import annotations
 
@@ -34,7 +33,8 @@ log = logging.getLogger("qgtrain")
 class Ema:
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.model, self.decay, self.sharded = model, decay, is_sharded_model(model)
-        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if decay else []
+        named = model.named_parameters() if decay else iter(())
+        trained = [(name, p) for name, p in named if p.requires_grad]
         self._params = [p for _, p in trained]
         with torch.no_grad():
             self.averages = {name: p.detach().to(torch.float32, copy=True) for name, p in trained}
@@ -49,7 +49,7 @@ class Ema:
             return
         weight = torch.where(skipped, self._stays, self._moves)
         averages = [_local(a) for a in self.averages.values()]
-        # the parameters' local tensors are looked up each time: FSDP may replace them (its lazy init)
+        # the parameters' local tensors are looked up each time: FSDP may replace them (lazy init)
         torch._foreach_lerp_(averages, [_local(p).float() for p in self._params],
                              [weight] * len(averages))
 
@@ -100,15 +100,16 @@ class Ema:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The checkpoint's average (a collective for a sharded one). A checkpoint without one, of a
-        run that turns EMA on as it resumes, starts it from the weights it holds: said, not refused."""
+        run that turns EMA on as it resumes, starts it from the weights it holds: said, not refused.
+        """
         if not self._params:
             if ema_files.saved(ckpt):
-                log.warning("train.ema_decay is 0: the EMA of the weights in %s is not used, and the "
-                            "checkpoints from now on hold none", ckpt.path)
+                log.warning("train.ema_decay is 0: the EMA of the weights in %s is not used, and "
+                            "the checkpoints from now on hold none", ckpt.path)
             return
         if not ema_files.load(ckpt, self.averages):
-            log.warning("%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA starts "
-                        "from its weights, those of step %d", ckpt.path, ckpt.step)
+            log.warning("%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA "
+                        "starts from its weights, those of step %d", ckpt.path, ckpt.step)
             with torch.no_grad():
                 for param, average in zip(self._params, self.averages.values()):
                     _local(average).copy_(_local(param))

@@ -1,15 +1,16 @@
-"""Loss spikes: a step whose loss jumps far above the recent ones is not applied; its batch is dropped
-and the step is taken again with the next batch. And train.skip_steps, which drops the batches of the
-steps it lists, so that a run which skipped spikes is reproduced, bit for bit, from its start.
+"""Loss spikes: a step whose loss jumps far above the recent ones is not applied; its batch is
+dropped and the step is taken again with the next batch. And train.skip_steps, which drops the
+batches of the steps it lists, so that a run which skipped spikes is reproduced, bit for bit, from
+its start.
 
-Deciding needs the loss of all ranks before the update: one all-reduce of a scalar per step (only with
-train.spike_factor > 0), compared on the device with the median of the last applied steps' losses,
-kept there. The update is then skipped on the device, as one from non-finite gradients is. Every rank
-reaches the same decision from the same reduced loss (an all-reduce leaves the same bits on every
-rank) and the same window, so the decision needs no agreement of its own. The host must know it too,
-since a dropped batch does not advance the step counter: once the window holds enough losses to
-decide, it reads one flag per step, after the update is queued (a host sync per step on a GPU, so the
-host cannot run ahead of it by more than the update; free on a CPU).
+Deciding needs the loss of all ranks before the update: one all-reduce of a scalar per step (only
+with train.spike_factor > 0), compared on the device with the median of the last applied steps'
+losses, kept there. The update is then skipped on the device, as one from non-finite gradients is.
+Every rank reaches the same decision from the same reduced loss (an all-reduce leaves the same bits
+on every rank) and the same window, so the decision needs no agreement of its own. The host must
+know it too, since a dropped batch does not advance the step counter: once the window holds enough
+losses to decide, it reads one flag per step, after the update is queued (a host sync per step on a
+GPU, so the host cannot run ahead of it by more than the update; free on a CPU).
 
 A batch dropped by train.skip_steps still runs its forward and backward, as a spike's batch did, and
 its update is skipped the same way: dropout draws the same random numbers, batch-norm statistics and
@@ -18,8 +19,7 @@ listed skip. (Putting back the random streams instead would cost a capture every
 what a forward changes in the model.)
 
 Under train.spike_action: rollback a spike is counted the same way, and then handed to rollback.py,
-which takes every rank back to the latest checkpoint.
-"""
+which takes every rank back to the latest checkpoint."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ FIRST_DECISION = 10  # losses the window holds before it decides: min(train.spik
 class _Verdict(NamedTuple):
     planned: bool  # train.skip_steps drops this batch
     loss: torch.Tensor | None = None  # the step's loss over all ranks and micro-batches (float64)
-    median: torch.Tensor | None = None  # of the window; None while it holds too few losses to decide
+    median: torch.Tensor | None = None  # of the window; None while it holds too few to decide
     spike: torch.Tensor | None = None
 
 
@@ -57,11 +57,13 @@ class Spike(NamedTuple):
 
 
 class Spikes:
-    """The window of recent losses, the spikes skipped so far, and the batches train.skip_steps drops."""
+    """The window of recent losses, the spikes skipped so far, and the batches train.skip_steps
+    drops."""
 
     def __init__(self, train: TrainConfig, metrics: MetricsLog, device: torch.device) -> None:
         self.factor, self.max_skips, self.metrics = train.spike_factor, train.max_skips, metrics
-        self.planned = collections.Counter(train.skip_steps)  # a step listed twice drops two batches
+        # a step listed twice drops two batches
+        self.planned = collections.Counter(train.skip_steps)
         self.window = torch.zeros(train.spike_window, dtype=torch.float64, device=device)
         self.known = 0  # losses in the window, at most its size
         self._next = 0  # where the next loss goes: the window is a ring
@@ -73,7 +75,8 @@ class Spikes:
 
     def judge(self, loss_sum: torch.Tensor, step: int, bad_grads: torch.Tensor) -> torch.Tensor:
         """Whether to skip this step's update, as a device flag: train.skip_steps, a spike, or
-        non-finite gradients (`bad_grads`). A collective on every rank when train.spike_factor > 0."""
+        non-finite gradients (`bad_grads`). A collective on every rank when train.spike_factor > 0.
+        """
         self._verdict = None
         if self._planned_done < self.planned[step]:
             self._verdict = _Verdict(planned=True)
@@ -90,14 +93,14 @@ class Spikes:
         return bad_grads | spike
 
     def dropped(self, step: int) -> bool:
-        """After the update is queued: whether the step's batch was dropped, so that the step is taken
-        again with the next batch. Each drop is logged and recorded in metrics.jsonl; a spike past
-        train.max_skips stops every rank (each reaches the same decision)."""
+        """After the update is queued: whether the step's batch was dropped, so that the step is
+        taken again with the next batch. Each drop is logged and recorded in metrics.jsonl; a spike
+        past train.max_skips stops every rank (each reaches the same decision)."""
         verdict, self._verdict = self._verdict, None
         if verdict is not None and verdict.planned:
             self._planned_done += 1
-            log.info("step %d: a batch dropped as train.skip_steps asks; the step is taken again with the "
-                     "next batch", step)
+            log.info("step %d: a batch dropped as train.skip_steps asks; the step is taken again "
+                     "with the next batch", step)
             self.metrics.write({"step": step, "skipped": "skip_steps", "time": time.time()})
             return True
         if verdict is not None and verdict.spike is not None and bool(verdict.spike):
@@ -105,10 +108,15 @@ class Spikes:
             self._skip_spike(step, float(verdict.loss), float(verdict.median))
             return True
         if verdict is not None and verdict.loss is not None:
-            self.window[self._next] = verdict.loss
-            self._next, self.known = (self._next + 1) % len(self.window), min(self.known + 1, len(self.window))
+            self._remember(verdict.loss)
         self._planned_done = 0
         return False
+
+    def _remember(self, loss: torch.Tensor) -> None:
+        """An applied step's loss into the ring, over the oldest."""
+        self.window[self._next] = loss
+        self._next = (self._next + 1) % len(self.window)
+        self.known = min(self.known + 1, len(self.window))
 
     def _skip_spike(self, step: int, loss: float, median: float) -> None:
         self.skips += 1
@@ -117,16 +125,18 @@ class Spikes:
         if self.rolls_back:
             self.rollback = Spike(step, loss, median, self.skips)
             return
-        log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g of the last %d "
-                    "steps' losses: the update was not applied, the batch is dropped and the step is taken "
-                    "again with the next batch (spike %d of at most train.max_skips=%d; train.skip_steps: [%d] "
-                    "drops the same batch in a run from the start)", step, loss, self.factor, median,
-                    self.known, self.skips, self.max_skips, step)
-        self.metrics.write({"step": step, "skipped": "spike", "spike_loss": loss, "spike_median": median,
-                            "spikes": self.skips, "time": time.time()})
+        log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g of "
+                    "the last %d steps' losses: the update was not applied, the batch is dropped "
+                    "and the step is taken again with the next batch (spike %d of at most "
+                    "train.max_skips=%d; train.skip_steps: [%d] drops the same batch in a run from "
+                    "the start)", step, loss, self.factor, median, self.known, self.skips,
+                    self.max_skips, step)
+        self.metrics.write({"step": step, "skipped": "spike", "spike_loss": loss,
+                            "spike_median": median, "spikes": self.skips, "time": time.time()})
 
     def store(self, state: TrainState) -> None:
-        """Into the state a checkpoint saves: the window, oldest loss first, and the spikes so far."""
+        """Into the state a checkpoint saves: the window, oldest loss first, and the spikes so far.
+        """
         values = self.window.tolist()
         state.loss_window = values[:self.known] if self.known < len(values) else \
             values[self._next:] + values[:self._next]
@@ -139,11 +149,13 @@ class Spikes:
         self.window[:len(values)] = torch.tensor(values, dtype=torch.float64)
         self.known, self._next = len(values), len(values) % len(self.window)
         self.skips = state.spikes_skipped
-        self._planned_done, self._verdict = 0, None  # the step taken next is state.step + 1, from its start
+        # the step taken next is state.step + 1, from its start
+        self._planned_done, self._verdict = 0, None
 
 
 def _mean_over_ranks(loss_sum: torch.Tensor) -> torch.Tensor:
-    """The step's loss over all ranks (each rank's is its mean over its micro-batches), in float64."""
+    """The step's loss over all ranks (each rank's is its mean over its micro-batches), in float64.
+    """
     total = loss_sum.detach().to(torch.float64, copy=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
