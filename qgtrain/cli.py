@@ -70,7 +70,8 @@ def _training_commands(sub: Any) -> None:
                         help="replace an earlier export in --out (never other files)")
     export.add_argument("--dtype", choices=["auto", "bf16", "fp32"], help="the weights' dtype (default: export.dtype)")
     export.add_argument("--weights", choices=["model", "ema"], default="model",
-                        help="model: the trained weights (default); ema: their EMA (train.ema_decay)")
+                        help="model: the trained weights (default); ema: their EMA "
+                        "(train.ema_decay)")
     export.add_argument("--trust-code", action="store_true",
                         help="import the factories the run's config names even if the run is not "
                              "yours (owned by you, writable by no one else); read that code first")

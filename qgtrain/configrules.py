@@ -110,8 +110,8 @@ def spike_rules(cfg: RunConfig) -> Problem:
     train = cfg.train
     if 0 < train.spike_factor <= 1:
         return "train.spike_factor", (
-            f"{train.spike_factor} would call a loss at or below the recent median a spike; use 0 (off) "
-            "or a factor above 1, e.g. 3")
+            f"{train.spike_factor} would call a loss at or below the recent median a spike; use 0 "
+            "(off) or a factor above 1, e.g. 3")
     for step in train.skip_steps:
         if not 1 <= step <= train.max_steps:
             return "train.skip_steps", (
@@ -128,10 +128,12 @@ def _rollback_rule(cfg: RunConfig) -> Problem:
     if cfg.train.spike_action != "rollback":
         return None
     if not cfg.train.spike_factor:
-        return "train.spike_action", ("rollback acts on loss spikes, which train.spike_factor: 0 does not "
-                                      "look for; set train.spike_factor above 1, e.g. 3, or use skip")
+        return "train.spike_action", ("rollback acts on loss spikes, which train.spike_factor: 0 "
+                                      "does not look for; set train.spike_factor above 1, e.g. 3, "
+                                      "or use skip")
     if not cfg.checkpoint.every_steps and not cfg.checkpoint.every_minutes:
-        return "train.spike_action", ("rollback goes back to the latest checkpoint, and checkpoint.every_steps "
-                                      "and checkpoint.every_minutes are both 0 (none is written before the "
-                                      "end); set checkpoint.every_steps, e.g. 10, or use skip")
+        return "train.spike_action", ("rollback goes back to the latest checkpoint, and "
+                                      "checkpoint.every_steps and checkpoint.every_minutes are "
+                                      "both 0 (none is written before the end); set "
+                                      "checkpoint.every_steps, e.g. 10, or use skip")
     return None

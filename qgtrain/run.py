@@ -173,8 +173,8 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed)
     optimizer = build_optimizer(task, cfg.optim, device)
-    logger.info("optimizer %s%s, schedule %s", name_of(optimizer), " (the task's)" if task.optimizer else "",
-                cfg.optim.schedule)
+    whose = " (the task's)" if task.optimizer else ""
+    logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)
     parts = Parts(task, wrapped, optimizer, precision.grad_scaler(resolved, device), loaders,
                   checkpointer, metrics, ctx.stop, ctx.deadline)
     # pins an async save's host buffers in the background

@@ -37,10 +37,10 @@ class Task:
     facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of the
         built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
     optimizer: optimizer(model, optim_config) -> a torch.optim.Optimizer over the model's parameters
-        (param groups, per-layer learning rates), instead of the one optim.name names. It is called with
-        the model already on its device and sharded (fsdp). The schedule sets every group's rate each
-        step, keeping a group's ratio to optim.lr as it was built (a group made with lr=optim.lr / 10
-        stays at a tenth).
+        (param groups, per-layer learning rates), instead of the one optim.name names. It is called
+        with the model already on its device and sharded (fsdp). The schedule sets every group's
+        rate each step, keeping a group's ratio to optim.lr as it was built (a group made with
+        lr=optim.lr / 10 stays at a tenth).
     """
 
     model: Any

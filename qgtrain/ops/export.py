@@ -53,9 +53,9 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                force: bool = False, dtype: str | None = None,
                trust_code: bool = False, weights: str = "model") -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
-    `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones) or
-    ema (their EMA). The factories its config names are imported only if built in, if the run is yours
-    (trust.py), or with `trust_code`."""
+    `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
+    or ema (their EMA). The factories its config names are imported only if built in, if the run is
+    yours (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers
@@ -93,14 +93,16 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
                 "run": facts, "config": published}
         torch_dtype = export_stream.DTYPES[chosen]
+        def write_weights(folder: Path, size: int) -> list[str]:
+            return export_stream.write_weights(folder, tensors, read, torch_dtype, size)
+
         export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
-                            weights=lambda folder, size: export_stream.write_weights(folder, tensors, read,
-                                                                                     torch_dtype, size),
-                            dtype=torch_dtype)
+                            weights=write_weights, dtype=torch_dtype)
         if builtin and model_facts.get("tokenizer"):
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
         checked = export_stream.check_weights(staging, tensors, read, torch_dtype)
-        diff = reload_check.outputs(ckpt, saved, model_facts, task, tensors, read, torch_dtype, staging, lm)
+        diff = reload_check.outputs(ckpt, saved, model_facts, task, tensors, read, torch_dtype,
+                                    staging, lm)
         _replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -113,9 +115,9 @@ def _check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:
     if weights not in ("model", "ema"):
         raise QgtrainError(f"export: weights {weights!r} is not allowed; choose model or ema")
     if weights == "ema" and not ema_files.saved(ckpt):
-        raise QgtrainError(f"export --weights ema: {ckpt.path} holds no EMA of the weights (its run "
-                           "trained with train.ema_decay 0); export --weights model, or train with "
-                           "train.ema_decay above 0, e.g. 0.999")
+        raise QgtrainError(f"export --weights ema: {ckpt.path} holds no EMA of the weights (its "
+                           "run trained with train.ema_decay 0); export --weights model, or train "
+                           "with train.ema_decay above 0, e.g. 0.999")
 
 
 def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: bool) -> None:

@@ -141,13 +141,15 @@ def non_finite_loss(step: int, agree_every: int, ranks: list[int]) -> TrainingEr
         "optim.grad_clip on, prefer bf16 to fp16, and check the data; then resume from the last checkpoint")
 
 
-def too_many_spikes(step: int, loss: float, median: float, spikes: int, max_skips: int) -> TrainingError:
+def too_many_spikes(step: int, loss: float, median: float, spikes: int,
+                    max_skips: int) -> TrainingError:
     return TrainingError(
-        f"the loss spiked at step {step} ({loss:.6g} against a recent median of {median:.6g}): spike {spikes} "
-        f"of the run, more than train.max_skips={max_skips}. Spikes this often are not one bad batch: the data "
-        "or the learning rate is the problem. The step was not applied. HINT: lower optim.lr or raise "
-        "optim.warmup_steps, and look at the data of the steps that metrics.jsonl records as \"skipped\"; "
-        "raise train.spike_factor if such losses are normal for this run; then resume from the last checkpoint")
+        f"the loss spiked at step {step} ({loss:.6g} against a recent median of {median:.6g}): "
+        f"spike {spikes} of the run, more than train.max_skips={max_skips}. Spikes this often are "
+        "not one bad batch: the data or the learning rate is the problem. The step was not "
+        "applied. HINT: lower optim.lr or raise optim.warmup_steps, and look at the data of the "
+        "steps that metrics.jsonl records as \"skipped\"; raise train.spike_factor if such losses "
+        "are normal for this run; then resume from the last checkpoint")
 
 
 def unused_parameters(step: int, ranks: list[int], names: list[str]) -> TrainingError:

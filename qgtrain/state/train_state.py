@@ -41,7 +41,7 @@ class TrainState:
     val_metrics: dict[str, float | None] = field(default_factory=dict)  # the latest validation: loss, ...
     test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
     outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
-    loss_window: list[float] = field(default_factory=list)  # recent steps' losses, oldest first (spikes.py)
+    loss_window: list[float] = field(default_factory=list)  # recent losses, oldest first
     spikes_skipped: int = 0  # loss spikes skipped so far, against train.max_skips
     max_steps: int | None = None  # the train.max_steps trained toward (None: an older checkpoint)
     horizons: list[dict[str, Any]] = field(default_factory=list)  # its changes (horizon.py)
@@ -111,16 +111,21 @@ def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: t
     saved = load_file(ckpt, "optim.pt")
     try:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, values in saved["optimizer"]["state"].items():
-            for name, value in values.items():
-                if isinstance(value, torch.Tensor) and value.dim() and not _fits(value, params[index]):
-                    raise ValueError(f"state {name!r} of parameter {index} has shape {tuple(value.shape)}, "
-                                     f"the parameter {tuple(params[index].shape)}")
+        _check_shapes(saved["optimizer"]["state"], params)
         optimizer.load_state_dict(saved["optimizer"])
         scaler.load_state_dict(saved["scaler"])
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path} does not fit the configured model and optimizer ({exc}). HINT: resume with "
                               "the model settings it was trained with, or set checkpoint.resume: never") from None
+
+
+def _check_shapes(state: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
+    for index, values in state.items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() and not _fits(value, params[index]):
+                raise ValueError(f"state {name!r} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, the parameter "
+                                 f"{tuple(params[index].shape)}")
 
 
 def _fits(state: torch.Tensor, param: torch.Tensor) -> bool:

@@ -73,8 +73,8 @@ class Agreement:
                                               for name in FLAG_NAMES})
 
     def hold(self, flags: Flags) -> None:
-        """Keep what a read gave for a step that is taken again (its batch was dropped, spikes.py): the
-        next read returns it too, so no decision is lost."""
+        """Keep what a read gave for a step that is taken again (its batch was dropped, spikes.py):
+        the next read returns it too, so no decision is lost."""
         self._held = flags
 
     def settle(self, bad_grads: torch.Tensor, step: int) -> Flags:

@@ -47,14 +47,16 @@ class Trainer:
     def __init__(self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device) -> None:
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
-        self.state = TrainState(max_steps=settings.train.max_steps, optimizer=name_of(parts.optimizer))
+        self.state = TrainState(max_steps=settings.train.max_steps,
+                                optimizer=name_of(parts.optimizer))
         self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer)
         self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
         self.ema = Ema(self.model, settings.train.ema_decay)
         self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
-                                   settings.train.eval_batches, settings.precision, env, device, self.timer,
+                                   settings.train.eval_batches, settings.precision, env, device,
+                                   self.timer,
                                    weights=self.ema.in_use if settings.train.eval_ema else None)
         self.agreement, self.health = Agreement(device), Health(device)
         self.spikes = Spikes(settings.train, parts.metrics, device)
@@ -103,8 +105,9 @@ class Trainer:
             if agreeing:
                 self._act_on(agreed, step)
             if not self._apply_update(step, micro_batches, loss_sum):
-                self.agreement.hold(agreed)  # the batch was dropped: acted on when the step is taken again
-                rollback.if_due(self)  # train.spike_action: rollback goes back to the latest checkpoint
+                # the batch was dropped: what was agreed is acted on when the step is taken again
+                self.agreement.hold(agreed)
+                rollback.if_due(self)  # under train.spike_action: rollback
                 continue
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
@@ -150,8 +153,9 @@ class Trainer:
             self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
 
     def _apply_update(self, step: int, micro_batches: list[Any], loss_sum: torch.Tensor) -> bool:
-        """The update, skipped on the device after non-finite gradients or for a dropped batch (a loss
-        spike, train.skip_steps): then False, and the step is taken again with the next batch."""
+        """The update, skipped on the device after non-finite gradients or for a dropped batch (a
+        loss spike, train.skip_steps): then False, and the step is taken again with the next
+        batch."""
         skip = self.spikes.judge(loss_sum, step, self.health.bad_grads)
         self.ema.update(apply_update(self.parts.optimizer, self.parts.scaler, skip))
         self.parts.optimizer.zero_grad(set_to_none=True)
@@ -240,17 +244,24 @@ class Trainer:
         raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
 
     def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
-        state, es, parts, sharded = self.state, self.settings.early_stopping, self.parts, is_sharded_model(self.model)
+        state, es, parts = self.state, self.settings.early_stopping, self.parts
         self.spikes.store(state)
         replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
+        shards = None
+        if is_sharded_model(self.model):
+            shards = {**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
         parts.checkpointer.save(
-            state.step, lambda: {**train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
-                                                                self.settings.precision, self.env.world_size),
-                                 **self.ema.replicated_files()},
-            train_state.rank_state(state), train_state.manifest_facts(state, evaluated, es.metric, es.mode),
-            blocking=blocking, shards={**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
-            if sharded else None, again=again)
+            state.step, lambda: self._replicated_files(state), train_state.rank_state(state),
+            train_state.manifest_facts(state, evaluated, es.metric, es.mode), blocking=blocking,
+            shards=shards, again=again)
+
+    def _replicated_files(self, state: TrainState) -> dict[str, Any]:
+        """What rank 0 writes, asked for by the checkpointer when it writes."""
+        parts = self.parts
+        return {**train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
+                                               self.settings.precision, self.env.world_size),
+                **self.ema.replicated_files()}
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,

@@ -23,14 +23,17 @@ from . import replicas
 from .evaluation import decide_early_stop, evaluate
 from .timing import StepTimer
 
+# puts the weights to evaluate in the model while it is open (the EMA's)
+WeightsInUse = Callable[[], contextlib.AbstractContextManager[Any]]
+
 
 class Validator:
     def __init__(self, model: nn.Module, wrapped: nn.Module, task: ReadyTask, loaders: Loaders,
                  early_stopping: EarlyStoppingConfig, eval_batches: int, precision: str, env: DistEnv,
                  device: torch.device, timer: StepTimer,
-                 weights: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
-        """`weights`: what puts the weights to evaluate in the model and takes them out again (the EMA's,
-        train.eval_ema); none: the training weights as they are."""
+                 weights: WeightsInUse | None = None) -> None:
+        """`weights`: what puts the weights to evaluate in the model and takes them out again (the
+        EMA's, train.eval_ema); none: the training weights as they are."""
         self.model, self.wrapped, self.task, self.loaders, self.early_stopping = \
             model, wrapped, task, loaders, early_stopping
         self.eval_batches, self.precision, self.env, self.device, self.timer = \
