@@ -94,11 +94,11 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
         claim = claimed(ctx.cfg, ctx.env, ctx.device, run_dir, held)
-        comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
             log.add_rank_file(ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level)
+            comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
             lifecycle.started()
             with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
                 outcome = _train_in_run(ctx, claim)

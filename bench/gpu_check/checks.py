@@ -119,10 +119,11 @@ def judge_memory(report: Report, seen: list[dict[str, Any]], layout: str) -> Non
         else memory.fsdp(facts["params"], sharded_over, facts["largest_unit"], memory.FP32)
     )
     measured = max(f[layout]["memory_bytes"] for f in seen)
+    weights = max(f[layout]["memory_after_wrap"] for f in seen)
     report.check(
         expected.holds(measured),
         f"{world} rank(s) {layout}: GPU memory per rank after a step",
-        f"{measured / 1e9:.3f} GB",
+        f"{measured / 1e9:.3f} GB (weights as wrapped {weights / 1e9:.3f} GB)",
         expected.describe(measured),
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 from pathlib import Path
@@ -131,8 +132,10 @@ def stepped(
 ) -> dict[str, Any]:
     """qgtrain's pieces over this rank's share of the same batches; memory as the step leaves it."""
     rank, cuda = dist.get_rank(), device.type == "cuda"
+    gc.collect()  # the previous layout's DDP holds cycles: freed later, they would shrink this figure
     baseline = torch.cuda.memory_allocated(device) if cuda else 0
     wrapped = wrap(layout, model, device, world)
+    after_wrap = torch.cuda.memory_allocated(device) - baseline if cuda else 0
     inner = wrapped.module if isinstance(wrapped, DDP) else wrapped
     optimizer = adamw(inner, OPTIM, device)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -156,6 +159,7 @@ def stepped(
         "grads": grads,
         "params": {n: full(p) for n, p in inner.named_parameters()},
         "memory_bytes": after_step,
+        "memory_after_wrap": after_wrap,
         "snapshot": snapshot(inner, device),
         "ddp_device_ids": getattr(wrapped, "device_ids", None),
         "params_device": str(next(inner.parameters()).device),
@@ -255,7 +259,13 @@ def main() -> None:
                 "param_diff": largest_diff(got["params"], want["params"]),
                 **{
                     k: got[k]
-                    for k in ("memory_bytes", "snapshot", "ddp_device_ids", "params_device")
+                    for k in (
+                        "memory_bytes",
+                        "memory_after_wrap",
+                        "snapshot",
+                        "ddp_device_ids",
+                        "params_device",
+                    )
                 },
             }
         (args.out / f"rank-{rank}.json").write_text(json.dumps(facts))
