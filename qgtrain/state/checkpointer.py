@@ -16,6 +16,7 @@ import datetime
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> tuple[Path, list[str]]:
         """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives). Returns the
         checkpoint and the names of the files this rank wrote."""
+        started = time.perf_counter()
         staging = checkpoint.staging_dir(self.root, step, self.run_id)
         error = None
         if self.env.is_main:
@@ -155,7 +157,8 @@ class Checkpointer:
                 why = checkpoint.explain_write_error(exc, staging, shards)
                 error = error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
         gathered = gather_to_main((entries, error), group=self.group)
-        outcome = self._commit(step, staging, gathered, meta) if gathered is not None else None
+        outcome = (self._commit(step, staging, gathered, meta, started)
+                   if gathered is not None else None)
         box = [outcome]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
@@ -163,7 +166,8 @@ class Checkpointer:
                                        "intact; HINT: check free space and permissions where the run directory lives")
         return self.root / f"step-{step}", list(entries)
 
-    def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any]) -> str | None:
+    def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any],
+                started: float) -> str | None:
         errors = [error for _, error in gathered if error]
         if not errors:
             files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
@@ -171,7 +175,9 @@ class Checkpointer:
                 ckpt = checkpoint.commit(staging, self.root / f"step-{step}", files,
                                          {**meta, "step": step, "run_id": self.run_id,
                                           "world_size": self.env.world_size})
-                log.info("saved checkpoint %s", ckpt.path)
+                size = sum(entry["size"] for entry in files.values())
+                log.info("saved checkpoint %s (%.1f MB written in %.2f s)", ckpt.path, size / 1e6,
+                         time.perf_counter() - started)
                 return None
             except OSError as exc:
                 errors.append(f"rank 0 cannot commit {staging}: {exc.strerror or exc}")
