@@ -241,7 +241,7 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
     assert f"resumed from {run / 'checkpoints'}" in rank_log(run, 0) and logged_step(run) == LONG
 
 
-FSDP_STEPS = 600
+FSDP_STEPS = 300
 
 
 def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
@@ -275,10 +275,10 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), "final weights differ"
 
     one_node = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
-                      configs=fsdp_configs(tmp_path, FSDP_STEPS + 100))
+                      configs=fsdp_configs(tmp_path, FSDP_STEPS + 50))
     assert wait_finished(one_node) == "COMPLETED"
     log = rank_log(run, 0)
-    assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 100
+    assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 50
 
 
 def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(tmp_path):
