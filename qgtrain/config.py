@@ -174,6 +174,12 @@ class TrainConfig:
         "`qgtrain export RUN --weights ema`")
     eval_ema: bool = setting(False, "validate and test with the EMA of the weights (train.ema_decay > 0); "
                              "training goes on with its own weights")
+    profile_steps: tuple[int, ...] = setting(
+        (), "[first, last]: torch.profiler traces of these steps on every rank, into <run dir>/profiles "
+        "(one warm-up step before; [] = none)")
+    memory_snapshot: bool = setting(
+        False, "with train.profile_steps on a GPU: also record every CUDA allocation over those steps, "
+        "for pytorch.org/memory_viz")
 
 
 @dataclass(frozen=True)

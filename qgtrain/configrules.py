@@ -121,7 +121,7 @@ def spike_rules(cfg: RunConfig) -> Problem:
         key = "train.spike_factor" if train.spike_factor else "train.skip_steps"
         return key, ("fp16's loss scaler decides itself which updates to skip and takes no other "
                      "flag; use train.precision: bf16 or fp32 to skip steps")
-    return _rollback_rule(cfg)
+    return _rollback_rule(cfg) or _profile_rule(cfg)
 
 
 def _rollback_rule(cfg: RunConfig) -> Problem:
@@ -136,4 +136,16 @@ def _rollback_rule(cfg: RunConfig) -> Problem:
                                       "checkpoint.every_steps and checkpoint.every_minutes are "
                                       "both 0 (none is written before the end); set "
                                       "checkpoint.every_steps, e.g. 10, or use skip")
+    return None
+
+
+def _profile_rule(cfg: RunConfig) -> Problem:
+    steps, last = cfg.train.profile_steps, cfg.train.max_steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= last):
+        return "train.profile_steps", (
+            f"{list(steps)} is not [first, last] with 1 <= first <= last <= train.max_steps={last}; "
+            "e.g. [100, 105], or [] for none")
+    if cfg.train.memory_snapshot and not steps:
+        return "train.memory_snapshot", ("it records over train.profile_steps, which is empty; "
+                                         "name the steps, e.g. [100, 105]")
     return None

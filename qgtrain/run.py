@@ -40,6 +40,7 @@ from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import Outcome, Parts, Settings
+from .training.profiling import StepProfiler
 from .training.trainer import Trainer
 
 logger = logging.getLogger("qgtrain")
@@ -175,8 +176,10 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     optimizer = build_optimizer(task, cfg.optim, device)
     whose = " (the task's)" if task.optimizer else ""
     logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)
+    profiler = StepProfiler(cfg.train.profile_steps, run.profiles, env.rank, device,
+                            cfg.train.memory_snapshot)
     parts = Parts(task, wrapped, optimizer, precision.grad_scaler(resolved, device), loaders,
-                  checkpointer, metrics, ctx.stop, ctx.deadline)
+                  checkpointer, metrics, ctx.stop, ctx.deadline, profiler)
     # pins an async save's host buffers in the background
     checkpointer.prepare(model, parts.optimizer)
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish)

@@ -7,6 +7,7 @@
     <run dir>/logs/rank_<N>.log  every rank's log, appended across restarts
     <run dir>/tb/                TensorBoard events
     <run dir>/checkpoints/       step-<N>/ folders (see checkpoint.py)
+    <run dir>/profiles/          torch.profiler traces of train.profile_steps
     <run dir>/.lock              held by the rank 0 that is training in it
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
@@ -72,6 +73,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def profiles(self) -> Path:
+        """torch.profiler traces of train.profile_steps (training/profiling.py)."""
+        return self.path / "profiles"
 
     @property
     def nccl_dumps(self) -> Path:

@@ -17,6 +17,7 @@ from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
 from ..task import ReadyTask
 from .metrics import MetricsLog
+from .profiling import StepProfiler
 
 
 class Outcome(enum.Enum):
@@ -39,6 +40,7 @@ class Parts:
     metrics: MetricsLog
     stop: StopFlag
     deadline: Deadline  # rank 0's; the others follow its agreed decision
+    profiler: StepProfiler
 
 
 @dataclass(frozen=True)

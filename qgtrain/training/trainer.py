@@ -77,6 +77,7 @@ class Trainer:
                 raise
             raise explained from exc
         finally:
+            self.parts.profiler.close()
             diagnose.disarm_watchdog()
 
     def _loop(self) -> Outcome:
@@ -92,6 +93,7 @@ class Trainer:
         while self.state.step < train.max_steps:
             step = self.state.step + 1
             watchdog.progress()
+            self.parts.profiler.step_begins(step)
             self.timer.start_step()
             agreeing = step == self._first_step or step % train.agree_every == 0
             if agreeing:
@@ -109,6 +111,7 @@ class Trainer:
                 self.agreement.hold(agreed)
                 rollback.if_due(self)  # under train.spike_action: rollback
                 continue
+            self.parts.profiler.step_done(step)
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
                 return self._at_the_end(done, agreed)
