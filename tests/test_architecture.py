@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
 # Folders are layers; a module imports only from its own layer or below. Top-level modules are placed one
 # by one: the foundation everything reads (errors, config, the Task contract) and the interface on top.
 LAYERS: dict[int, set[str]] = {
-    0: {"errors", "config", "configload", "configrules", "durations", "factory", "files", "redact",
-        "task", "trust", "version", "optimrules"},
+    0: {"errors", "config", "configload", "durations", "factory", "files", "redact", "task", "trust",
+        "version"},
     1: {"runtime"},           # the process: rendezvous, its group and device, signals, logs, diagnosis
     2: {"data", "state"},     # samples and loaders; everything on disk (checkpoints, the run directory)
     3: {"tasks"},             # the built-in tasks and models
@@ -31,8 +31,8 @@ NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgt
             "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
-            "qgtrain.durations", "qgtrain.files", "qgtrain.configrules", "qgtrain.redact",
-            "qgtrain.trust", "qgtrain.optimrules"]
+            "qgtrain.durations", "qgtrain.files", "qgtrain.redact", "qgtrain.trust",
+            *(f"qgtrain.config.{p.stem}" for p in (PACKAGE / "config").glob("*.py") if p.stem != "__init__")]
 
 
 def dotted(path: Path) -> str:
@@ -137,7 +137,7 @@ def test_only_rendezvous_reads_the_environment_and_edges_pass_it_in():
 def test_what_the_seeds_got_wrong_stays_out():
     text = "\n".join(p.read_text() for p in MODULES)
     assert "empty_cache" not in text and "CUDA_LAUNCH_BLOCKING" not in text
-    assert "find_unused_parameters: bool = setting(False" in (PACKAGE / "config.py").read_text()
+    assert "find_unused_parameters: bool = setting(False" in (PACKAGE / "config" / "train.py").read_text()
     broad = [line for line in text.splitlines() if "except Exception" in line]
     assert all("raises bare Exceptions" in line for line in broad), broad
 

@@ -28,10 +28,13 @@ def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
 def test_shipped_config_yaml_equals_the_schema_defaults_and_comments_every_key():
     assert load_config([ROOT / "config.yaml"]) == RunConfig()
     text = (ROOT / "config.yaml").read_text()
+    blocks = dict(re.findall(r"^(\w+):\n((?:[ #].*\n|\n)*)", text, re.MULTILINE))
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            line = re.search(rf"^  {f.name}: .*  # (.+)$", text, re.MULTILINE)
+            line = re.search(rf"^  {f.name}: .*?  # (.+)$", blocks.get(section, ""), re.MULTILINE)
             assert line, f"{section}.{f.name} is missing or uncommented in config.yaml"
+            assert line.group(1) == f.metadata["doc"], (
+                f"{section}.{f.name}: config.yaml's comment is not the field's doc in qgtrain/config/")
 
 
 def test_overlays_merge_key_by_key_and_set_wins(tmp_path):

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from ..config.optim import OPTIMIZERS, Builtin, args_problem
 from ..errors import CheckpointError, ConfigError, first_line
 from ..factory import load_factory
-from ..optimrules import OPTIMIZERS, Builtin, args_problem
 from ..state.train_state import TrainState
 from ..task import ReadyTask
 

@@ -1,5 +1,4 @@
-"""The optimizers and schedules a config may name, and the rules for optim.* that config load
-applies.
+"""The optim section: the optimizer and schedule a config may name, and their rules.
 
 Torch is not imported here (config load runs on a login node), so the keyword arguments of the
 built-in optimizers are written out; tests/test_optimizers.py checks them against torch's own.
@@ -10,12 +9,39 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
+
+from .fields import Problem, setting
 
 if TYPE_CHECKING:
-    from .config import OptimConfig, RunConfig
+    from .run import RunConfig
 
-Problem = tuple[str, str] | None
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = setting(2e-3, "peak learning rate", min=0.0)
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay", min=0.0)
+    warmup_steps: int = setting(50, "steps of linear warmup from 0 to lr", min=0)
+    weight_decay: float = setting(0.1, "weight decay on matrices, not on biases and norms (optimizers "
+                                  "that take one)", min=0.0)
+    beta1: float = setting(0.9, "beta1 of adamw, adam and classes that take betas", min=0.0, max=1.0)
+    beta2: float = setting(0.95, "beta2 of adamw, adam and classes that take betas", min=0.0, max=1.0)
+    eps: float = setting(1e-8, "epsilon of adamw, adam and classes by path that take eps", min=0.0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+    name: str = setting("adamw", "adamw, adam, sgd, adafactor, muon (matrices only, ddp), or an optimizer "
+                        "class by path: torch.optim.RMSprop, mypkg.opt:Lion, path/to/file.py:Lion")
+    args: dict[str, Any] = setting({}, "further keyword arguments of the optimizer, e.g. {momentum: 0.9, "
+                                   "nesterov: true}; lr, betas, eps and weight_decay come from optim.*")
+    schedule: str = setting("cosine", "cosine, linear, constant, wsd (warmup, flat at lr, decay at the end), "
+                            "inverse_sqrt, or 'package.module:function' called with (step, max_steps, "
+                            "optim) returning the learning rate")
+    decay_fraction: float = setting(0.2, "wsd: the share of train.max_steps at the end over which the "
+                                    "learning rate decays to min_lr, in (0, 1]")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = setting(
+        "linear", "wsd, and a new decay after optim.rewarm_steps: its shape (sqrt: 1 - sqrt(progress))")
+    rewarm_steps: int | None = setting(
+        None, "a resume whose new train.max_steps would change the learning rate: null refuses it; N >= 0 "
+        "starts a new decay from the current learning rate, N steps up to optim.lr first", min=0)
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,8 @@ def is_path(name: str) -> bool:
 
 def optim_rules(cfg: RunConfig) -> Problem:
     optim = cfg.optim
+    if optim.min_lr > optim.lr:
+        return "optim.min_lr", f"{optim.min_lr} is above optim.lr={optim.lr}"
     if optim.name not in OPTIMIZERS and not is_path(optim.name):
         return "optim.name", (
             f"{optim.name!r} is not an optimizer qgtrain knows; choose {', '.join(OPTIMIZERS)}, "

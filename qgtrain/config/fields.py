@@ -1,0 +1,29 @@
+"""What every section's fields are made of: a default with its documentation and bounds, read by the
+loader (configload.py) to validate a file and explain a mistake, and by tests/test_config.py to hold
+config.yaml's comments to the same words."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit, within what timers can hold
+
+# A section's rule returns the first key it finds wrong and what to do about it, or None.
+Problem = tuple[str, str] | None
+
+
+def setting(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
+    """A config field with its documentation and numeric bounds (inclusive)."""
+    metadata = {"doc": doc, "min": min, "max": max}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def factory_problem(key: str, value: str | None) -> Problem:
+    """A 'package.module:function' (or 'path/to/file.py:function') setting of the wrong form."""
+    if value and (value.count(":") != 1 or not all(value.split(":"))):
+        return key, (f"'{value}' is not of the form 'package.module:function' or "
+                     "'path/to/file.py:function'")
+    return None

@@ -1,0 +1,33 @@
+"""The model section: the built-in transformer's shape, a pretrained folder, or the user's factory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .fields import Problem, factory_problem, setting
+
+if TYPE_CHECKING:
+    from .run import RunConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = setting("gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)")
+    pretrained: str | None = setting(None, "folder with a saved model (config.json + weights): fine-tune it, offline")
+    factory: str | None = setting(None, "'package.module:function' called with (vocab_size, seq_len), "
+                                 "returning a torch.nn.Module that maps input_ids to logits")
+    layers: int = setting(4, "transformer blocks", min=1)
+    heads: int = setting(4, "attention heads per block", min=1)
+    hidden: int = setting(128, "width of the residual stream", min=8)
+    dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
+    compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
+
+
+def model_rules(cfg: RunConfig) -> Problem:
+    if cfg.model.pretrained and cfg.model.factory:
+        return "model.factory", "set either model.pretrained or model.factory, not both"
+    if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
+        return "model.hidden", (
+            f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+    return factory_problem("model.factory", cfg.model.factory)
