@@ -1,9 +1,10 @@
 """The run configuration: one frozen dataclass per section of config.yaml, and the rules between
 fields, one module per section.
 
-Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py) can
-validate a file and explain a mistake without a second copy of the schema. World size and ranks are
-deliberately absent: the scheduler supplies them (rendezvous.py).
+Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py)
+can validate a file and explain a mistake without a second copy of the schema, and config.yaml's
+comments are held equal to it (tests/test_config.py). World size and ranks are deliberately
+absent: the scheduler supplies them (rendezvous.py).
 """
 
 from .checkpoint import CheckpointConfig
@@ -19,6 +20,8 @@ from .slurm import SlurmConfig
 from .task import TaskConfig
 from .train import TrainConfig
 
-__all__ = ["MAX_TIMEOUT_S", "SECTIONS", "CheckpointConfig", "DataConfig", "EarlyStoppingConfig",
-           "ExportConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "RunConfig", "SlurmConfig",
-           "TaskConfig", "TrainConfig", "check_rules", "setting"]
+__all__ = [
+    "MAX_TIMEOUT_S", "SECTIONS", "CheckpointConfig", "DataConfig", "EarlyStoppingConfig",
+    "ExportConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "RunConfig", "SlurmConfig",
+    "TaskConfig", "TrainConfig", "check_rules", "setting",
+]

@@ -1,4 +1,5 @@
-"""The checkpoint section: how often, how many kept, written in the background or not, resumed how."""
+"""The checkpoint section: how often, how many kept, written in the background or not, and
+resumed how."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = setting(200, "steps between checkpoints (0 = off)", min=0)
-    every_minutes: float = setting(0.0, "minutes between checkpoints, agreed by all ranks (0 = off)", min=0.0)
+    every_minutes: float = setting(
+        0.0, "minutes between checkpoints, agreed by all ranks (0 = off)", min=0.0)
     keep_last: int = setting(3, "checkpoints kept besides the best one (at least 2)")
-    resume: str = setting("auto", "auto: the latest valid checkpoint of the run; never; or a checkpoint path")
-    async_save: bool = setting(False, "copy state to memory at the step and write it in the background")
+    resume: str = setting(
+        "auto", "auto: the latest valid checkpoint of the run; never; or a checkpoint path")
+    async_save: bool = setting(
+        False, "copy state to memory at the step and write it in the background")
 
 
 def checkpoint_rules(cfg: RunConfig) -> Problem:

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 class EarlyStoppingConfig:
     patience: int = setting(0, "validations without improvement before stopping (0 = off)", min=0)
     min_delta: float = setting(0.0, "improvement in the metric that counts", min=0.0)
-    metric: str = setting("val_loss", "what early stopping and the best checkpoint follow: val_loss or "
-                          "val_<name> for a metric the task reports")
-    mode: Literal["min", "max"] = setting("min", "min: lower is better (losses); max: higher is better (accuracy)")
+    metric: str = setting(
+        "val_loss", "what early stopping and the best checkpoint follow: val_loss or val_<name> "
+        "for a metric the task reports")
+    mode: Literal["min", "max"] = setting(
+        "min", "min: lower is better (losses); max: higher is better (accuracy)")
 
 
 def early_stopping_rules(cfg: RunConfig) -> Problem:

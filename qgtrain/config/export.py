@@ -12,5 +12,5 @@ from .fields import setting
 class ExportConfig:
     on_finish: bool = setting(False, "export a Hugging Face model when training finishes (rank 0)")
     dir: str = setting("", "where the export goes ('' = <run dir>/export)")
-    dtype: Literal["auto", "bf16", "fp32"] = setting("auto", "the exported weights' dtype (auto: bf16 if the run "
-                                                     "trained in bf16, else fp32)")
+    dtype: Literal["auto", "bf16", "fp32"] = setting(
+        "auto", "the exported weights' dtype (auto: bf16 if the run trained in bf16, else fp32)")

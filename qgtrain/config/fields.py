@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit, within what timers can hold
+# a week: longer than any job's time limit, within what timers can hold
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 # A section's rule returns the first key it finds wrong and what to do about it, or None.
 Problem = tuple[str, str] | None

@@ -17,19 +17,21 @@ class LoggingConfig:
     runs_dir: str = setting("runs", "parent of every run directory")
     level: Literal["DEBUG", "INFO", "WARNING"] = setting("INFO", "console and log-file level")
     tensorboard: bool = setting(True, "write TensorBoard events to <run dir>/tb (rank 0)")
-    trackers: tuple[str, ...] = setting((), "experiment trackers besides TensorBoard: wandb, mlflow (optional "
-                                        "extras); one tracker run per qgtrain run, across requeues")
+    trackers: tuple[str, ...] = setting(
+        (), "experiment trackers besides TensorBoard: wandb, mlflow (optional extras); one "
+        "tracker run per qgtrain run, across requeues")
     wandb_project: str = setting("qgtrain", "the W&B project")
     wandb_mode: Literal["offline", "online"] = setting(
-        "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often have no network)")
+        "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often "
+        "have no network)")
     mlflow_uri: str = setting(
         "", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without credentials: "
         "set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
     mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
         "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
-    memory_warn_gb: float = setting(0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)",
-                                    min=0.0)
+    memory_warn_gb: float = setting(
+        0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)", min=0.0)
     shared: bool = setting(
         False, "false: a new run directory is private to you (mode 0700); true: it follows your "
         "umask, for a group project, but is never writable by everyone")

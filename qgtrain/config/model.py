@@ -1,4 +1,5 @@
-"""The model section: the built-in transformer's shape, a pretrained folder, or the user's factory."""
+"""The model section: the built-in transformer's shape, a pretrained folder, or the user's
+factory."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = setting("gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)")
-    pretrained: str | None = setting(None, "folder with a saved model (config.json + weights): fine-tune it, offline")
-    factory: str | None = setting(None, "'package.module:function' called with (vocab_size, seq_len), "
-                                 "returning a torch.nn.Module that maps input_ids to logits")
+    arch: str = setting(
+        "gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)")
+    pretrained: str | None = setting(
+        None, "folder with a saved model (config.json + weights): fine-tune it, offline")
+    factory: str | None = setting(
+        None, "'package.module:function' called with (vocab_size, seq_len), returning a "
+        "torch.nn.Module that maps input_ids to logits")
     layers: int = setting(4, "transformer blocks", min=1)
     heads: int = setting(4, "attention heads per block", min=1)
     hidden: int = setting(128, "width of the residual stream", min=8)

@@ -22,26 +22,35 @@ class OptimConfig:
     lr: float = setting(2e-3, "peak learning rate", min=0.0)
     min_lr: float = setting(2e-4, "learning rate at the end of the decay", min=0.0)
     warmup_steps: int = setting(50, "steps of linear warmup from 0 to lr", min=0)
-    weight_decay: float = setting(0.1, "weight decay on matrices, not on biases and norms (optimizers "
-                                  "that take one)", min=0.0)
-    beta1: float = setting(0.9, "beta1 of adamw, adam and classes that take betas", min=0.0, max=1.0)
-    beta2: float = setting(0.95, "beta2 of adamw, adam and classes that take betas", min=0.0, max=1.0)
+    weight_decay: float = setting(
+        0.1, "weight decay on matrices, not on biases and norms (optimizers that take "
+        "one)", min=0.0)
+    beta1: float = setting(
+        0.9, "beta1 of adamw, adam and classes that take betas", min=0.0, max=1.0)
+    beta2: float = setting(
+        0.95, "beta2 of adamw, adam and classes that take betas", min=0.0, max=1.0)
     eps: float = setting(1e-8, "epsilon of adamw, adam and classes by path that take eps", min=0.0)
     grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
-    name: str = setting("adamw", "adamw, adam, sgd, adafactor, muon (matrices only, ddp), or an optimizer "
-                        "class by path: torch.optim.RMSprop, mypkg.opt:Lion, path/to/file.py:Lion")
-    args: dict[str, Any] = setting({}, "further keyword arguments of the optimizer, e.g. {momentum: 0.9, "
-                                   "nesterov: true}; lr, betas, eps and weight_decay come from optim.*")
-    schedule: str = setting("cosine", "cosine, linear, constant, wsd (warmup, flat at lr, decay at the end), "
-                            "inverse_sqrt, or 'package.module:function' called with (step, max_steps, "
-                            "optim) returning the learning rate")
-    decay_fraction: float = setting(0.2, "wsd: the share of train.max_steps at the end over which the "
-                                    "learning rate decays to min_lr, in (0, 1]")
+    name: str = setting(
+        "adamw", "adamw, adam, sgd, adafactor, muon (matrices only, ddp), or an optimizer class "
+        "by path: torch.optim.RMSprop, mypkg.opt:Lion, path/to/file.py:Lion")
+    args: dict[str, Any] = setting(
+        {}, "further keyword arguments of the optimizer, e.g. {momentum: 0.9, nesterov: true}; "
+        "lr, betas, eps and weight_decay come from optim.*")
+    schedule: str = setting(
+        "cosine", "cosine, linear, constant, wsd (warmup, flat at lr, decay at the end), "
+        "inverse_sqrt, or 'package.module:function' called with (step, max_steps, optim) "
+        "returning the learning rate")
+    decay_fraction: float = setting(
+        0.2, "wsd: the share of train.max_steps at the end over which the learning rate decays "
+        "to min_lr, in (0, 1]")
     decay_shape: Literal["linear", "cosine", "sqrt"] = setting(
-        "linear", "wsd, and a new decay after optim.rewarm_steps: its shape (sqrt: 1 - sqrt(progress))")
+        "linear", "wsd, and a new decay after optim.rewarm_steps: its shape (sqrt: 1 - "
+        "sqrt(progress))")
     rewarm_steps: int | None = setting(
-        None, "a resume whose new train.max_steps would change the learning rate: null refuses it; N >= 0 "
-        "starts a new decay from the current learning rate, N steps up to optim.lr first", min=0)
+        None, "a resume whose new train.max_steps would change the learning rate: null refuses "
+        "it; N >= 0 starts a new decay from the current learning rate, N steps up to optim.lr "
+        "first", min=0)
 
 
 @dataclass(frozen=True)

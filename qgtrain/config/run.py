@@ -1,5 +1,5 @@
-"""A run's whole configuration: one section per part of config.yaml, and the rules applied once every
-field has passed its own bounds (configload.py), each section's beside it."""
+"""A run's whole configuration: one section per part of config.yaml, and the rules applied once
+every field has passed its own bounds (configload.py), each section's beside it."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)}
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)
+}
 RULES = (task_rules, model_rules, data_rules, optim_rules, training_rules, spike_rules,
          early_stopping_rules, checkpoint_rules, logging_rules)
 
