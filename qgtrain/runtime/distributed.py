@@ -234,18 +234,29 @@ def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     return out
 
 
+def attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
+    """work()'s result, or the QgtrainError it raised encoded by name and message (wire.py) to cross
+    to the other ranks: never as a class."""
+    try:
+        return work(), None
+    except QgtrainError as exc:
+        return None, wire.error(exc)
+
+
+def fail_together(failure: str | None, what: str) -> None:
+    """A collective: the lowest failing rank's error (from `attempt`) is raised on every rank, so no
+    rank is left waiting in a later collective for one that has gone."""
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    for rank, failed in enumerate(failures):
+        if failed is not None:
+            wire.decode(failed, f"rank {rank}'s {what}")
+
+
 def main_decides(decide: Callable[[], Any]) -> Any:
-    """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is raised on
-    every rank, so no rank is left waiting in a collective that rank 0 never reaches. The error
-    crosses by name and message (wire.py), never as a class; the result is pickled by torch and
-    travels over the group's own connections between ranks, trusted like every tensor on them."""
-    outcome: tuple[str, Any] = ("ok", None)
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", decide())
-        except QgtrainError as exc:
-            outcome = ("error", wire.error(exc))
-    kind, value = broadcast_from_main(outcome)
-    if kind == "error":
-        wire.decode(value, "rank 0's decision")
-    return value
+    """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is raised
+    on every rank. The result is pickled by torch and travels over the group's own connections
+    between ranks, trusted like every tensor on them."""
+    result, failure = attempt(decide) if dist.get_rank() == 0 else (None, None)
+    fail_together(failure, "decision")
+    return broadcast_from_main(result)

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
-from ..errors import ConfigError, QgtrainError
+from ..errors import ConfigError
 from ..factory import load_factory
-from ..runtime import distributed, wire
+from ..runtime import distributed
 from ..task import ReadyTask, Task
 from .empty_weights import building_empty, to_meta
 
@@ -60,18 +60,10 @@ def _fail_together(work: Callable[[], Any], cfg: RunConfig) -> Any:
     others: they wait for it up to train.startup_timeout_s."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
-    result, failure = None, None
-    try:
-        result = work()
-    except QgtrainError as exc:
-        failure = wire.error(exc)  # by name (wire.py): no class crosses between ranks
-    failures: list[Any] = [None] * dist.get_world_size()
+    result, failure = distributed.attempt(work)
     with distributed.collectives_wait(cfg.train.startup_timeout_s,
                                       then=cfg.train.collective_timeout_s):
-        dist.all_gather_object(failures, failure)
-    for rank, failed in enumerate(failures):
-        if failed is not None:
-            wire.decode(failed, f"rank {rank}'s task build")
+        distributed.fail_together(failure, "task build")
     return result
 
 
