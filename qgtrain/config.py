@@ -67,6 +67,15 @@ class DataConfig:
                                          "of the documents in data.files)")
     test_files: tuple[str, ...] = setting((), "the test split's files ([] = hold out data.test_fraction)")
     text_field: str = setting("text", "the JSON field or parquet/arrow column that holds each document's text")
+    format: Literal["text", "chat", "prompt_completion"] = setting(
+        "text", "text: documents cut into windows; chat: records of messages rendered with the tokenizer's "
+        "chat template; prompt_completion: prompt and completion fields (chat and prompt_completion: the "
+        "loss counts only the answer's tokens)")
+    packing: bool = setting(True, "chat, prompt_completion: several samples per row of seq_len, attending "
+                            "only within their own; false: one sample per row, padded")
+    messages_field: str = setting("messages", "chat: the field of each record's list of {role, content}")
+    prompt_field: str = setting("prompt", "prompt_completion: the field of each record's prompt")
+    completion_field: str = setting("completion", "prompt_completion: the field of its answer")
     split_seed: int = setting(0, "which documents the held-out fractions take (a change re-tokenizes)",
                               min=0, max=2**31 - 1)
     prepare_workers: int = setting(0, "processes that tokenize data files (0 = every CPU the job was given)",

@@ -31,6 +31,12 @@ def model_and_data_rules(cfg: RunConfig) -> Problem:
     if cfg.data.name == "files" and not cfg.data.files:
         return "data.files", ("data.name is 'files' but no files are named; give globs, files or "
                               "folders, e.g. ['/shared/corpus/*.jsonl.gz']")
+    if cfg.data.format != "text" and cfg.data.name != "files":
+        return "data.format", (f"{cfg.data.format} reads data files; set data.name: files "
+                               f"(data.name is {cfg.data.name})")
+    if cfg.data.format == "chat" and cfg.data.tokenizer == "byte":
+        return "data.tokenizer", ("'byte' has no chat template; data.format: chat needs a Hugging "
+                                  "Face tokenizer folder with one (tokenizer_config.json's chat_template)")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
         return "data.test_fraction", (
             "data.val_fraction + data.test_fraction must leave most text for training")
