@@ -151,6 +151,11 @@ def test_unpacked_rows_hold_one_sample_each_padded_out_of_the_loss_and_attention
         assert row["attention_mask"].tolist() == [1] * len(ids) + [0] * (cfg.seq_len - len(ids))
         assert row["input_ids"][:len(ids)].tolist() == ids.tolist()
         assert (row["labels"][len(ids):] == -100).all() and (row["labels"][:len(ids)] != -100).any()
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(layers=1, heads=2, hidden=32), 300, cfg.seq_len, 0)
+    batch = {k: torch.stack([rows[i][k] for i in range(4)]) for k in rows[0]}
+    own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    torch.testing.assert_close(lm_loss(model, batch), own)  # a mean over the counted tokens, as transformers'
 
 
 def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path):
