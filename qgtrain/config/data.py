@@ -39,6 +39,17 @@ class DataConfig:
         (), "the test split's files ([] = hold out data.test_fraction)")
     text_field: str = setting(
         "text", "the JSON field or parquet/arrow column that holds each document's text")
+    format: Literal["text", "chat", "prompt_completion"] = setting(
+        "text", "text: documents cut into windows; chat: records of messages rendered with the "
+        "tokenizer's chat template; prompt_completion: prompt and completion fields (chat and "
+        "prompt_completion: the loss counts only the answer's tokens)")
+    packing: bool = setting(
+        True, "chat, prompt_completion: several samples per row of seq_len, attending only within "
+        "their own; false: one sample per row, padded")
+    messages_field: str = setting(
+        "messages", "chat: the field of each record's list of {role, content}")
+    prompt_field: str = setting("prompt", "prompt_completion: the field of each record's prompt")
+    completion_field: str = setting("completion", "prompt_completion: the field of its answer")
     split_seed: int = setting(
         0, "which documents the held-out fractions take (a change "
         "re-tokenizes)", min=0, max=2**31 - 1)
@@ -62,6 +73,13 @@ def data_rules(cfg: RunConfig) -> Problem:
     if cfg.data.name == "files" and not cfg.data.files:
         return "data.files", ("data.name is 'files' but no files are named; give globs, files or "
                               "folders, e.g. ['/shared/corpus/*.jsonl.gz']")
+    if cfg.data.format != "text" and cfg.data.name != "files":
+        return "data.format", (f"{cfg.data.format} reads data files; set data.name: files "
+                               f"(data.name is {cfg.data.name})")
+    if cfg.data.format == "chat" and cfg.data.tokenizer == "byte":
+        return "data.tokenizer", ("'byte' has no chat template; data.format: chat needs a Hugging "
+                                  "Face tokenizer folder with one (tokenizer_config.json's "
+                                  "chat_template)")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
         return "data.test_fraction", (
             "data.val_fraction + data.test_fraction must leave most text for training")

@@ -37,6 +37,8 @@ class TokenFiles:
     vocab_size: int
     eos_id: int
     tokens: dict[str, int]
+    format: str = "text"  # chat and prompt_completion: rows laid out by rows.py
+    packing: bool = True
 
     def path(self, split: str) -> Path:
         return self.folder / f"{split}.bin"
@@ -78,7 +80,8 @@ def prepare(data: DataConfig) -> TokenFiles:
 
 def load(folder: Path) -> TokenFiles:
     meta = json.loads((folder / "meta.json").read_text())
-    return TokenFiles(folder, meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["tokens"])
+    return TokenFiles(folder, meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["tokens"],
+                      meta.get("format", "text"), meta.get("packing", True))
 
 
 def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:

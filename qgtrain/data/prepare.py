@@ -36,7 +36,7 @@ import xxhash
 from ..config import DataConfig
 from ..errors import ConfigError
 from ..files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
-from . import sources, tokenizer
+from . import prepare_chat, sources, tokenizer
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress
 
@@ -72,7 +72,8 @@ def plan(data: DataConfig) -> Plan:
     info = tokenizer.describe(data.tokenizer)
     identity = {"version": FORMAT_VERSION, "tokenizer": info.fingerprint, "text_field": data.text_field,
                 "held_out": held_out, "split_seed": data.split_seed,
-                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group] for split, group in files.items()}}
+                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group] for split, group in files.items()},
+                **prepare_chat.identity(data)}
     key = xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:24]
     return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
 
@@ -163,6 +164,12 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
 
 
 def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
+    if todo.data.format != "text":
+        seed, held_out = todo.data.split_seed, todo.held_out
+        prepare_chat.tokenize(todo, tmp, lambda path, index: _held_out_split(seed, path, index, held_out))
+        for path in (*sorted(tmp.iterdir()), tmp):
+            _fsync(path)
+        return
     info = todo.tokenizer
     dtype = np.dtype(np.uint16 if info.vocab_size <= 65535 else np.uint32)
     files = {split: open(tmp / f"{split}.bin", "wb") for split in SPLITS}

@@ -132,6 +132,32 @@ def _text_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, i
 
 
 def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    for row, document, where, done in _json_rows(source):
+        yield Piece(_field(row, text_field, where), document, True), done
+
+
+def records(source: SourceFile, fields: tuple[str, ...]) -> Iterator[tuple[dict[str, Any], str, int]]:
+    """Each record of a JSON, parquet or arrow file as a dict (of `fields` only, for the column
+    formats), where it is (file and line, item or row), and how many bytes on disk are read."""
+    if source.kind == "jsonl":
+        for row, _, where, done in _json_rows(source):
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield row, where, done
+        return
+    if source.kind == "text":
+        raise ConfigError(f"{source.path}: a text file holds no records; data.format chat and "
+                          "prompt_completion read .jsonl, .json, .parquet, .arrow or save_to_disk folders")
+    reader = _parquet_columns if source.kind == "parquet" else _arrow_columns
+    row = 0
+    for columns, done in reader(source, fields):
+        for values in zip(*columns):
+            yield dict(zip(fields, values)), f"{source.path}: row {row}", done
+            row += 1
+
+
+def _json_rows(source: SourceFile) -> Iterator[tuple[Any, int, str, int]]:
+    """(parsed value, document index, where, bytes read) of a JSON Lines file or a JSON array."""
     stream, raw = _open(source)
     with raw, stream:
         first = stream.peek(64).lstrip()[:1] if hasattr(stream, "peek") else b""
@@ -141,7 +167,7 @@ def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, i
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{source.path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
             for index, row in enumerate(rows):
-                yield Piece(_field(row, text_field, f"{source.path}: item {index}"), index, True), raw.tell()
+                yield row, index, f"{source.path}: item {index}", raw.tell()
             return
         document = 0
         for number, line in enumerate(stream, start=1):
@@ -155,7 +181,7 @@ def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, i
                     from None
             except UnicodeDecodeError:
                 raise ConfigError(f"{where}: not UTF-8 text") from None
-            yield Piece(_field(row, text_field, where), document, True), raw.tell()
+            yield row, document, where, raw.tell()
             document += 1
 
 
@@ -173,6 +199,25 @@ def _field(row: Any, text_field: str, where: str) -> str:
 
 
 def _parquet_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    document = 0
+    for (values,), done in _parquet_columns(source, (text_field,)):
+        for text in _column_texts(values, text_field, source.path, document):
+            document += 1
+            yield Piece(text, document - 1, True), done
+
+
+def _arrow_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    document = 0
+    for (values,), done in _arrow_columns(source, (text_field,)):
+        for text in _column_texts(values, text_field, source.path, document):
+            document += 1
+            yield Piece(text, document - 1, True), done
+
+
+def _parquet_columns(source: SourceFile,
+                     fields: tuple[str, ...]) -> Iterator[tuple[list[list[Any]], int]]:
+    """The named columns' values, a batch of rows at a time, with the bytes read so far (estimated
+    from the rows: parquet decodes whole column chunks)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -180,15 +225,16 @@ def _parquet_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece
         file = pq.ParquetFile(source.path)
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError(f"{source.path}: not a readable parquet file ({exc})") from None
-    _check_column(file.schema_arrow.names, text_field, source.path)
-    rows, document = max(1, file.metadata.num_rows), 0
-    for batch in file.iter_batches(columns=[text_field], batch_size=4096):
-        for text in _column_texts(batch.column(0).to_pylist(), text_field, source.path, document):
-            document += 1
-            yield Piece(text, document - 1, True), source.size * document // rows
+    for name in fields:
+        _check_column(file.schema_arrow.names, name, source.path)
+    rows, done = max(1, file.metadata.num_rows), 0
+    for batch in file.iter_batches(columns=list(fields), batch_size=4096):
+        done += batch.num_rows
+        yield [batch.column(name).to_pylist() for name in fields], source.size * done // rows
 
 
-def _arrow_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+def _arrow_columns(source: SourceFile,
+                   fields: tuple[str, ...]) -> Iterator[tuple[list[list[Any]], int]]:
     import pyarrow as pa
 
     mapped = pa.memory_map(source.path)
@@ -199,20 +245,19 @@ def _arrow_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, 
             reader = pa.ipc.open_file(mapped)
         except (pa.ArrowException, OSError) as exc:
             raise ConfigError(f"{source.path}: not a readable Arrow file ({exc})") from None
-    _check_column(reader.schema.names, text_field, source.path)
+    for name in fields:
+        _check_column(reader.schema.names, name, source.path)
     batches = reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
         (reader.get_batch(i) for i in range(reader.num_record_batches))
-    document = 0
     for batch in batches:
-        for text in _column_texts(batch.column(text_field).to_pylist(), text_field, source.path, document):
-            document += 1
-            yield Piece(text, document - 1, True), mapped.tell()
+        yield [batch.column(name).to_pylist() for name in fields], mapped.tell()
 
 
 def _check_column(names: list[str], text_field: str, path: str) -> None:
     if text_field not in names:
         raise ConfigError(f"{path}: no column '{text_field}' (columns there: {', '.join(names)}); "
-                          "set data.text_field")
+                          "set data.text_field (for chat data: data.messages_field, "
+                          "data.prompt_field, data.completion_field)")
 
 
 def _column_texts(values: list[Any], text_field: str, path: str, first: int) -> Iterator[str]:

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from ..config import DataConfig, RunConfig
 from ..data import corpus, prepare
+from ..data.rows import ChatRows
 from ..data.tokens import SyntheticTokens, TokenWindows
 from ..errors import ConfigError
 from ..factory import load_factory
@@ -77,16 +78,22 @@ def training_flops(model: torch.nn.Module, seq_len: int) -> float:
     return float(seq_len * (6 * matmul_params + 12 * layers * width * seq_len))
 
 
-def batch_tokens(batch: torch.Tensor) -> int:
-    return batch.numel()
+def batch_tokens(batch: torch.Tensor | dict[str, torch.Tensor]) -> int:
+    """Tokens the model reads (padding included, as the FLOPs of a row of seq_len count it)."""
+    return (batch["input_ids"] if isinstance(batch, dict) else batch).numel()
+
+
+def _split(prepared: corpus.TokenFiles, split: str, seq_len: int) -> TokenWindows | ChatRows:
+    if prepared.format == "text":
+        return TokenWindows(str(prepared.path(split)), prepared.dtype, seq_len)
+    return ChatRows(prepared.folder, split, prepared.dtype, seq_len, prepared.packing)
 
 
 def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
     """The three splits named by data.name (the corpus must have been prepared on rank 0 first)."""
     if data.name in ("corpus", "files"):
         assert prepared is not None
-        windows = {split: TokenWindows(str(prepared.path(split)), prepared.dtype, data.seq_len)
-                   for split in corpus.SPLITS}
+        windows = {split: _split(prepared, split, data.seq_len) for split in corpus.SPLITS}
         for split, dataset in windows.items():
             if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
                 source = "data.corpus_mb" if data.name == "corpus" else "data.files" if split == "train" else \

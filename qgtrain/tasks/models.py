@@ -6,6 +6,7 @@ computed here, so user factories need no Hugging Face conventions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -49,13 +50,23 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
         raise ConfigError(f"model.arch: {cfg.arch!r} has no causal-LM head in transformers ({exc})") from None
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over a batch of token windows.
+def lm_loss(model: nn.Module, tokens: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over a batch of token windows, or over the counted tokens of a
+    batch of chat rows ({input_ids, labels, position_ids(, attention_mask)}, labels -100 where the
+    loss does not count): a mean per micro-batch, as for windows, however many tokens it counts.
 
     The labels are shifted, not the logits: slicing the logits' last position off makes a flattened
     copy of them, the largest activation of a language model, before the fp32 copy the loss
     needs."""
-    out = model(input_ids=tokens)
+    if isinstance(tokens, Mapping):
+        inputs = {k: v for k, v in tokens.items() if k != "labels"}
+        # Without a cache a transformers model builds its causal mask per sample from position ids
+        # that reset (masking_utils.find_packed_sequence_indices); with one it ignores them.
+        hugging_face = hasattr(getattr(model, "module", model), "config")
+        out = model(**inputs, **({"use_cache": False} if hugging_face else {}))
+        targets = tokens["labels"]
+    else:
+        out, targets = model(input_ids=tokens), tokens
     logits = out.logits if hasattr(out, "logits") else out
-    labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # the last position predicts nothing
+    labels = F.pad(targets[:, 1:], (0, 1), value=-100)  # the last position predicts nothing
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
