@@ -10,6 +10,9 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# The user's own code (task function, model, loss, metrics, collate, optimizer) broke the Task
+# contract: code to fix, not a config value to change; never retried.
+EXIT_TASK = 3
 # Stopped at an agreed checkpoint after a signal. Under Slurm the job was requeued (unless slurm.requeue is
 # off or slurm.max_restarts is reached); elsewhere, running the same command again resumes. 75 is
 # EX_TEMPFAIL from sysexits.h: "try again later".
@@ -32,6 +35,14 @@ class QgtrainError(Exception):
 
 class ConfigError(QgtrainError):
     """A config file, overlay or `--set` value that does not fit the schema."""
+
+
+class TaskError(QgtrainError):
+    """The user's own code returned or built something qgtrain cannot train with (a loss that is not
+    a scalar, metrics of another shape, a task function that returns no Task). The message names the
+    function and what it must return."""
+
+    exit_code = EXIT_TASK
 
 
 class RendezvousError(QgtrainError):

@@ -98,27 +98,30 @@ def test_metrics_are_exact_over_the_whole_split_on_uneven_shards():
     assert 0 < alone["accuracy"] < 1 and alone["accuracy"] * 10 == round(alone["accuracy"] * 10)
 
 
-@pytest.mark.parametrize("task, sets, message", [
-    ("no_such_function", (), "task.factory: cannot load 'tests.tasks:no_such_function'"),
-    ("not_a_task", (), "task.factory: tests.tasks:not_a_task returned int, not a qgtrain.Task"),
-    ("model_is_not_a_module", (), "the task of tests.tasks:model_is_not_a_module has model=str; it must be a "
-                                  "torch.nn.Module"),
-    ("loss_is_not_a_scalar", (), "task: loss(model, batch) returned a tensor of shape (8,); it must return a "
-                                 "floating-point scalar tensor"),
-    ("batch_cannot_move", (), "task: the batch['x'] is a tests.tasks.Opaque, which qgtrain cannot move to cpu"),
-    ("points", ("early_stopping.metric=val_f1",), "early_stopping.metric: val_f1 is not reported by the task (it "
-                                                  "reports val_loss, val_accuracy)"),
-    ("without_metrics", ("early_stopping.metric=val_accuracy",), "reports no metrics, but early_stopping.metric "
-                                                                 "is val_accuracy"),
-    ("endless_train", (), f"has train=Endless, whose len() is {sys.maxsize} (sys.maxsize: an endless stream, not a "
-                          "count of samples); it must be a map-style dataset"),
-    ("streamed_val", (), "has val=Stream, an IterableDataset (a stream, without indices); it must be a map-style "
-                         "dataset (__len__ and __getitem__: resuming at an exact sample needs indices), or None. HINT: "
-                         "give a map-style view"),
+@pytest.mark.parametrize("task, sets, code, message", [
+    ("no_such_function", (), 2, "task.factory: cannot load 'tests.tasks:no_such_function'"),
+    ("not_a_task", (), 3, "task.factory: tests.tasks:not_a_task returned int, not a qgtrain.Task"),
+    ("model_is_not_a_module", (), 3, "the task of tests.tasks:model_is_not_a_module has model=str; it "
+                                     "must be a torch.nn.Module"),
+    ("loss_is_not_a_scalar", (), 3, "task: loss(model, batch) returned a tensor of shape (8,); it must "
+                                    "return a floating-point scalar tensor"),
+    ("batch_cannot_move", (), 3, "task: the batch['x'] is a tests.tasks.Opaque, which qgtrain cannot "
+                                 "move to cpu"),
+    ("points", ("early_stopping.metric=val_f1",), 2, "early_stopping.metric: val_f1 is not reported by "
+                                                     "the task (it reports val_loss, val_accuracy)"),
+    ("without_metrics", ("early_stopping.metric=val_accuracy",), 2, "reports no metrics, but "
+                                                                    "early_stopping.metric is val_accuracy"),
+    ("endless_train", (), 3, f"has train=Endless, whose len() is {sys.maxsize} (sys.maxsize: an endless "
+                             "stream, not a count of samples); it must be a map-style dataset"),
+    ("streamed_val", (), 3, "has val=Stream, an IterableDataset (a stream, without indices); it must be a "
+                            "map-style dataset (__len__ and __getitem__: resuming at an exact sample needs "
+                            "indices), or None. HINT: give a map-style view"),
 ])
-def test_a_broken_task_is_one_line_naming_what_is_wrong_and_exit_2(tmp_path, task, sets, message):
+def test_a_broken_task_is_one_line_naming_what_is_wrong_exit_2_for_config_3_for_code(tmp_path, task,
+                                                                                    sets, code, message):
+    """A config value to change exits 2; the task's own code breaking the Task contract exits 3."""
     result = qgtrain(tmp_path, task, *sets)
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.returncode == code, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("qgtrain: error: ") and message in last, last

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TaskError
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
@@ -45,7 +45,7 @@ def to_device(batch: Any, device: torch.device, where: tuple[tuple[str, Any], ..
         return dataclasses.replace(batch, **moved)
     if callable(move := getattr(batch, "to", None)):
         return move(device, non_blocking=True) if takes_non_blocking(move) else move(device)
-    raise ConfigError(
+    raise TaskError(
         f"task: the batch{_path(where)} is a {type(batch).__module__}.{type(batch).__qualname__}, which qgtrain "
         f"cannot move to {device}. HINT: make the collate return tensors, or dicts, lists, tuples or dataclasses of "
         "them, or give the class a .to(device) method")

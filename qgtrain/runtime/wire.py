@@ -20,13 +20,15 @@ from ..errors import (
     PeerFailure,
     QgtrainError,
     RendezvousError,
+    TaskError,
     TrainingError,
 )
 
 # qgtrain's own error types by name: an error from another rank becomes one of these, nothing else.
 ERRORS: dict[str, type[QgtrainError]] = {
     cls.__name__: cls for cls in (QgtrainError, ConfigError, RendezvousError, CheckpointError,
-                                  TrainingError, PeerFailure, CheckpointWriteError, JoinError)}
+                                  TrainingError, PeerFailure, CheckpointWriteError, JoinError,
+                                  TaskError)}
 
 
 def error_name(exc: QgtrainError) -> str:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, TaskError
 from ..factory import load_factory
 from ..runtime import distributed
 from ..task import ReadyTask, Task
@@ -38,7 +38,7 @@ def build_task(cfg: RunConfig, given: TaskSource | None = None, *, empty: bool =
         factory = (lambda _: given) if isinstance(given, Task) else given
     made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg), cfg)
     if not isinstance(made, Task):
-        raise ConfigError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
+        raise TaskError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
                           "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
     check_task(made, spec, cfg)
     filled = {"collate": made.collate or default_collate, "loss": made.loss or model_loss}
@@ -81,7 +81,7 @@ def task_spec(given: TaskSource) -> str | None:
 
 def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
     def fail(problem: str) -> None:
-        raise ConfigError(f"task.factory: the task of {spec} {problem}")
+        raise TaskError(f"task.factory: the task of {spec} {problem}")
 
     if not isinstance(task.model, nn.Module):
         fail(f"has model={type(task.model).__name__}; it must be a torch.nn.Module")
@@ -103,13 +103,14 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
         value = getattr(task, part)
         if value is not None and not callable(value):
             fail(f"has {part}={type(value).__name__}, which cannot be called")
-    es = cfg.early_stopping
+    es = cfg.early_stopping  # the config asks what the task lacks: a config error, either may change
     if task.val is None and (es.patience or es.metric != "val_loss"):
-        fail(f"has no val dataset, but early_stopping follows {es.metric}; give the task a val split or turn "
-             "early stopping off (early_stopping.patience: 0)")
+        raise ConfigError(f"early_stopping: the task of {spec} has no val dataset, but early stopping "
+                          f"follows {es.metric}; give the task a val split or turn early stopping off "
+                          "(early_stopping.patience: 0)")
     if es.metric != "val_loss" and task.metrics is None:
-        fail(f"reports no metrics, but early_stopping.metric is {es.metric}; add a metrics function or use "
-             "val_loss")
+        raise ConfigError(f"early_stopping.metric: the task of {spec} reports no metrics, but "
+                          f"early_stopping.metric is {es.metric}; add a metrics function or use val_loss")
 
 
 def resumable_problem(dataset: Any) -> str | None:
@@ -134,6 +135,6 @@ def model_loss(model: nn.Module, batch: Any) -> Any:
     out = model(**batch) if isinstance(batch, Mapping) else model(batch)
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:
-        raise ConfigError(f"task: the model returned {type(out).__name__} without a loss. HINT: put labels in the "
+        raise TaskError(f"task: the model returned {type(out).__name__} without a loss. HINT: put labels in the "
                           "batch (Hugging Face models then compute the loss), or give the task a loss function")
     return loss

@@ -17,7 +17,7 @@ from ..config import DataConfig, RunConfig
 from ..data import corpus, prepare
 from ..data.rows import ChatRows
 from ..data.tokens import SyntheticTokens, TokenWindows
-from ..errors import ConfigError
+from ..errors import ConfigError, TaskError
 from ..factory import load_factory
 from ..runtime import distributed
 from ..task import Task
@@ -110,6 +110,6 @@ def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int
                       SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
     made = load_factory(str(data.factory), "data.factory")(seq_len=data.seq_len, seed=seed)
     if not (isinstance(made, tuple) and len(made) == 4):
-        raise ConfigError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
+        raise TaskError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
                           f"got {type(made).__name__}")
     return Splits(*made)

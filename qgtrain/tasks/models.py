@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, TaskError
 from ..factory import load_factory
 from .pretrained import load_pretrained
 
@@ -27,7 +27,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
     if cfg.factory:
         model = load_factory(cfg.factory, "model.factory")(vocab_size=vocab_size, seq_len=seq_len)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
+            raise TaskError(f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
         return model
     import transformers
 

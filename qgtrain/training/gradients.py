@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import ConfigError
+from ..errors import TaskError
 from ..state.sharded import is_sharded_model, shard_of
 from .sharding import autocast_for
 
@@ -68,6 +68,6 @@ def checked_loss(loss: Any) -> torch.Tensor:
     """The task's loss, if it is one: a floating-point scalar tensor that backward can start from."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"task: loss(model, batch) returned {shown}; it must return a floating-point scalar "
+        raise TaskError(f"task: loss(model, batch) returned {shown}; it must return a floating-point scalar "
                           "tensor (reduce it, e.g. with .mean())")
     return loss

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import OptimConfig
 from ..config.optim import OPTIMIZERS, Builtin, args_problem
-from ..errors import CheckpointError, ConfigError, first_line
+from ..errors import CheckpointError, ConfigError, TaskError, first_line
 from ..factory import load_factory
 from ..state.train_state import TrainState
 from ..task import ReadyTask
@@ -33,7 +33,7 @@ def build_optimizer(task: ReadyTask, optim: OptimConfig,
         return BUILDERS.get(optim.name, by_path)(task.model, optim, device)
     made = task.optimizer(task.model, optim)
     if not isinstance(made, torch.optim.Optimizer):
-        raise ConfigError(f"task.factory: the task's optimizer returned {type(made).__name__}, not "
+        raise TaskError(f"task.factory: the task's optimizer returned {type(made).__name__}, not "
                           "a torch.optim.Optimizer")
     return made
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import ConfigError
+from ..errors import TaskError
 from ..runtime import diagnose, distributed
 from ..state.sharded import is_sharded_model
 
@@ -58,7 +58,7 @@ def check_start(model: nn.Module, parallel: str, device: torch.device, world_siz
     repair = ("no rank sends them under FSDP (they are not in the state_dict): the ranks would compute with "
               "different values" if parallel != "ddp" else f"DDP does not copy them from rank 0 (they are in the "
               f"model's {IGNORE_ATTRIBUTE}): a checkpoint would hold one rank's values")
-    raise ConfigError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks when the task is "
+    raise TaskError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks when the task is "
                       f"built, and {repair}. HINT: build them the same "
                       "on every rank (the task function runs with the same seed on each)" +
                       ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
