@@ -1,0 +1,68 @@
+"""The training loop's phases, one by one, at the unit seam (tests/seam.py): a Trainer built in this
+process from a linear model, qgtrain's real loaders, checkpointer and stop flag, on a one-rank
+group. Runs against: the real Trainer and its parts; no ranks are started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qgtrain.errors import TrainingError
+from qgtrain.runtime.signals import StopFlag
+from qgtrain.training.parts import Outcome
+from tests.helpers import records
+from tests.seam import build_trainer, config, linear_task, one_rank_group
+
+
+def trained_weights(tmp_path, *sets: str) -> torch.Tensor:
+    with one_rank_group():
+        trainer = build_trainer(tmp_path, linear_task(), config("train.max_steps=3", *sets))
+        assert trainer.fit() == Outcome.FINISHED
+        trainer.parts.checkpointer.wait()
+        return trainer.model.weight.detach().clone()
+
+
+def test_two_micro_batches_of_two_step_as_one_batch_of_four(tmp_path):
+    """Accumulation averages the micro-batches' mean losses: with equal sizes, the batch's mean."""
+    whole = trained_weights(tmp_path / "whole", "train.batch_size=4")
+    split = trained_weights(tmp_path / "split", "train.batch_size=2", "train.grad_accum_steps=2")
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(whole, linear_task().model.weight), "the steps moved the weights"
+
+
+def test_a_stop_requested_before_step_one_is_agreed_two_steps_on_and_saved_there(tmp_path):
+    """The agreement is pipelined (agreement.py): what a rank knows at step 1 travels while steps 1
+    and 2 compute, and every rank acts on it at step 3, together."""
+    stop = StopFlag([])
+    stop.received.append("SIGUSR2")
+    with one_rank_group():
+        trainer = build_trainer(tmp_path, linear_task(), config("train.max_steps=10"), stop)
+        assert trainer.fit() == Outcome.STOPPED_TO_RESUME
+        trainer.parts.checkpointer.wait()
+    assert trainer.state.step == 3
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-3"]
+    saved = json.loads((tmp_path / "checkpoints" / "step-3" / "state.json").read_text())
+    assert saved["trainer"]["step"] == 3 and saved["trainer"]["outcome"] is None
+
+
+def test_a_non_finite_loss_stops_training_naming_the_step_and_saves_nothing_after_it(tmp_path):
+    calls = []
+
+    def turns_nan(model, batch):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        x, y = batch
+        loss = ((model(x) - y) ** 2).mean()
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    with one_rank_group():
+        trainer = build_trainer(tmp_path, linear_task(loss=turns_nan),
+                                config("train.max_steps=10", "checkpoint.every_steps=1"))
+        with pytest.raises(TrainingError, match="step 3"):
+            trainer.fit()
+        trainer.parts.checkpointer.wait()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step-3" not in saved and "step-2" in saved, "a checkpoint never holds a non-finite step"
+    logged = records(tmp_path)
+    assert [r["step"] for r in logged] == [1, 2, 3] and logged[-1]["loss"] != logged[-1]["loss"]
