@@ -6,6 +6,7 @@ from a config, a pretrained folder, or a factory; the built-in corpus, a synthet
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,26 +91,44 @@ def _split(prepared: corpus.TokenFiles, split: str, seq_len: int) -> TokenWindow
 
 
 def build_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
-    """The three splits named by data.name (the corpus must have been prepared on rank 0 first)."""
-    if data.name in ("corpus", "files"):
-        assert prepared is not None
-        windows = {split: _split(prepared, split, data.seq_len) for split in corpus.SPLITS}
-        for split, dataset in windows.items():
-            if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
-                source = "data.corpus_mb" if data.name == "corpus" else "data.files" if split == "train" else \
-                    f"data.{split}_files" if getattr(data, f"{split}_files") else f"data.{split}_fraction"
-                raise ConfigError(f"{source}: the {split} split has {prepared.tokens[split]} tokens, fewer than "
-                                  f"data.seq_len={data.seq_len}; use more text or a shorter seq_len")
-        return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
-    if data.name == "synthetic":
-        n_val = max(1, int(data.synthetic_samples * data.val_fraction))
-        n_test = max(1, int(data.synthetic_samples * data.test_fraction))
-        vocab = 257
-        return Splits(SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
-                      SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
-                      SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
+    """The three splits of the source data.name names (SOURCES); the corpus and data files must have
+    been prepared on rank 0 first."""
+    return SOURCES[data.name](data, prepared, seed)
+
+
+def _prepared_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
+    assert prepared is not None
+    windows = {split: _split(prepared, split, data.seq_len) for split in corpus.SPLITS}
+    for split, dataset in windows.items():
+        if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
+            source = "data.corpus_mb" if data.name == "corpus" else "data.files" if split == "train" \
+                else f"data.{split}_files" if getattr(data, f"{split}_files") \
+                else f"data.{split}_fraction"
+            raise ConfigError(f"{source}: the {split} split has {prepared.tokens[split]} tokens, "
+                              f"fewer than data.seq_len={data.seq_len}; use more text or a shorter "
+                              "seq_len")
+    return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
+
+
+def _synthetic_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
+    n_val = max(1, int(data.synthetic_samples * data.val_fraction))
+    n_test = max(1, int(data.synthetic_samples * data.test_fraction))
+    vocab = 257
+    return Splits(SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
+                  SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
+                  SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
+
+
+def _factory_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
     made = load_factory(str(data.factory), "data.factory")(seq_len=data.seq_len, seed=seed)
     if not (isinstance(made, tuple) and len(made) == 4):
         raise TaskError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
-                          f"got {type(made).__name__}")
+                        f"got {type(made).__name__}")
     return Splits(*made)
+
+
+# data.name -> the splits it gives: a new source is a function here and a name in config/data.py
+SOURCES: dict[str, Callable[[DataConfig, corpus.TokenFiles | None, int], Splits]] = {
+    "corpus": _prepared_splits, "files": _prepared_splits, "synthetic": _synthetic_splits,
+    "factory": _factory_splits,
+}

@@ -107,9 +107,8 @@ def open_trackers(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     opened = []
     for name in (n for n in cfg.trackers if n in EXTRAS):
-        starter = {"wandb": _wandb, "mlflow": _mlflow}[name]
         try:
-            run = starter(cfg, run_dir, run_name, config, state.get(f"{name}_id"), environ)
+            run = STARTERS[name](cfg, run_dir, run_name, config, state.get(f"{name}_id"), environ)
         except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions; none may stop training
             log.warning("logging.trackers: %s could not start (%s: %s); training goes on without it", name,
                         type(exc).__name__, mask_text(first_line(exc, 200)))
@@ -198,3 +197,7 @@ def _mlflow(cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict[str, 
     return Opened(own_id, send, close, last_steps)
 
 
+
+
+# logging.trackers -> what starts (or continues) its run; tensorboard is MetricsLog's own
+STARTERS: dict[str, Callable[..., Any]] = {"wandb": _wandb, "mlflow": _mlflow}
