@@ -47,6 +47,15 @@ class ModelConfig:
     hidden: int = setting(128, "width of the residual stream", min=8)
     dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
     compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
+    adapter: Literal["none", "lora"] = setting(
+        "none", "none: train every weight; lora: freeze the model and train LoRA adapters (peft); "
+        "checkpoints then hold the adapters only")
+    lora_rank: int = setting(8, "rank of each LoRA adapter", min=1)
+    lora_alpha: float = setting(16.0, "LoRA scaling: the update is multiplied by lora_alpha / lora_rank",
+                                min=0.0)
+    lora_dropout: float = setting(0.0, "dropout on the LoRA path's input", min=0.0, max=0.9)
+    lora_targets: tuple[str, ...] = setting((), "names of the modules LoRA adapts, e.g. [q_proj, v_proj] "
+                                            "([] = peft's default for the architecture)")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ def model_and_data_rules(cfg: RunConfig) -> Problem:
     if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
         return "model.hidden", (
             f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+    if cfg.model.adapter == "lora" and cfg.model.lora_alpha <= 0:
+        return "model.lora_alpha", f"{cfg.model.lora_alpha} must be above 0 (e.g. 2 x model.lora_rank)"
     if cfg.data.name == "factory" and not cfg.data.factory:
         return "data.factory", "data.name is 'factory' but no 'package.module:function' is given"
     for key, value in (("task.factory", cfg.task.factory), ("model.factory", cfg.model.factory),

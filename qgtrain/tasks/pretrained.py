@@ -63,3 +63,9 @@ def safetensors_files(folder: Path) -> list[str]:
     if index.is_file():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The files of a saved model that hold its weights: what identifies it without reading them."""
+    return sorted(p.name for p in folder.iterdir()
+                  if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))
