@@ -37,7 +37,9 @@ def load_pretrained(path: Path) -> nn.Module:
         if problem:
             raise ConfigError(f"model.pretrained: {problem}. HINT: give the folder as save_pretrained wrote it, or "
                               "fix its config.json to describe its weights")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                                   dtype=torch.float32)
+        return model.train()  # from_pretrained gives eval mode, for inference: its dropout would be off
     except (OSError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"model.pretrained: cannot load {path}: {first_line(exc)}") from None
 

@@ -37,6 +37,7 @@ def apply_adapter(model: nn.Module, cfg: RunConfig) -> nn.Module:
     base, targets = base_identity(model, cfg), targets_for(model, cfg.model)
     model.requires_grad_(False)
     inject_adapter_in_model(lora_config(cfg.model, targets), model, ADAPTER_NAME)
+    model.train(model.training)  # the new layers' dropout in the model's mode, as a resumed start has them
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": targets}
