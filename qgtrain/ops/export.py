@@ -54,9 +54,8 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                trust_code: bool = False, weights: str = "model", merge: bool = False) -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
     `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
-    or ema (their EMA). The factories its config names are imported only if built in, if the run is
-    yours (trust.py), or with `trust_code`. A LoRA run's export is its adapter folder, or with `merge`
-    the model with its adapters merged in (export_adapter.py)."""
+    or ema (their EMA); a LoRA run's adapter folder, or its merged model with `merge`. Its config's
+    factories are imported only if built in, if the run is yours (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers
@@ -68,7 +67,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     saved = yaml_config(ckpt)
     _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
     chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
-    if saved.model.adapter != "none" or merge:
+    if saved.model.adapter != "none" or merge:  # export_adapter.py
         return _export_adapter(ckpt, saved, out, merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
@@ -79,9 +78,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         read = export_ema.averaged(ckpt, model, read)
     kind = export_writer.kind_of(model)
     lm = builtin and kind == "transformers"
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging(out)
     try:
         facts = {**run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
                              if builtin else None), "dtype": chosen, "weights": weights}
@@ -122,9 +119,7 @@ def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, me
     if weights != "model":
         raise QgtrainError("export --weights ema: a run with adapters is exported by its trained "
                            "adapters; use --weights model")
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging(out)
     try:
         kind, diff = export_adapter.write(ckpt, saved, staging, merge, export_stream.DTYPES[chosen])
         _replace(staging, out, force)
@@ -133,6 +128,14 @@ def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, me
     log.info("exported %s to %s (%s); largest output difference after reloading: %.3g", ckpt.path, out,
              kind, diff)
     return Exported(out, ckpt.path, diff, kind, "fp32" if not merge else chosen)
+
+
+def _staging(out: Path) -> Path:
+    """A fresh folder beside `out`: the export is written there and moved into place once checked."""
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
 
 
 def _check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:
