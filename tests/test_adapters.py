@@ -148,3 +148,34 @@ def test_unknown_targets_and_rank_0_are_refused(runs, tmp_path):
     done = cli("train", "--run-dir", str(tmp_path / "run"), "--set", *settings(runs["base"], "model.lora_rank=0"),
                cwd=tmp_path)
     assert done.returncode == 2 and "model.lora_rank" in done.stderr.strip().splitlines()[-1]
+
+
+def test_a_built_in_base_exports_merged_only_and_a_model_without_defaults_needs_targets(tmp_path):
+    """The built-in GPT-2 (peft's default target c_attn) trains from train.seed; its adapters name no
+    loadable base, so only --merge exports, and the merged model loads with transformers alone."""
+    import transformers
+
+    from qgtrain.errors import ConfigError, QgtrainError
+    from qgtrain.ops.export import export_run
+    from qgtrain.training.adapters import apply_adapter
+    from tests.helpers import tiny_config
+
+    run = tmp_path / "run"
+    sets = ["model.adapter=lora", "model.layers=2", "model.heads=2", "model.hidden=32", "data.name=synthetic",
+            "data.seq_len=16", "train.batch_size=4", "train.max_steps=4", "logging.tensorboard=false"]
+    assert cli("train", "--run-dir", str(run), "--set", *sets, cwd=tmp_path).returncode == 0
+    assert sorted({k.split(".lora_")[0].rpartition(".")[2] for k in final_keys(run)}) == ["c_attn"]
+    with pytest.raises(QgtrainError, match="HINT: export the merged model with --merge"):
+        export_run(run, tmp_path / "adapter")
+    assert export_run(run, tmp_path / "merged", merge=True).kind == "merged"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "GPT2LMHeadModel" and not any("lora" in n for n in merged.state_dict())
+    from tests.factories import tiny
+
+    with pytest.raises(ConfigError, match=r"model\.lora_targets: .* name the modules to adapt"):
+        apply_adapter(tiny(257, 16), tiny_config("model.adapter=lora"))
+
+
+def final_keys(run: Path) -> list[str]:
+    last = max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return list(torch.load(last / "model.pt", weights_only=True))
