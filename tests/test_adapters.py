@@ -2,7 +2,8 @@
 ranks train the adapters only; a SIGKILLed run resumes bit for bit; checkpoints hold the adapters, not
 the base; the PEFT adapter export and the merged export compute the same logits; fsdp (with activation
 checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains; a checkpoint
-resumed onto another base, unknown target modules and rank 0 are refused in one line."""
+resumed onto another base, unknown target modules and rank 0 are refused in one line; on the built-in
+GPT-2 (drawn from train.seed) only the merged export is written."""
 
 from __future__ import annotations
 

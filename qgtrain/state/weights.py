@@ -37,7 +37,8 @@ def check_base(saved: dict[str, Any] | None, model: nn.Module, source: Path) -> 
     """A checkpoint of adapters fits only the base they were trained on (and a full one no adapter)."""
     before, now = (saved or {}).get("base"), (adapter_of(model) or {}).get("base")
     if before != now:
-        raise CheckpointError(f"model.pretrained: {source} was trained on {describe(before)}, this run "
+        key = "model.pretrained" if "pretrained" in {**(before or {}), **(now or {})} else "model.adapter"
+        raise CheckpointError(f"{key}: {source} was trained on {describe(before)}, this run "
                               f"has {describe(now)}. HINT: resume on the base it was trained on, or "
                               "start afresh (checkpoint.resume: never)")
 
