@@ -72,6 +72,9 @@ def _training_commands(sub: Any) -> None:
     export.add_argument("--weights", choices=["model", "ema"], default="model",
                         help="model: the trained weights (default); ema: their EMA "
                         "(train.ema_decay)")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run: write the model with its adapters merged in, loadable by "
+                             "transformers alone (default: the PEFT adapter folder)")
     export.add_argument("--trust-code", action="store_true",
                         help="import the factories the run's config names even if the run is not "
                              "yours (owned by you, writable by no one else); read that code first")

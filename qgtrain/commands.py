@@ -82,7 +82,8 @@ def export(args: argparse.Namespace) -> int:
     from .ops.export import export_run
 
     done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force,
-                      dtype=args.dtype, trust_code=args.trust_code, weights=args.weights)
+                      dtype=args.dtype, trust_code=args.trust_code, weights=args.weights,
+                      merge=args.merge)
     how = "tensor by tensor" if (diff := done.max_logit_diff) is None else f"largest output difference {diff:.3g}"
     print(f"exported {done.checkpoint} to {done.folder} in {done.dtype}; reloaded and compared with the checkpoint, "
           + how)

@@ -37,6 +37,7 @@ from .state.rundir import RunDir
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
+from .training.adapters import apply_adapter
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import Outcome, Parts, Settings
@@ -114,13 +115,17 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     _log_start(ctx, claim)
     ckpt = checkpoint.read_manifest(Path(claim.resume_from)) if claim.resume_from else None
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, ckpt is not None))
+    # an adapter run's checkpoint holds no base: it is built (or read) again as at the start
+    holds_all = ckpt is not None and cfg.model.adapter == "none"
+    task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, holds_all))
+    task = dataclasses.replace(task, model=apply_adapter(task.model, cfg))  # same seed on every rank
     rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))  # dropout differs per rank, reproducibly
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)
     ctx.timeline.mark("task")
-    logger.info("task %s: model %s with %.2fM parameters", cfg.task.factory, type(task.model).__name__,
-                sum(p.numel() for p in task.model.parameters()) / 1e6)
+    logger.info("task %s: model %s with %.2fM parameters (%.3gM trained)", cfg.task.factory,
+                type(task.model).__name__, sum(p.numel() for p in task.model.parameters()) / 1e6,
+                sum(p.numel() for p in task.model.parameters() if p.requires_grad) / 1e6)
     metrics = _metrics_log(ctx, claim, ckpt)
     outcome = None
     try:

@@ -4,7 +4,7 @@ factory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from .fields import Problem, factory_problem, setting
 
@@ -26,6 +26,16 @@ class ModelConfig:
     hidden: int = setting(128, "width of the residual stream", min=8)
     dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
     compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
+    adapter: Literal["none", "lora"] = setting(
+        "none", "none: train every weight; lora: freeze the model and train LoRA adapters (peft); "
+        "checkpoints then hold the adapters only")
+    lora_rank: int = setting(8, "rank of each LoRA adapter", min=1)
+    lora_alpha: float = setting(
+        16.0, "LoRA scaling: the update is multiplied by lora_alpha / lora_rank", min=0.0)
+    lora_dropout: float = setting(0.0, "dropout on the LoRA path's input", min=0.0, max=0.9)
+    lora_targets: tuple[str, ...] = setting(
+        (), "names of the modules LoRA adapts, e.g. [q_proj, v_proj] ([] = peft's default for the "
+        "architecture)")
 
 
 def model_rules(cfg: RunConfig) -> Problem:
@@ -34,4 +44,7 @@ def model_rules(cfg: RunConfig) -> Problem:
     if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
         return "model.hidden", (
             f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+    if cfg.model.adapter == "lora" and cfg.model.lora_alpha <= 0:
+        return "model.lora_alpha", (f"{cfg.model.lora_alpha} must be above 0 (e.g. 2 x "
+                                    "model.lora_rank)")
     return factory_problem("model.factory", cfg.model.factory)

@@ -31,7 +31,7 @@ from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
 from ..trust import config_code, not_yours, require
-from . import export_ema, export_stream, export_target, export_task, export_writer, reload_check
+from . import export_adapter, export_ema, export_stream, export_target, export_task, export_writer, reload_check
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -51,11 +51,11 @@ class Exported:
 
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
                force: bool = False, dtype: str | None = None,
-               trust_code: bool = False, weights: str = "model") -> Exported:
+               trust_code: bool = False, weights: str = "model", merge: bool = False) -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
     `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
-    or ema (their EMA). The factories its config names are imported only if built in, if the run is
-    yours (trust.py), or with `trust_code`."""
+    or ema (their EMA); a LoRA run's adapter folder, or its merged model with `merge`. Its config's
+    factories are imported only if built in, if the run is yours (trust.py), or with `trust_code`."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers
@@ -66,19 +66,19 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         raise QgtrainError(refused)
     saved = yaml_config(ckpt)
     _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
+    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
+    if saved.model.adapter != "none" or merge:  # export_adapter.py
+        return _export_adapter(ckpt, saved, out, merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
     model = task.model if task is not None else export_task.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
-    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
     tensors, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
     if weights == "ema":
         read = export_ema.averaged(ckpt, model, read)
     kind = export_writer.kind_of(model)
     lm = builtin and kind == "transformers"
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging(out)
     try:
         facts = {**run_facts(ckpt, saved, (model_facts.get("tokenizer") or "none (the data came from a factory)")
                              if builtin else None), "dtype": chosen, "weights": weights}
@@ -109,6 +109,33 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     log.info("exported %s to %s in %s (%d tensors read back equal%s)", ckpt.path, out, chosen, checked,
              "" if diff is None else f"; largest output difference after reloading: {diff:.3g}")
     return Exported(out, ckpt.path, diff, kind, chosen, checked)
+
+
+def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, merge: bool, force: bool,
+                    chosen: str, weights: str) -> Exported:
+    if saved.model.adapter == "none":
+        raise QgtrainError(f"export --merge: {ckpt.path} trained no adapters (model.adapter: none); "
+                           "export it without --merge: that is the full model already")
+    if weights != "model":
+        raise QgtrainError("export --weights ema: a run with adapters is exported by its trained "
+                           "adapters; use --weights model")
+    staging = _staging(out)
+    try:
+        kind, diff = export_adapter.write(ckpt, saved, staging, merge, export_stream.DTYPES[chosen])
+        _replace(staging, out, force)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("exported %s to %s (%s); largest output difference after reloading: %.3g", ckpt.path, out,
+             kind, diff)
+    return Exported(out, ckpt.path, diff, kind, "fp32" if not merge else chosen)
+
+
+def _staging(out: Path) -> Path:
+    """A fresh folder beside `out`: the export is written there and moved into place once checked."""
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
 
 
 def _check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:

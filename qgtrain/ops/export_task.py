@@ -85,7 +85,13 @@ def rebuild_lm(ckpt_dir: Path, cfg: Any, facts: dict[str, Any], empty: bool = Fa
 
 def verify(model: nn.Module, reloaded: nn.Module, run: Callable[[nn.Module], None], folder: Path) -> float:
     """The largest difference between every tensor the two models' forwards return under `run`."""
-    expected, got = _outputs(model, run), _outputs(reloaded, run)
+    return verify_against(outputs(model, run), reloaded, run, folder)
+
+
+def verify_against(expected: list[torch.Tensor], reloaded: nn.Module, run: Callable[[nn.Module], None],
+                   folder: Path) -> float:
+    """As `verify`, against outputs taken before (of a model since changed in place: a merge)."""
+    got = outputs(reloaded, run)
     if len(expected) != len(got) or not expected:
         raise QgtrainError(f"export: the reloaded model in {folder} returned {len(got)} tensor(s), the checkpoint's "
                            f"{len(expected)}; the export was not kept")
@@ -110,7 +116,7 @@ def token_batch(seq_len: int, vocab_size: int) -> Callable[[nn.Module], None]:
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, run: Callable[[nn.Module], None]) -> list[torch.Tensor]:
+def outputs(model: nn.Module, run: Callable[[nn.Module], None]) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda module, args, out: seen.extend(_tensors(out)))
     try:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import CheckpointError, first_line
 from .checkpoint import SHARDED_METADATA, Checkpoint, file_entry, load_file
-from .weights import load_weights, strip_wrapper_prefixes
+from .weights import adapter_of, load_weights, strip_wrapper_prefixes
 
 FOLDER = "sharded"
 
@@ -43,9 +43,10 @@ def shard_of(tensor: Any) -> Any:
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and optimizer's state keyed by parameter name: this rank's shards (DTensors) under FSDP."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    adapted = StateDictOptions(ignore_frozen_params=adapter_of(model) is not None)
+    model_state, optim_state = get_state_dict(model, optimizer, options=adapted)
     return {"model": model_state, "optim": optim_state}
 
 
@@ -80,10 +81,11 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
             raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
                                   f"({first_line(exc)}). HINT: resume with the model settings it was trained "
                                   "with, or set checkpoint.resume: never") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=adapter_of(model) is None))
         return
     # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its shards.
-    full = StateDictOptions(full_state_dict=True, strict=True)
+    full = StateDictOptions(full_state_dict=True, strict=adapter_of(model) is None)
     names = _names_by_index(model, optimizer)
     saved = load_file(ckpt, "optim.pt")["optimizer"]
     by_name: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},

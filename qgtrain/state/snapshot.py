@@ -23,6 +23,7 @@ from torch import nn
 
 from ..runtime.mesh import two_d_mesh
 from . import sharded
+from .weights import saved_state
 
 log = logging.getLogger("qgtrain")
 Layout = tuple[torch.Size, torch.dtype]
@@ -47,7 +48,7 @@ def saved_layouts(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: b
     made yet."""
     if not (is_main or sharded.is_sharded_model(model)):
         return []
-    made = [*model.state_dict().values(),
+    made = [*saved_state(model).values(),
             *(v for state in optimizer.state.values() for v in state.values())]
     seen, found = set(), []
     for tensor in (_local(t) for t in made if isinstance(t, torch.Tensor)):

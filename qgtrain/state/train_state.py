@@ -23,7 +23,7 @@ from . import sharded
 from .checkpoint import Checkpoint, load_file, load_json
 from .checkpointer import rank_file
 from .sharded import is_sharded_checkpoint, is_sharded_model
-from .weights import load_weights, strip_wrapper_prefixes
+from .weights import adapter_of, check_base, load_weights, saved_state, strip_wrapper_prefixes
 
 log = logging.getLogger("qgtrain")
 
@@ -55,11 +55,12 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
     from ..version import __version__
 
     facts = {"trainer": asdict(state), "precision": precision, "world_size": world_size,
-             "versions": {"qgtrain": __version__, "torch": torch.__version__}}
+             "versions": {"qgtrain": __version__, "torch": torch.__version__},
+             "adapter": adapter_of(model)}
     progress = {"state.json": json.dumps(facts, indent=1).encode()}
     if is_sharded_model(model):  # the weights and optimizer are every rank's shards (sharded.write)
         return progress
-    return {"model.pt": model.state_dict(),
+    return {"model.pt": saved_state(model),
             "optim.pt": {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, **progress}
 
 
@@ -79,6 +80,7 @@ def rank_state(state: TrainState) -> dict[str, Any]:
 def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
             env: DistEnv, seed: int) -> TrainState:
     saved = load_json(ckpt, "state.json")
+    check_base(saved.get("adapter"), model, ckpt.path)  # before any weight is read
     if is_sharded_checkpoint(ckpt) or is_sharded_model(model):
         sharded.load(ckpt, model, optimizer)
     else:

@@ -1,7 +1,9 @@
 """Putting saved weights into a model: wrapper prefixes removed, and a mismatch said in the model's terms.
 
 Checkpoints hold the unwrapped model, but a state dict written elsewhere may carry DDP's `module.` or
-torch.compile's `_orig_mod.` prefixes; both are stripped before loading.
+torch.compile's `_orig_mod.` prefixes; both are stripped before loading. A model with adapters on a
+frozen base (training/adapters.py) is saved and loaded by its trainable weights only: its base comes
+from where it was built, and the checkpoint records which base that was.
 """
 
 from __future__ import annotations
@@ -15,6 +17,40 @@ from torch import nn
 from ..errors import CheckpointError
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+ADAPTER_ATTRIBUTE = "qgtrain_adapter"  # on a model with adapters: {"base": identity, "lora": settings}
+
+
+def adapter_of(model: nn.Module) -> dict[str, Any] | None:
+    return getattr(model, ADAPTER_ATTRIBUTE, None)
+
+
+def saved_state(model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of the model: its state, or an adapted model's trainable weights."""
+    state = model.state_dict()
+    if adapter_of(model) is None:
+        return state
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
+
+
+def check_base(saved: dict[str, Any] | None, model: nn.Module, source: Path) -> None:
+    """A checkpoint of adapters fits only the base they were trained on (and a full one no adapter)."""
+    before, now = (saved or {}).get("base"), (adapter_of(model) or {}).get("base")
+    if before != now:
+        key = "model.pretrained" if "pretrained" in {**(before or {}), **(now or {})} else "model.adapter"
+        raise CheckpointError(f"{key}: {source} was trained on {describe(before)}, this run "
+                              f"has {describe(now)}. HINT: resume on the base it was trained on, or "
+                              "start afresh (checkpoint.resume: never)")
+
+
+def describe(identity: dict[str, Any] | None) -> str:
+    """A base's identity (training/adapters.py base_identity) in a message."""
+    if not identity:
+        return "no adapter (every weight trained)"
+    if "pretrained" in identity:
+        return f"model.pretrained {identity['pretrained']} (weight files {identity['weights'][:12]})"
+    return (f"the model built from {identity['built']} (shapes {identity['shapes'][:12]}) "
+            f"with train.seed {identity['seed']}")
 
 
 def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -29,7 +65,7 @@ def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_weights(model: nn.Module, state: dict[str, Any], source: Path) -> None:
     """Load weights, or say exactly how the checkpoint's model differs from the configured one."""
-    own = model.state_dict()
+    own = saved_state(model)
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
     shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
@@ -40,7 +76,7 @@ def load_weights(model: nn.Module, state: dict[str, Any], source: Path) -> None:
                 ([f"not in the model: {', '.join(extra[:5])}"] if extra else [])
         raise CheckpointError(f"{source} does not fit the configured model: {'; '.join(parts)}. HINT: resume "
                               "with the model settings it was trained with, or set checkpoint.resume: never")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=adapter_of(model) is None)
 
 
 def within_budget(sizes: Iterable[tuple[str, int]], budget: int) -> list[list[str]]:

@@ -37,7 +37,9 @@ def load_pretrained(path: Path) -> nn.Module:
         if problem:
             raise ConfigError(f"model.pretrained: {problem}. HINT: give the folder as save_pretrained wrote it, or "
                               "fix its config.json to describe its weights")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                                   dtype=torch.float32)
+        return model.train()  # from_pretrained gives eval mode, for inference: its dropout would be off
     except (OSError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"model.pretrained: cannot load {path}: {first_line(exc)}") from None
 
@@ -63,3 +65,9 @@ def safetensors_files(folder: Path) -> list[str]:
     if index.is_file():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The files of a saved model that hold its weights: what identifies it without reading them."""
+    return sorted(p.name for p in folder.iterdir()
+                  if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))

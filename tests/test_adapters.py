@@ -1,0 +1,182 @@
+"""LoRA adapters (model.adapter: lora) on a small Llama saved by the test as the pretrained base: two gloo
+ranks train the adapters only; a SIGKILLed run resumes bit for bit; checkpoints hold the adapters, not
+the base; the PEFT adapter export and the merged export compute the same logits; fsdp (with activation
+checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains; a checkpoint
+resumed onto another base, unknown target modules and rank 0 are refused in one line; on the built-in
+GPT-2 (drawn from train.seed) only the merged export is written."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import checkpoint_state, cli, records, wait_for
+from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
+
+STEPS = 16
+# lm_head among the targets: on a random base, only it learns the corpus's bytes within 16 steps
+LORA = ["model.adapter=lora", "model.lora_rank=4", "model.lora_targets=[q_proj, v_proj, lm_head]",
+        "data.corpus_mb=0.1", "data.seq_len=32", "train.batch_size=8", "train.log_every=1", "train.eval_every=2",
+        "train.eval_batches=2", "checkpoint.every_steps=4", "optim.warmup_steps=0", "optim.lr=0.05",
+        "optim.schedule=constant", "logging.tensorboard=false", "model.lora_dropout=0.1"]
+
+
+def save_llama(folder: Path, seed: int) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=256, eos_token_id=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def settings(base: Path, *sets: str) -> list[str]:
+    return [*LORA, f"model.pretrained={base}", f"data.cache_dir={base.parent / 'data'}",
+            f"train.max_steps={STEPS}", *sets]
+
+
+def train(run: Path, sets: list[str]) -> None:
+    from qgtrain.configload import load_config
+
+    cfg = load_config([ROOT / "config.yaml"], sets)
+    assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(run))] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The base, the ddp run, the same run SIGKILLed and resumed, and an fsdp run stopped at step 8 and
+    resumed from its sharded checkpoint."""
+    tmp = tmp_path_factory.mktemp("adapters")
+    base = save_llama(tmp / "base", 0)
+    train(tmp / "ddp", settings(base))
+    train(tmp / "fsdp", settings(base, "train.parallel=fsdp", "train.activation_checkpointing=true",
+                                 "train.max_steps=8"))
+    train(tmp / "fsdp", settings(base, "train.parallel=fsdp", "train.activation_checkpointing=true"))
+    seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
+    kill_at = random.Random(seed).randrange(5, 11)
+    killed = tmp / "killed"
+    args = ["train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(killed), "--set", *settings(base)]
+    procs = start_cli_ranks(2, args, tmp, log_prefix="killed")
+    wait_for(lambda: any(r["step"] >= kill_at for r in records(killed)[-1:]), procs, f"step {kill_at}")
+    kill_ranks(procs)
+    assert not (killed / "checkpoints" / f"step-{STEPS}").exists(), f"killed too late (seed {seed})"
+    assert wait_ranks(start_cli_ranks(2, args, tmp, log_prefix="killed"), 120) == [0, 0]
+    return {"base": base, "ddp": tmp / "ddp", "fsdp": tmp / "fsdp", "killed": killed, "tmp": tmp}
+
+
+def final(run: Path) -> dict[str, torch.Tensor]:
+    return checkpoint_state(run / "checkpoints" / f"step-{STEPS}")
+
+
+def test_lora_trains_the_adapters_only_and_checkpoints_hold_only_them(runs):
+    losses = [r["loss"] for r in records(runs["ddp"]) if "loss" in r]
+    assert len(losses) == STEPS and sum(losses[-4:]) < 0.9 * sum(losses[:4])
+    state = final(runs["ddp"])
+    weights = [k for k in state if k.startswith("model.")]
+    assert len(weights) == 2 * (2 * 2 + 1) and all(".lora_A.default." in k or ".lora_B.default." in k for k in weights)
+    # the optimizer holds the adapters' moments only: nothing else can have moved
+    assert {k.split(".")[1] for k in state if k.startswith("optim.")} == {str(i) for i in range(len(weights))}
+    assert any(state[k].abs().sum() > 0 for k in weights if ".lora_B." in k)
+    ckpt = runs["ddp"] / "checkpoints" / f"step-{STEPS}"
+    held = sum((ckpt / name).stat().st_size for name in ("model.pt", "optim.pt"))
+    assert held * 3 < (runs["base"] / "model.safetensors").stat().st_size
+
+
+def test_sigkill_then_resume_equals_the_uninterrupted_run_bit_for_bit(runs):
+    expected, got = records(runs["ddp"]), records(runs["killed"])
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+    want, have = final(runs["ddp"]), final(runs["killed"])
+    assert want.keys() == have.keys() and all(torch.equal(t, have[k]) for k, t in want.items())
+    assert "resumed from" in (runs["killed"] / "logs" / "rank_0.log").read_text()
+
+
+def test_fsdp_resumed_from_its_shards_trains_the_adapters_ddp_trains(runs):
+    assert (runs["fsdp"] / "checkpoints" / f"step-{STEPS}" / "sharded").is_dir()
+    expected, got = records(runs["ddp"]), records(runs["fsdp"])
+    assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got if "loss" in r] == pytest.approx([r["loss"] for r in expected], rel=1e-4)
+    want, have = final(runs["ddp"]), final(runs["fsdp"])
+    adapters = [k for k in want if k.startswith("model.")]  # the shards hold the adapters, no base
+    assert adapters == [k for k in have if k.startswith("model.")]
+    assert all(torch.allclose(want[k], have[k], atol=1e-4) for k in adapters)
+
+
+def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, ()), (merged, ("--merge",))):
+        done = cli("export", str(runs["ddp"]), "--out", str(out), *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in adapter.iterdir()}
+    tokens = torch.arange(32).unsqueeze(0) * 7 % 257
+    base = transformers.AutoModelForCausalLM.from_pretrained(runs["base"])
+    with torch.no_grad():
+        plain = base(input_ids=tokens).logits
+        peft = PeftModel.from_pretrained(base, adapter).eval()(input_ids=tokens).logits
+        full = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=tokens).logits
+    assert torch.allclose(peft, full, atol=1e-5)
+    assert not torch.allclose(plain, full, atol=1e-3)
+
+
+def test_a_checkpoint_resumed_onto_another_base_is_refused(runs, tmp_path):
+    other = save_llama(tmp_path / "other", 1)
+    run = tmp_path / "run"
+    shutil.copytree(runs["ddp"], run)
+    done = cli("train", "--run-dir", str(run), "--set", *settings(other), cwd=tmp_path)
+    assert done.returncode == 2
+    said = done.stderr.strip().splitlines()[-1]
+    assert str(runs["base"]) in said and str(other) in said
+
+
+def test_unknown_targets_and_rank_0_are_refused(runs, tmp_path):
+    done = cli("train", "--run-dir", str(tmp_path / "run"), "--set",
+               *settings(runs["base"], "model.lora_targets=[q_proj, qkv]"), cwd=tmp_path)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "model.lora_targets" in said and "qkv" in said
+    assert all(name in said for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
+    done = cli("train", "--run-dir", str(tmp_path / "run"), "--set", *settings(runs["base"], "model.lora_rank=0"),
+               cwd=tmp_path)
+    assert done.returncode == 2 and "model.lora_rank" in done.stderr.strip().splitlines()[-1]
+
+
+def test_a_built_in_base_exports_merged_only_and_a_model_without_defaults_needs_targets(tmp_path):
+    """The built-in GPT-2 (peft's default target c_attn) trains from train.seed; its adapters name no
+    loadable base, so only --merge exports, and the merged model loads with transformers alone."""
+    import transformers
+
+    from qgtrain.errors import ConfigError, QgtrainError
+    from qgtrain.ops.export import export_run
+    from qgtrain.training.adapters import apply_adapter
+    from tests.helpers import tiny_config
+
+    run = tmp_path / "run"
+    sets = ["model.adapter=lora", "model.layers=2", "model.heads=2", "model.hidden=32", "data.name=synthetic",
+            "data.seq_len=16", "train.batch_size=4", "train.max_steps=4", "logging.tensorboard=false"]
+    assert cli("train", "--run-dir", str(run), "--set", *sets, cwd=tmp_path).returncode == 0
+    assert sorted({k.split(".lora_")[0].rpartition(".")[2] for k in final_keys(run)}) == ["c_attn"]
+    with pytest.raises(QgtrainError, match="HINT: export the merged model with --merge"):
+        export_run(run, tmp_path / "adapter")
+    assert export_run(run, tmp_path / "merged", merge=True).kind == "merged"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "GPT2LMHeadModel" and not any("lora" in n for n in merged.state_dict())
+    from tests.factories import tiny
+
+    with pytest.raises(ConfigError, match=r"model\.lora_targets: .* name the modules to adapt"):
+        apply_adapter(tiny(257, 16), tiny_config("model.adapter=lora"))
+
+
+def final_keys(run: Path) -> list[str]:
+    last = max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return list(torch.load(last / "model.pt", weights_only=True))
