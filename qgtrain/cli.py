@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(metavar="COMMAND")
     _training_commands(sub)
+    _job_commands(sub)
     _operations_commands(sub)
     return parser
 
@@ -91,6 +92,9 @@ def _training_commands(sub: Any) -> None:
     recover.add_argument("--run-dir", type=Path, help="the run directory (default: the config's)")
     recover.set_defaults(func=commands.recover)
 
+
+def _job_commands(sub: Any) -> None:
+    """snapshot, next-stage: what a batch script runs around training (no torch)."""
     snap = sub.add_parser("snapshot", help="(train.slurm, at each start) take the job's code snapshot once; "
                           "print its folder, PYTHONPATH and config")
     _config_args(snap)
@@ -102,6 +106,7 @@ def _training_commands(sub: Any) -> None:
     after.add_argument("chain", type=Path, help="the chain's folder, <first run dir>/stages")
     after.add_argument("--after", type=int, required=True, help="the stage that ended")
     after.add_argument("--exit-code", type=int, required=True, help="its training steps' exit status")
+    after.add_argument("--job", default="", help="the job that ended (recorded with the claim)")
     after.set_defaults(func=commands.next_stage)
 
 

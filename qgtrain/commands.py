@@ -111,7 +111,7 @@ def snapshot(args: argparse.Namespace) -> int:
 def next_stage(args: argparse.Namespace) -> int:
     from .launch.stages import next_stage as after_stage
 
-    print(f"qgtrain: {after_stage(args.chain, args.after, args.exit_code)}", file=sys.stderr)
+    print(f"qgtrain: {after_stage(args.chain, args.after, args.exit_code, args.job)}", file=sys.stderr)
     return 0
 
 
@@ -162,15 +162,16 @@ def recover(args: argparse.Namespace) -> int:
 
 
 def runs(args: argparse.Namespace) -> int:
+    from .launch.stages import chains
     from .launch.sweep import swept_values
-    from .ops.runs import as_json, as_table, chains, find_runs, summarize
+    from .ops.runs import as_json, as_table, find_runs, shown, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
     swept = swept_values(folder)
     rows = [summarize(run, swept.get(run.name, {})) for run in find_runs(folder)]
     print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
     if not args.json and (stages := chains(folder)):
-        print("\n".join(stages))
+        print("\n".join(map(shown, stages)))
     return 0
 
 

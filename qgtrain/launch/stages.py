@@ -89,10 +89,18 @@ def _check_weights(before: Stage, stage: Stage) -> None:
 
 
 def epilogue(folder: Path, index: int) -> str:
-    """The batch script's lines after training: hand the outcome to `qgtrain next-stage`."""
+    """The batch script's lines after training: hand the outcome to `qgtrain next-stage`, in a shell
+    without this job's Slurm variables (srun in the next job would read its SLURM_CPUS_PER_TASK, ...):
+    the next job is submitted as if from the submit directory by hand."""
     quoted = str(folder).replace("'", "'\\''")
-    return (f"\"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} --exit-code \"$status\" "
-            "|| true\n")
+    return ("(  # the next stage, if this one finished\n"
+            '    claimed_by="${SLURM_JOB_ID:-}"\n'
+            '    for name in "${!SLURM_@}" "${!SBATCH_@}" "${!SRUN_@}"; do\n'
+            '        [ "$name" = SLURM_CONF ] || unset "$name"\n'
+            "    done\n"
+            f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} --exit-code \"$status\" "
+            '--job "$claimed_by"\n'
+            ") || true\n")
 
 
 def submit_chain(stages: list[Stage], submit_dir: Path, run: Runner = subprocess.run) -> tuple[str, Path]:
@@ -122,7 +130,7 @@ def submit_chain(stages: list[Stage], submit_dir: Path, run: Runner = subprocess
     return job_id, folder
 
 
-def next_stage(folder: Path, index: int, exit_code: int, run: Runner = subprocess.run) -> str:
+def next_stage(folder: Path, index: int, exit_code: int, job: str = "", run: Runner = subprocess.run) -> str:
     """After stage `index`'s last training step: submit the next stage if its training finished, record
     why not if it failed for good, wait (do nothing) if it was requeued. Returns what to print."""
     chain = json.loads((folder / CHAIN).read_text())
@@ -132,7 +140,7 @@ def next_stage(folder: Path, index: int, exit_code: int, run: Runner = subproces
     status = rundir.read_status(Path(stages[index - 1]["run_dir"]))
     state = str(status.get("status", "unknown"))
     if exit_code == 0 and state in FINISHED:
-        return _submit_once(folder, index + 1, Path(chain["submit_dir"]), run)
+        return _submit_once(folder, index + 1, Path(chain["submit_dir"]), job, run)
     reason = why_not(index, exit_code, status)
     if reason is None:
         return f"stage {index} goes on after its requeue; stage {index + 1} waits for it"
@@ -154,23 +162,20 @@ def why_not(index: int, exit_code: int, status: dict[str, object]) -> str | None
     return f"stage {index} ended with exit {exit_code} ({state}{': ' + str(error) if error else ''})"
 
 
-def _submit_once(folder: Path, index: int, submit_dir: Path, run: Runner) -> str:
+def _submit_once(folder: Path, index: int, submit_dir: Path, job: str, run: Runner) -> str:
     claim = folder / f"{index}.submitted"
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return f"stage {index} was submitted before: {claim.read_text().strip()}"
     with os.fdopen(fd, "w") as out:
-        out.write(json.dumps({"job_id": None, "claimed_by": os.environ.get("SLURM_JOB_ID"), "time": time.time()}))
-    # the new job is the user's, as if submitted from the submit directory: none of this job's settings
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))
-           or k == "SLURM_CONF"}
+        out.write(json.dumps({"job_id": None, "claimed_by": job, "time": time.time()}))
     try:
-        job_id = submit(folder / f"stage-{index}.sbatch", functools.partial(run, cwd=submit_dir, env=env))
+        job_id = submit(folder / f"stage-{index}.sbatch", functools.partial(run, cwd=submit_dir))
     except SubmissionError as exc:
         write_atomic(folder / f"{index}.not-submitted", json.dumps({"reason": str(exc), "time": time.time()}))
         return f"stage {index} not submitted: {exc}"
-    write_atomic(claim, json.dumps({"job_id": job_id, "time": time.time()}))
+    write_atomic(claim, json.dumps({"job_id": job_id, "claimed_by": job, "time": time.time()}))
     return f"submitted stage {index} as job {job_id}"
 
 
@@ -188,6 +193,18 @@ def describe(folder: Path) -> list[str]:
         else:
             where = "waits for the stage before"
         lines.append(f"stage {index}/{len(chain['stages'])} {stage['run_name']}: {where}")
+    return lines
+
+
+def chains(root: Path) -> list[str]:
+    """Where each chain of stages under root stands, one line per stage (`qgtrain runs`)."""
+    lines = []
+    for chain in sorted(root.glob(f"*/stages/{CHAIN}")):
+        name = chain.parent.parent.name
+        try:
+            lines += [f"chain {name}: {line}" for line in describe(chain.parent)]
+        except (OSError, ValueError, KeyError, TypeError):
+            lines.append(f"chain {name}: {chain} cannot be read")
     return lines
 
 

@@ -71,19 +71,6 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         error=str(status["error"]) if status.get("error") else None, swept=swept or {})
 
 
-def chains(root: Path) -> list[str]:
-    """Where each chain of stages under root stands (`qgtrain submit --then`), one line per stage."""
-    from ..launch.stages import CHAIN, describe
-
-    lines = []
-    for chain in sorted(root.glob(f"*/stages/{CHAIN}")):
-        try:
-            lines += [f"chain {shown(chain.parent.parent.name)}: {shown(line)}" for line in describe(chain.parent)]
-        except (OSError, ValueError, KeyError, TypeError):
-            lines.append(f"chain {shown(chain.parent.parent.name)}: unreadable {chain}")
-    return lines
-
-
 def _failures(status: dict[str, object]) -> list[str]:
     recorded = status.get("failures")
     described = []
