@@ -205,3 +205,15 @@ def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records
     script = (chain / "stage-2.sbatch").read_text()
     assert f"qgtrain next-stage '{chain}' --after 2" in script and "cd " + str(folder / "runs") in script
     assert "next-stage" not in (chain / "stage-3.sbatch").read_text(), "the last stage submits nothing"
+
+
+def test_submitit_jobs_and_sweeps_run_from_the_snapshot_too(tmp_path):
+    folder = submit_dir(tmp_path)
+    digest = codesnap.digest(codesnap.collect(folder, (folder / "runs", folder / "jobs" / "out")))
+    shown = cli("submit", "--launcher", "submitit", "--dry-run", "--config", "config.yaml", cwd=folder)
+    setup = json.loads(shown.stdout)["slurm_setup"]
+    assert f"cd {folder}/runs/demo/code/{digest}/submit || exit 1  # the code as submitted (slurm.snapshot)" \
+        in setup, setup
+    swept = cli("submit", "--dry-run", "--config", "config.yaml", "--sweep", "train.seed=1,2", cwd=folder)
+    assert f"cd {folder}/runs/.sweeps/demo/code/{digest}/submit || exit 1" in swept.stdout, swept.stderr
+    assert not (folder / "runs" / ".sweeps").exists()

@@ -97,9 +97,12 @@ def _plain_files(folder: Path) -> list[str]:
 
 
 def _walk(folder: Path) -> list[Path]:
+    """Files below `folder`, leaving out hidden folders (.git, .venv), caches and runs (a run's json
+    files are no code, and a run elsewhere than logging.runs_dir is still a run)."""
     found = []
     for parent, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS
+                         and not Path(parent, d, "run.json").exists())
         found += [Path(parent, name) for name in sorted(files)]
     return found
 

@@ -138,9 +138,12 @@ def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
 
 def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
     """What `qgtrain submit --launcher submitit --dry-run` shows: the parameters, and Python's command."""
-    python = container_python(cfg)
-    recover_args = _recover_args(cfg, default_run_dir(cfg).resolve())
-    return {**executor_parameters(cfg, recover_args=recover_args), **({"slurm_python": python} if python else {})}
+    from .runfrom import planned
+
+    python, target = container_python(cfg), default_run_dir(cfg).resolve()
+    code = planned(cfg, Path.cwd(), target / "code") if snapshots(cfg.slurm) else None
+    return {**executor_parameters(cfg, recover_args=_recover_args(cfg, target), code=code),
+            **({"slurm_python": python} if python else {})}
 
 
 def executor_parameters(cfg: RunConfig, workdir: str | None = None, recover_args: str | None = None,
