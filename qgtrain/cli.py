@@ -107,6 +107,8 @@ def _job_commands(sub: Any) -> None:
     after.add_argument("--after", type=int, required=True, help="the stage that ended")
     after.add_argument("--exit-code", type=int, required=True, help="its training steps' exit status")
     after.add_argument("--job", default="", help="the job that ended (recorded with the claim)")
+    after.add_argument("--chain-id", default="", help="the chain the job belongs to (a chain submitted again "
+                       "replaces it)")
     after.set_defaults(func=commands.next_stage)
 
 

@@ -87,7 +87,8 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
         from .launch.sbatch import render
 
         sys.stdout.write(render(cfg.slurm, str(run_dir / "slurm" / "config.yaml"),
-                                code=_planned_code(cfg, run_dir), after=stages.epilogue(run_dir / "stages", 1)))
+                                code=_planned_code(cfg, run_dir),
+                                after=stages.epilogue(run_dir / "stages", 1, "CHAIN-ID")))
         sys.stdout.write("".join(f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n"
                                  for s in planned))
         return 0
@@ -111,7 +112,7 @@ def snapshot(args: argparse.Namespace) -> int:
 def next_stage(args: argparse.Namespace) -> int:
     from .launch.stages import next_stage as after_stage
 
-    print(f"qgtrain: {after_stage(args.chain, args.after, args.exit_code, args.job)}", file=sys.stderr)
+    print(f"qgtrain: {after_stage(args.chain, args.after, args.exit_code, args.job, args.chain_id)}", file=sys.stderr)
     return 0
 
 

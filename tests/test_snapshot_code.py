@@ -217,3 +217,28 @@ def test_submitit_jobs_and_sweeps_run_from_the_snapshot_too(tmp_path):
     swept = cli("submit", "--dry-run", "--config", "config.yaml", "--sweep", "train.seed=1,2", cwd=folder)
     assert f"cd {folder}/runs/.sweeps/demo/code/{digest}/submit || exit 1" in swept.stdout, swept.stderr
     assert not (folder / "runs" / ".sweeps").exists()
+
+
+def test_a_chain_submitted_again_sets_the_earlier_one_aside_and_its_jobs_submit_nothing(tmp_path):
+    folder = submit_dir(tmp_path)
+    env = fake_sbatch(tmp_path)
+    (folder / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
+    args = ["submit", "--config", "config.yaml", "--then", "more.yaml"]
+    shown = cli(*args, "--dry-run", cwd=folder, env=env)
+    assert "--after 1 --exit-code \"$status\" --job \"$claimed_by\" --chain-id CHAIN-ID" in shown.stdout
+    assert shown.stdout.endswith("# stage 1: run demo from the first stage's config\n"
+                                 "# stage 2: run demo-stage2 from more.yaml\n")
+    assert cli(*args, cwd=folder, env=env).returncode == 0
+    chain = folder / "runs" / "demo" / "stages"
+    old = json.loads((chain / "chain.json").read_text())["id"]
+    assert cli(*args, cwd=folder, env=env).returncode == 0
+    assert (chain / "earlier" / old / "1.submitted").is_file()
+    (folder / "runs" / "demo" / "status.json").write_text(json.dumps({"status": "finished"}))
+    said = cli("next-stage", str(chain), "--after", "1", "--exit-code", "0", "--chain-id", old, cwd=folder,
+               env=env)
+    assert f"this job's chain {old} was replaced by chain" in said.stderr
+    assert not (chain / "2.submitted").exists()
+    (chain / "2.submitted").write_text(json.dumps({"job_id": None, "claimed_by": "77"}))
+    assert stages.describe(chain)[1] == (
+        "stage 2/2 demo-stage2: claimed by job 77 but never confirmed (that job ended before sbatch answered): "
+        f"see squeue, or submit it by hand: cd {folder} && sbatch {chain / 'stage-2.sbatch'}")

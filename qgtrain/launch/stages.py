@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def _check_weights(before: Stage, stage: Stage) -> None:
                           f"{before.index}")
 
 
-def epilogue(folder: Path, index: int) -> str:
+def epilogue(folder: Path, index: int, chain_id: str) -> str:
     """The batch script's lines after training: hand the outcome to `qgtrain next-stage`, in a shell
     without this job's Slurm variables (srun in the next job would read its SLURM_CPUS_PER_TASK, ...):
     the next job is submitted as if from the submit directory by hand."""
@@ -99,7 +100,7 @@ def epilogue(folder: Path, index: int) -> str:
             '        [ "$name" = SLURM_CONF ] || unset "$name"\n'
             "    done\n"
             f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} --exit-code \"$status\" "
-            '--job "$claimed_by"\n'
+            f'--job "$claimed_by" --chain-id {chain_id}\n'
             ") || true\n")
 
 
@@ -111,29 +112,46 @@ def submit_chain(stages: list[Stage], submit_dir: Path, run: Runner = subprocess
     first = stages[0].cfg
     first_dir = default_run_dir(first).resolve()
     code = snapshot(first, submit_dir, first_dir / "code") if snapshots(first.slurm) else None
-    folder = first_dir / "stages"
+    folder, chain_id = first_dir / "stages", uuid.uuid4().hex[:8]
     rundir.create(first_dir, first.logging.shared)
     folder.mkdir(exist_ok=True)
+    _set_aside(folder)
     for stage in stages[1:]:
         cfg = job_config(stage.cfg, submit_dir, code) if code else stage.cfg
         config = folder / f"stage-{stage.index}.yaml"
         config.write_text(dump_yaml(cfg))
-        after = epilogue(folder, stage.index) if stage.index < len(stages) else ""
+        after = epilogue(folder, stage.index, chain_id) if stage.index < len(stages) else ""
         (folder / f"stage-{stage.index}.sbatch").write_text(
             render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after))
-    record = {"submit_dir": str(submit_dir.resolve()), "created": time.time(),
+    record = {"id": chain_id, "submit_dir": str(submit_dir.resolve()), "created": time.time(),
               "stages": [{"stage": s.index, "source": s.source, "run_name": s.cfg.train.run_name,
                           "run_dir": str(default_run_dir(s.cfg).resolve())} for s in stages]}
     write_atomic(folder / CHAIN, json.dumps(record, indent=1))
-    job_id = submit_config(first, first_dir / "slurm", run, after=epilogue(folder, 1), code=code)
+    job_id = submit_config(first, first_dir / "slurm", run, after=epilogue(folder, 1, chain_id), code=code)
     write_atomic(folder / "1.submitted", json.dumps({"job_id": job_id, "time": time.time()}))
     return job_id, folder
 
 
-def next_stage(folder: Path, index: int, exit_code: int, job: str = "", run: Runner = subprocess.run) -> str:
+def _set_aside(folder: Path) -> None:
+    """An earlier chain of the same first run, submitted again: its records go to earlier/<its id>/, and
+    its jobs still queued find their chain replaced (next_stage) instead of submitting this one's stages."""
+    earlier = _read(folder / CHAIN)
+    if earlier is None:
+        return
+    kept = folder / "earlier" / str(earlier.get("id", "unknown"))
+    kept.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        if entry.name != "earlier":
+            entry.rename(kept / entry.name)
+
+
+def next_stage(folder: Path, index: int, exit_code: int, job: str = "", chain_id: str = "",
+               run: Runner = subprocess.run) -> str:
     """After stage `index`'s last training step: submit the next stage if its training finished, record
     why not if it failed for good, wait (do nothing) if it was requeued. Returns what to print."""
     chain = json.loads((folder / CHAIN).read_text())
+    if chain_id and chain.get("id") != chain_id:
+        return f"this job's chain {chain_id} was replaced by chain {chain.get('id')}; nothing submitted"
     stages = chain["stages"]
     if index >= len(stages):
         return f"stage {index} was the chain's last"
@@ -188,6 +206,10 @@ def describe(folder: Path) -> list[str]:
         submitted, refused = _read(folder / f"{index}.submitted"), _read(folder / f"{index}.not-submitted")
         if refused:
             where = f"not submitted: {refused.get('reason')}"
+        elif submitted and submitted.get("job_id") is None:
+            where = (f"claimed by job {submitted.get('claimed_by')} but never confirmed (that job ended before "
+                     f"sbatch answered): see squeue, or submit it by hand: cd {chain['submit_dir']} && sbatch "
+                     f"{folder / f'stage-{index}.sbatch'}")
         elif submitted:
             where = f"job {submitted.get('job_id')}: {rundir.read_status(run).get('status', 'queued')}"
         else:
