@@ -59,8 +59,8 @@ def _training_commands(sub: Any) -> None:
                         help="one job array, a task per combination of the swept values (repeat for more keys)")
     submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
     submit.add_argument("--then", action="append", default=[], type=Path, metavar="FILE",
-                        help="a next stage: the first stage's config with FILE on top, submitted when the "
-                             "stage before finishes (repeat for more stages)")
+                        help="a next stage: the first stage's config with FILE on top, "
+                             "submitted when the stage before finishes (repeat for more stages)")
     submit.set_defaults(func=commands.submit)
 
     export = sub.add_parser("export", help="write a checkpoint's model to a folder: safetensors weights, "
@@ -95,20 +95,21 @@ def _training_commands(sub: Any) -> None:
 
 def _job_commands(sub: Any) -> None:
     """snapshot, next-stage: what a batch script runs around training (no torch)."""
-    snap = sub.add_parser("snapshot", help="(train.slurm, at each start) take the job's code snapshot once; "
-                          "print its folder, PYTHONPATH and config")
+    snap = sub.add_parser("snapshot", help="(train.slurm, at each start) take the job's code "
+                          "snapshot once; print its folder, PYTHONPATH and config")
     _config_args(snap)
     snap.add_argument("--job", default="", help="the Slurm job id (array jobs: <id>_<task>)")
     snap.set_defaults(func=commands.snapshot)
 
-    after = sub.add_parser("next-stage", help="(a stage's batch script, after training) submit the next stage "
-                           "if this one finished, or record why not")
+    after = sub.add_parser("next-stage", help="(a stage's batch script, after training) submit "
+                           "the next stage if this one finished, or record why not")
     after.add_argument("chain", type=Path, help="the chain's folder, <first run dir>/stages")
     after.add_argument("--after", type=int, required=True, help="the stage that ended")
-    after.add_argument("--exit-code", type=int, required=True, help="its training steps' exit status")
+    after.add_argument("--exit-code", type=int, required=True,
+                       help="its training steps' exit status")
     after.add_argument("--job", default="", help="the job that ended (recorded with the claim)")
-    after.add_argument("--chain-id", default="", help="the chain the job belongs to (a chain submitted again "
-                       "replaces it)")
+    after.add_argument("--chain-id", default="", help="the chain the job belongs to (a chain "
+                       "submitted again replaces it)")
     after.set_defaults(func=commands.next_stage)
 
 

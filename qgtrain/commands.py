@@ -50,7 +50,8 @@ def submit(args: argparse.Namespace) -> int:
         print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
         return 0
     if args.dry_run:
-        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=_planned_code(cfg, run_dir)))
+        code = _planned_code(cfg, run_dir)
+        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=code))
         return 0
     job_id = submit_config(cfg, job_dir)
     print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
@@ -63,7 +64,9 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
     from .launch.runfrom import planned, shell_lines
     from .launch.sbatch import snapshots
 
-    return shell_lines(planned(cfg, Path.cwd(), run_dir / "code")) if snapshots(cfg.slurm) else None
+    if not snapshots(cfg.slurm):
+        return None
+    return shell_lines(planned(cfg, Path.cwd(), run_dir / "code"))
 
 
 def _code_note(run_dir: Path) -> str:
@@ -79,8 +82,8 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     from .state.rundir import default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
-        raise ConfigError("--then: stages are submitted with the sbatch launcher, one run per stage; leave out "
-                          "--sweep, --max-parallel and --launcher submitit")
+        raise ConfigError("--then: stages are submitted with the sbatch launcher, one run per "
+                          "stage; leave out --sweep, --max-parallel and --launcher submitit")
     planned = stages.plan(cfg, args.then)
     if args.dry_run:
         run_dir = default_run_dir(cfg).resolve()
@@ -93,8 +96,9 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
                                  for s in planned))
         return 0
     job_id, folder = stages.submit_chain(planned, Path.cwd())
-    print(f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted when the one "
-          f"before finishes; runs {', '.join(s.cfg.train.run_name for s in planned)}; chain in {folder}"
+    names = ", ".join(s.cfg.train.run_name for s in planned)
+    print(f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted "
+          f"when the one before finishes; runs {names}; chain in {folder}"
           f"{_code_note(folder.parent)}")
     return 0
 
@@ -112,7 +116,8 @@ def snapshot(args: argparse.Namespace) -> int:
 def next_stage(args: argparse.Namespace) -> int:
     from .launch.stages import next_stage as after_stage
 
-    print(f"qgtrain: {after_stage(args.chain, args.after, args.exit_code, args.job, args.chain_id)}", file=sys.stderr)
+    said = after_stage(args.chain, args.after, args.exit_code, args.job, args.chain_id)
+    print(f"qgtrain: {said}", file=sys.stderr)
     return 0
 
 

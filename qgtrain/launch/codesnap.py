@@ -1,10 +1,11 @@
-"""The code a job runs: a copy of the submit directory and of qgtrain, taken when the job is submitted.
+"""The code a job runs: a copy of the submit directory and of qgtrain, taken when the job is
+submitted.
 
 A job waits in the queue, and is requeued after preemptions, while its user edits the task module or
-qgtrain itself; each attempt would otherwise run whatever is on disk when it starts. The copy lives in
-`<run dir>/code/<hash>/` (`submit/`: the submit directory's files; `lib/qgtrain/`: the package;
-`snapshot.json`: the git commit, the diff and the hash). It is content-addressed: submitting unchanged
-code again finds the folder and copies nothing. No torch here.
+qgtrain itself; each attempt would otherwise run whatever is on disk when it starts. The copy lives
+in `<run dir>/code/<hash>/` (`submit/`: the submit directory's files; `lib/qgtrain/`: the package;
+`snapshot.json`: the git commit, the diff and the hash). It is content-addressed: submitting
+unchanged code again finds the folder and copies nothing. No torch here.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def package_dir() -> Path:
 
 
 def collect(submit_dir: Path, leave_out: tuple[Path, ...] = ()) -> Files:
-    """The submit directory's files (with git: tracked and untracked-but-not-ignored ones; without: the
-    Python, YAML, shell, JSON and TOML files below it) and qgtrain's. Folders in `leave_out` (the runs,
-    Slurm's output) are never code, even when no .gitignore says so."""
+    """The submit directory's files (with git: tracked and untracked-but-not-ignored ones; without:
+    the Python, YAML, shell, JSON and TOML files below it) and qgtrain's. Folders in `leave_out`
+    (the runs, Slurm's output) are never code, even when no .gitignore says so."""
     submit_dir = submit_dir.resolve()
     listed = _git_files(submit_dir)
     names = listed if listed is not None else _plain_files(submit_dir)
@@ -89,11 +90,13 @@ def _git_files(folder: Path) -> list[str] | None:
         return None
     if done.returncode != 0:
         return None
-    return sorted({name for name in done.stdout.decode(errors="surrogateescape").split("\0") if name})
+    listed = done.stdout.decode(errors="surrogateescape").split("\0")
+    return sorted({name for name in listed if name})
 
 
 def _plain_files(folder: Path) -> list[str]:
-    return [str(path.relative_to(folder)) for path in _walk(folder) if path.suffix in KINDS_WITHOUT_GIT]
+    return [str(path.relative_to(folder)) for path in _walk(folder)
+            if path.suffix in KINDS_WITHOUT_GIT]
 
 
 def _walk(folder: Path) -> list[Path]:
@@ -117,15 +120,16 @@ def digest(files: Files) -> str:
 
 
 def check_size(files: Files, max_mb: float) -> int:
-    """The snapshot's size in bytes; refused (naming the largest files) above slurm.snapshot_max_mb."""
+    """The snapshot's size in bytes; refused (naming the largest files) above
+    slurm.snapshot_max_mb."""
     sizes = sorted(((path.stat().st_size, name) for name, path in files.entries), reverse=True)
     total = sum(size for size, _ in sizes)
     if total > max_mb * 1e6:
         largest = ", ".join(f"{name.partition('/')[2]} ({_mb(size)})" for size, name in sizes[:3])
-        raise ConfigError(f"slurm.snapshot_max_mb: the code snapshot would be {_mb(total)}, over the "
-                          f"cap of {max_mb:g} MB; largest: {largest}. HINT: list data and outputs in "
-                          ".gitignore or move them out of the submit directory, raise "
-                          "slurm.snapshot_max_mb, or set slurm.snapshot: false")
+        raise ConfigError(f"slurm.snapshot_max_mb: the code snapshot would be {_mb(total)}, "
+                          f"over the cap of {max_mb:g} MB; largest: {largest}. HINT: list data "
+                          "and outputs in .gitignore or move them out of the submit directory, "
+                          "raise slurm.snapshot_max_mb, or set slurm.snapshot: false")
     return total
 
 
@@ -137,7 +141,8 @@ def take(submit_dir: Path, code_dir: Path, max_mb: float, leave_out: tuple[Path,
          shared: bool = False) -> Code:
     """The snapshot of `submit_dir` under `code_dir` (<run dir>/code): found by its hash, or copied
     there (into a temporary folder renamed into place, so a half copy is never used). The size is
-    checked before anything is written; the run directory is made as a run makes it (rundir.create)."""
+    checked before anything is written; the run directory is made as a run makes it
+    (rundir.create)."""
     files = collect(submit_dir, leave_out)
     size = check_size(files, max_mb)
     name = digest(files)
@@ -163,8 +168,8 @@ def _git_state(folder: Path) -> dict[str, object]:
     """The commit and `git diff HEAD` (capped) the snapshot was taken from; empty outside git."""
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=60,
-                                  errors="replace")
+            done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
+                                  timeout=60, errors="replace")
         except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout if done.returncode == 0 else None
@@ -173,7 +178,8 @@ def _git_state(folder: Path) -> dict[str, object]:
     if commit is None:
         return {}
     diff = git("diff", "HEAD") or ""
-    return {"commit": commit.strip(), "diff": diff[:DIFF_CAP], "diff_truncated": len(diff) > DIFF_CAP}
+    return {"commit": commit.strip(), "diff": diff[:DIFF_CAP],
+            "diff_truncated": len(diff) > DIFF_CAP}
 
 
 def read_record(code: Path) -> dict[str, object]:

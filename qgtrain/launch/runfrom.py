@@ -1,12 +1,13 @@
-"""Running a job from its code snapshot: the config it trains with, and the shell lines that move it there.
+"""Running a job from its code snapshot: the config it trains with, and the shell lines that move it
+there.
 
 The job's working directory is the snapshot's copy of the submit directory (Python puts the working
 directory first on sys.path under `python -m`, so the live copy can never shadow the snapshot) and
-PYTHONPATH starts with the snapshot's qgtrain and submit directory. What the config names relative to
-the submit directory (runs, data, caches, exports, pretrained models) is made absolute against it at
-submit, so it still means the same files; a factory given as a file in the submit directory is pointed
-at the snapshot's copy. The job's config is written whole at submit, so an edited config file changes
-nothing after that either. No torch here.
+PYTHONPATH starts with the snapshot's qgtrain and submit directory. What the config names relative
+to the submit directory (runs, data, caches, exports, pretrained models) is made absolute against it
+at submit, so it still means the same files; a factory given as a file in the submit directory is
+pointed at the snapshot's copy. The job's config is written whole at submit, so an edited config
+file changes nothing after that either. No torch here.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from ..state.rundir import default_run_dir
 from .codesnap import Code, check_size, collect, digest, take
 from .sbatch import snapshots
 
-ALWAYS_PATHS = ("logging.runs_dir", "data.cache_dir", "export.dir", "slurm.output_dir", "model.pretrained")
-KEYWORDS = {"data.corpus": ("stdlib",), "data.tokenizer": ("byte",), "checkpoint.resume": ("auto", "never")}
+ALWAYS_PATHS = ("logging.runs_dir", "data.cache_dir", "export.dir", "slurm.output_dir",
+                "model.pretrained")
+KEYWORDS = {"data.corpus": ("stdlib",), "data.tokenizer": ("byte",),
+            "checkpoint.resume": ("auto", "never")}
 PATH_LISTS = ("data.files", "data.val_files", "data.test_files")
 _FACTORY = re.compile(r"(/.+\.py):([A-Za-z_][A-Za-z0-9_.]*)")
 
@@ -36,7 +39,8 @@ def leave_out(cfg: RunConfig, submit_dir: Path) -> tuple[Path, ...]:
 
 
 def planned(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
-    """Where the snapshot would be, its size checked, nothing copied (`qgtrain submit --dry-run`)."""
+    """Where the snapshot would be, its size checked, nothing copied (`qgtrain submit
+    --dry-run`)."""
     files = collect(submit_dir, leave_out(cfg, submit_dir))
     check_size(files, cfg.slurm.snapshot_max_mb)
     name = digest(files)
@@ -82,7 +86,8 @@ def _moved_factories(values: Any, submit_dir: Path, code: Code) -> Any:
 
 def shell_lines(code: Code) -> str:
     """What a batch script runs before its first srun to run from `code`."""
-    return (f"cd {shlex.quote(str(code.workdir))} || exit 1  # the code as submitted (slurm.snapshot)\n"
+    return (f"cd {shlex.quote(str(code.workdir))} || exit 1"
+            "  # the code as submitted (slurm.snapshot)\n"
             f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n')
 
 
@@ -103,12 +108,14 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     config = record.with_suffix(".yaml")
     record.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(config, dump_yaml(job_config(cfg, submit_dir, code)))
-    write_atomic(record, json.dumps({"code": str(code.folder), "hash": code.digest, "config": str(config)}))
+    write_atomic(record, json.dumps({"code": str(code.folder), "hash": code.digest,
+                                     "config": str(config)}))
     return code, config
 
 
 def job_config_paths(cfg: RunConfig, submit_dir: Path) -> RunConfig:
-    """Only the run directory's place, anchored: enough to find a job's record before any snapshot."""
+    """Only the run directory's place, anchored: enough to find a job's record before any
+    snapshot."""
     runs = Path(cfg.logging.runs_dir)
     if runs.is_absolute():
         return cfg

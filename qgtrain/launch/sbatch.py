@@ -43,11 +43,13 @@ if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=$PWD/.ve
 IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
 HOST_PYTHON=${QGTRAIN_HOST_PYTHON:-python3}  # here, for `qgtrain recover` after a failed step
 if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=$PWD/.venv/bin/python; fi"""
-FIRST_START_SNAPSHOT = """job_id="${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}"
+FIRST_START_SNAPSHOT = """job_id=${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}
+job_id=$job_id${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
 # every attempt, requeues too, runs the code as it was at the job's first start (slurm.snapshot)
 code=$("$RECOVER_PYTHON" -m qgtrain snapshot "${args[@]}" --job "$job_id") || {
     [ "$?" = 2 ] && exit 2
-    echo "qgtrain: no code snapshot (qgtrain snapshot failed); running the code on disk" >&2; code=; }
+    echo "qgtrain: no code snapshot (qgtrain snapshot failed); running the code on disk" >&2
+    code=; }
 if [ -n "$code" ]; then
     { read -r workdir; read -r pythonpath; read -r config; } <<< "$code"
     cd "$workdir" || exit 1
@@ -109,8 +111,8 @@ def _validate_container(slurm: SlurmConfig) -> None:
 
 
 def snapshots(slurm: SlurmConfig) -> bool:
-    """Whether jobs run from a code snapshot: slurm.snapshot, on the host (an image brings its own code,
-    and mounts only the working directory)."""
+    """Whether jobs run from a code snapshot: slurm.snapshot, on the host (an image brings its own
+    code, and mounts only the working directory)."""
     return slurm.snapshot and not (slurm.container_image or slurm.apptainer_image)
 
 
@@ -132,13 +134,14 @@ def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
 
 
 
-def render(slurm: SlurmConfig, config_path: str, array: str | None = None, code: str | None = None,
-           after: str = "") -> str:
+def render(slurm: SlurmConfig, config_path: str, array: str | None = None,
+           code: str | None = None, after: str = "") -> str:
     """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another. With
     `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml.
-    `code`: the lines that move the job into its code snapshot (runfrom.shell_lines), taken at submit;
-    without them, with slurm.snapshot, the script takes one at its first start. `after`: lines run once
-    the training steps are over, with their exit code in $status (the next stage of a chain)."""
+    `code`: the lines that move the job into its code snapshot (runfrom.shell_lines), taken at
+    submit; without them, with slurm.snapshot, the script takes one at its first start. `after`:
+    lines run once the training steps are over, with their exit code in $status (the next stage of
+    a chain)."""
     validate(slurm)
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
@@ -208,8 +211,8 @@ def retry_steps(max_restarts: int) -> str:
 }}"""
 
 
-def _script(header: str, setup: str, default: str, max_restarts: int, launch: tuple[str, str, str],
-            code: str, after: str) -> str:
+def _script(header: str, setup: str, default: str, max_restarts: int,
+            launch: tuple[str, str, str], code: str, after: str) -> str:
     """The script's text: no rank, address or port logic; srun steps until the run is done or requeued.
     `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
@@ -240,9 +243,9 @@ run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]
 
 def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, after: str = "",
                   code: Code | None = None) -> str:
-    """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it, to run
-    from a snapshot of the working directory's code (`code`, or one taken now) unless slurm.snapshot is
-    off."""
+    """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it,
+    to run from a snapshot of the working directory's code (`code`, or one taken now) unless
+    slurm.snapshot is off."""
     from ..configload import dump_yaml
     from ..state.rundir import create
     from .nodes import check_exclusions
@@ -252,8 +255,8 @@ def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, a
     if snapshots(cfg.slurm):
         code = code or snapshot(cfg, Path.cwd(), job_dir.parent / "code")
         cfg = job_config(cfg, Path.cwd(), code)
-    script = render(cfg.slurm, str(job_dir / "config.yaml"), code=shell_lines(code) if code else None,
-                    after=after)
+    moves = shell_lines(code) if code else None
+    script = render(cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after)
     create(job_dir.parent, cfg.logging.shared)  # the run directory, private unless logging.shared
     job_dir.mkdir(parents=True, exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
@@ -276,9 +279,11 @@ def submit(script: Path, run: Runner = subprocess.run) -> str:
 
 
 def code_of(script: Path) -> str | None:
-    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit` prints)."""
+    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit`
+    prints)."""
     try:
-        match = re.search(r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(), re.MULTILINE)
+        match = re.search(r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(),
+                          re.MULTILINE)
     except OSError:
         return None
     return str(Path(shlex.split(match.group(1))[0]).parent) if match else None

@@ -1,13 +1,14 @@
-"""Stages: `qgtrain submit --then FILE ...`, jobs that follow each other, each when the one before finished.
+"""Stages: `qgtrain submit --then FILE ...`, jobs that follow each other, each when the one before
+finished.
 
-Slurm's `--dependency=afterok` is not used: a requeued job's dependents wait on a job that keeps coming
-back, and a dependency on a job that failed is never satisfied. Instead every stage is planned and
-checked at submit (all configs, all scripts), and the job whose training finished submits the next
-stage from its batch shell, after its last training step (`qgtrain next-stage`): a requeue, a retried
-step or a preemption never gets there, since only a finished run does. The submission is claimed by
-creating `<first run dir>/stages/<n>.submitted` exclusively (O_EXCL) before sbatch, so it happens at
-most once whatever ran before; a stage that failed writes `<n>.not-submitted` with the reason instead.
-No torch here.
+Slurm's `--dependency=afterok` is not used: a requeued job's dependents wait on a job that keeps
+coming back, and a dependency on a job that failed is never satisfied. Instead every stage is
+planned and checked at submit (all configs, all scripts), and the job whose training finished
+submits the next stage from its batch shell, after its last training step (`qgtrain next-stage`): a
+requeue, a retried step or a preemption never gets there, since only a finished run does. The
+submission is claimed by creating `<first run dir>/stages/<n>.submitted` exclusively (O_EXCL) before
+sbatch, so it happens at most once whatever ran before; a stage that failed writes
+`<n>.not-submitted` with the reason instead. No torch here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ..state.rundir import default_run_dir
 from .sbatch import Runner, SubmissionError, render, snapshots, submit, submit_config
 
 CHAIN = "chain.json"
-FINISHED = ("finished", "stopped early")  # early stopping ends training as planned: the next stage follows
+# early stopping ends training as planned: the next stage follows
+FINISHED = ("finished", "stopped early")
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,9 @@ class Stage:
 
 
 def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
-    """Every stage's config, checked before anything is submitted: stage n is the first stage's config
-    with the n-th --then file on top, in a run directory of its own (`<run name>-stage<n>` unless the
-    file names one)."""
+    """Every stage's config, checked before anything is submitted: stage n is the first stage's
+    config with the n-th --then file on top, in a run directory of its own (`<run name>-stage<n>`
+    unless the file names one)."""
     stages = [Stage(1, "the first stage's config", first)]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "first-stage.yaml"
@@ -53,8 +55,8 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
             stages.append(Stage(index, str(file), _stage_config(first, base, file, index)))
     names = [s.cfg.train.run_name for s in stages]
     if len(set(names)) != len(names):
-        raise ConfigError(f"--then: two stages would share a run directory ({names}); give each its own "
-                          "train.run_name, or none (stage n is then <run name>-stage<n>)")
+        raise ConfigError(f"--then: two stages would share a run directory ({names}); give each "
+                          "its own train.run_name, or none (stage n is then <run name>-stage<n>)")
     for before, stage in zip(stages, stages[1:]):
         _check_weights(before, stage)
     return stages
@@ -62,51 +64,58 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
 
 def _stage_config(first: RunConfig, base: Path, file: Path, index: int) -> RunConfig:
     if not file.is_file():
-        raise ConfigError(f"--then {file}: no such file; give a YAML file that sets what stage {index} changes")
+        raise ConfigError(f"--then {file}: no such file; give a YAML file that sets what stage "
+                          f"{index} changes")
     try:
         cfg = load_config([base, file])
     except ConfigError as exc:
         said = str(exc).replace(f"{base}, ", "").replace(str(base), "the first stage's config")
         raise ConfigError(f"--then {file}: {said}") from None
     if config_to_dict(cfg) == config_to_dict(first):
-        raise ConfigError(f"--then {file}: changes nothing in the first stage's config; a stage's file sets "
-                          "what that stage does differently (data, optim.lr, model.pretrained, ...)")
+        raise ConfigError(f"--then {file}: changes nothing in the first stage's config; a stage's "
+                          "file sets what that stage does differently (data, optim.lr, "
+                          "model.pretrained, ...)")
     if cfg.train.run_name == first.train.run_name:
         cfg = with_overrides(cfg, [f"train.run_name={first.train.run_name}-stage{index}"])
     return cfg
 
 
 def export_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.export.dir).resolve() if cfg.export.dir else default_run_dir(cfg).resolve() / "export"
+    if cfg.export.dir:
+        return Path(cfg.export.dir).resolve()
+    return default_run_dir(cfg).resolve() / "export"
 
 
 def _check_weights(before: Stage, stage: Stage) -> None:
-    """A stage that starts from the previous stage's export needs that stage to export when it finishes."""
+    """A stage that starts from the previous stage's export needs that stage to export when it
+    finishes."""
     pretrained = stage.cfg.model.pretrained
-    if pretrained and Path(pretrained).resolve() == export_dir(before.cfg) and not before.cfg.export.on_finish:
-        raise ConfigError(f"--then {stage.source}: model.pretrained is stage {before.index}'s export "
-                          f"({pretrained}), which it never writes; set export.on_finish: true for stage "
-                          f"{before.index}")
+    from_export = pretrained and Path(pretrained).resolve() == export_dir(before.cfg)
+    if from_export and not before.cfg.export.on_finish:
+        raise ConfigError(f"--then {stage.source}: model.pretrained is stage {before.index}'s "
+                          f"export ({pretrained}), which it never writes; set export.on_finish: "
+                          f"true for stage {before.index}")
 
 
 def epilogue(folder: Path, index: int, chain_id: str) -> str:
     """The batch script's lines after training: hand the outcome to `qgtrain next-stage`, in a shell
-    without this job's Slurm variables (srun in the next job would read its SLURM_CPUS_PER_TASK, ...):
-    the next job is submitted as if from the submit directory by hand."""
+    without this job's Slurm variables (srun in the next job would read its SLURM_CPUS_PER_TASK,
+    ...): the next job is submitted as if from the submit directory by hand."""
     quoted = str(folder).replace("'", "'\\''")
     return ("(  # the next stage, if this one finished\n"
             '    claimed_by="${SLURM_JOB_ID:-}"\n'
             '    for name in "${!SLURM_@}" "${!SBATCH_@}" "${!SRUN_@}"; do\n'
             '        [ "$name" = SLURM_CONF ] || unset "$name"\n'
             "    done\n"
-            f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} --exit-code \"$status\" "
-            f'--job "$claimed_by" --chain-id {chain_id}\n'
+            f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} "
+            f'--exit-code "$status" --job "$claimed_by" --chain-id {chain_id}\n'
             ") || true\n")
 
 
-def submit_chain(stages: list[Stage], submit_dir: Path, run: Runner = subprocess.run) -> tuple[str, Path]:
-    """Write every later stage's config and script into `<first run dir>/stages/`, then submit the first
-    stage; returns its job id and the chain's folder. One code snapshot serves every stage."""
+def submit_chain(stages: list[Stage], submit_dir: Path,
+                 run: Runner = subprocess.run) -> tuple[str, Path]:
+    """Write every later stage's config and script into `<first run dir>/stages/`, then submit the
+    first stage; returns its job id and the chain's folder. One code snapshot serves every stage."""
     from .runfrom import job_config, shell_lines, snapshot
 
     first = stages[0].cfg
@@ -127,14 +136,16 @@ def submit_chain(stages: list[Stage], submit_dir: Path, run: Runner = subprocess
               "stages": [{"stage": s.index, "source": s.source, "run_name": s.cfg.train.run_name,
                           "run_dir": str(default_run_dir(s.cfg).resolve())} for s in stages]}
     write_atomic(folder / CHAIN, json.dumps(record, indent=1))
-    job_id = submit_config(first, first_dir / "slurm", run, after=epilogue(folder, 1, chain_id), code=code)
+    job_id = submit_config(first, first_dir / "slurm", run, after=epilogue(folder, 1, chain_id),
+                           code=code)
     write_atomic(folder / "1.submitted", json.dumps({"job_id": job_id, "time": time.time()}))
     return job_id, folder
 
 
 def _set_aside(folder: Path) -> None:
-    """An earlier chain of the same first run, submitted again: its records go to earlier/<its id>/, and
-    its jobs still queued find their chain replaced (next_stage) instead of submitting this one's stages."""
+    """An earlier chain of the same first run, submitted again: its records go to earlier/<its id>/,
+    and its jobs still queued find their chain replaced (next_stage) instead of submitting this
+    one's stages."""
     earlier = _read(folder / CHAIN)
     if earlier is None:
         return
@@ -147,11 +158,13 @@ def _set_aside(folder: Path) -> None:
 
 def next_stage(folder: Path, index: int, exit_code: int, job: str = "", chain_id: str = "",
                run: Runner = subprocess.run) -> str:
-    """After stage `index`'s last training step: submit the next stage if its training finished, record
-    why not if it failed for good, wait (do nothing) if it was requeued. Returns what to print."""
+    """After stage `index`'s last training step: submit the next stage if its training finished,
+    record why not if it failed for good, wait (do nothing) if it was requeued. Returns what to
+    print."""
     chain = json.loads((folder / CHAIN).read_text())
     if chain_id and chain.get("id") != chain_id:
-        return f"this job's chain {chain_id} was replaced by chain {chain.get('id')}; nothing submitted"
+        return (f"this job's chain {chain_id} was replaced by chain {chain.get('id')}; "
+                "nothing submitted")
     stages = chain["stages"]
     if index >= len(stages):
         return f"stage {index} was the chain's last"
@@ -162,7 +175,7 @@ def next_stage(folder: Path, index: int, exit_code: int, job: str = "", chain_id
     reason = why_not(index, exit_code, status)
     if reason is None:
         return f"stage {index} goes on after its requeue; stage {index + 1} waits for it"
-    write_atomic(folder / f"{index + 1}.not-submitted", json.dumps({"reason": reason, "time": time.time()}))
+    _record(folder / f"{index + 1}.not-submitted", reason)
     return f"stage {index + 1} not submitted: {reason}"
 
 
@@ -171,13 +184,15 @@ def why_not(index: int, exit_code: int, status: dict[str, object]) -> str | None
     state, error = str(status.get("status", "unknown")), status.get("error")
     if exit_code in (75, 76):  # stopped at a checkpoint: requeued by rank 0 or by the batch shell
         if status.get("requeued") is False:
-            return f"stage {index} stopped at a checkpoint and was not requeued (slurm.max_restarts or scancel)"
+            return (f"stage {index} stopped at a checkpoint and was not requeued "
+                    "(slurm.max_restarts or scancel)")
         return None
     failures = status.get("failures")
     last = failures[-1] if isinstance(failures, list) and failures else {}
     if isinstance(last, dict) and str(last.get("action", "")).startswith("requeue"):
         return None
-    return f"stage {index} ended with exit {exit_code} ({state}{': ' + str(error) if error else ''})"
+    said = f": {error}" if error else ""
+    return f"stage {index} ended with exit {exit_code} ({state}{said})"
 
 
 def _submit_once(folder: Path, index: int, submit_dir: Path, job: str, run: Runner) -> str:
@@ -191,7 +206,7 @@ def _submit_once(folder: Path, index: int, submit_dir: Path, job: str, run: Runn
     try:
         job_id = submit(folder / f"stage-{index}.sbatch", functools.partial(run, cwd=submit_dir))
     except SubmissionError as exc:
-        write_atomic(folder / f"{index}.not-submitted", json.dumps({"reason": str(exc), "time": time.time()}))
+        _record(folder / f"{index}.not-submitted", str(exc))
         return f"stage {index} not submitted: {exc}"
     write_atomic(claim, json.dumps({"job_id": job_id, "claimed_by": job, "time": time.time()}))
     return f"submitted stage {index} as job {job_id}"
@@ -203,15 +218,17 @@ def describe(folder: Path) -> list[str]:
     lines = []
     for stage in chain["stages"]:
         index, run = stage["stage"], Path(stage["run_dir"])
-        submitted, refused = _read(folder / f"{index}.submitted"), _read(folder / f"{index}.not-submitted")
+        submitted = _read(folder / f"{index}.submitted")
+        refused = _read(folder / f"{index}.not-submitted")
         if refused:
             where = f"not submitted: {refused.get('reason')}"
         elif submitted and submitted.get("job_id") is None:
-            where = (f"claimed by job {submitted.get('claimed_by')} but never confirmed (that job ended before "
-                     f"sbatch answered): see squeue, or submit it by hand: cd {chain['submit_dir']} && sbatch "
-                     f"{folder / f'stage-{index}.sbatch'}")
+            where = (f"claimed by job {submitted.get('claimed_by')} but never confirmed (that "
+                     "job ended before sbatch answered): see squeue, or submit it by hand: cd "
+                     f"{chain['submit_dir']} && sbatch {folder / f'stage-{index}.sbatch'}")
         elif submitted:
-            where = f"job {submitted.get('job_id')}: {rundir.read_status(run).get('status', 'queued')}"
+            state = rundir.read_status(run).get("status", "queued")
+            where = f"job {submitted.get('job_id')}: {state}"
         else:
             where = "waits for the stage before"
         lines.append(f"stage {index}/{len(chain['stages'])} {stage['run_name']}: {where}")
@@ -228,6 +245,10 @@ def chains(root: Path) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError):
             lines.append(f"chain {name}: {chain} cannot be read")
     return lines
+
+
+def _record(path: Path, reason: str) -> None:
+    write_atomic(path, json.dumps({"reason": reason, "time": time.time()}))
 
 
 def _read(path: Path) -> dict[str, object] | None:

@@ -146,7 +146,8 @@ def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
             **({"slurm_python": python} if python else {})}
 
 
-def executor_parameters(cfg: RunConfig, workdir: str | None = None, recover_args: str | None = None,
+def executor_parameters(cfg: RunConfig, workdir: str | None = None,
+                        recover_args: str | None = None,
                         code: Code | None = None) -> dict[str, Any]:
     """The config's slurm: section as AutoExecutor parameters (the same resources and container as
     train.slurm, with the working directory spelled out: submitit quotes what it is given). With
@@ -212,7 +213,8 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     if executor.cluster != "slurm":
         raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
                            "or train directly with `qgtrain train`")
-    executor.update_parameters(**executor_parameters(cfg, recover_args=_recover_args(cfg, target), code=code))
+    recover_args = _recover_args(cfg, target)
+    executor.update_parameters(**executor_parameters(cfg, recover_args=recover_args, code=code))
     submitit_compat.use_job_class(executor, TrainJob)
     # submitit's folder inside the run directory would create it with the umask's mode
     if folder is None:

@@ -122,9 +122,11 @@ def max_array_size(run: Runner = subprocess.run) -> int:
     return int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
 
 
-def from_snapshot(planned: Sweep, where: Path, dry_run: bool = False) -> tuple[Sweep, Code | None]:
-    """The tasks' configs as they run from one code snapshot in the sweep's folder (slurm.snapshot),
-    taken now (or, for a dry run, only planned: its size checked, nothing copied)."""
+def from_snapshot(planned: Sweep, where: Path,
+                  dry_run: bool = False) -> tuple[Sweep, Code | None]:
+    """The tasks' configs as they run from one code snapshot in the sweep's folder
+    (slurm.snapshot), taken now (or, for a dry run, only planned: its size checked, nothing
+    copied)."""
     from .runfrom import job_config, snapshot
     from .runfrom import planned as planned_code
 
@@ -133,7 +135,8 @@ def from_snapshot(planned: Sweep, where: Path, dry_run: bool = False) -> tuple[S
         return planned, None
     take = planned_code if dry_run else snapshot
     code = take(first, Path.cwd(), where / "code")
-    moved = [job_config(cfg, Path.cwd(), code) for cfg in planned.configs] if not dry_run else planned.configs
+    moved = planned.configs if dry_run else [job_config(cfg, Path.cwd(), code)
+                                             for cfg in planned.configs]
     return dataclasses.replace(planned, configs=moved), code
 
 
