@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(metavar="COMMAND")
     _training_commands(sub)
+    _job_commands(sub)
     _operations_commands(sub)
     return parser
 
@@ -57,6 +58,9 @@ def _training_commands(sub: Any) -> None:
     submit.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                         help="one job array, a task per combination of the swept values (repeat for more keys)")
     submit.add_argument("--max-parallel", type=int, metavar="K", help="with --sweep: at most K tasks at once")
+    submit.add_argument("--then", action="append", default=[], type=Path, metavar="FILE",
+                        help="a next stage: the first stage's config with FILE on top, "
+                             "submitted when the stage before finishes (repeat for more stages)")
     submit.set_defaults(func=commands.submit)
 
     export = sub.add_parser("export", help="write a checkpoint's model to a folder: safetensors weights, "
@@ -90,6 +94,26 @@ def _training_commands(sub: Any) -> None:
     recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
     recover.add_argument("--run-dir", type=Path, help="the run directory (default: the config's)")
     recover.set_defaults(func=commands.recover)
+
+
+def _job_commands(sub: Any) -> None:
+    """snapshot, next-stage: what a batch script runs around training (no torch)."""
+    snap = sub.add_parser("snapshot", help="(train.slurm, at each start) take the job's code "
+                          "snapshot once; print its folder, PYTHONPATH and config")
+    _config_args(snap)
+    snap.add_argument("--job", default="", help="the Slurm job id (array jobs: <id>_<task>)")
+    snap.set_defaults(func=commands.snapshot)
+
+    after = sub.add_parser("next-stage", help="(a stage's batch script, after training) submit "
+                           "the next stage if this one finished, or record why not")
+    after.add_argument("chain", type=Path, help="the chain's folder, <first run dir>/stages")
+    after.add_argument("--after", type=int, required=True, help="the stage that ended")
+    after.add_argument("--exit-code", type=int, required=True,
+                       help="its training steps' exit status")
+    after.add_argument("--job", default="", help="the job that ended (recorded with the claim)")
+    after.add_argument("--chain-id", default="", help="the chain the job belongs to (a chain "
+                       "submitted again replaces it)")
+    after.set_defaults(func=commands.next_stage)
 
 
 def _operations_commands(sub: Any) -> None:

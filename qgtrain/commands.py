@@ -32,6 +32,8 @@ def submit(args: argparse.Namespace) -> int:
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
+    if args.then:
+        return submit_stages(args, cfg)
     if args.sweep or args.max_parallel is not None:
         return submit_array(args, cfg)
     run_dir = default_run_dir(cfg).resolve()
@@ -48,11 +50,74 @@ def submit(args: argparse.Namespace) -> int:
         print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
         return 0
     if args.dry_run:
-        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml")))
+        code = _planned_code(cfg, run_dir)
+        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=code))
         return 0
     job_id = submit_config(cfg, job_dir)
     print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
-          f"{job_id}.out; run directory {run_dir}")
+          f"{job_id}.out; run directory {run_dir}{_code_note(run_dir)}")
+    return 0
+
+
+def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
+    """The lines that would move the job into its snapshot (its size checked, nothing copied)."""
+    from .launch.runfrom import planned, shell_lines
+    from .launch.sbatch import snapshots
+
+    if not snapshots(cfg.slurm):
+        return None
+    return shell_lines(planned(cfg, Path.cwd(), run_dir / "code"))
+
+
+def _code_note(run_dir: Path) -> str:
+    from .launch.sbatch import code_of
+
+    code = code_of(run_dir / "slurm" / "job.sbatch")
+    return f"; code snapshot {code}" if code else ""
+
+
+def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from .errors import ConfigError
+    from .launch import stages
+    from .state.rundir import default_run_dir
+
+    if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
+        raise ConfigError("--then: stages are submitted with the sbatch launcher, one run per "
+                          "stage; leave out --sweep, --max-parallel and --launcher submitit")
+    planned = stages.plan(cfg, args.then)
+    if args.dry_run:
+        run_dir = default_run_dir(cfg).resolve()
+        from .launch.sbatch import render
+
+        sys.stdout.write(render(cfg.slurm, str(run_dir / "slurm" / "config.yaml"),
+                                code=_planned_code(cfg, run_dir),
+                                after=stages.epilogue(run_dir / "stages", 1, "CHAIN-ID")))
+        sys.stdout.write("".join(f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n"
+                                 for s in planned))
+        return 0
+    job_id, folder = stages.submit_chain(planned, Path.cwd())
+    names = ", ".join(s.cfg.train.run_name for s in planned)
+    print(f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted "
+          f"when the one before finishes; runs {names}; chain in {folder}"
+          f"{_code_note(folder.parent)}")
+    return 0
+
+
+def snapshot(args: argparse.Namespace) -> int:
+    from .launch.runfrom import for_attempt
+
+    found = for_attempt(load_args_config(args), args.job, Path.cwd())
+    if found:
+        code, config = found
+        print(f"{code.workdir}\n{code.pythonpath}\n{config}")
+    return 0
+
+
+def next_stage(args: argparse.Namespace) -> int:
+    from .launch.stages import next_stage as after_stage
+
+    said = after_stage(args.chain, args.after, args.exit_code, args.job, args.chain_id)
+    print(f"qgtrain: {said}", file=sys.stderr)
     return 0
 
 
@@ -104,13 +169,16 @@ def recover(args: argparse.Namespace) -> int:
 
 
 def runs(args: argparse.Namespace) -> int:
+    from .launch.stages import chains
     from .launch.sweep import swept_values
-    from .ops.runs import as_json, as_table, find_runs, summarize
+    from .ops.runs import as_json, as_table, find_runs, shown, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
     swept = swept_values(folder)
     rows = [summarize(run, swept.get(run.name, {})) for run in find_runs(folder)]
     print(as_json(rows) if args.json else (as_table(rows) if rows else f"no runs in {folder}"))
+    if not args.json and (stages := chains(folder)):
+        print("\n".join(map(shown, stages)))
     return 0
 
 

@@ -42,3 +42,8 @@ class SlurmConfig:
         (), "SRC:DST[:FLAGS] mounts into the container, besides the working directory")
     apptainer_image: str = setting(
         "", "apptainer: run every task with `apptainer exec` in this image ('' = none)")
+    snapshot: bool = setting(
+        True, "run every attempt of the job (requeues too) from a copy of the submit directory and "
+        "qgtrain taken at submit, in <run dir>/code/<hash>")
+    snapshot_max_mb: float = setting(
+        50.0, "refuse to submit when that copy would be larger (MB)", min=0.001)

@@ -14,10 +14,14 @@ import shlex
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
 from ..durations import slurm_time_s
 from ..errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+
+if TYPE_CHECKING:
+    from .codesnap import Code
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -35,10 +39,24 @@ _PATTERNS = {
 _EXTRA = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=/@%+\[\]-]+)?")
 _MOUNT = re.compile(r"[A-Za-z0-9_./+@-]+(:[A-Za-z0-9_./+@-]+(:[A-Za-z+]+)?)?")
 HOST_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python3}
-if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi"""
+if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; fi"""
 IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
 HOST_PYTHON=${QGTRAIN_HOST_PYTHON:-python3}  # here, for `qgtrain recover` after a failed step
-if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=.venv/bin/python; fi"""
+if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=$PWD/.venv/bin/python; fi"""
+FIRST_START_SNAPSHOT = """job_id=${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}
+job_id=$job_id${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
+# every attempt, requeues too, runs the code as it was at the job's first start (slurm.snapshot)
+code=$("$RECOVER_PYTHON" -m qgtrain snapshot "${args[@]}" --job "$job_id") || {
+    [ "$?" = 2 ] && exit 2
+    echo "qgtrain: no code snapshot (qgtrain snapshot failed); running the code on disk" >&2
+    code=; }
+if [ -n "$code" ]; then
+    { read -r workdir; read -r pythonpath; read -r config; } <<< "$code"
+    cd "$workdir" || exit 1
+    export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
+    args=(--config "$config")
+fi
+"""
 
 
 class SubmissionError(QgtrainError):
@@ -92,6 +110,12 @@ def _validate_container(slurm: SlurmConfig) -> None:
                            "slurm.container_image (pyxis) or slurm.apptainer_image")
 
 
+def snapshots(slurm: SlurmConfig) -> bool:
+    """Whether jobs run from a code snapshot: slurm.snapshot, on the host (an image brings its own
+    code, and mounts only the working directory)."""
+    return slurm.snapshot and not (slurm.container_image or slurm.apptainer_image)
+
+
 def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
     """How the script finds Python, what goes between srun's options and Python (pyxis' options, or the
     apptainer command), and the variable naming the batch shell's own Python (for `qgtrain recover`): the
@@ -110,14 +134,20 @@ def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
 
 
 
-def render(slurm: SlurmConfig, config_path: str, array: str | None = None) -> str:
+def render(slurm: SlurmConfig, config_path: str, array: str | None = None,
+           code: str | None = None, after: str = "") -> str:
     """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another. With
-    `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml."""
+    `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml.
+    `code`: the lines that move the job into its code snapshot (runfrom.shell_lines), taken at
+    submit; without them, with slurm.snapshot, the script takes one at its first start. `after`:
+    lines run once the training steps are over, with their exit code in $status (the next stage of
+    a chain)."""
     validate(slurm)
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
     default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
-    return _script(header, setup, default, slurm.max_restarts, launch_lines(slurm))
+    moves = code if code is not None else (FIRST_START_SNAPSHOT if snapshots(slurm) else "")
+    return _script(header, setup, default, slurm.max_restarts, launch_lines(slurm), moves, after)
 
 
 def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
@@ -181,7 +211,8 @@ def retry_steps(max_restarts: int) -> str:
 }}"""
 
 
-def _script(header: str, setup: str, default: str, max_restarts: int, launch: tuple[str, str, str]) -> str:
+def _script(header: str, setup: str, default: str, max_restarts: int,
+            launch: tuple[str, str, str], code: str, after: str) -> str:
     """The script's text: no rank, address or port logic; srun steps until the run is done or requeued.
     `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
@@ -203,21 +234,29 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 {python}
 
 RECOVER_PYTHON=${recover}
-recover_args=("${{args[@]}}")
+{code}recover_args=("${{args[@]}}")
 {retry_steps(max_restarts)}
 run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}"
-exit "$?"
+{f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
 """
 
 
-def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run) -> str:
-    """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it."""
+def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, after: str = "",
+                  code: Code | None = None) -> str:
+    """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it,
+    to run from a snapshot of the working directory's code (`code`, or one taken now) unless
+    slurm.snapshot is off."""
     from ..configload import dump_yaml
     from ..state.rundir import create
     from .nodes import check_exclusions
+    from .runfrom import job_config, shell_lines, snapshot
 
-    script = render(cfg.slurm, str(job_dir / "config.yaml"))
     check_exclusions(cfg.slurm, run)
+    if snapshots(cfg.slurm):
+        code = code or snapshot(cfg, Path.cwd(), job_dir.parent / "code")
+        cfg = job_config(cfg, Path.cwd(), code)
+    moves = shell_lines(code) if code else None
+    script = render(cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after)
     create(job_dir.parent, cfg.logging.shared)  # the run directory, private unless logging.shared
     job_dir.mkdir(parents=True, exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
@@ -237,6 +276,17 @@ def submit(script: Path, run: Runner = subprocess.run) -> str:
         said = (result.stderr or result.stdout).strip()
         raise SubmissionError(f"sbatch refused {script} (exit {result.returncode}): {said}")
     return parse_job_id(result.stdout)
+
+
+def code_of(script: Path) -> str | None:
+    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit`
+    prints)."""
+    try:
+        match = re.search(r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(),
+                          re.MULTILINE)
+    except OSError:
+        return None
+    return str(Path(shlex.split(match.group(1))[0]).parent) if match else None
 
 
 def parse_job_id(stdout: str) -> str:

@@ -33,7 +33,9 @@ from ..runtime.slurm import (
 )
 from ..state.rundir import create, default_run_dir
 from . import submitit_compat, sweep
-from .sbatch import retry_steps, tasks_per_node, time_minutes, validate
+from .codesnap import Code
+from .runfrom import job_config, shell_lines, snapshot
+from .sbatch import retry_steps, snapshots, tasks_per_node, time_minutes, validate
 from .sweep import Sweep
 
 
@@ -136,12 +138,17 @@ def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
 
 def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
     """What `qgtrain submit --launcher submitit --dry-run` shows: the parameters, and Python's command."""
-    python = container_python(cfg)
-    recover_args = _recover_args(cfg, default_run_dir(cfg).resolve())
-    return {**executor_parameters(cfg, recover_args=recover_args), **({"slurm_python": python} if python else {})}
+    from .runfrom import planned
+
+    python, target = container_python(cfg), default_run_dir(cfg).resolve()
+    code = planned(cfg, Path.cwd(), target / "code") if snapshots(cfg.slurm) else None
+    return {**executor_parameters(cfg, recover_args=_recover_args(cfg, target), code=code),
+            **({"slurm_python": python} if python else {})}
 
 
-def executor_parameters(cfg: RunConfig, workdir: str | None = None, recover_args: str | None = None) -> dict[str, Any]:
+def executor_parameters(cfg: RunConfig, workdir: str | None = None,
+                        recover_args: str | None = None,
+                        code: Code | None = None) -> dict[str, Any]:
     """The config's slurm: section as AutoExecutor parameters (the same resources and container as
     train.slurm, with the working directory spelled out: submitit quotes what it is given). With
     `recover_args` (what tells `qgtrain recover` the run, as shell words), a failed step is brought back
@@ -171,6 +178,8 @@ def executor_parameters(cfg: RunConfig, workdir: str | None = None, recover_args
             [f"{workdir}:{workdir}", *s.container_mounts]), f"--container-workdir={workdir}"]
     # the job's submitit handler must listen for the same signal as our trainer
     params["slurm_setup"] = [*s.setup, f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"]
+    if code is not None:  # every attempt runs the code as submitted, as train.slurm's jobs do
+        params["slurm_setup"] += shell_lines(code).splitlines()
     if recover_args is not None:
         params["slurm_setup"] += [f"RECOVER_PYTHON={shlex.quote(sys.executable)}", f"recover_args=({recover_args})",
                                   retry_steps(s.max_restarts), 'srun() { run_steps command srun "$@"; }']
@@ -197,12 +206,15 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     else:
         cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
+    code = snapshot(cfg, Path.cwd(), target / "code") if snapshots(cfg.slurm) else None
+    cfg = job_config(cfg, Path.cwd(), code) if code else cfg
     executor = submitit.AutoExecutor(folder=Path(folder or target / "submitit"),
                                      slurm_max_num_timeout=cfg.slurm.max_restarts, slurm_python=container_python(cfg))
     if executor.cluster != "slurm":
         raise QgtrainError("submit: no Slurm found here (srun is not on PATH); run this on a Slurm login node, "
                            "or train directly with `qgtrain train`")
-    executor.update_parameters(**executor_parameters(cfg, recover_args=_recover_args(cfg, target)))
+    recover_args = _recover_args(cfg, target)
+    executor.update_parameters(**executor_parameters(cfg, recover_args=recover_args, code=code))
     submitit_compat.use_job_class(executor, TrainJob)
     # submitit's folder inside the run directory would create it with the umask's mode
     if folder is None:
@@ -223,15 +235,16 @@ def submit_sweep(config: RunConfig | str | Path | None, values: Mapping[str, Seq
         sweep.check_size(sweep.combinations(axes))
         planned = sweep.expand(base, axes)
     sweep.array_spec(len(planned.configs), max_parallel)  # a Sweep given (by the CLI) was checked by its maker
-    first = planned.configs[0]
     where = sweep.folder(planned)
+    planned, code = sweep.from_snapshot(planned, where)
+    first = planned.configs[0]
     sweep.write(planned, where)
     executor = submitit.AutoExecutor(folder=where / "submitit", slurm_max_num_timeout=first.slurm.max_restarts,
                                      slurm_python=container_python(first))
     if executor.cluster != "slurm":
         raise QgtrainError("submit_sweep: no Slurm found here (srun is not on PATH); run this on a Slurm login node")
     each_task = f'--config {shlex.quote(str(where))}"/task-${{SLURM_ARRAY_TASK_ID}}.yaml"'  # its run, its settings
-    executor.update_parameters(**executor_parameters(first, recover_args=each_task),
+    executor.update_parameters(**executor_parameters(first, recover_args=each_task, code=code),
                                slurm_array_parallelism=max_parallel or len(planned.configs))
     submitit_compat.use_job_class(executor, TrainJob)
     with executor.batch():

@@ -10,6 +10,7 @@ config and `sweep.json`, from which `qgtrain runs` shows the swept values beside
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,11 +19,15 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import RunConfig
 from ..configload import dump_yaml, with_overrides
 from ..errors import ConfigError, QgtrainError
-from .sbatch import Runner
+from .sbatch import Runner, snapshots
+
+if TYPE_CHECKING:
+    from .codesnap import Code
 
 FILE = "sweep.json"
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize
@@ -117,20 +122,42 @@ def max_array_size(run: Runner = subprocess.run) -> int:
     return int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
 
 
+def from_snapshot(planned: Sweep, where: Path,
+                  dry_run: bool = False) -> tuple[Sweep, Code | None]:
+    """The tasks' configs as they run from one code snapshot in the sweep's folder
+    (slurm.snapshot), taken now (or, for a dry run, only planned: its size checked, nothing
+    copied)."""
+    from .runfrom import job_config, snapshot
+    from .runfrom import planned as planned_code
+
+    first = planned.configs[0]
+    if not snapshots(first.slurm):
+        return planned, None
+    take = planned_code if dry_run else snapshot
+    code = take(first, Path.cwd(), where / "code")
+    moved = planned.configs if dry_run else [job_config(cfg, Path.cwd(), code)
+                                             for cfg in planned.configs]
+    return dataclasses.replace(planned, configs=moved), code
+
+
 def submit_array(planned: Sweep, max_parallel: int | None, *, dry_run: bool, launcher: str) -> str:
     """sbatch the job array (or, with dry_run, show its script and tasks); returns what to print."""
+    from .runfrom import shell_lines
     from .sbatch import render, submit
 
-    first, tasks = planned.configs[0], len(planned.configs)
+    tasks = len(planned.configs)
     array, where = array_spec(tasks, max_parallel), folder(planned)
+    planned, code = from_snapshot(planned, where, dry_run)
+    lines = shell_lines(code) if code else None
+    first = planned.configs[0]
     listing = "".join(f"# task {i}: {c.train.run_name}: " + " ".join(f"{k}={v}" for k, v in values.items()) + "\n"
                       for i, (c, values) in enumerate(zip(planned.configs, planned.values)))
     if dry_run:
-        return (render(first.slurm, str(where), array=array) if launcher == "sbatch" else f"# array {array}\n") \
-            + listing
+        return (render(first.slurm, str(where), array=array, code=lines) if launcher == "sbatch"
+                else f"# array {array}\n") + listing
     write(planned, where)
     Path(first.slurm.output_dir).mkdir(parents=True, exist_ok=True)
-    (where / "job.sbatch").write_text(render(first.slurm, str(where), array=array))
+    (where / "job.sbatch").write_text(render(first.slurm, str(where), array=array, code=lines))
     job_id = submit(where / "job.sbatch")
     return (f"submitted job array {job_id} with {tasks} tasks ({array}); configs in {where}; runs in "
             f"{Path(first.logging.runs_dir).resolve()}\n")

@@ -99,9 +99,10 @@ class RunDir:
 
 # What qgtrain itself puts in a run directory before run.json records the run: the lock (a start
 # waiting for another, or killed before it recorded the run), the job's files of `qgtrain submit`
-# (slurm/) and of submitit (submitit/), the status `qgtrain recover` records when a first start
-# failed, and leftovers <name>.tmp-<random> of these and of run.json, from a write cut short.
-BEFORE_THE_RUN = frozenset({".lock", "slurm", "submitit", "status.json", "run.json"})
+# (slurm/, the code snapshot code/, a chain's stages/) and of submitit (submitit/), the status
+# `qgtrain recover` records when a first start failed, and leftovers <name>.tmp-<random> of these
+# and of run.json, from a write cut short.
+BEFORE_THE_RUN = frozenset({".lock", "slurm", "submitit", "status.json", "run.json", "code", "stages"})
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
