@@ -1,6 +1,7 @@
-"""Tasks whose train split is a stream, named in configs as 'tests.stream_tasks:<function>': parts of
-uneven length per rank, worker and epoch, with and without state, a Hugging Face streaming dataset of
-local parquet files, and streams that break one rule each (empty, a state that fails to load)."""
+"""Tasks whose train split is a stream, named in configs as 'tests.stream_tasks:<function>':
+parts of uneven length per rank, worker and epoch, with and without state, a Hugging Face
+streaming dataset of local parquet files, and streams that break one rule each (empty, a state
+that fails to load)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ The data position of a run is one number per epoch: how many samples all ranks t
 The sampler is torch's DistributedSampler (rank r takes every world_size-th index of the epoch's
 permutation), so after k samples per rank exactly the first k * world_size indices are used, whatever the
 world size: a position can be resumed directly, and re-sharded when it divides by the new world size.
-A training split that is a stream (an IterableDataset) is read through torchdata's StatefulDataLoader
-instead and resumed by its state (streams.py).
+A training split that is a stream (an IterableDataset) is read through torchdata's
+StatefulDataLoader instead and resumed by its state (streams.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Loaders:
 
 def build_loaders(train: Any, val: Any, test: Any,
                   collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
-                  device: torch.device, seed: int, label: str = "the task's train split") -> Loaders:
+                  device: torch.device, seed: int,
+                  label: str = "the task's train split") -> Loaders:
     """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
     number of steps); validation and test batches each sample exactly once over all ranks."""
     def evaluation(split: Any) -> DataLoader[Any] | None:
@@ -47,8 +48,8 @@ def build_loaders(train: Any, val: Any, test: Any,
         return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
 
     if is_stream(train):
-        stream = stream_loader(for_this_rank(train, env.rank, env.world_size), batch_size, num_workers,
-                               device, seed + env.rank, collate)
+        part = for_this_rank(train, env.rank, env.world_size)
+        stream = stream_loader(part, batch_size, num_workers, device, seed + env.rank, collate)
         return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label)
     sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
     if len(sampler) < batch_size:
@@ -61,7 +62,8 @@ def build_loaders(train: Any, val: Any, test: Any,
 def train_batches(loaders: Loaders, samples_per_micro_batch: int,
                   timeout_s: float) -> TrainBatches | StreamBatches:
     """The training batches of a run: by sampler for map-style data, by stream otherwise. A stream's
-    ranks agree each step on a gloo group of their own (every rank calls this, in the same order)."""
+    ranks agree each step on a gloo group of their own (every rank calls this, in the same
+    order)."""
     if loaders.sampler is not None:
         return TrainBatches(loaders, samples_per_micro_batch)
     group = None

@@ -1,11 +1,12 @@
 """Training batches from a stream (a task whose train split is an IterableDataset), resumed exactly.
 
-A stream has no index to resume at: its position is what it has yielded. Each rank reads its own part
-(the dataset shards itself by torch.distributed's rank and get_worker_info(); a Hugging Face
+A stream has no index to resume at: its position is what it has yielded. Each rank reads its own
+part (the dataset shards itself by torch.distributed's rank and get_worker_info(); a Hugging Face
 `datasets.IterableDataset` is split here with split_dataset_by_node) through torchdata's
-StatefulDataLoader, whose state holds every worker's. A dataset with state_dict/load_state_dict is put
-back from that state, saved in the rank's own checkpoint file; one without is read again from the
-start of its epoch past the samples this rank had consumed, which the log times, never started over.
+StatefulDataLoader, whose state holds every worker's. A dataset with state_dict/load_state_dict
+is put back from that state, saved in the rank's own checkpoint file; one without is read again
+from the start of its epoch past the samples this rank had consumed (timed in the log), never
+started over.
 
 Streams end unevenly across ranks and workers, and a rank that stepped alone would wait forever in
 DDP's all-reduce. So every step the ranks agree (one small all-reduce on a gloo group of their own,
@@ -70,14 +71,15 @@ class StreamBatches:
 
     def __init__(self, loader: Any, samples_per_micro_batch: int, seed: int, label: str,
                  group: Any) -> None:
-        self.loader, self.samples, self.seed, self.label = loader, samples_per_micro_batch, seed, label
+        self.loader, self.samples = loader, samples_per_micro_batch
+        self.seed, self.label = seed, label
         self.group = group  # None: one rank, nothing to agree on
         self.stateful = is_stateful(loader.dataset)
         self._batches: Iterator[Any] | None = None
         self._pending: dict[str, Any] | None = None  # a restored position, taken by the first step
         self._resumed_from: Path | None = None
         self._consumed = 0  # this rank's samples in the current epoch
-        self._epoch_samples: dict[int, int] = {}  # samples of all ranks in each epoch that ended here
+        self._epoch_samples: dict[int, int] = {}  # of all ranks, in each epoch that ended here
 
     def step(self, position: Position, micro_batches: int) -> list[Any]:
         """The next step's micro-batches; where any rank's stream ends first, the next epoch's."""
@@ -97,9 +99,10 @@ class StreamBatches:
                 raise ConfigError(
                     f"{self.label}: the stream ended before the first step of epoch "
                     f"{position.epoch} on at least one rank; every rank's part must yield at least "
-                    f"{micro_batches} full batch(es) of train.batch_size={self.loader.batch_size} per "
-                    "epoch. HINT: check how the dataset splits itself over ranks and workers "
-                    "(torch.distributed's rank, get_worker_info()) and that it is not empty")
+                    f"{micro_batches} full batch(es) of train.batch_size="
+                    f"{self.loader.batch_size} per epoch. HINT: check how the dataset splits "
+                    "itself over ranks and workers (torch.distributed's rank, get_worker_info()) "
+                    "and that it is not empty")
             self._epoch_samples[position.epoch] = position.samples_in_epoch
             position.epoch, position.samples_in_epoch = position.epoch + 1, 0
             self._start(position.epoch)
@@ -120,9 +123,10 @@ class StreamBatches:
             return
         if saved is None or ("loader" if self.stateful else "consumed") not in saved:
             kind = "a stateful" if self.stateful else "a"
-            raise ConfigError(f"{self.label}: {checkpoint} holds no position of {kind} stream for "
-                              "this rank (it was saved by a run with other training data). HINT: resume "
-                              "with the task it was trained with, or set checkpoint.resume: never")
+            raise ConfigError(f"{self.label}: {checkpoint} holds no position of {kind} stream "
+                              "for this rank (it was saved by a run with other training data). "
+                              "HINT: resume with the task it was trained with, or set "
+                              "checkpoint.resume: never")
         self._pending, self._resumed_from = saved, checkpoint
 
     def between(self, start: tuple[int, int], end: tuple[int, int]) -> int:
@@ -170,7 +174,7 @@ class StreamBatches:
             return self._draw(micro_batches)
         except QgtrainError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 a user's dataset raises bare Exceptions of any kind
             failure = last_line(exc)
         raise ConfigError(
             f"{self.label}: resuming the stream from {where} failed: {failure}. The checkpoint is "
@@ -192,7 +196,8 @@ class StreamBatches:
                     "that was trained on. HINT: resume with the same dataset, data.num_workers and "
                     "world size, or set checkpoint.resume: never") from None
         log.info("skipped %d samples of the stream in %.2f s (it has no state_dict: resumed by "
-                 "reading past what this rank had consumed)", samples, time.perf_counter() - started)
+                 "reading past what this rank had consumed)", samples,
+                 time.perf_counter() - started)
 
     def _any_ended(self, ended: bool) -> bool:
         if self.group is None:
@@ -209,7 +214,7 @@ def check_loads(dataset: Any, loader_state: dict[str, Any]) -> None:
     is left to its workers."""
     try:
         trial = copy.deepcopy(dataset)
-    except Exception:
+    except Exception:  # noqa: BLE001 copying a user's dataset raises bare Exceptions of any kind
         return
     for state in dataset_states(loader_state):
         trial.load_state_dict(copy.deepcopy(state))

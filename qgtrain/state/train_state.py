@@ -72,8 +72,8 @@ def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -
 
 
 def rank_state(state: TrainState, stream: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What each rank writes for itself: its random streams (its own GPU's) and where it is in the data
-    (for a stream, also its position in its own part: data/streams.py)."""
+    """What each rank writes for itself: its random streams (its own GPU's) and where it is in the
+    data (for a stream, also its position in its own part: data/streams.py)."""
     own = {"rng": rng.capture(), "epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch}
     return own if stream is None else {**own, "stream": stream}
 

@@ -126,10 +126,10 @@ def split_problem(split: str, dataset: Any) -> str | None:
 
 
 def resumable_problem(dataset: Any) -> str | None:
-    """Why qgtrain cannot resume this map-style dataset at an exact sample, or None. An IterableDataset
-    has no index to resume at (a training stream is resumed by its position instead: data/streams.py);
-    generators that make samples on the fly report len() == sys.maxsize, an endless length no epoch
-    or sampler can be built on."""
+    """Why qgtrain cannot resume this map-style dataset at an exact sample, or None. An
+    IterableDataset has no index to resume at (a training stream is resumed by its position
+    instead: data/streams.py); generators that make samples on the fly report len() ==
+    sys.maxsize, an endless length no epoch or sampler can be built on."""
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset (a stream, without indices)"
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
