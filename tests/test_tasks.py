@@ -113,9 +113,9 @@ def test_metrics_are_exact_over_the_whole_split_on_uneven_shards():
                                                                     "early_stopping.metric is val_accuracy"),
     ("endless_train", (), 3, f"has train=Endless, whose len() is {sys.maxsize} (sys.maxsize: an endless "
                              "stream, not a count of samples); it must be a map-style dataset"),
-    ("streamed_val", (), 3, "has val=Stream, an IterableDataset (a stream, without indices); it must be a "
-                            "map-style dataset (__len__ and __getitem__: resuming at an exact sample needs "
-                            "indices), or None. HINT: give a map-style view"),
+    ("streamed_val", (), 3, "has val=Stream, an IterableDataset; validation and test splits must be "
+                            "map-style (__len__ and __getitem__: every sample evaluated exactly once over "
+                            "all ranks), or None"),
 ])
 def test_a_broken_task_is_one_line_naming_what_is_wrong_exit_2_for_config_3_for_code(tmp_path, task,
                                                                                     sets, code, message):

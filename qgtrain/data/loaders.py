@@ -4,47 +4,72 @@ The data position of a run is one number per epoch: how many samples all ranks t
 The sampler is torch's DistributedSampler (rank r takes every world_size-th index of the epoch's
 permutation), so after k samples per rank exactly the first k * world_size indices are used, whatever the
 world size: a position can be resumed directly, and re-sharded when it divides by the new world size.
+A training split that is a stream (an IterableDataset) is read through torchdata's
+StatefulDataLoader instead and resumed by its state (streams.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import signal
+import warnings
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import ConfigError
 from ..runtime.rendezvous import DistEnv
+from .streams import Position, StreamBatches, for_this_rank, is_stream
 
 
 @dataclass(frozen=True)
 class Loaders:
-    sampler: ResumableSampler
+    sampler: ResumableSampler | None  # None for a stream
     train: DataLoader[Any]
     val: DataLoader[Any] | None
     test: DataLoader[Any] | None
+    seed: int = 0  # of the training loader
+    label: str = "the task's train split"  # in messages about it
 
 
 def build_loaders(train: Any, val: Any, test: Any,
                   collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
-                  device: torch.device, seed: int) -> Loaders:
+                  device: torch.device, seed: int,
+                  label: str = "the task's train split") -> Loaders:
     """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
     number of steps); validation and test batches each sample exactly once over all ranks."""
-    sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
-    if len(sampler) < batch_size:
-        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "
-                          f"{env.world_size} rank(s) x train.batch_size={batch_size}")
-
     def evaluation(split: Any) -> DataLoader[Any] | None:
         if split is None:
             return None
         return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
 
+    if is_stream(train):
+        part = for_this_rank(train, env.rank, env.world_size)
+        stream = stream_loader(part, batch_size, num_workers, device, seed + env.rank, collate)
+        return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label)
+    sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
+    if len(sampler) < batch_size:
+        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "
+                          f"{env.world_size} rank(s) x train.batch_size={batch_size}")
     return Loaders(sampler, make_loader(train, sampler, batch_size, num_workers, device, seed + env.rank, True,
                                         collate), evaluation(val), evaluation(test))
+
+
+def train_batches(loaders: Loaders, samples_per_micro_batch: int,
+                  timeout_s: float) -> TrainBatches | StreamBatches:
+    """The training batches of a run: by sampler for map-style data, by stream otherwise. A stream's
+    ranks agree each step on a gloo group of their own (every rank calls this, in the same
+    order)."""
+    if loaders.sampler is not None:
+        return TrainBatches(loaders, samples_per_micro_batch)
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return StreamBatches(loaders.train, samples_per_micro_batch, loaders.seed, loaders.label, group)
 
 
 class TrainBatches:
@@ -56,8 +81,19 @@ class TrainBatches:
     """
 
     def __init__(self, loaders: Loaders, samples_per_micro_batch: int) -> None:
+        assert loaders.sampler is not None
         self.loader, self.sampler, self.samples = loaders.train, loaders.sampler, samples_per_micro_batch
         self._batches: Iterator[Any] | None = None
+
+    def step(self, position: Position, micro_batches: int) -> list[Any]:
+        return [self.next(position) for _ in range(micro_batches)]
+
+    def saved(self) -> None:
+        """The position is the run's own (position): nothing of the loader's to save."""
+        return None
+
+    def restore(self, saved: Any, checkpoint: Any) -> None:
+        pass
 
     def next(self, position: Position) -> Any:
         if self._batches is None:
@@ -77,11 +113,6 @@ class TrainBatches:
         """Micro-batches drawn from data position `start` to `end`, each (epoch, samples in it)."""
         per_epoch = self.sampler.num_samples // (self.loader.batch_size or 1) * self.samples
         return ((end[0] - start[0]) * per_epoch + end[1] - start[1]) // self.samples
-
-
-class Position(Protocol):
-    epoch: int
-    samples_in_epoch: int
 
 
 class ResumableSampler(DistributedSampler[Any]):
@@ -131,6 +162,22 @@ def make_loader(dataset: Dataset[Any], sampler: Sampler[Any], batch_size: int, n
                       pin_memory=device.type == "cuda", drop_last=drop_last,
                       persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def stream_loader(dataset: Any, batch_size: int, num_workers: int, device: torch.device, seed: int,
+                  collate: Callable[[list[Any]], Any] | None) -> DataLoader[Any]:
+    """torchdata's StatefulDataLoader over a stream: full batches only (a rank's count of samples is
+    its count of batches), and workers started afresh each epoch, so that each takes the dataset as
+    set_epoch left it (persistent workers keep the copy they were started with)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch deprecates
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated")
+        loader: DataLoader[Any] = StatefulDataLoader(
+            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate,
+            pin_memory=device.type == "cuda", drop_last=True, persistent_workers=False,
+            worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(seed))
+    return loader
 
 
 def ignore_stop_signals(worker_id: int) -> None:

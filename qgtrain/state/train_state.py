@@ -72,9 +72,24 @@ def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -
             "score": None if score is None else {"metric": metric, "mode": mode, "value": score}}
 
 
-def rank_state(state: TrainState) -> dict[str, Any]:
-    """What each rank writes for itself: its random streams (its own GPU's) and where it is in the data."""
-    return {"rng": rng.capture(), "epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch}
+def rank_state(state: TrainState, stream: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What each rank writes for itself: its random streams (its own GPU's) and where it is in the
+    data (for a stream, also its position in its own part: data/streams.py)."""
+    own = {"rng": rng.capture(), "epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch}
+    return own if stream is None else {**own, "stream": stream}
+
+
+def stream_position(ckpt: Checkpoint, env: DistEnv) -> dict[str, Any] | None:
+    """This rank's saved position in its part of a stream. Each rank's part depends on the world
+    size, so a stream resumes on the world size it was saved with."""
+    saved = load_json(ckpt, "state.json")
+    if saved["world_size"] != env.world_size:
+        raise CheckpointError(
+            f"{ckpt.path} was saved by {saved['world_size']} rank(s) reading a stream (the task's "
+            f"train split is an IterableDataset), whose parts {env.world_size} ranks cannot take "
+            f"over. HINT: resume with {saved['world_size']} ranks, or set checkpoint.resume: never")
+    position = load_file(ckpt, rank_file(env.rank)).get("stream")
+    return position if isinstance(position, dict) else None
 
 
 def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
+from ..data.streams import is_stream
 from ..errors import ConfigError, TaskError
 from ..factory import load_factory
 from ..runtime import distributed
@@ -89,15 +90,9 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
         fail("has a model with no trainable parameters")
     for split in ("train", "val", "test"):
         dataset = getattr(task, split)
-        if dataset is None and split != "train":
-            continue
-        problem = resumable_problem(dataset)
-        if problem:
-            fail(f"has {split}={type(dataset).__name__}, {problem}; it must be a map-style dataset (__len__ and "
-                 "__getitem__: resuming at an exact sample needs indices)" + (", or None" if split != "train" else "") +
-                 ". HINT: give a map-style view (sample i made or read from index i), or for text the data files "
-                 "(data.name: files)")
-    if len(task.train) == 0:
+        if (dataset is not None or split == "train") and (problem := split_problem(split, dataset)):
+            fail(f"has {split}={type(dataset).__name__}, {problem}")
+    if not is_stream(task.train) and len(task.train) == 0:
         fail("has an empty train dataset")
     for part in ("collate", "loss", "metrics", "tokens", "optimizer"):
         value = getattr(task, part)
@@ -113,10 +108,29 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
                           f"early_stopping.metric is {es.metric}; add a metrics function or use val_loss")
 
 
+def split_problem(split: str, dataset: Any) -> str | None:
+    """Why qgtrain cannot train on (train) or evaluate (val, test) this split, or None."""
+    if is_stream(dataset):  # a training stream is resumed by its own position (data/streams.py)
+        return None if split == "train" else (
+            "an IterableDataset; validation and test splits must be map-style (__len__ and "
+            "__getitem__: every sample evaluated exactly once over all ranks), or None. HINT: "
+            "streams are for the train split; give a held-out map-style split (a list of samples "
+            "will do)")
+    problem = resumable_problem(dataset)
+    if problem is None:
+        return None
+    return (f"{problem}; it must be a map-style dataset (__len__ and __getitem__: resuming at an "
+            "exact sample needs indices)" +
+            (", or None" if split != "train" else ", or a torch IterableDataset (a stream)") +
+            ". HINT: give a map-style view (sample i made or read from index i), or for text the "
+            "data files (data.name: files)")
+
+
 def resumable_problem(dataset: Any) -> str | None:
-    """Why qgtrain cannot resume this dataset at an exact sample, or None. An IterableDataset has no index
-    to resume at; generators that make samples on the fly report len() == sys.maxsize, an endless length
-    no epoch or sampler can be built on."""
+    """Why qgtrain cannot resume this map-style dataset at an exact sample, or None. An
+    IterableDataset has no index to resume at (a training stream is resumed by its position
+    instead: data/streams.py); generators that make samples on the fly report len() ==
+    sys.maxsize, an endless length no epoch or sampler can be built on."""
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset (a stream, without indices)"
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):

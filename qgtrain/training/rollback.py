@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..data.loaders import TrainBatches
+from ..data.streams import StreamBatches
 from ..errors import TrainingError
 from ..runtime import distributed
 from ..state import verify_ranks
@@ -46,7 +47,7 @@ class Rewinding(Protocol):
 
     state: TrainState
     parts: Parts
-    batches: TrainBatches
+    batches: TrainBatches | StreamBatches
     spikes: Spikes
     reporter: Reporter
     timer: StepTimer

@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import to_device
-from ..data.loaders import Loaders, TrainBatches
+from ..data.loaders import Loaders, train_batches
 from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import train_state
@@ -50,7 +50,8 @@ class Trainer:
         self.state = TrainState(max_steps=settings.train.max_steps,
                                 optimizer=name_of(parts.optimizer))
         self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer)
-        self.batches = TrainBatches(parts.loaders, settings.train.batch_size * env.world_size)
+        self.batches = train_batches(parts.loaders, settings.train.batch_size * env.world_size,
+                                     settings.train.collective_timeout_s)
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
         self.ema = Ema(self.model, settings.train.ema_decay)
@@ -99,8 +100,8 @@ class Trainer:
             if agreeing:
                 self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
             lr = self.lr.set(self.state)
-            micro_batches = [to_device(self.batches.next(self.state), self.device)
-                             for _ in range(train.grad_accum_steps)]
+            micro_batches = [to_device(batch, self.device)
+                             for batch in self.batches.step(self.state, train.grad_accum_steps)]
             self.timer.data_ready()
             loss_sum, grad_norm = self._forward_backward(micro_batches)
             agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
@@ -255,7 +256,8 @@ class Trainer:
         if is_sharded_model(self.model):
             shards = {**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
         parts.checkpointer.save(
-            state.step, lambda: self._replicated_files(state), train_state.rank_state(state),
+            state.step, lambda: self._replicated_files(state),
+            train_state.rank_state(state, self.batches.saved()),
             train_state.manifest_facts(state, evaluated, es.metric, es.mode), blocking=blocking,
             shards=shards, again=again)
 
@@ -267,6 +269,8 @@ class Trainer:
                 **self.ema.replicated_files()}
 
     def restore(self, ckpt: Checkpoint) -> None:
+        if self.parts.loaders.sampler is None:  # a stream: its own position (streams.py)
+            self.batches.restore(train_state.stream_position(ckpt, self.env), ckpt.path)
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
                                          self.settings.train.seed)
         check_resumed(self.state, self.parts.optimizer)
