@@ -54,9 +54,8 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                trust_code: bool = False, weights: str = "model", merge: bool = False) -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
     `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
-    or ema (their EMA); a LoRA run's adapter folder, or its merged model with `merge` or the run's
-    export.merge. Its config's factories are imported only if built in, if the run is yours
-    (trust.py), or with `trust_code`."""
+    or ema (their EMA); a LoRA run's adapter folder, or its merged model (`merge`, export.merge). Its
+    config's factories are imported only if built in, if the run is yours (trust.py), or trusted."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers

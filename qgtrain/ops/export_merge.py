@@ -1,25 +1,26 @@
-"""The merged export of a LoRA run on a pretrained folder, written tensor by tensor in bounded memory.
+"""The merged export of a LoRA run on a pretrained folder, written tensor by tensor in bounded
+memory.
 
 The exporting process never holds the merged model: the base is built from its config.json without
 weights (names, shapes, ties), peft's layers are put into it holding the checkpoint's adapters (the
 only real tensors), and each tensor is read from the base folder's safetensors as it is written
-(export_stream.write_weights, sharded as transformers shards): an adapted weight as W plus its delta,
-computed by peft's own layer (get_delta_weight: lora_alpha / lora_rank, GPT-2's Conv1D (in, out) layout
-through fan_in_fan_out, an embedding's transposed factors), in fp32 as peft merges a base loaded in fp32,
-then in export.dtype; every other tensor as the folder holds it. Peak memory: the adapters, and one
-tensor of the base in fp32 with its delta.
+(export_stream.write_weights, sharded as transformers shards): an adapted weight as W plus its
+delta, computed by peft's own layer (get_delta_weight: lora_alpha / lora_rank, GPT-2's Conv1D (in,
+out) layout through fan_in_fan_out, an embedding's transposed factors), in fp32 as peft merges a
+base loaded in fp32, then in export.dtype; every other tensor as the folder holds it. Peak memory:
+the adapters, and one tensor of the base in fp32 with its delta.
 
-An adapted weight the model ties to another (lm_head to the input embedding) is untied: written as its
-own tensor, with tie_word_embeddings false in config.json, as peft's merge_and_unload writes it once the
-tie is broken (`untie_adapted`). Merged into the shared tensor, as peft does on a tied model (it warns),
-the delta would change the input embedding too: the model would no longer compute the trained one's
-outputs, and the check below would refuse it.
+An adapted weight the model ties to another (lm_head to the input embedding) is untied: written as
+its own tensor, with tie_word_embeddings false in config.json, as peft's merge_and_unload writes it
+once the tie is broken (`untie_adapted`). Merged into the shared tensor, as peft does on a tied
+model (it warns), the delta would change the input embedding too: the model would no longer compute
+the trained one's outputs, and the check below would refuse it.
 
-The check: every tensor read back through safetensors equals what was written, bit for bit; a model up
-to reload_check.OUTPUTS_CHECKED_UP_TO in fp32 is also run before writing as training ran it (the
+The check: every tensor read back through safetensors equals what was written, bit for bit; a model
+up to reload_check.OUTPUTS_CHECKED_UP_TO in fp32 is also run before writing as training ran it (the
 PeftModel: base and adapters in fp32; for a bf16 export, merged by peft and rounded to bf16), its
-outputs kept and the model freed, and the folder loaded by AutoModelForCausalLM alone must give them:
-one full model in memory at a time, never two. A larger model is checked by names and shapes.
+outputs kept and the model freed, and the folder loaded by AutoModelForCausalLM alone must give
+them: one full model in memory at a time, never two. A larger model is checked by names and shapes.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ Outputs = Callable[[], list[torch.Tensor]]  # the run's model's outputs, built a
 
 
 def streamable(base: Path) -> bool:
-    """A folder whose weights safetensors can read one tensor at a time (not a pytorch_model.bin)."""
+    """A folder whose weights safetensors reads one tensor at a time (not pytorch_model.bin)."""
     return bool(safetensors_files(base))
 
 
@@ -66,7 +67,8 @@ def write(base: Path, adapters: export_stream.Reader, lora: Any, folder: Path, d
     model.load_state_dict(adapters(trained), strict=False, assign=True)
     if untie_adapted(model):
         config.tie_word_embeddings = False
-    layers = {f"{name}.weight": m for name, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    layers = {f"{name}.weight": m for name, m in model.named_modules()
+              if hasattr(m, "get_delta_weight")}
     meta = {n.replace(".base_layer.", "."): t
             for n, t in export_stream.tensors_to_write(model).items() if ".lora_" not in n}
     small = sum(4 * math.prod(t.shape) for t in meta.values()) <= reload_check.OUTPUTS_CHECKED_UP_TO
@@ -83,8 +85,8 @@ def write(base: Path, adapters: export_stream.Reader, lora: Any, folder: Path, d
 
 
 def untie_adapted(model: nn.Module) -> list[str]:
-    """Give each adapted layer's base weight that another parameter shares a copy of its own; returns
-    the layers untied."""
+    """Give each adapted layer's base weight that another parameter shares a copy of its own;
+    returns the layers untied."""
     shared: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         shared[id(param)] = shared.get(id(param), 0) + 1
