@@ -3,7 +3,10 @@ ranks train the adapters only; a SIGKILLed run resumes bit for bit; checkpoints 
 the base; the PEFT adapter export and the merged export compute the same logits; fsdp (with activation
 checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains; a checkpoint
 resumed onto another base, unknown target modules and rank 0 are refused in one line; on the built-in
-GPT-2 (drawn from train.seed) only the merged export is written."""
+GPT-2 (drawn from train.seed) only the merged export is written. The merged export of a pretrained
+folder is streamed from its safetensors: peft's merge_and_unload weights, for Llama and for a sharded
+GPT-2 (Conv1D, a tied lm_head) exported by export.on_finish with export.merge, which a seeded base
+needs (refused at config load without it)."""
 
 from __future__ import annotations
 
