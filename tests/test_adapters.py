@@ -3,7 +3,10 @@ ranks train the adapters only; a SIGKILLed run resumes bit for bit; checkpoints 
 the base; the PEFT adapter export and the merged export compute the same logits; fsdp (with activation
 checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains; a checkpoint
 resumed onto another base, unknown target modules and rank 0 are refused in one line; on the built-in
-GPT-2 (drawn from train.seed) only the merged export is written."""
+GPT-2 (drawn from train.seed) only the merged export is written. The merged export of a pretrained
+folder is streamed from its safetensors: peft's merge_and_unload weights, for Llama and for a sharded
+GPT-2 (Conv1D, a tied lm_head) exported by export.on_finish with export.merge, which a seeded base
+needs (refused at config load without it)."""
 
 from __future__ import annotations
 
@@ -111,8 +114,11 @@ def test_fsdp_resumed_from_its_shards_trains_the_adapters_ddp_trains(runs):
 
 
 def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_path):
+    """The merged export, streamed from the base's safetensors, holds peft's merge_and_unload weights
+    and computes the adapter export's logits."""
     import transformers
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     for out, extra in ((adapter, ()), (merged, ("--merge",))):
@@ -128,6 +134,37 @@ def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_p
         full = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=tokens).logits
     assert torch.allclose(peft, full, atol=1e-5)
     assert not torch.allclose(plain, full, atol=1e-3)
+    expected = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(runs["base"]),
+                                         adapter).merge_and_unload().state_dict()
+    written = load_file(merged / "model.safetensors")
+    assert written.keys() == expected.keys()
+    assert all(torch.allclose(written[k], expected[k], atol=1e-6) for k in expected)
+    original = load_file(runs["base"] / "model.safetensors")
+    assert not torch.equal(written["lm_head.weight"], original["lm_head.weight"])
+
+
+def test_a_merged_export_too_large_to_run_is_streamed_without_building_the_model(runs, tmp_path,
+                                                                                 monkeypatch):
+    """Past OUTPUTS_CHECKED_UP_TO neither the run's model nor the export is ever held whole: the
+    files are checked by names and shapes, and hold the same tensors as the export that was run."""
+    from safetensors.torch import load_file
+
+    from qgtrain.ops import export_adapter, reload_check
+    from qgtrain.ops.export import export_run
+
+    small = export_run(runs["ddp"], tmp_path / "small", merge=True, dtype="bf16")
+    assert small.max_logit_diff is not None and small.dtype == "bf16"
+
+    def never(*args):
+        raise AssertionError("the whole model was built")
+
+    monkeypatch.setattr(reload_check, "OUTPUTS_CHECKED_UP_TO", 0)
+    monkeypatch.setattr(export_adapter, "_adapted_base", never)
+    large = export_run(runs["ddp"], tmp_path / "large", merge=True, dtype="bf16")
+    assert large.max_logit_diff is None
+    want, got = (load_file(tmp_path / name / "model.safetensors") for name in ("small", "large"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
 
 
 def test_a_checkpoint_resumed_onto_another_base_is_refused(runs, tmp_path):
@@ -178,5 +215,67 @@ def test_a_built_in_base_exports_merged_only_and_a_model_without_defaults_needs_
 
 
 def final_keys(run: Path) -> list[str]:
+    return list(final_keys_state(run))
+
+
+def test_merge_on_finish_of_a_gpt2_base_unties_its_adapted_lm_head(tmp_path):
+    """export.merge with export.on_finish: the run ends with the merged model, streamed from a GPT-2
+    folder saved in shards: its Conv1D c_attn (fan_in_fan_out) as peft merges it, its adapted lm_head,
+    tied to the input embedding, written as its own tensor (peft would add the delta to both), so
+    transformers alone computes the PeftModel's logits."""
+    import transformers
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+
+    from qgtrain.configload import load_config
+    from qgtrain.training.adapters import lora_config
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=256, eos_token_id=256)
+    base = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(base, max_shard_size="60KB")
+    assert (base / "model.safetensors.index.json").exists()
+    run = tmp_path / "run"
+    sets = settings(base, "model.lora_targets=[c_attn, lm_head]", "train.max_steps=4",
+                    "checkpoint.every_steps=0", "export.on_finish=true", "export.merge=true")
+    done = cli("train", "--run-dir", str(run), "--set", *sets, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(run / "export").eval()
+    assert not merged.config.tie_word_embeddings and "lora" not in str(merged.state_dict().keys())
+
+    cfg = load_config([ROOT / "config.yaml"], sets)
+    peft = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                          lora_config(cfg.model, ["c_attn", "lm_head"]))
+    adapters = {k.removeprefix("model."): t for k, t in final_keys_state(run).items()}
+    assert not peft.base_model.model.load_state_dict(adapters, strict=False).unexpected_keys
+    tokens = torch.arange(32).unsqueeze(0) * 5 % 257
+    with torch.no_grad():
+        assert torch.allclose(peft.eval()(input_ids=tokens).logits, merged(input_ids=tokens).logits,
+                              atol=1e-5)
+    written = load_file(run / "export" / "model.safetensors")
+    untouched = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    expected = peft.merge_and_unload().state_dict()  # lm_head's delta added to the tied wte
+    for name in [k for k in expected if ".c_attn." in k]:
+        assert torch.allclose(written[name], expected[name], atol=1e-6)
+    assert torch.allclose(written["lm_head.weight"], expected["lm_head.weight"], atol=1e-6)
+    assert torch.equal(written["transformer.wte.weight"], untouched["transformer.wte.weight"])
+
+
+def test_an_adapter_export_on_finish_of_a_seeded_base_is_refused_at_config_load(tmp_path):
+    from qgtrain.configload import load_config
+    from qgtrain.errors import ConfigError
+
+    sets = ["model.adapter=lora", "export.on_finish=true"]
+    with pytest.raises(ConfigError, match=r"export\.merge: .*train\.seed"):
+        load_config([ROOT / "config.yaml"], sets)
+    assert load_config([ROOT / "config.yaml"], [*sets, "export.merge=true"]).export.merge
+    assert load_config([ROOT / "config.yaml"], [*sets, "model.pretrained=somewhere"]).export.on_finish
+    done = cli("train", "--run-dir", str(tmp_path / "run"), "--set", *sets, cwd=tmp_path)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "export.merge" in said and not (tmp_path / "run").exists()
+
+
+def final_keys_state(run: Path) -> dict[str, torch.Tensor]:
     last = max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return list(torch.load(last / "model.pt", weights_only=True))
+    return torch.load(last / "model.pt", weights_only=True)

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from .checkpoint import CheckpointConfig, checkpoint_rules
 from .data import DataConfig, data_rules
 from .early_stopping import EarlyStoppingConfig, early_stopping_rules
-from .export import ExportConfig
+from .export import ExportConfig, export_rules
 from .logging import LoggingConfig, logging_rules
 from .model import ModelConfig, model_rules
 from .optim import OptimConfig, optim_rules
@@ -37,7 +37,7 @@ SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)
 }
 RULES = (task_rules, model_rules, data_rules, optim_rules, training_rules, spike_rules,
-         early_stopping_rules, checkpoint_rules, logging_rules)
+         early_stopping_rules, checkpoint_rules, export_rules, logging_rules)
 
 
 def check_rules(cfg: RunConfig, source: str) -> None:

@@ -54,8 +54,8 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
                trust_code: bool = False, weights: str = "model", merge: bool = False) -> Exported:
     """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
     `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
-    or ema (their EMA); a LoRA run's adapter folder, or its merged model with `merge`. Its config's
-    factories are imported only if built in, if the run is yours (trust.py), or with `trust_code`."""
+    or ema (their EMA); a LoRA run's adapter folder, or its merged model (`merge`, export.merge). Its
+    config's factories are imported only if built in, if the run is yours (trust.py), or trusted."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers
@@ -68,7 +68,7 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
     chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
     if saved.model.adapter != "none" or merge:  # export_adapter.py
-        return _export_adapter(ckpt, saved, out, merge, force, chosen, weights)
+        return _export_adapter(ckpt, saved, out, merge or saved.export.merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
@@ -125,8 +125,8 @@ def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, me
         _replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s to %s (%s); largest output difference after reloading: %.3g", ckpt.path, out,
-             kind, diff)
+    log.info("exported %s to %s (%s); %s", ckpt.path, out, kind, "checked by names and shapes"
+             if diff is None else f"largest output difference after reloading: {diff:.3g}")
     return Exported(out, ckpt.path, diff, kind, "fp32" if not merge else chosen)
 
 

@@ -1,11 +1,16 @@
 """`qgtrain export` of a LoRA run: a PEFT adapter folder, or with `merge` the full model with the
 adapters merged in; either reloaded as its user loads it and compared with the run's own model.
 
-The base is built as training built it (read from model.pretrained, or drawn from train.seed) and must
-be the one the checkpoint names; the adapters are read from the checkpoint (either kind) into a
-PeftModel around it, which writes the adapter folder in peft's own format. Adapters are written in fp32
-(they are small; export.dtype applies to the merged model). The merge is peft's merge_and_unload on
-the CPU: the process holds the base in fp32 once, and a second copy while the reloaded folder is checked.
+The base is built as training built it (read from model.pretrained, or drawn from train.seed) and
+must be the one the checkpoint names; the adapters are read from the checkpoint (either kind) into a
+PeftModel around it, which writes the adapter folder in peft's own format. Adapters are written in
+fp32 (they are small; export.dtype applies to the merged model).
+
+The merge of a pretrained folder with safetensors weights is streamed tensor by tensor, in the
+memory of one tensor and the adapters (export_merge.py). A base drawn from train.seed, a task's own
+model, or a folder of pytorch_model.bin is merged in memory by peft's merge_and_unload on the CPU,
+holding the model in fp32 once and a second copy while the reloaded folder is checked: a built-in
+model is small by construction (model.* sizes it), and torch.load reads a .bin whole anyway.
 
 A base built from a seed is refused without --merge: an adapter folder must name a base its user can
 load, and writing that base beside it would be as large as the merged model, which loads alone.
@@ -24,32 +29,65 @@ from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
 from ..state import checkpoint
 from ..state.weights import describe
+from ..task import BUILTIN_LM
 from ..training.adapters import base_identity, lora_config
-from . import export_stream, export_task
+from . import export_merge, export_stream, export_task
 
 PREFIX = "base_model.model."  # what a PeftModel puts before the adapted model's names
 
 
 def write(ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: bool,
-          dtype: torch.dtype) -> tuple[str, float]:
-    """Write the export into `staging`; returns its kind and the largest output difference found when
-    it was reloaded."""
+          dtype: torch.dtype) -> tuple[str, float | None]:
+    """Write the export into `staging`; returns its kind and the largest output difference found
+    when it was reloaded (None: a merged model too large to run, checked by names and shapes)."""
     saved = checkpoint.load_json(ckpt, "state.json").get("adapter") or {}
     if not cfg.model.pretrained and not merge:
         raise QgtrainError(f"export: {ckpt.path} trained LoRA adapters on a model built from "
                            f"train.seed, which no adapter folder can name as its base. HINT: export "
-                           "the merged model with --merge")
-    model, base_path = _adapted_base(ckpt, cfg, saved)
+                           "the merged model with --merge (or export.merge: true)")
     facts = json.loads((ckpt.path / "model.json").read_text())
     run = export_task.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
+    base = Path(cfg.model.pretrained).resolve() if cfg.model.pretrained else None
+    streamed = base is not None and cfg.task.factory == BUILTIN_LM and export_merge.streamable(base)
+    if merge and streamed and base is not None:
+        diff = _streamed(ckpt, cfg, saved, base, staging, dtype, run)
+    else:
+        diff = _in_memory(ckpt, cfg, saved, staging, merge, dtype, run)
+    if facts.get("tokenizer"):
+        tokenizer.save(facts["tokenizer"], staging, cfg.data.seq_len)
+    return ("merged" if merge else "peft adapter"), diff
+
+
+def _streamed(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], base: Path,
+              staging: Path, dtype: torch.dtype, run: Any) -> float | None:
+    """The merge tensor by tensor; the run's model is built whole only to take the outputs the
+    reloaded folder must give, and freed before the folder is loaded."""
+    def expected() -> list[torch.Tensor]:
+        model = _adapted_base(ckpt, cfg, saved)[0]
+        if dtype == torch.float32:
+            return export_task.outputs(model, run)
+        export_merge.untie_adapted(model)
+        merged = model.merge_and_unload()
+        with torch.no_grad():  # the weights as exported; buffers (rotary frequencies) as computed
+            for param in merged.parameters():
+                param.copy_(param.to(dtype))
+        return export_task.outputs(merged, run)
+
+    _check_base(ckpt, cfg, saved, base_identity(torch.nn.Module(), cfg))  # a folder: its files
+    lora = lora_config(cfg.model, saved["lora"]["targets"], str(base))
+    adapters = export_stream.checkpoint_reader(ckpt)
+    return export_merge.write(base, adapters, lora, staging, dtype, run, expected)
+
+
+def _in_memory(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], staging: Path,
+               merge: bool, dtype: torch.dtype, run: Any) -> float:
+    model, base_path = _adapted_base(ckpt, cfg, saved)
     if merge:
         diff = _merged(model, staging, dtype, run)
     else:
         model.save_pretrained(staging)
         diff = _adapter_reloaded(model, base_path, staging, run)
-    if facts.get("tokenizer"):
-        tokenizer.save(facts["tokenizer"], staging, cfg.data.seq_len)
-    return ("merged" if merge else "peft adapter"), diff
+    return diff
 
 
 def _adapted_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any]) -> tuple[Any, str]:
@@ -57,11 +95,7 @@ def _adapted_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, 
     from peft import get_peft_model
 
     base = export_task.rebuild_task(cfg).model
-    identity = base_identity(base, cfg)
-    if identity != saved.get("base"):
-        raise CheckpointError(f"export: {ckpt.path} was trained on {describe(saved.get('base'))}, but "
-                              f"its config now builds {describe(identity)}; the adapters fit only "
-                              "their own base")
+    _check_base(ckpt, cfg, saved, base_identity(base, cfg))
     base_path = str(Path(cfg.model.pretrained).resolve()) if cfg.model.pretrained else ""
     model = get_peft_model(base, lora_config(cfg.model, saved["lora"]["targets"], base_path or None))
     inner = model.base_model.model
@@ -71,6 +105,14 @@ def _adapted_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, 
         for name, param in wanted.items():
             param.copy_(adapters[name])
     return model.eval(), base_path
+
+
+def _check_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any],
+                identity: dict[str, Any]) -> None:
+    if identity != saved.get("base"):
+        raise CheckpointError(f"export: {ckpt.path} was trained on {describe(saved.get('base'))}, "
+                              f"but its config now builds {describe(identity)}; the adapters fit "
+                              "only their own base")
 
 
 def _adapter_reloaded(model: Any, base_path: str, folder: Path, run: Any) -> float:
@@ -87,6 +129,7 @@ def _merged(model: Any, folder: Path, dtype: torch.dtype, run: Any) -> float:
     import transformers
 
     expected = export_task.outputs(model, run) if dtype == torch.float32 else None
+    export_merge.untie_adapted(model)  # a delta merged into a shared tensor changes its partner
     merged = model.merge_and_unload()
     merged.to(dtype).save_pretrained(folder)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -32,7 +32,7 @@ def outputs(ckpt: Checkpoint, cfg: Any, facts: dict[str, Any], task: ReadyTask |
     """The largest output difference of the reloaded folder, or None for a model checked by names only."""
     if sum(4 * math.prod(t.shape) for t in weights.values()) > OUTPUTS_CHECKED_UP_TO:
         if lm:
-            _check_names(folder, weights, dtype)
+            check_names(folder, weights, dtype)
         return None
     import transformers
 
@@ -48,7 +48,7 @@ def outputs(ckpt: Checkpoint, cfg: Any, facts: dict[str, Any], task: ReadyTask |
     return export_task.verify(model, reloaded, run, folder)
 
 
-def _check_names(folder: Path, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def check_names(folder: Path, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(folder)
