@@ -22,7 +22,10 @@ class Task:
 
     model: a torch.nn.Module, built on the CPU in fp32 (qgtrain moves and wraps it).
     train, val, test: map-style datasets (`len` and indexing: the data position of a run is a sample
-        index, which is what makes resume exact). val and test may be None.
+        index, which is what makes resume exact). val and test may be None. train may instead be a
+        torch IterableDataset (a stream) that yields this rank's and this loader worker's share;
+        with state_dict()/load_state_dict() it resumes from its own saved position, without them
+        by reading past what was consumed (data/streams.py).
     collate: turns a list of samples into a batch (default: torch's default_collate). A batch may be a
         tensor, a dict, tuple, list or dataclass of them, or any object with its own `.to(device)`.
     loss: loss(model, batch) -> scalar tensor (default: `model(**batch).loss` for a dict batch, else
