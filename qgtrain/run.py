@@ -34,13 +34,14 @@ from .state.claim import Claim, claimed
 from .state.lifecycle import Lifecycle
 from .state.resume import data_change
 from .state.rundir import RunDir
+from .state.train_state import Outcome
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
 from .training.adapters import apply_adapter
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
-from .training.parts import Outcome, Parts, Settings
+from .training.parts import Parts, Settings
 from .training.profiling import StepProfiler
 from .training.trainer import Trainer
 

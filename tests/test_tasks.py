@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qgtrain.data.batches import to_device
-from qgtrain.errors import ConfigError
+from qgtrain.errors import TaskError
 from tests.helpers import cli, records
 from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, wait_ranks
 
@@ -66,7 +66,7 @@ def test_a_batch_part_that_cannot_be_moved_is_named():
     class Opaque:
         pass
 
-    with pytest.raises(ConfigError, match=r"the batch\['graph'\]\.nodes is a .*Opaque, which qgtrain cannot move"):
+    with pytest.raises(TaskError, match=r"the batch\['graph'\]\.nodes is a .*Opaque, which qgtrain cannot move"):
         to_device({"graph": Graphish(Opaque(), 1)}, torch.device("meta"))  # type: ignore[arg-type]
 
 

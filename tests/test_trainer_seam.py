@@ -11,7 +11,7 @@ import torch
 
 from qgtrain.errors import TrainingError
 from qgtrain.runtime.signals import StopFlag
-from qgtrain.training.parts import Outcome
+from qgtrain.state.train_state import Outcome
 from tests.helpers import records
 from tests.seam import build_trainer, config, linear_task, one_rank_group
 

@@ -8,6 +8,7 @@ it divides evenly and re-seeds the random streams, with a warning that the run w
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,14 @@ from .weights import adapter_of, check_base, load_weights, saved_state, strip_wr
 log = logging.getLogger("qgtrain")
 
 
+class Outcome(enum.Enum):
+    """How a run's training ended; its value is what state.json, manifests and status.json say."""
+
+    FINISHED = "finished"
+    EARLY_STOPPED = "stopped early"
+    STOPPED_TO_RESUME = "stopped to resume"  # on a signal or before the time limit, at a checkpoint
+
+
 @dataclass
 class TrainState:
     """Everything about progress that a checkpoint must restore. Created before anything reads it."""
@@ -40,7 +49,7 @@ class TrainState:
     evals_since_best: int = 0
     val_metrics: dict[str, float | None] = field(default_factory=dict)  # the latest validation: loss, ...
     test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
-    outcome: str | None = None  # set by the step that ends the run (finished or stopped early)
+    outcome: Outcome | None = None  # set by the step that ends the run (finished or stopped early)
     loss_window: list[float] = field(default_factory=list)  # recent losses, oldest first
     spikes_skipped: int = 0  # loss spikes skipped so far, against train.max_skips
     max_steps: int | None = None  # the train.max_steps trained toward (None: an older checkpoint)
@@ -54,7 +63,7 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
     loss scaler, and progress with the facts needed to judge a resume."""
     from ..version import __version__
 
-    facts = {"trainer": asdict(state), "precision": precision, "world_size": world_size,
+    facts = {"trainer": saved_progress(state), "precision": precision, "world_size": world_size,
              "versions": {"qgtrain": __version__, "torch": torch.__version__},
              "adapter": adapter_of(model)}
     progress = {"state.json": json.dumps(facts, indent=1).encode()}
@@ -68,7 +77,8 @@ def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -
     """What a checkpoint's manifest says of it: `qgtrain runs`, rotation and export --best read these."""
     score = state.val_metrics.get(metric.removeprefix("val_")) if evaluated else None
     return {"epoch": state.epoch, "val_loss": state.val_metrics.get("loss") if evaluated else None,
-            "tokens_seen": state.tokens_seen, "outcome": state.outcome,
+            "tokens_seen": state.tokens_seen,
+            "outcome": state.outcome.value if state.outcome else None,
             "score": None if score is None else {"metric": metric, "mode": mode, "value": score}}
 
 
@@ -158,4 +168,15 @@ def _state_from(saved: dict[str, Any]) -> TrainState:
         saved["best_metric"] = saved.pop("best_val_loss")
         saved["val_metrics"] = {"loss": saved.pop("val_loss", None)}
         saved["test_metrics"] = {"loss": test} if (test := saved.pop("test_loss", None)) is not None else {}
+    if (outcome := saved.get("outcome")) is not None:
+        known = {o.value: o for o in Outcome}
+        if outcome not in known:
+            raise CheckpointError(f"state.json: the outcome {str(outcome)[:40]!r} is none of "
+                                  f"{', '.join(known)}")
+        saved["outcome"] = known[outcome]
     return TrainState(**saved)
+
+
+def saved_progress(state: TrainState) -> dict[str, Any]:
+    """The state as state.json holds it: plain JSON, the outcome by its value."""
+    return {**asdict(state), "outcome": state.outcome.value if state.outcome else None}

@@ -1,9 +1,8 @@
-"""What the training loop runs (its parts, built by qgtrain/run.py), how it is set up (its settings, never
-the whole config), and how it ends."""
+"""What the training loop runs (its parts, built by qgtrain/run.py) and how it is set up (its
+settings, never the whole config); how it ends is state/train_state.py's Outcome, saved with it."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -18,12 +17,6 @@ from ..state.checkpointer import Checkpointer
 from ..task import ReadyTask
 from .metrics import MetricsLog
 from .profiling import StepProfiler
-
-
-class Outcome(enum.Enum):
-    FINISHED = "finished"
-    EARLY_STOPPED = "stopped early"
-    STOPPED_TO_RESUME = "stopped to resume"  # on a signal or before the time limit, at a checkpoint
 
 
 @dataclass

@@ -23,7 +23,7 @@ from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.sharded import is_sharded_model, sharded_state
-from ..state.train_state import TrainState
+from ..state.train_state import Outcome, TrainState
 from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .ema import Ema
@@ -33,7 +33,7 @@ from .horizon import LearningRate, saved_max_steps
 from .metrics import format_metrics, prefixed
 from .optim import apply_update, clip_gradients
 from .optimizers import check_resumed, name_of
-from .parts import Outcome, Parts, Settings, StepResult
+from .parts import Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
 from .spikes import Spikes
@@ -121,13 +121,13 @@ class Trainer:
         raise AssertionError("the loop ends at its last step")
 
     def _already_ended(self) -> Outcome | None:
-        if self.state.outcome == Outcome.FINISHED.value and self.state.step < self.settings.train.max_steps:
+        if self.state.outcome is Outcome.FINISHED and self.state.step < self.settings.train.max_steps:
             self.state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
         if self.state.outcome:
             log.warning("this run already ended at step %d (%s); nothing to do. HINT: raise train.max_steps to "
                         "train on, or start afresh with checkpoint.resume: never or another train.run_name",
-                        self.state.step, self.state.outcome)
-            return Outcome(self.state.outcome)
+                        self.state.step, self.state.outcome.value)
+            return self.state.outcome
         return None
 
     def _what_this_rank_knows(self, step: int) -> Flags:
@@ -178,7 +178,7 @@ class Trainer:
         early_stop = self.validator.validate(self.state) if validated else False
         if early_stop:
             self.validator.test(self.state)
-            self.state.outcome = Outcome.EARLY_STOPPED.value
+            self.state.outcome = Outcome.EARLY_STOPPED
         if validated or step == self._first_step or step % train.log_every == 0:
             self._report(done, validated)
         every = self.settings.checkpoint.every_steps
@@ -204,7 +204,7 @@ class Trainer:
             return self._stop_to_resume(self.state.step, agreed)
         self.validator.validate(self.state)
         self.validator.test(self.state)
-        self.state.outcome = Outcome.FINISHED.value
+        self.state.outcome = Outcome.FINISHED
         if done is not None:
             self._report(done, True)
         else:
