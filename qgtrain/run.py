@@ -38,12 +38,12 @@ from .state.train_state import Outcome
 from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
-from .training.adapters import apply_adapter
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import Parts, Settings
 from .training.profiling import StepProfiler
 from .training.trainer import Trainer
+from .training.transforms import transformed
 
 logger = logging.getLogger("qgtrain")
 EXPORT_TIMEOUT_S = 6 * 3600.0
@@ -119,7 +119,8 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     # an adapter run's checkpoint holds no base: it is built (or read) again as at the start
     holds_all = ckpt is not None and cfg.model.adapter == "none"
     task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, holds_all))
-    task = dataclasses.replace(task, model=apply_adapter(task.model, cfg))  # same seed on every rank
+    # adapters and the other transforms, drawn with the same seed on every rank
+    task = dataclasses.replace(task, model=transformed(task.model, cfg, env, ctx.device))
     rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))  # dropout differs per rank, reproducibly
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)

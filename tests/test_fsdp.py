@@ -170,16 +170,19 @@ def test_fsdp_without_blocks_to_shard_and_incomplete_shards_are_explained(tmp_pa
 
 def saved_activation_bytes(checkpointed: bool) -> tuple[int, dict[str, torch.Tensor]]:
     """Bytes autograd keeps from one forward of a GPT-2 for backward, and the gradients that backward gives."""
-    from qgtrain.config import ModelConfig, TrainConfig
+    from qgtrain.config import ModelConfig, RunConfig, TrainConfig
     from qgtrain.runtime import rng
     from qgtrain.runtime.rendezvous import DistEnv
     from qgtrain.tasks.models import build_model
     from qgtrain.training.parallel import wrap
+    from qgtrain.training.transforms import transformed
 
     rng.seed_everything(0)
     model = build_model(ModelConfig(layers=2, heads=2, hidden=32, dropout=0.1), 257, 16, 256)
     model.train()
-    wrap(model, DistEnv(), torch.device("cpu"), False, TrainConfig(activation_checkpointing=checkpointed), "fp32")
+    cfg = RunConfig(train=TrainConfig(activation_checkpointing=checkpointed))
+    cpu = torch.device("cpu")
+    wrap(transformed(model, cfg, DistEnv(), cpu), DistEnv(), cpu, False, cfg.train, "fp32")
     kept: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Wrapping the user's module for data-parallel training: DDP (a replica per rank) or FSDP2 (shards), with
-torch.compile and activation checkpointing where asked."""
+torch.compile where asked. What changes the model itself (adapters, SyncBatchNorm, activation
+checkpointing) has been applied before (transforms.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import TrainConfig
-from ..errors import ConfigError
 from ..runtime import distributed, mesh
 from ..runtime.rendezvous import DistEnv
 from . import initial_shards, replicas, sharding
@@ -32,23 +32,14 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     if not sharded:
         model = model.to(device)
     replicas.check_start(model, train.parallel, device, env.world_size)
-    if train.sync_batchnorm:
-        problem = replicas.sync_batchnorm_problem(train.parallel, device.type, env.world_size)
-        if problem:
-            raise ConfigError(problem)
-        if env.world_size > 1:
-            replicas.to_sync_batchnorm(model, env.world_size)
-    if train.activation_checkpointing or sharded:
+    if sharded:
         blocks = sharding.find_blocks(model, train.shard_modules)
-        if train.activation_checkpointing:
-            sharding.checkpoint_activations(blocks)
-        if sharded:
-            log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel, len(blocks),
-                     type(blocks[0]).__name__, env.world_size)
-            full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
-            sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
-            initial_shards.fill(model, full, device)
-            return model
+        log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel, len(blocks),
+                 type(blocks[0]).__name__, env.world_size)
+        full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
+        sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
+        initial_shards.fill(model, full, device)
+        return model
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled

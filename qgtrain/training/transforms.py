@@ -1,0 +1,69 @@
+"""Model transforms: what changes the task's model between building it and wrapping it for parallel
+training, in the order of TRANSFORMS, each applied where its setting asks for it.
+
+A transform takes the task's model and returns the model to train (the same object changed in place,
+as all of these do, so the names in checkpoints stay the model's own). They run on every rank with
+the same seed, before the ranks' random streams part, so anything a transform draws (LoRA's initial
+adapters) is the same everywhere. torch.compile is not among them: it returns a new module that only
+forward and backward go through, so it stays with the parallel wrap (parallel.py). A new transform is
+a function here, a row in the table and the setting that turns it on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..runtime.rendezvous import DistEnv
+from . import replicas, sharding
+from .adapters import apply_adapter
+
+log = logging.getLogger("qgtrain")
+
+Transform = Callable[[nn.Module, RunConfig, DistEnv, torch.device], nn.Module]
+
+
+def _adapter(model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+    return apply_adapter(model, cfg)
+
+
+def _sync_batchnorm(model: nn.Module, cfg: RunConfig, env: DistEnv,
+                    device: torch.device) -> nn.Module:
+    problem = replicas.sync_batchnorm_problem(cfg.train.parallel, device.type, env.world_size)
+    if problem:
+        raise ConfigError(problem)
+    if env.world_size > 1:
+        replicas.to_sync_batchnorm(model, env.world_size)
+    return model
+
+
+def _activation_checkpointing(model: nn.Module, cfg: RunConfig, env: DistEnv,
+                              device: torch.device) -> nn.Module:
+    sharding.checkpoint_activations(sharding.find_blocks(model, cfg.train.shard_modules))
+    return model
+
+
+# name -> (whether the config asks for it, the transform), in the order they are applied
+TRANSFORMS: dict[str, tuple[Callable[[RunConfig], bool], Transform]] = {
+    "adapter": (lambda cfg: cfg.model.adapter != "none", _adapter),
+    "sync_batchnorm": (lambda cfg: cfg.train.sync_batchnorm, _sync_batchnorm),
+    "activation_checkpointing": (lambda cfg: cfg.train.activation_checkpointing,
+                                 _activation_checkpointing),
+}
+
+
+def transformed(model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+    """The task's model with every transform the config asks for applied, in TRANSFORMS' order."""
+    applied = []
+    for name, (asked, transform) in TRANSFORMS.items():
+        if asked(cfg):
+            model = transform(model, cfg, env, device)
+            applied.append(name)
+    if applied:
+        log.info("model transforms: %s", ", ".join(applied))
+    return model
