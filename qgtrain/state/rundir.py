@@ -6,7 +6,7 @@
     <run dir>/metrics.jsonl      one JSON object per logged step (rank 0)
     <run dir>/logs/rank_<N>.log  every rank's log, appended across restarts
     <run dir>/tb/                TensorBoard events
-    <run dir>/checkpoints/       step-<N>/ folders (see checkpoint.py)
+    <run dir>/checkpoints/       step-<N>/ folders (layout.py draws one)
     <run dir>/profiles/          torch.profiler traces of train.profile_steps
     <run dir>/.lock              held by the rank 0 that is training in it
 
@@ -32,6 +32,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import QgtrainError
 from ..files import open_lock, read_holder, try_lock, write_atomic, write_holder
+from . import layout
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class RunDir:
 
     @property
     def config(self) -> Path:
-        return self.path / "config.yaml"
+        return self.path / layout.CONFIG  # the same name as a checkpoint's copy
 
     @property
     def run_file(self) -> Path:
