@@ -9,6 +9,9 @@
     <run dir>/checkpoints/       step-<N>/ folders (layout.py draws one)
     <run dir>/profiles/          torch.profiler traces of train.profile_steps
     <run dir>/.lock              held by the rank 0 that is training in it
+    <run dir>/slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
+    <run dir>/code/              the code snapshot jobs run from (slurm.snapshot)
+    <run dir>/stages/            a chain's later stages (`qgtrain submit --then`)
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
 it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
@@ -96,6 +99,18 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.path / ".lock"
+
+    @property
+    def slurm(self) -> Path:
+        return self.path / "slurm"
+
+    @property
+    def code(self) -> Path:
+        return self.path / "code"
+
+    @property
+    def stages(self) -> Path:
+        return self.path / "stages"
 
 
 # What qgtrain itself puts in a run directory before run.json records the run: the lock (a start
