@@ -28,7 +28,7 @@ def train(args: argparse.Namespace) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     from .launch.sbatch import render, submit_config, validate
-    from .state.rundir import default_run_dir
+    from .state.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
@@ -37,7 +37,7 @@ def submit(args: argparse.Namespace) -> int:
     if args.sweep or args.max_parallel is not None:
         return submit_array(args, cfg)
     run_dir = default_run_dir(cfg).resolve()
-    job_dir = run_dir / "slurm"
+    job_dir = RunDir(run_dir).slurm
     if args.launcher == "submitit":
         if args.dry_run:
             from .launch.submitit_launcher import dry_run_parameters
@@ -63,23 +63,25 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
     """The lines that would move the job into its snapshot (its size checked, nothing copied)."""
     from .launch.runfrom import planned, shell_lines
     from .launch.sbatch import snapshots
+    from .state.rundir import RunDir
 
     if not snapshots(cfg.slurm):
         return None
-    return shell_lines(planned(cfg, Path.cwd(), run_dir / "code"))
+    return shell_lines(planned(cfg, Path.cwd(), RunDir(run_dir).code))
 
 
 def _code_note(run_dir: Path) -> str:
     from .launch.sbatch import code_of
+    from .state.rundir import RunDir
 
-    code = code_of(run_dir / "slurm" / "job.sbatch")
+    code = code_of(RunDir(run_dir).slurm / "job.sbatch")
     return f"; code snapshot {code}" if code else ""
 
 
 def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     from .errors import ConfigError
     from .launch import stages
-    from .state.rundir import default_run_dir
+    from .state.rundir import RunDir, default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
         raise ConfigError("--then: stages are submitted with the sbatch launcher, one run per "
@@ -89,9 +91,9 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
         run_dir = default_run_dir(cfg).resolve()
         from .launch.sbatch import render
 
-        sys.stdout.write(render(cfg.slurm, str(run_dir / "slurm" / "config.yaml"),
+        sys.stdout.write(render(cfg.slurm, str(RunDir(run_dir).slurm / "config.yaml"),
                                 code=_planned_code(cfg, run_dir),
-                                after=stages.epilogue(run_dir / "stages", 1, "CHAIN-ID")))
+                                after=stages.epilogue(RunDir(run_dir).stages, 1, "CHAIN-ID")))
         sys.stdout.write("".join(f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n"
                                  for s in planned))
         return 0

@@ -28,7 +28,7 @@ from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
 from .runtime.startup import Timeline
-from .state import checkpoint, rundir
+from .state import checkpoint, layout, rundir
 from .state.checkpointer import Checkpointer
 from .state.claim import Claim, claimed
 from .state.lifecycle import Lifecycle
@@ -170,10 +170,10 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     model = task.model
     run = RunDir(claim.path)
-    run_files = {"config.yaml": run.config.read_bytes(),  # rank 0's record: the ranks' copies cannot differ
-                 "model.json": json.dumps({"class": type(model).__name__, **task.facts}).encode()}
+    run_files = {layout.CONFIG: run.config.read_bytes(),  # rank 0's record: the ranks' copies cannot differ
+                 layout.MODEL_FACTS: json.dumps({"class": type(model).__name__, **task.facts}).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
-        run_files["hf_config.json"] = model.config.to_json_string().encode()
+        run_files[layout.HF_CONFIG] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_save, run_files, cfg.train.collective_timeout_s)
     resolved = precision.resolve(cfg.train.precision, device)

@@ -251,3 +251,20 @@ def test_a_save_whose_peer_never_comes_fails_within_the_collective_timeout(tmp_p
     saver's collectives are bounded like training's (run against a real 2-rank gloo group)."""
     _, failed_after = run_ranks(2, save_while_rank_0_stays_away, str(tmp_path))
     assert failed_after is not None and failed_after < 60, "the save's collective waited for its peer unbounded"
+
+
+def test_a_checkpoint_holds_exactly_the_names_layout_declares(tmp_path):
+    """layout.py is the one owner of a checkpoint's names: a name written elsewhere, or one it declares
+    that nothing writes, shows here. A built-in GPT-2 (hf_config.json) with an EMA (ema.pt), one rank."""
+    from qgtrain.state import layout
+
+    run = tmp_path / "run"
+    cfg = synthetic("train.max_steps=2", "train.ema_decay=0.9", "model.factory=", "model.hidden=32",
+                    "model.layers=2", "model.heads=2")
+    assert train_once(cfg, run)["exit"] == 0
+    folder = run / "checkpoints" / layout.step_folder(2)
+    assert layout.STEP_PATTERN.fullmatch(folder.name)
+    names = {entry.name for entry in folder.iterdir()}
+    assert names == layout.top_level(1, sharded=False, ema=True, hf_config=True)
+    ckpt = checkpoint.read_manifest(folder)
+    assert ckpt is not None and set(ckpt.manifest["files"]) == names - {layout.MANIFEST}

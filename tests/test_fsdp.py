@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from qgtrain.state import layout
 from tests.helpers import checkpoint_state, records, small_gpt2_run, tiny_gpt2, wait_for
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 
@@ -121,7 +122,12 @@ def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=0.1), mine["step"]
     state = json.loads((run / "checkpoints" / "step-24" / "state.json").read_text())
     assert state["trainer"]["samples_in_epoch"] == 12 * 12 + 4 * 6 + 4 * 18 + 4 * 12
-    assert (run / "checkpoints" / "step-20" / "sharded").is_dir() and (run / "checkpoints/step-24/model.pt").exists()
+    for step, world, sharded in ((20, 3, True), (24, 2, False)):  # the names layout.py declares, no others
+        folder = run / "checkpoints" / layout.step_folder(step)
+        assert {p.name for p in folder.iterdir()} == layout.top_level(world, sharded, ema=False, hf_config=True)
+    shards = {p.name for p in (run / "checkpoints" / layout.step_folder(20) / layout.SHARDED).iterdir()}
+    assert {f"{layout.SHARDED}/{name}" for name in shards} == {layout.SHARDED_METADATA} | {
+        f"{layout.SHARDED}/__{rank}_0.distcp" for rank in range(3)}
     # The weights each layout loads are exactly the saved ones: a step at learning rate 0 from the 2-rank
     # shards of step 12 on 3 fsdp ranks, and from the 3-rank shards of step 20 on 2 ddp ranks, saves them back.
     for saved, world, mode in ((12, 3, "fsdp"), (20, 2, "ddp")):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..state.rundir import create
+from ..state.rundir import create, is_run_dir
 
 KINDS_WITHOUT_GIT = (".py", ".yaml", ".yml", ".sh", ".json", ".toml")
 DIFF_CAP = 200_000  # characters of `git diff HEAD` kept in snapshot.json
@@ -105,7 +105,7 @@ def _walk(folder: Path) -> list[Path]:
     found = []
     for parent, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS
-                         and not Path(parent, d, "run.json").exists())
+                         and not is_run_dir(Path(parent, d)))
         found += [Path(parent, name) for name in sorted(files)]
     return found
 

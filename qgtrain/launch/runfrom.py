@@ -21,7 +21,7 @@ from typing import Any
 from ..config import RunConfig
 from ..configload import config_from_dict, config_to_dict, dump_yaml
 from ..files import write_atomic
-from ..state.rundir import default_run_dir
+from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code, check_size, collect, digest, take
 from .sbatch import snapshots
 
@@ -97,7 +97,7 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     Returns the snapshot and the job's config file."""
     if not snapshots(cfg.slurm):
         return None
-    code_dir = default_run_dir(job_config_paths(cfg, submit_dir)).resolve() / "code"
+    code_dir = RunDir(default_run_dir(job_config_paths(cfg, submit_dir)).resolve()).code
     record = code_dir / "jobs" / f"{job or 'local'}.json"
     try:
         known = json.loads(record.read_text())

@@ -247,13 +247,13 @@ def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, a
     to run from a snapshot of the working directory's code (`code`, or one taken now) unless
     slurm.snapshot is off."""
     from ..configload import dump_yaml
-    from ..state.rundir import create
+    from ..state.rundir import RunDir, create
     from .nodes import check_exclusions
     from .runfrom import job_config, shell_lines, snapshot
 
     check_exclusions(cfg.slurm, run)
     if snapshots(cfg.slurm):
-        code = code or snapshot(cfg, Path.cwd(), job_dir.parent / "code")
+        code = code or snapshot(cfg, Path.cwd(), RunDir(job_dir.parent).code)
         cfg = job_config(cfg, Path.cwd(), code)
     moves = shell_lines(code) if code else None
     script = render(cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after)

@@ -28,7 +28,7 @@ from ..configload import config_to_dict, dump_yaml, load_config, with_overrides
 from ..errors import ConfigError
 from ..files import write_atomic
 from ..state import rundir
-from ..state.rundir import default_run_dir
+from ..state.rundir import RunDir, default_run_dir
 from .sbatch import Runner, SubmissionError, render, snapshots, submit, submit_config
 
 CHAIN = "chain.json"
@@ -83,7 +83,7 @@ def _stage_config(first: RunConfig, base: Path, file: Path, index: int) -> RunCo
 def export_dir(cfg: RunConfig) -> Path:
     if cfg.export.dir:
         return Path(cfg.export.dir).resolve()
-    return default_run_dir(cfg).resolve() / "export"
+    return RunDir(default_run_dir(cfg).resolve()).export
 
 
 def _check_weights(before: Stage, stage: Stage) -> None:
@@ -120,8 +120,8 @@ def submit_chain(stages: list[Stage], submit_dir: Path,
 
     first = stages[0].cfg
     first_dir = default_run_dir(first).resolve()
-    code = snapshot(first, submit_dir, first_dir / "code") if snapshots(first.slurm) else None
-    folder, chain_id = first_dir / "stages", uuid.uuid4().hex[:8]
+    code = snapshot(first, submit_dir, RunDir(first_dir).code) if snapshots(first.slurm) else None
+    folder, chain_id = RunDir(first_dir).stages, uuid.uuid4().hex[:8]
     rundir.create(first_dir, first.logging.shared)
     folder.mkdir(exist_ok=True)
     _set_aside(folder)
@@ -136,7 +136,7 @@ def submit_chain(stages: list[Stage], submit_dir: Path,
               "stages": [{"stage": s.index, "source": s.source, "run_name": s.cfg.train.run_name,
                           "run_dir": str(default_run_dir(s.cfg).resolve())} for s in stages]}
     write_atomic(folder / CHAIN, json.dumps(record, indent=1))
-    job_id = submit_config(first, first_dir / "slurm", run, after=epilogue(folder, 1, chain_id),
+    job_id = submit_config(first, RunDir(first_dir).slurm, run, after=epilogue(folder, 1, chain_id),
                            code=code)
     write_atomic(folder / "1.submitted", json.dumps({"job_id": job_id, "time": time.time()}))
     return job_id, folder

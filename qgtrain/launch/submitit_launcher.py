@@ -31,7 +31,7 @@ from ..runtime.slurm import (
     reason_not_to_requeue,
     seconds_left,
 )
-from ..state.rundir import create, default_run_dir
+from ..state.rundir import RunDir, create, default_run_dir
 from . import submitit_compat, sweep
 from .codesnap import Code
 from .runfrom import job_config, shell_lines, snapshot
@@ -141,7 +141,7 @@ def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
     from .runfrom import planned
 
     python, target = container_python(cfg), default_run_dir(cfg).resolve()
-    code = planned(cfg, Path.cwd(), target / "code") if snapshots(cfg.slurm) else None
+    code = planned(cfg, Path.cwd(), RunDir(target).code) if snapshots(cfg.slurm) else None
     return {**executor_parameters(cfg, recover_args=_recover_args(cfg, target), code=code),
             **({"slurm_python": python} if python else {})}
 
@@ -206,7 +206,7 @@ def submit(config: RunConfig | str | Path | None = None, *, run_dir: str | Path 
     else:
         cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
-    code = snapshot(cfg, Path.cwd(), target / "code") if snapshots(cfg.slurm) else None
+    code = snapshot(cfg, Path.cwd(), RunDir(target).code) if snapshots(cfg.slurm) else None
     cfg = job_config(cfg, Path.cwd(), code) if code else cfg
     executor = submitit.AutoExecutor(folder=Path(folder or target / "submitit"),
                                      slurm_max_num_timeout=cfg.slurm.max_restarts, slurm_python=container_python(cfg))

@@ -26,7 +26,7 @@ from ..config import RunConfig
 from ..configload import config_from_dict, config_to_dict
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint, ema_files, sharded
+from ..state import checkpoint, ema_files, layout, sharded
 from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
@@ -65,12 +65,12 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     if (refused := export_target.refusal(out, force)) is not None:
         raise QgtrainError(refused)
     saved = yaml_config(ckpt)
-    _require_trusted(saved, Path(source), ckpt.path / "config.yaml", trust_code)
-    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, "state.json").get("precision"))
+    _require_trusted(saved, Path(source), ckpt.path / layout.CONFIG, trust_code)
+    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, layout.STATE).get("precision"))
     if saved.model.adapter != "none" or merge:  # export_adapter.py
         return _export_adapter(ckpt, saved, out, merge or saved.export.merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
-    model_facts = json.loads((ckpt.path / "model.json").read_text()) if (ckpt.path / "model.json").exists() else {}
+    model_facts = _model_facts(ckpt)
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
     model = task.model if task is not None else export_task.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
     tensors, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
@@ -165,10 +165,17 @@ def export_dtype(setting: str, trained: str | None) -> str:
     return ("bf16" if trained == "bf16" else "fp32") if setting == "auto" else setting
 
 
+def _model_facts(ckpt: checkpoint.Checkpoint) -> dict[str, Any]:
+    """The task's facts (model.json); none where the checkpoint holds no such file."""
+    path = ckpt.path / layout.MODEL_FACTS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def yaml_config(ckpt: checkpoint.Checkpoint) -> RunConfig:
     import yaml
 
-    return config_from_dict(yaml.safe_load((ckpt.path / "config.yaml").read_text()), str(ckpt.path / "config.yaml"))
+    saved = ckpt.path / layout.CONFIG
+    return config_from_dict(yaml.safe_load(saved.read_text()), str(saved))
 
 
 def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint:
@@ -177,8 +184,8 @@ def _select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint
     for ckpt in candidates:
         problem = checkpoint.verify(ckpt)
         if problem is None:
-            weights = (ckpt.path / "model.pt").exists() or sharded.is_sharded_checkpoint(ckpt)
-            if not weights or not (ckpt.path / "config.yaml").exists():
+            weights = (ckpt.path / layout.MODEL).exists() or sharded.is_sharded_checkpoint(ckpt)
+            if not weights or not (ckpt.path / layout.CONFIG).exists():
                 raise CheckpointError(f"export: {ckpt.path} has no model weights or config to export")
             return ckpt
         if len(candidates) == 1:
@@ -239,7 +246,7 @@ def run_facts(ckpt: checkpoint.Checkpoint, cfg: RunConfig, tokenizer_name: str |
     """What training did, from the checkpoint and the run's metrics: in the model card and
     qgtrain_model.json (the checkpoint by its folder's name: its full path names the user's home and
     cluster)."""
-    state = checkpoint.load_json(ckpt, "state.json")
+    state = checkpoint.load_json(ckpt, layout.STATE)
     trainer, versions = state["trainer"], state.get("versions", {})
     metrics = RunDir(ckpt.path.parent.parent).metrics
     losses = [r["loss"] for r in read_metrics(metrics) if "loss" in r and r["step"] <= ckpt.step] \

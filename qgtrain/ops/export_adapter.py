@@ -27,7 +27,7 @@ import torch
 from ..config import RunConfig
 from ..data import tokenizer
 from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint
+from ..state import checkpoint, layout
 from ..state.weights import describe
 from ..task import BUILTIN_LM
 from ..training.adapters import base_identity, lora_config
@@ -40,12 +40,12 @@ def write(ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: boo
           dtype: torch.dtype) -> tuple[str, float | None]:
     """Write the export into `staging`; returns its kind and the largest output difference found
     when it was reloaded (None: a merged model too large to run, checked by names and shapes)."""
-    saved = checkpoint.load_json(ckpt, "state.json").get("adapter") or {}
+    saved = checkpoint.load_json(ckpt, layout.STATE).get("adapter") or {}
     if not cfg.model.pretrained and not merge:
         raise QgtrainError(f"export: {ckpt.path} trained LoRA adapters on a model built from "
                            f"train.seed, which no adapter folder can name as its base. HINT: export "
                            "the merged model with --merge (or export.merge: true)")
-    facts = json.loads((ckpt.path / "model.json").read_text())
+    facts = json.loads((ckpt.path / layout.MODEL_FACTS).read_text())
     run = export_task.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
     base = Path(cfg.model.pretrained).resolve() if cfg.model.pretrained else None
     streamed = base is not None and cfg.task.factory == BUILTIN_LM and export_merge.streamable(base)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, QgtrainError, first_line
-from ..state import checkpoint, sharded
+from ..state import checkpoint, layout, sharded
 from ..state.weights import strip_wrapper_prefixes, within_budget
 
 Reader = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # meta tensors in, full tensors out
@@ -53,7 +53,7 @@ def converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def checkpoint_reader(ckpt: checkpoint.Checkpoint) -> Reader:
     """Full tensors from a checkpoint of either kind, for the names asked."""
     if not sharded.is_sharded_checkpoint(ckpt):
-        saved = strip_wrapper_prefixes(checkpoint.load_file(ckpt, "model.pt"))  # mmap: read as asked
+        saved = strip_wrapper_prefixes(checkpoint.load_file(ckpt, layout.MODEL))  # mmap: read as asked
 
         def pick(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             missing = sorted(set(wanted) - set(saved))

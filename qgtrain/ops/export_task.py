@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import QgtrainError
 from ..runtime import distributed, rng
 from ..runtime.rendezvous import DistEnv
+from ..state import layout
 from ..task import BUILTIN_LM, ReadyTask
 from ..tasks.build import build_task
 from ..tasks.empty_weights import building_empty, to_meta
@@ -73,10 +74,10 @@ def rebuild_model(cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Mo
 def rebuild_lm(ckpt_dir: Path, cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Module:
     """The built-in language model: from the transformers config its checkpoint saved, or its factory;
     `empty`: without weights."""
-    if (ckpt_dir / "hf_config.json").exists():
+    if (ckpt_dir / layout.HF_CONFIG).exists():
         import transformers
 
-        hf = json.loads((ckpt_dir / "hf_config.json").read_text())
+        hf = json.loads((ckpt_dir / layout.HF_CONFIG).read_text())
         config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
         with building_empty(meta=True) if empty else contextlib.nullcontext():
             return transformers.AutoModelForCausalLM.from_config(config)

@@ -3,6 +3,8 @@
     checkpoints/step-<N>/      committed: manifest.json lists every file with its size and xxh3 checksum
     checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
 
+(layout.py names every file of a checkpoint.)
+
 A folder counts as a checkpoint only if its manifest (written last, then the rename) parses and
 names this format. Before a checkpoint is used its files are checked against the manifest, so a
 truncated or corrupted file is reported by name and the previous checkpoint is used instead. Files
@@ -18,7 +20,6 @@ import errno
 import json
 import os
 import pickle
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, first_line
+from . import layout
 from . import manifest_files as listed
+from .layout import MANIFEST as MANIFEST  # where tests and older callers import it from
+from .layout import SHARDED_METADATA
 
 FORMAT = "qgtrain-checkpoint-1"
-MANIFEST = "manifest.json"
-SHARDED_METADATA = "sharded/.metadata"  # DCP's index of a sharded checkpoint (sharded.py)
-_COMMITTED = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Checkpoint:
 
 
 def staging_dir(root: Path, step: int, run_id: str) -> Path:
-    return root / f".tmp-step-{step}-{run_id}"
+    return root / layout.staging_folder(step, run_id)
 
 
 def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -149,7 +150,7 @@ def _set_aside(existing: Path, run_id: str) -> None:
     if old is not None and old.run_id != run_id:
         os.rename(existing, existing.with_name(f"{existing.name}.from-run-{old.run_id}"))
         return
-    doomed = existing.with_name(f".replaced-{existing.name}-{os.getpid()}")
+    doomed = existing.with_name(f"{layout.REPLACED_PREFIX}{existing.name}-{os.getpid()}")
     os.rename(existing, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -185,7 +186,7 @@ def list_unreadable(root: Path) -> list[Path]:
 def _step_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return [entry for entry in root.iterdir() if _COMMITTED.fullmatch(entry.name) and entry.is_dir()]
+    return [entry for entry in root.iterdir() if layout.STEP_PATTERN.fullmatch(entry.name) and entry.is_dir()]
 
 
 def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
@@ -253,7 +254,7 @@ def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:
     removed = []
     for ckpt in ours:
         if ckpt.path not in keep:
-            doomed = ckpt.path.with_name(f".deleting-{ckpt.path.name}")
+            doomed = ckpt.path.with_name(f"{layout.DELETING_PREFIX}{ckpt.path.name}")
             os.rename(ckpt.path, doomed)  # no longer a checkpoint the instant it is renamed
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(ckpt.path)
@@ -264,8 +265,8 @@ def remove_stale_staging(root: Path, run_id: str) -> list[Path]:
     """Half-written folders this run left when it was killed, and interrupted deletions."""
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if (p.name.startswith(".tmp-step-") and p.name.endswith(f"-{run_id}"))
-             or p.name.startswith((".deleting-", ".replaced-"))]
+    stale = [p for p in root.iterdir() if (p.name.startswith(layout.STAGING_PREFIX) and p.name.endswith(f"-{run_id}"))
+             or p.name.startswith((layout.DELETING_PREFIX, layout.REPLACED_PREFIX))]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale

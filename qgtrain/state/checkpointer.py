@@ -27,14 +27,11 @@ import torch.distributed as dist
 from ..errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint, sharded
+from . import checkpoint, layout, sharded
+from .layout import rank_file
 from .snapshot import CpuSnapshot, saved_layouts
 
 log = logging.getLogger("qgtrain")
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank}.pt"
 
 
 def dcp_error() -> type[BaseException]:
@@ -164,7 +161,7 @@ class Checkpointer:
         if box[0] is not None:
             raise CheckpointWriteError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is "
                                        "intact; HINT: check free space and permissions where the run directory lives")
-        return self.root / f"step-{step}", list(entries)
+        return self.root / layout.step_folder(step), list(entries)
 
     def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any],
                 started: float) -> str | None:
@@ -172,7 +169,7 @@ class Checkpointer:
         if not errors:
             files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
             try:
-                ckpt = checkpoint.commit(staging, self.root / f"step-{step}", files,
+                ckpt = checkpoint.commit(staging, self.root / layout.step_folder(step), files,
                                          {**meta, "step": step, "run_id": self.run_id,
                                           "world_size": self.env.world_size})
                 size = sum(entry["size"] for entry in files.values())

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ..errors import CheckpointError, first_line
-from .checkpoint import SHARDED_METADATA, Checkpoint
+from .checkpoint import Checkpoint
+from .layout import SHARDED, SHARDED_METADATA
 from .manifest_files import name_problem, open_regular, read_regular
 
-_FOLDER = SHARDED_METADATA.partition("/")[0]
 _METADATA = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
              "_MEM_FORMAT_ENCODING")
@@ -95,9 +95,9 @@ def _check_entry(ckpt: Checkpoint, fqn: object, info: object) -> None:
         raise CheckpointError(f"{where} stores {fqn!r} as a {type(info).__name__}, not in a file")
     file, listed = info.relative_path, ckpt.manifest.get("files", {})
     if not isinstance(file, str) or name_problem(file) or "/" in file \
-            or f"{_FOLDER}/{file}" not in listed:
+            or f"{SHARDED}/{file}" not in listed:
         raise CheckpointError(f"{where} stores {fqn!r} in {file!r}, which is not a file of "
-                              f"{_FOLDER}/ that the manifest lists")
+                              f"{SHARDED}/ that the manifest lists")
     offset, length = info.offset, info.length
     if not (type(offset) is int and type(length) is int and min(offset, length) >= 0):
         raise CheckpointError(f"{where} stores {fqn!r} at offset {offset!r}, length {length!r}")
@@ -129,12 +129,12 @@ def metadata_problem(ckpt: Checkpoint) -> str | None:
         metadata = read_metadata(ckpt)
         for index, info in metadata.storage_data.items():
             if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                path = ckpt.path / _FOLDER / info.relative_path
+                path = ckpt.path / SHARDED / info.relative_path
                 load_bytes_entry(_span(path, info.offset, info.length), f"{path} ({index.fqn})")
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:
-        return f"{ckpt.path / _FOLDER} cannot be read ({exc.strerror or exc})"
+        return f"{ckpt.path / SHARDED} cannot be read ({exc.strerror or exc})"
     return None
 
 
@@ -154,7 +154,7 @@ class SafeReader(FileSystemReader):
     """DCP's reader of sharded/, its metadata read once by `read_metadata` above, not by pickle."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
-        super().__init__(ckpt.path / _FOLDER)
+        super().__init__(ckpt.path / SHARDED)
         self._metadata = read_metadata(ckpt)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

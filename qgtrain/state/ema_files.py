@@ -16,10 +16,11 @@ import torch
 
 from ..errors import CheckpointError, first_line
 from .checkpoint import Checkpoint, load_file
+from .layout import EMA, EMA_KEY
 from .sharded import FOLDER, is_sharded_checkpoint, shard_of
 
-FILE = "ema.pt"
-KEY = "ema"
+FILE = EMA
+KEY = EMA_KEY
 
 
 def names(ckpt: Checkpoint) -> set[str]:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .checkpoint import (
-    MANIFEST,
     Checkpoint,
     list_committed,
     list_unreadable,
     read_manifest,
     verify,
 )
+from .layout import MANIFEST, MODEL_FACTS
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def data_change(ckpt: Checkpoint, facts: dict[str, object]) -> str | None:
     """A warning when the task's data is not what the checkpoint was trained on (a data file changed, so
     its cache was prepared again): the run goes on, from the same sample position, on the new data."""
     try:
-        saved = json.loads((ckpt.path / "model.json").read_text()).get("data")
+        saved = json.loads((ckpt.path / MODEL_FACTS).read_text()).get("data")
     except (OSError, ValueError):
         return None
     now = facts.get("data")

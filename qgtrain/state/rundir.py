@@ -6,9 +6,12 @@
     <run dir>/metrics.jsonl      one JSON object per logged step (rank 0)
     <run dir>/logs/rank_<N>.log  every rank's log, appended across restarts
     <run dir>/tb/                TensorBoard events
-    <run dir>/checkpoints/       step-<N>/ folders (see checkpoint.py)
+    <run dir>/checkpoints/       step-<N>/ folders (layout.py draws one)
     <run dir>/profiles/          torch.profiler traces of train.profile_steps
     <run dir>/.lock              held by the rank 0 that is training in it
+    <run dir>/slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
+    <run dir>/code/              the code snapshot jobs run from (slurm.snapshot)
+    <run dir>/stages/            a chain's later stages (`qgtrain submit --then`)
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
 it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
@@ -32,6 +35,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import QgtrainError
 from ..files import open_lock, read_holder, try_lock, write_atomic, write_holder
+from . import layout
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class RunDir:
 
     @property
     def config(self) -> Path:
-        return self.path / "config.yaml"
+        return self.path / layout.CONFIG  # the same name as a checkpoint's copy
 
     @property
     def run_file(self) -> Path:
@@ -95,6 +99,18 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.path / ".lock"
+
+    @property
+    def slurm(self) -> Path:
+        return self.path / "slurm"
+
+    @property
+    def code(self) -> Path:
+        return self.path / "code"
+
+    @property
+    def stages(self) -> Path:
+        return self.path / "stages"
 
 
 # What qgtrain itself puts in a run directory before run.json records the run: the lock (a start

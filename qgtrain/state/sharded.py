@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .checkpoint import SHARDED_METADATA, Checkpoint, file_entry, load_file
+from .checkpoint import Checkpoint, file_entry, load_file
+from .layout import MODEL, OPTIM, SHARDED, SHARDED_METADATA
 from .weights import adapter_of, load_weights, strip_wrapper_prefixes
 
-FOLDER = "sharded"
+FOLDER = SHARDED
 
 
 def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
@@ -61,7 +62,7 @@ def write(staging: Path, state: dict[str, Any], rank: int, group: dist.ProcessGr
          process_group=group)
     mine = sorted(p for p in folder.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
-        mine.append(folder / ".metadata")
+        mine.append(staging / SHARDED_METADATA)
     return {f"{FOLDER}/{path.name}": file_entry(path) for path in mine}
 
 
@@ -87,12 +88,12 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
     # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its shards.
     full = StateDictOptions(full_state_dict=True, strict=adapter_of(model) is None)
     names = _names_by_index(model, optimizer)
-    saved = load_file(ckpt, "optim.pt")["optimizer"]
+    saved = load_file(ckpt, OPTIM)["optimizer"]
     by_name: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},
                "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                                 for group in saved["param_groups"]]}
     try:
-        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, "model.pt"), optim_state_dict=by_name,
+        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, MODEL), optim_state_dict=by_name,
                        options=full)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path} does not fit the configured model and optimizer "
@@ -110,7 +111,7 @@ def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
     """The checkpoint's full weights into an unsharded model, in place, in one process (export): a sharded
     checkpoint's shards are read straight into the model's own tensors, so no second copy is ever held."""
     if not is_sharded_checkpoint(ckpt):
-        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
+        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, MODEL)), ckpt.path)
         return
     from torch.distributed.checkpoint.api import CheckpointException
 

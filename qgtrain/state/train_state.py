@@ -22,7 +22,7 @@ from ..runtime import rng
 from ..runtime.rendezvous import DistEnv
 from . import sharded
 from .checkpoint import Checkpoint, load_file, load_json
-from .checkpointer import rank_file
+from .layout import MODEL, OPTIM, STATE, rank_file
 from .sharded import is_sharded_checkpoint, is_sharded_model
 from .weights import adapter_of, check_base, load_weights, saved_state, strip_wrapper_prefixes
 
@@ -66,11 +66,11 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
     facts = {"trainer": saved_progress(state), "precision": precision, "world_size": world_size,
              "versions": {"qgtrain": __version__, "torch": torch.__version__},
              "adapter": adapter_of(model)}
-    progress = {"state.json": json.dumps(facts, indent=1).encode()}
+    progress = {STATE: json.dumps(facts, indent=1).encode()}
     if is_sharded_model(model):  # the weights and optimizer are every rank's shards (sharded.write)
         return progress
-    return {"model.pt": saved_state(model),
-            "optim.pt": {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, **progress}
+    return {MODEL: saved_state(model),
+            OPTIM: {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, **progress}
 
 
 def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def rank_state(state: TrainState, stream: dict[str, Any] | None = None) -> dict[
 def stream_position(ckpt: Checkpoint, env: DistEnv) -> dict[str, Any] | None:
     """This rank's saved position in its part of a stream. Each rank's part depends on the world
     size, so a stream resumes on the world size it was saved with."""
-    saved = load_json(ckpt, "state.json")
+    saved = load_json(ckpt, STATE)
     if saved["world_size"] != env.world_size:
         raise CheckpointError(
             f"{ckpt.path} was saved by {saved['world_size']} rank(s) reading a stream (the task's "
@@ -104,12 +104,12 @@ def stream_position(ckpt: Checkpoint, env: DistEnv) -> dict[str, Any] | None:
 
 def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
             env: DistEnv, seed: int) -> TrainState:
-    saved = load_json(ckpt, "state.json")
+    saved = load_json(ckpt, STATE)
     check_base(saved.get("adapter"), model, ckpt.path)  # before any weight is read
     if is_sharded_checkpoint(ckpt) or is_sharded_model(model):
         sharded.load(ckpt, model, optimizer)
     else:
-        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, "model.pt")), ckpt.path)
+        load_weights(model, strip_wrapper_prefixes(load_file(ckpt, MODEL)), ckpt.path)
         load_optimizer(ckpt, optimizer, scaler)
     state = _state_from(saved["trainer"])
     if state.samples_in_epoch % env.world_size:
@@ -134,8 +134,8 @@ def load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, scaler: t
     torch checks only the number of parameters per group; a state tensor of the wrong shape would fail
     later, inside the first step, so shapes are checked here against the parameters they belong to.
     """
-    path = ckpt.path / "optim.pt"
-    saved = load_file(ckpt, "optim.pt")
+    path = ckpt.path / OPTIM
+    saved = load_file(ckpt, OPTIM)
     try:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         _check_shapes(saved["optimizer"]["state"], params)

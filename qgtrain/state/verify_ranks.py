@@ -13,19 +13,18 @@ exist, the small files) are checked by one rank each, the largest first to the r
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ..errors import CheckpointError, QgtrainError
-from .checkpoint import MANIFEST, read_manifest, verify
+from .checkpoint import read_manifest, verify
+from .layout import MANIFEST, OWN_FILE
 from .manifest_files import listing_problem
 from .resume import Candidates, refusal
 
 log = logging.getLogger("qgtrain")
-_OWN = re.compile(r"rank-(\d+)\.pt|sharded/__(\d+)_\d+\.distcp")
 
 
 def assign(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
@@ -34,7 +33,7 @@ def assign(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
     load = [0] * world_size
     rest = []
     for name, size in sizes.items():
-        own = _OWN.fullmatch(name)
+        own = OWN_FILE.fullmatch(name)
         writer = int(own.group(1) or own.group(2)) if own else world_size
         if writer < world_size:
             shares[writer].append(name)

@@ -19,6 +19,7 @@ import yaml
 
 from ..config import OptimConfig
 from ..errors import ConfigError
+from ..state import layout
 from ..state.checkpoint import Checkpoint
 from ..state.manifest_files import read_regular
 from ..state.train_state import TrainState
@@ -80,7 +81,7 @@ def saved_max_steps(ckpt: Checkpoint, state: TrainState) -> int | None:
     if state.max_steps is not None:
         return state.max_steps
     try:
-        saved = yaml.safe_load(read_regular(ckpt.path / "config.yaml"))
+        saved = yaml.safe_load(read_regular(ckpt.path / layout.CONFIG))
         return int(saved["train"]["max_steps"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
         return None
