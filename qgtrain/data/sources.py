@@ -74,8 +74,8 @@ def kind_of(path: Path) -> str | None:
 
 def pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
     """The source's text, with how many of its bytes on disk have been read so far."""
-    reader = {"text": _text_pieces, "jsonl": _json_pieces, "parquet": _parquet_pieces,
-              "arrow": _arrow_pieces}[source.kind]
+    reader = {"text": _text_pieces, "jsonl": _json_pieces, "parquet": _column_pieces,
+              "arrow": _column_pieces}[source.kind]
     empty = True
     for piece, done in reader(source, text_field):
         empty = False
@@ -198,17 +198,11 @@ def _field(row: Any, text_field: str, where: str) -> str:
     return value
 
 
-def _parquet_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+def _column_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
+    """A parquet or arrow source's text column, one document per row."""
+    reader = _parquet_columns if source.kind == "parquet" else _arrow_columns
     document = 0
-    for (values,), done in _parquet_columns(source, (text_field,)):
-        for text in _column_texts(values, text_field, source.path, document):
-            document += 1
-            yield Piece(text, document - 1, True), done
-
-
-def _arrow_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
-    document = 0
-    for (values,), done in _arrow_columns(source, (text_field,)):
+    for (values,), done in reader(source, (text_field,)):
         for text in _column_texts(values, text_field, source.path, document):
             document += 1
             yield Piece(text, document - 1, True), done
