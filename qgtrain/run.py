@@ -170,8 +170,10 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     model = task.model
     run = RunDir(claim.path)
-    run_files = {layout.CONFIG: run.config.read_bytes(),  # rank 0's record: the ranks' copies cannot differ
-                 layout.MODEL_FACTS: json.dumps({"class": type(model).__name__, **task.facts}).encode()}
+    facts = {"class": type(model).__name__, **task.facts}
+    # rank 0's record: the ranks' copies cannot differ
+    run_files = {layout.CONFIG: run.config.read_bytes(),
+                 layout.MODEL_FACTS: json.dumps(facts).encode()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         run_files[layout.HF_CONFIG] = model.config.to_json_string().encode()
     checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,

@@ -21,7 +21,19 @@ from .task import TaskConfig
 from .train import TrainConfig
 
 __all__ = [
-    "MAX_TIMEOUT_S", "SECTIONS", "CheckpointConfig", "DataConfig", "EarlyStoppingConfig",
-    "ExportConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "RunConfig", "SlurmConfig",
-    "TaskConfig", "TrainConfig", "check_rules", "setting",
+    "MAX_TIMEOUT_S",
+    "SECTIONS",
+    "CheckpointConfig",
+    "DataConfig",
+    "EarlyStoppingConfig",
+    "ExportConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SlurmConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "check_rules",
+    "setting",
 ]

@@ -25,6 +25,7 @@ def setting(default: Any, doc: str, *, min: float | None = None, max: float | No
 def factory_problem(key: str, value: str | None) -> Problem:
     """A 'package.module:function' (or 'path/to/file.py:function') setting of the wrong form."""
     if value and (value.count(":") != 1 or not all(value.split(":"))):
-        return key, (f"'{value}' is not of the form 'package.module:function' or "
-                     "'path/to/file.py:function'")
+        return key, (
+            f"'{value}' is not of the form 'package.module:function' or 'path/to/file.py:function'"
+        )
     return None

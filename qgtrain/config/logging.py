@@ -18,23 +18,33 @@ class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING"] = setting("INFO", "console and log-file level")
     tensorboard: bool = setting(True, "write TensorBoard events to <run dir>/tb (rank 0)")
     trackers: tuple[str, ...] = setting(
-        (), "experiment trackers besides TensorBoard: wandb, mlflow (optional extras); one "
-        "tracker run per qgtrain run, across requeues")
+        (),
+        "experiment trackers besides TensorBoard: wandb, mlflow (optional extras); one "
+        "tracker run per qgtrain run, across requeues",
+    )
     wandb_project: str = setting("qgtrain", "the W&B project")
     wandb_mode: Literal["offline", "online"] = setting(
-        "offline", "offline: write locally, upload later with `wandb sync` (compute nodes often "
-        "have no network)")
+        "offline",
+        "offline: write locally, upload later with `wandb sync` (compute nodes often "
+        "have no network)",
+    )
     mlflow_uri: str = setting(
-        "", "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without credentials: "
-        "set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment")
+        "",
+        "MLflow tracking URI ('' = a file store in <runs_dir>/mlruns), without credentials: "
+        "set MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN in the environment",
+    )
     mlflow_experiment: str = setting("qgtrain", "the MLflow experiment")
     progress: Literal["auto", "bar", "lines"] = setting(
-        "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files")
+        "auto", "auto: a progress bar on a terminal, plain lines in Slurm output files"
+    )
     memory_warn_gb: float = setting(
-        0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)", min=0.0)
+        0.0, "warn when a rank's CPU RSS or GPU peak passes this (0 = off)", min=0.0
+    )
     shared: bool = setting(
-        False, "false: a new run directory is private to you (mode 0700); true: it follows your "
-        "umask, for a group project, but is never writable by everyone")
+        False,
+        "false: a new run directory is private to you (mode 0700); true: it follows your "
+        "umask, for a group project, but is never writable by everyone",
+    )
 
 
 def logging_rules(cfg: RunConfig) -> Problem:
@@ -42,7 +52,8 @@ def logging_rules(cfg: RunConfig) -> Problem:
         if tracker not in ("tensorboard", "wandb", "mlflow"):
             return "logging.trackers", (
                 f"{tracker!r} is not a tracker qgtrain knows; choose from tensorboard, "
-                "wandb, mlflow")
+                "wandb, mlflow"
+            )
     return _tracker_uri_rule(cfg.logging.mlflow_uri)
 
 
@@ -56,4 +67,5 @@ def _tracker_uri_rule(uri: str) -> Problem:
     return "logging.mlflow_uri", (
         f"{mask_text(uri)!r} holds {found}, which the run's files would keep; give the URI without "
         "it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-        "MLFLOW_TRACKING_TOKEN) in the job's environment")
+        "MLFLOW_TRACKING_TOKEN) in the job's environment"
+    )

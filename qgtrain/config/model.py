@@ -15,27 +15,36 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str = setting(
-        "gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)")
+        "gpt2", "transformers model_type built from a config with random init (gpt2, llama, ...)"
+    )
     pretrained: str | None = setting(
-        None, "folder with a saved model (config.json + weights): fine-tune it, offline")
+        None, "folder with a saved model (config.json + weights): fine-tune it, offline"
+    )
     factory: str | None = setting(
-        None, "'package.module:function' called with (vocab_size, seq_len), returning a "
-        "torch.nn.Module that maps input_ids to logits")
+        None,
+        "'package.module:function' called with (vocab_size, seq_len), returning a "
+        "torch.nn.Module that maps input_ids to logits",
+    )
     layers: int = setting(4, "transformer blocks", min=1)
     heads: int = setting(4, "attention heads per block", min=1)
     hidden: int = setting(128, "width of the residual stream", min=8)
     dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
     compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
     adapter: Literal["none", "lora"] = setting(
-        "none", "none: train every weight; lora: freeze the model and train LoRA adapters (peft); "
-        "checkpoints then hold the adapters only")
+        "none",
+        "none: train every weight; lora: freeze the model and train LoRA adapters (peft); "
+        "checkpoints then hold the adapters only",
+    )
     lora_rank: int = setting(8, "rank of each LoRA adapter", min=1)
     lora_alpha: float = setting(
-        16.0, "LoRA scaling: the update is multiplied by lora_alpha / lora_rank", min=0.0)
+        16.0, "LoRA scaling: the update is multiplied by lora_alpha / lora_rank", min=0.0
+    )
     lora_dropout: float = setting(0.0, "dropout on the LoRA path's input", min=0.0, max=0.9)
     lora_targets: tuple[str, ...] = setting(
-        (), "names of the modules LoRA adapts, e.g. [q_proj, v_proj] ([] = peft's default for the "
-        "architecture)")
+        (),
+        "names of the modules LoRA adapts, e.g. [q_proj, v_proj] ([] = peft's default for the "
+        "architecture)",
+    )
 
 
 def model_rules(cfg: RunConfig) -> Problem:
@@ -43,8 +52,10 @@ def model_rules(cfg: RunConfig) -> Problem:
         return "model.factory", "set either model.pretrained or model.factory, not both"
     if not cfg.model.pretrained and not cfg.model.factory and cfg.model.hidden % cfg.model.heads:
         return "model.hidden", (
-            f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}")
+            f"{cfg.model.hidden} is not divisible by model.heads={cfg.model.heads}"
+        )
     if cfg.model.adapter == "lora" and cfg.model.lora_alpha <= 0:
-        return "model.lora_alpha", (f"{cfg.model.lora_alpha} must be above 0 (e.g. 2 x "
-                                    "model.lora_rank)")
+        return "model.lora_alpha", (
+            f"{cfg.model.lora_alpha} must be above 0 (e.g. 2 x model.lora_rank)"
+        )
     return factory_problem("model.factory", cfg.model.factory)

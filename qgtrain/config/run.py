@@ -36,8 +36,18 @@ class RunConfig:
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(RunConfig)[f.name] for f in fields(RunConfig)
 }
-RULES = (task_rules, model_rules, data_rules, optim_rules, training_rules, spike_rules,
-         early_stopping_rules, checkpoint_rules, export_rules, logging_rules)
+RULES = (
+    task_rules,
+    model_rules,
+    data_rules,
+    optim_rules,
+    training_rules,
+    spike_rules,
+    early_stopping_rules,
+    checkpoint_rules,
+    export_rules,
+    logging_rules,
+)
 
 
 def check_rules(cfg: RunConfig, source: str) -> None:

@@ -22,28 +22,43 @@ class SlurmConfig:
     qos: str = setting("", "#SBATCH --qos ('' = default)")
     constraint: str = setting("", "#SBATCH --constraint ('' = none)")
     signal: Literal["USR1", "USR2", "HUP", "URG"] = setting(
-        "USR2", "the warning signal sent before the time limit; it makes every rank save and "
-        "stop (NCCL has used USR1)")
+        "USR2",
+        "the warning signal sent before the time limit; it makes every rank save and "
+        "stop (NCCL has used USR1)",
+    )
     signal_lead_s: int = setting(
-        120, "seconds before the time limit that slurm.signal is sent", min=30, max=3600)
+        120, "seconds before the time limit that slurm.signal is sent", min=30, max=3600
+    )
     requeue: bool = setting(True, "requeue the job after a preemption or time-limit stop")
     max_restarts: int = setting(20, "stop requeueing after this many restarts", min=0)
     step_retries: int = setting(
-        2, "times a step that failed for a reason that may pass (a rank died, a node vanished) "
-        "is run again inside the allocation before the job is requeued", min=0, max=10)
+        2,
+        "times a step that failed for a reason that may pass (a rank died, a node vanished) "
+        "is run again inside the allocation before the job is requeued",
+        min=0,
+        max=10,
+    )
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting(
-        (), "shell lines run before srun, e.g. ['module load cuda/12.4']")
+        (), "shell lines run before srun, e.g. ['module load cuda/12.4']"
+    )
     container_image: str = setting(
-        "", "pyxis: run every task in this image, e.g. nvcr.io#nvidia/pytorch:24.08-py3 with "
-        "qgtrain installed ('' = none)")
+        "",
+        "pyxis: run every task in this image, e.g. nvcr.io#nvidia/pytorch:24.08-py3 with "
+        "qgtrain installed ('' = none)",
+    )
     container_mounts: tuple[str, ...] = setting(
-        (), "SRC:DST[:FLAGS] mounts into the container, besides the working directory")
+        (), "SRC:DST[:FLAGS] mounts into the container, besides the working directory"
+    )
     apptainer_image: str = setting(
-        "", "apptainer: run every task with `apptainer exec` in this image ('' = none)")
+        "", "apptainer: run every task with `apptainer exec` in this image ('' = none)"
+    )
     snapshot: bool = setting(
-        True, "run every attempt of the job (requeues too) from a copy of the submit directory and "
-        "qgtrain taken at submit, in <run dir>/code/<hash>")
+        True,
+        "run every attempt of the job (requeues too) from a copy of the submit directory and "
+        "qgtrain taken at submit, in <run dir>/code/<hash>",
+    )
     snapshot_max_mb: float = setting(
-        50.0, "refuse to submit when that copy would be larger (MB)", min=0.001)
+        50.0, "refuse to submit when that copy would be larger (MB)", min=0.001
+    )

@@ -15,11 +15,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TaskConfig:
     factory: str = setting(
-        BUILTIN_LM, "'package.module:function' called with the resolved config on every rank, "
-        "returning a qgtrain.Task (default: the built-in causal LM, set up by model and data)")
+        BUILTIN_LM,
+        "'package.module:function' called with the resolved config on every rank, "
+        "returning a qgtrain.Task (default: the built-in causal LM, set up by model and data)",
+    )
     options: dict[str, Any] = setting(
-        {}, "free-form settings for your task function, read as cfg.task.options (--set "
-        "task.options.NAME=VALUE)")
+        {},
+        "free-form settings for your task function, read as cfg.task.options (--set "
+        "task.options.NAME=VALUE)",
+    )
 
 
 def task_rules(cfg: RunConfig) -> Problem:

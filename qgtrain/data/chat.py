@@ -1,13 +1,13 @@
 """Chat and instruction records turned into token ids and the mask of the tokens the loss counts.
 
-A chat record's messages are rendered with the tokenizer's own chat template, so the model is trained
-on exactly the text it will be prompted with. The loss counts the assistant's tokens only: the
-template's `{% generation %}` marks say which they are where it has them; otherwise each answer's span
-is found by rendering the conversation up to it (with the generation prompt) and up to its end, which
-works for every template whose rendering of a prefix is a prefix of the whole, token for token. A
-prompt_completion record is a user turn and an assistant turn where the tokenizer has a chat template;
-without one it is the prompt's tokens, then the completion's and the end-of-text token, which the loss
-counts (each tokenized on its own, so the answer begins at a token boundary).
+A chat record's messages are rendered with the tokenizer's own chat template, so the model is
+trained on exactly the text it will be prompted with. The loss counts the assistant's tokens only:
+the template's `{% generation %}` marks say which they are where it has them; otherwise each
+answer's span is found by rendering the conversation up to it (with the generation prompt) and up to
+its end, which works for every template whose rendering of a prefix is a prefix of the whole, token
+for token. A prompt_completion record is a user turn and an assistant turn where the tokenizer has a
+chat template; without one it is the prompt's tokens, then the completion's and the end-of-text
+token, which the loss counts (each tokenized on its own, so the answer begins at a token boundary).
 """
 
 from __future__ import annotations
@@ -31,16 +31,22 @@ Render = Callable[[dict[str, Any], str], Sample]
 
 
 def fields(data: DataConfig) -> tuple[str, ...]:
-    return (data.messages_field,) if data.format == "chat" else (data.prompt_field, data.completion_field)
+    return (
+        (data.messages_field,)
+        if data.format == "chat"
+        else (data.prompt_field, data.completion_field)
+    )
 
 
 def renderer(data: DataConfig, eos_id: int) -> Render:
     """How a record of data.format becomes a sample, for the tokenizer of data.tokenizer."""
     has_template = data.tokenizer != tokenizer.BYTE and template_of(data.tokenizer) is not None
     if data.format == "chat" and not has_template:
-        raise ConfigError(f"data.tokenizer: {data.tokenizer} has no chat template (chat_template in "
-                          "tokenizer_config.json or chat_template.jinja); data.format: chat needs one, "
-                          "or use data.format: prompt_completion")
+        raise ConfigError(
+            f"data.tokenizer: {data.tokenizer} has no chat template (chat_template in "
+            "tokenizer_config.json or chat_template.jinja); data.format: chat needs one, "
+            "or use data.format: prompt_completion"
+        )
     if not has_template:
         return lambda row, where: _concatenated(data, eos_id, row, where)
     from transformers import AutoTokenizer
@@ -56,7 +62,7 @@ def renderer(data: DataConfig, eos_id: int) -> Render:
 
 
 def template_of(folder: str) -> str | None:
-    """The folder's chat template, read as transformers reads it (without importing transformers)."""
+    """The folder's chat template, read as transformers reads it, without importing it."""
     jinja = Path(folder, "chat_template.jinja")
     if jinja.is_file():
         return jinja.read_text()
@@ -71,27 +77,40 @@ def _conversation(data: DataConfig, row: dict[str, Any], where: str) -> list[dic
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     name = data.messages_field
     if name not in row:
-        raise ConfigError(f"{where}: no field '{name}' (fields there: {', '.join(map(str, row))}); "
-                          "set data.messages_field")
+        raise ConfigError(
+            f"{where}: no field '{name}' (fields there: {', '.join(map(str, row))}); "
+            "set data.messages_field"
+        )
     messages = row[name]
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"{where}: '{name}' holds {type(messages).__name__}, not a list of "
-                          "messages ({role, content})")
+        raise ConfigError(
+            f"{where}: '{name}' holds {type(messages).__name__}, not a list of "
+            "messages ({role, content})"
+        )
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or \
-                not isinstance(message.get("role"), str):
-            raise ConfigError(f"{where}: message {index} is not an object with 'role' and 'content' "
-                              f"text (got {json.dumps(message)[:80]})")
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("content"), str)
+            or not isinstance(message.get("role"), str)
+        ):
+            raise ConfigError(
+                f"{where}: message {index} is not an object with 'role' and 'content' "
+                f"text (got {json.dumps(message)[:80]})"
+            )
         if message["role"] not in ROLES:
-            raise ConfigError(f"{where}: message {index} has the unknown role "
-                              f"'{message['role']}'; allowed: {', '.join(ROLES)}")
+            raise ConfigError(
+                f"{where}: message {index} has the unknown role "
+                f"'{message['role']}'; allowed: {', '.join(ROLES)}"
+            )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _text(row: dict[str, Any], name: str, where: str) -> str:
     if name not in row:
-        raise ConfigError(f"{where}: no field '{name}' (fields there: {', '.join(map(str, row))}); "
-                          "set data.prompt_field and data.completion_field")
+        raise ConfigError(
+            f"{where}: no field '{name}' (fields there: {', '.join(map(str, row))}); "
+            "set data.prompt_field and data.completion_field"
+        )
     if not isinstance(row[name], str):
         raise ConfigError(f"{where}: field '{name}' holds {type(row[name]).__name__}, not text")
     return str(row[name])
@@ -106,8 +125,9 @@ def _concatenated(data: DataConfig, eos_id: int, row: dict[str, Any], where: str
 
 
 def _marked(tok: Any, messages: list[dict[str, str]], where: str, data: DataConfig) -> Sample:
-    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                  return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids = np.asarray(out["input_ids"], dtype=np.int64)
     trained = np.asarray(out["assistant_masks"], dtype=bool)
     answers = any(m["role"] == "assistant" and m["content"] for m in messages)
@@ -126,11 +146,13 @@ def _by_prefixes(tok: Any, messages: list[dict[str, str]], where: str, data: Dat
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        asked, answered = ids(messages[:index], True), ids(messages[:index + 1], False)
-        if answered[:len(asked)] != asked or whole[:len(answered)] != answered:
+        asked, answered = ids(messages[:index], True), ids(messages[: index + 1], False)
+        if answered[: len(asked)] != asked or whole[: len(answered)] != answered:
             raise ConfigError(
-                f"data.tokenizer: the chat template of {data.tokenizer} cannot mark the assistant's "
-                f"tokens for data.format: {data.format}: it has no {{% generation %}} marks, and "
-                f"rendering the conversation up to an answer is not a prefix of the whole ({where})")
-        trained[len(asked):len(answered)] = True
+                f"data.tokenizer: the chat template of {data.tokenizer} cannot mark the "
+                f"assistant's tokens for data.format: {data.format}: it has no "
+                "{% generation %} marks, and rendering the conversation up to an answer is not "
+                f"a prefix of the whole ({where})"
+            )
+        trained[len(asked) : len(answered)] = True
     return np.asarray(whole, dtype=np.int64), trained

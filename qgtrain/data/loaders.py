@@ -53,8 +53,8 @@ def build_loaders(train: Any, val: Any, test: Any,
         return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label)
     sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
     if len(sampler) < batch_size:
-        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too few for "
-                          f"{env.world_size} rank(s) x train.batch_size={batch_size}")
+        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too "
+                          f"few for {env.world_size} rank(s) x train.batch_size={batch_size}")
     return Loaders(sampler, make_loader(train, sampler, batch_size, num_workers, device, seed + env.rank, True,
                                         collate), evaluation(val), evaluation(test))
 

@@ -72,7 +72,8 @@ def plan(data: DataConfig) -> Plan:
     info = tokenizer.describe(data.tokenizer)
     identity = {"version": FORMAT_VERSION, "tokenizer": info.fingerprint, "text_field": data.text_field,
                 "held_out": held_out, "split_seed": data.split_seed,
-                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group] for split, group in files.items()},
+                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group]
+                          for split, group in files.items()},
                 **prepare_chat.identity(data)}
     key = xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:24]
     return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
@@ -166,7 +167,8 @@ def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
 def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     if todo.data.format != "text":
         seed, held_out = todo.data.split_seed, todo.held_out
-        prepare_chat.tokenize(todo, tmp, lambda path, index: _held_out_split(seed, path, index, held_out))
+        prepare_chat.tokenize(todo, tmp,
+                              lambda path, index: _held_out_split(seed, path, index, held_out))
         for path in (*sorted(tmp.iterdir()), tmp):
             _fsync(path)
         return

@@ -136,7 +136,8 @@ def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, i
         yield Piece(_field(row, text_field, where), document, True), done
 
 
-def records(source: SourceFile, fields: tuple[str, ...]) -> Iterator[tuple[dict[str, Any], str, int]]:
+def records(source: SourceFile,
+            fields: tuple[str, ...]) -> Iterator[tuple[dict[str, Any], str, int]]:
     """Each record of a JSON, parquet or arrow file as a dict (of `fields` only, for the column
     formats), where it is (file and line, item or row), and how many bytes on disk are read."""
     if source.kind == "jsonl":
@@ -147,7 +148,8 @@ def records(source: SourceFile, fields: tuple[str, ...]) -> Iterator[tuple[dict[
         return
     if source.kind == "text":
         raise ConfigError(f"{source.path}: a text file holds no records; data.format chat and "
-                          "prompt_completion read .jsonl, .json, .parquet, .arrow or save_to_disk folders")
+                          "prompt_completion read .jsonl, .json, .parquet, .arrow or save_to_disk "
+                          "folders")
     reader = _parquet_columns if source.kind == "parquet" else _arrow_columns
     row = 0
     for columns, done in reader(source, fields):

@@ -44,8 +44,9 @@ def is_stream(dataset: Any) -> bool:
 
 def is_stateful(dataset: Any) -> bool:
     """torchdata's Stateful protocol: the loader saves and restores the dataset through these."""
-    return callable(getattr(dataset, "state_dict", None)) and \
-        callable(getattr(dataset, "load_state_dict", None))
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
 
 
 def for_this_rank(dataset: Any, rank: int, world_size: int) -> Any:
@@ -69,8 +70,9 @@ class StreamBatches:
     stream. `label` names the split in messages (the task and its train split).
     """
 
-    def __init__(self, loader: Any, samples_per_micro_batch: int, seed: int, label: str,
-                 group: Any) -> None:
+    def __init__(
+        self, loader: Any, samples_per_micro_batch: int, seed: int, label: str, group: Any
+    ) -> None:
         self.loader, self.samples = loader, samples_per_micro_batch
         self.seed, self.label = seed, label
         self.group = group  # None: one rank, nothing to agree on
@@ -102,7 +104,8 @@ class StreamBatches:
                     f"{micro_batches} full batch(es) of train.batch_size="
                     f"{self.loader.batch_size} per epoch. HINT: check how the dataset splits "
                     "itself over ranks and workers (torch.distributed's rank, get_worker_info()) "
-                    "and that it is not empty")
+                    "and that it is not empty"
+                )
             self._epoch_samples[position.epoch] = position.samples_in_epoch
             position.epoch, position.samples_in_epoch = position.epoch + 1, 0
             self._start(position.epoch)
@@ -123,10 +126,12 @@ class StreamBatches:
             return
         if saved is None or ("loader" if self.stateful else "consumed") not in saved:
             kind = "a stateful" if self.stateful else "a"
-            raise ConfigError(f"{self.label}: {checkpoint} holds no position of {kind} stream "
-                              "for this rank (it was saved by a run with other training data). "
-                              "HINT: resume with the task it was trained with, or set "
-                              "checkpoint.resume: never")
+            raise ConfigError(
+                f"{self.label}: {checkpoint} holds no position of {kind} stream "
+                "for this rank (it was saved by a run with other training data). "
+                "HINT: resume with the task it was trained with, or set "
+                "checkpoint.resume: never"
+            )
         self._pending, self._resumed_from = saved, checkpoint
 
     def between(self, start: tuple[int, int], end: tuple[int, int]) -> int:
@@ -179,7 +184,8 @@ class StreamBatches:
         raise ConfigError(
             f"{self.label}: resuming the stream from {where} failed: {failure}. The checkpoint is "
             "unchanged. HINT: resume with the dataset, data.num_workers and world size it was "
-            "saved with, or set checkpoint.resume: never")
+            "saved with, or set checkpoint.resume: never"
+        )
 
     def _skip(self, samples: int, where: str) -> None:
         """Read past what this rank had consumed in this epoch: a stream without state has no
@@ -194,10 +200,14 @@ class StreamBatches:
                     f"{self.label}: the stream ended after {index * batch_size} of the {samples} "
                     f"samples this rank had consumed when {where} was saved: it is not the stream "
                     "that was trained on. HINT: resume with the same dataset, data.num_workers and "
-                    "world size, or set checkpoint.resume: never") from None
-        log.info("skipped %d samples of the stream in %.2f s (it has no state_dict: resumed by "
-                 "reading past what this rank had consumed)", samples,
-                 time.perf_counter() - started)
+                    "world size, or set checkpoint.resume: never"
+                ) from None
+        log.info(
+            "skipped %d samples of the stream in %.2f s (it has no state_dict: resumed by "
+            "reading past what this rank had consumed)",
+            samples,
+            time.perf_counter() - started,
+        )
 
     def _any_ended(self, ended: bool) -> bool:
         if self.group is None:
@@ -225,8 +235,12 @@ def dataset_states(state: Any) -> list[Any]:
     if not isinstance(state, dict):
         return []
     own = [state["dataset_state"]] if state.get("dataset_state") is not None else []
-    return own + [found for key, value in state.items() if key != "dataset_state"
-                  for found in dataset_states(value)]
+    return own + [
+        found
+        for key, value in state.items()
+        if key != "dataset_state"
+        for found in dataset_states(value)
+    ]
 
 
 def last_line(exc: BaseException) -> str:

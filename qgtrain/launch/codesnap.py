@@ -69,11 +69,17 @@ def collect(submit_dir: Path, leave_out: tuple[Path, ...] = ()) -> Files:
     listed = _git_files(submit_dir)
     names = listed if listed is not None else _plain_files(submit_dir)
     skipped = [p.resolve() for p in leave_out]
-    entries = [(f"submit/{name}", submit_dir / name) for name in names
-               if (submit_dir / name).is_file() and not _under(submit_dir / name, skipped)]
+    entries = [
+        (f"submit/{name}", submit_dir / name)
+        for name in names
+        if (submit_dir / name).is_file() and not _under(submit_dir / name, skipped)
+    ]
     package = package_dir()
-    entries += [(f"lib/qgtrain/{path.relative_to(package)}", path) for path in _walk(package)
-                if path.suffix != ".pyc"]
+    entries += [
+        (f"lib/qgtrain/{path.relative_to(package)}", path)
+        for path in _walk(package)
+        if path.suffix != ".pyc"
+    ]
     return Files(sorted(entries), listed is not None)
 
 
@@ -84,8 +90,12 @@ def _under(path: Path, folders: list[Path]) -> bool:
 
 def _git_files(folder: Path) -> list[str] | None:
     try:
-        done = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=folder,
-                              capture_output=True, timeout=60)
+        done = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=folder,
+            capture_output=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -95,8 +105,9 @@ def _git_files(folder: Path) -> list[str] | None:
 
 
 def _plain_files(folder: Path) -> list[str]:
-    return [str(path.relative_to(folder)) for path in _walk(folder)
-            if path.suffix in KINDS_WITHOUT_GIT]
+    return [
+        str(path.relative_to(folder)) for path in _walk(folder) if path.suffix in KINDS_WITHOUT_GIT
+    ]
 
 
 def _walk(folder: Path) -> list[Path]:
@@ -104,8 +115,11 @@ def _walk(folder: Path) -> list[Path]:
     files are no code, and a run elsewhere than logging.runs_dir is still a run)."""
     found = []
     for parent, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS
-                         and not is_run_dir(Path(parent, d)))
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".") and d not in SKIPPED_DIRS and not is_run_dir(Path(parent, d))
+        )
         found += [Path(parent, name) for name in sorted(files)]
     return found
 
@@ -126,10 +140,12 @@ def check_size(files: Files, max_mb: float) -> int:
     total = sum(size for size, _ in sizes)
     if total > max_mb * 1e6:
         largest = ", ".join(f"{name.partition('/')[2]} ({_mb(size)})" for size, name in sizes[:3])
-        raise ConfigError(f"slurm.snapshot_max_mb: the code snapshot would be {_mb(total)}, "
-                          f"over the cap of {max_mb:g} MB; largest: {largest}. HINT: list data "
-                          "and outputs in .gitignore or move them out of the submit directory, "
-                          "raise slurm.snapshot_max_mb, or set slurm.snapshot: false")
+        raise ConfigError(
+            f"slurm.snapshot_max_mb: the code snapshot would be {_mb(total)}, "
+            f"over the cap of {max_mb:g} MB; largest: {largest}. HINT: list data "
+            "and outputs in .gitignore or move them out of the submit directory, "
+            "raise slurm.snapshot_max_mb, or set slurm.snapshot: false"
+        )
     return total
 
 
@@ -137,8 +153,13 @@ def _mb(size: int) -> str:
     return f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB"
 
 
-def take(submit_dir: Path, code_dir: Path, max_mb: float, leave_out: tuple[Path, ...] = (),
-         shared: bool = False) -> Code:
+def take(
+    submit_dir: Path,
+    code_dir: Path,
+    max_mb: float,
+    leave_out: tuple[Path, ...] = (),
+    shared: bool = False,
+) -> Code:
     """The snapshot of `submit_dir` under `code_dir` (<run dir>/code): found by its hash, or copied
     there (into a temporary folder renamed into place, so a half copy is never used). The size is
     checked before anything is written; the run directory is made as a run makes it
@@ -154,8 +175,15 @@ def take(submit_dir: Path, code_dir: Path, max_mb: float, leave_out: tuple[Path,
     for relative, source in files.entries:
         (staging / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, staging / relative)
-    record = {"hash": name, "submit_dir": str(submit_dir.resolve()), "files": len(files.entries),
-              "bytes": size, "created": time.time(), "git": files.git, **_git_state(submit_dir)}
+    record = {
+        "hash": name,
+        "submit_dir": str(submit_dir.resolve()),
+        "files": len(files.entries),
+        "bytes": size,
+        "created": time.time(),
+        "git": files.git,
+        **_git_state(submit_dir),
+    }
     (staging / RECORD).write_text(json.dumps(record, indent=1))
     try:
         staging.rename(target)
@@ -166,10 +194,17 @@ def take(submit_dir: Path, code_dir: Path, max_mb: float, leave_out: tuple[Path,
 
 def _git_state(folder: Path) -> dict[str, object]:
     """The commit and `git diff HEAD` (capped) the snapshot was taken from; empty outside git."""
+
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
-                                  timeout=60, errors="replace")
+            done = subprocess.run(
+                ["git", *args],
+                cwd=folder,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                errors="replace",
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout if done.returncode == 0 else None
@@ -178,8 +213,11 @@ def _git_state(folder: Path) -> dict[str, object]:
     if commit is None:
         return {}
     diff = git("diff", "HEAD") or ""
-    return {"commit": commit.strip(), "diff": diff[:DIFF_CAP],
-            "diff_truncated": len(diff) > DIFF_CAP}
+    return {
+        "commit": commit.strip(),
+        "diff": diff[:DIFF_CAP],
+        "diff_truncated": len(diff) > DIFF_CAP,
+    }
 
 
 def read_record(code: Path) -> dict[str, object]:

@@ -25,10 +25,18 @@ from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code, check_size, collect, digest, take
 from .sbatch import snapshots
 
-ALWAYS_PATHS = ("logging.runs_dir", "data.cache_dir", "export.dir", "slurm.output_dir",
-                "model.pretrained")
-KEYWORDS = {"data.corpus": ("stdlib",), "data.tokenizer": ("byte",),
-            "checkpoint.resume": ("auto", "never")}
+ALWAYS_PATHS = (
+    "logging.runs_dir",
+    "data.cache_dir",
+    "export.dir",
+    "slurm.output_dir",
+    "model.pretrained",
+)
+KEYWORDS = {
+    "data.corpus": ("stdlib",),
+    "data.tokenizer": ("byte",),
+    "checkpoint.resume": ("auto", "never"),
+}
 PATH_LISTS = ("data.files", "data.val_files", "data.test_files")
 _FACTORY = re.compile(r"(/.+\.py):([A-Za-z_][A-Za-z0-9_.]*)")
 
@@ -48,8 +56,13 @@ def planned(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
 
 
 def snapshot(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
-    return take(submit_dir, code_dir, cfg.slurm.snapshot_max_mb, leave_out(cfg, submit_dir),
-                cfg.logging.shared)
+    return take(
+        submit_dir,
+        code_dir,
+        cfg.slurm.snapshot_max_mb,
+        leave_out(cfg, submit_dir),
+        cfg.logging.shared,
+    )
 
 
 def job_config(cfg: RunConfig, submit_dir: Path, code: Code) -> RunConfig:
@@ -86,9 +99,11 @@ def _moved_factories(values: Any, submit_dir: Path, code: Code) -> Any:
 
 def shell_lines(code: Code) -> str:
     """What a batch script runs before its first srun to run from `code`."""
-    return (f"cd {shlex.quote(str(code.workdir))} || exit 1"
-            "  # the code as submitted (slurm.snapshot)\n"
-            f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n')
+    return (
+        f"cd {shlex.quote(str(code.workdir))} || exit 1"
+        "  # the code as submitted (slurm.snapshot)\n"
+        f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+    )
 
 
 def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path] | None:
@@ -108,8 +123,9 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     config = record.with_suffix(".yaml")
     record.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(config, dump_yaml(job_config(cfg, submit_dir, code)))
-    write_atomic(record, json.dumps({"code": str(code.folder), "hash": code.digest,
-                                     "config": str(config)}))
+    write_atomic(
+        record, json.dumps({"code": str(code.folder), "hash": code.digest, "config": str(config)})
+    )
     return code, config
 
 

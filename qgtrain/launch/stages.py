@@ -55,8 +55,10 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
             stages.append(Stage(index, str(file), _stage_config(first, base, file, index)))
     names = [s.cfg.train.run_name for s in stages]
     if len(set(names)) != len(names):
-        raise ConfigError(f"--then: two stages would share a run directory ({names}); give each "
-                          "its own train.run_name, or none (stage n is then <run name>-stage<n>)")
+        raise ConfigError(
+            f"--then: two stages would share a run directory ({names}); give each "
+            "its own train.run_name, or none (stage n is then <run name>-stage<n>)"
+        )
     for before, stage in zip(stages, stages[1:]):
         _check_weights(before, stage)
     return stages
@@ -64,17 +66,20 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
 
 def _stage_config(first: RunConfig, base: Path, file: Path, index: int) -> RunConfig:
     if not file.is_file():
-        raise ConfigError(f"--then {file}: no such file; give a YAML file that sets what stage "
-                          f"{index} changes")
+        raise ConfigError(
+            f"--then {file}: no such file; give a YAML file that sets what stage {index} changes"
+        )
     try:
         cfg = load_config([base, file])
     except ConfigError as exc:
         said = str(exc).replace(f"{base}, ", "").replace(str(base), "the first stage's config")
         raise ConfigError(f"--then {file}: {said}") from None
     if config_to_dict(cfg) == config_to_dict(first):
-        raise ConfigError(f"--then {file}: changes nothing in the first stage's config; a stage's "
-                          "file sets what that stage does differently (data, optim.lr, "
-                          "model.pretrained, ...)")
+        raise ConfigError(
+            f"--then {file}: changes nothing in the first stage's config; a stage's "
+            "file sets what that stage does differently (data, optim.lr, "
+            "model.pretrained, ...)"
+        )
     if cfg.train.run_name == first.train.run_name:
         cfg = with_overrides(cfg, [f"train.run_name={first.train.run_name}-stage{index}"])
     return cfg
@@ -92,9 +97,11 @@ def _check_weights(before: Stage, stage: Stage) -> None:
     pretrained = stage.cfg.model.pretrained
     from_export = pretrained and Path(pretrained).resolve() == export_dir(before.cfg)
     if from_export and not before.cfg.export.on_finish:
-        raise ConfigError(f"--then {stage.source}: model.pretrained is stage {before.index}'s "
-                          f"export ({pretrained}), which it never writes; set export.on_finish: "
-                          f"true for stage {before.index}")
+        raise ConfigError(
+            f"--then {stage.source}: model.pretrained is stage {before.index}'s "
+            f"export ({pretrained}), which it never writes; set export.on_finish: "
+            f"true for stage {before.index}"
+        )
 
 
 def epilogue(folder: Path, index: int, chain_id: str) -> str:
@@ -102,18 +109,21 @@ def epilogue(folder: Path, index: int, chain_id: str) -> str:
     without this job's Slurm variables (srun in the next job would read its SLURM_CPUS_PER_TASK,
     ...): the next job is submitted as if from the submit directory by hand."""
     quoted = str(folder).replace("'", "'\\''")
-    return ("(  # the next stage, if this one finished\n"
-            '    claimed_by="${SLURM_JOB_ID:-}"\n'
-            '    for name in "${!SLURM_@}" "${!SBATCH_@}" "${!SRUN_@}"; do\n'
-            '        [ "$name" = SLURM_CONF ] || unset "$name"\n'
-            "    done\n"
-            f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} "
-            f'--exit-code "$status" --job "$claimed_by" --chain-id {chain_id}\n'
-            ") || true\n")
+    return (
+        "(  # the next stage, if this one finished\n"
+        '    claimed_by="${SLURM_JOB_ID:-}"\n'
+        '    for name in "${!SLURM_@}" "${!SBATCH_@}" "${!SRUN_@}"; do\n'
+        '        [ "$name" = SLURM_CONF ] || unset "$name"\n'
+        "    done\n"
+        f"    \"$RECOVER_PYTHON\" -m qgtrain next-stage '{quoted}' --after {index} "
+        f'--exit-code "$status" --job "$claimed_by" --chain-id {chain_id}\n'
+        ") || true\n"
+    )
 
 
-def submit_chain(stages: list[Stage], submit_dir: Path,
-                 run: Runner = subprocess.run) -> tuple[str, Path]:
+def submit_chain(
+    stages: list[Stage], submit_dir: Path, run: Runner = subprocess.run
+) -> tuple[str, Path]:
     """Write every later stage's config and script into `<first run dir>/stages/`, then submit the
     first stage; returns its job id and the chain's folder. One code snapshot serves every stage."""
     from .runfrom import job_config, shell_lines, snapshot
@@ -131,13 +141,26 @@ def submit_chain(stages: list[Stage], submit_dir: Path,
         config.write_text(dump_yaml(cfg))
         after = epilogue(folder, stage.index, chain_id) if stage.index < len(stages) else ""
         (folder / f"stage-{stage.index}.sbatch").write_text(
-            render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after))
-    record = {"id": chain_id, "submit_dir": str(submit_dir.resolve()), "created": time.time(),
-              "stages": [{"stage": s.index, "source": s.source, "run_name": s.cfg.train.run_name,
-                          "run_dir": str(default_run_dir(s.cfg).resolve())} for s in stages]}
+            render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after)
+        )
+    record = {
+        "id": chain_id,
+        "submit_dir": str(submit_dir.resolve()),
+        "created": time.time(),
+        "stages": [
+            {
+                "stage": s.index,
+                "source": s.source,
+                "run_name": s.cfg.train.run_name,
+                "run_dir": str(default_run_dir(s.cfg).resolve()),
+            }
+            for s in stages
+        ],
+    }
     write_atomic(folder / CHAIN, json.dumps(record, indent=1))
-    job_id = submit_config(first, RunDir(first_dir).slurm, run, after=epilogue(folder, 1, chain_id),
-                           code=code)
+    job_id = submit_config(
+        first, RunDir(first_dir).slurm, run, after=epilogue(folder, 1, chain_id), code=code
+    )
     write_atomic(folder / "1.submitted", json.dumps({"job_id": job_id, "time": time.time()}))
     return job_id, folder
 
@@ -156,15 +179,23 @@ def _set_aside(folder: Path) -> None:
             entry.rename(kept / entry.name)
 
 
-def next_stage(folder: Path, index: int, exit_code: int, job: str = "", chain_id: str = "",
-               run: Runner = subprocess.run) -> str:
+def next_stage(
+    folder: Path,
+    index: int,
+    exit_code: int,
+    job: str = "",
+    chain_id: str = "",
+    run: Runner = subprocess.run,
+) -> str:
     """After stage `index`'s last training step: submit the next stage if its training finished,
     record why not if it failed for good, wait (do nothing) if it was requeued. Returns what to
     print."""
     chain = json.loads((folder / CHAIN).read_text())
     if chain_id and chain.get("id") != chain_id:
-        return (f"this job's chain {chain_id} was replaced by chain {chain.get('id')}; "
-                "nothing submitted")
+        return (
+            f"this job's chain {chain_id} was replaced by chain {chain.get('id')}; "
+            "nothing submitted"
+        )
     stages = chain["stages"]
     if index >= len(stages):
         return f"stage {index} was the chain's last"
@@ -184,8 +215,10 @@ def why_not(index: int, exit_code: int, status: dict[str, object]) -> str | None
     state, error = str(status.get("status", "unknown")), status.get("error")
     if exit_code in (75, 76):  # stopped at a checkpoint: requeued by rank 0 or by the batch shell
         if status.get("requeued") is False:
-            return (f"stage {index} stopped at a checkpoint and was not requeued "
-                    "(slurm.max_restarts or scancel)")
+            return (
+                f"stage {index} stopped at a checkpoint and was not requeued "
+                "(slurm.max_restarts or scancel)"
+            )
         return None
     failures = status.get("failures")
     last = failures[-1] if isinstance(failures, list) and failures else {}
@@ -223,9 +256,11 @@ def describe(folder: Path) -> list[str]:
         if refused:
             where = f"not submitted: {refused.get('reason')}"
         elif submitted and submitted.get("job_id") is None:
-            where = (f"claimed by job {submitted.get('claimed_by')} but never confirmed (that "
-                     "job ended before sbatch answered): see squeue, or submit it by hand: cd "
-                     f"{chain['submit_dir']} && sbatch {folder / f'stage-{index}.sbatch'}")
+            where = (
+                f"claimed by job {submitted.get('claimed_by')} but never confirmed (that "
+                "job ended before sbatch answered): see squeue, or submit it by hand: cd "
+                f"{chain['submit_dir']} && sbatch {folder / f'stage-{index}.sbatch'}"
+            )
         elif submitted:
             state = rundir.read_status(run).get("status", "queued")
             where = f"job {submitted.get('job_id')}: {state}"

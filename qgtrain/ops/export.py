@@ -31,7 +31,15 @@ from ..state.rundir import RunDir
 from ..task import BUILTIN_LM
 from ..training.metrics import read_metrics
 from ..trust import config_code, not_yours, require
-from . import export_adapter, export_ema, export_stream, export_target, export_task, export_writer, reload_check
+from . import (
+    export_adapter,
+    export_ema,
+    export_stream,
+    export_target,
+    export_task,
+    export_writer,
+    reload_check,
+)
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -52,10 +60,10 @@ class Exported:
 def export_run(source: Path, out: Path, *, best: bool = False, step: int | None = None,
                force: bool = False, dtype: str | None = None,
                trust_code: bool = False, weights: str = "model", merge: bool = False) -> Exported:
-    """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint folder, in
-    `dtype` (bf16 or fp32; default: the run's export.dtype), its `weights`: model (the trained ones)
-    or ema (their EMA); a LoRA run's adapter folder, or its merged model (`merge`, export.merge). Its
-    config's factories are imported only if built in, if the run is yours (trust.py), or trusted."""
+    """Export the latest (or best, or step N) checkpoint of a run directory, or one checkpoint
+    folder, in `dtype` (default: export.dtype), its `weights`: model (the trained ones) or ema; a
+    LoRA run's adapter folder or merged model (`merge`, export.merge). Its config's factories are
+    imported only if built in, if the run is yours (trust.py), or trusted."""
     ckpt = _select(Path(source), best, step)
     _check_weights(ckpt, weights)
     import transformers
@@ -66,9 +74,9 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         raise QgtrainError(refused)
     saved = yaml_config(ckpt)
     _require_trusted(saved, Path(source), ckpt.path / layout.CONFIG, trust_code)
-    chosen = export_dtype(dtype or saved.export.dtype, checkpoint.load_json(ckpt, layout.STATE).get("precision"))
+    chosen = export_dtype(dtype or saved.export.dtype, _trained_precision(ckpt))
     if saved.model.adapter != "none" or merge:  # export_adapter.py
-        return _export_adapter(ckpt, saved, out, merge or saved.export.merge, force, chosen, weights)
+        return _export_adapter(ckpt, saved, out, merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = _model_facts(ckpt)
     task = None if builtin else export_task.rebuild_task(saved, empty=True)
@@ -111,11 +119,16 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
     return Exported(out, ckpt.path, diff, kind, chosen, checked)
 
 
-def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, merge: bool, force: bool,
-                    chosen: str, weights: str) -> Exported:
+def _trained_precision(ckpt: checkpoint.Checkpoint) -> str | None:
+    return checkpoint.load_json(ckpt, layout.STATE).get("precision")
+
+
+def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, merge: bool,
+                    force: bool, chosen: str, weights: str) -> Exported:
+    merge = merge or saved.export.merge
     if saved.model.adapter == "none":
-        raise QgtrainError(f"export --merge: {ckpt.path} trained no adapters (model.adapter: none); "
-                           "export it without --merge: that is the full model already")
+        raise QgtrainError(f"export --merge: {ckpt.path} trained no adapters (model.adapter: "
+                           "none); export it without --merge: that is the full model already")
     if weights != "model":
         raise QgtrainError("export --weights ema: a run with adapters is exported by its trained "
                            "adapters; use --weights model")
@@ -131,7 +144,7 @@ def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, me
 
 
 def _staging(out: Path) -> Path:
-    """A fresh folder beside `out`: the export is written there and moved into place once checked."""
+    """A fresh folder beside `out`: the export is written there, moved into place once checked."""
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

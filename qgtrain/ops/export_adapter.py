@@ -36,15 +36,18 @@ from . import export_merge, export_stream, export_task
 PREFIX = "base_model.model."  # what a PeftModel puts before the adapted model's names
 
 
-def write(ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: bool,
-          dtype: torch.dtype) -> tuple[str, float | None]:
+def write(
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: bool, dtype: torch.dtype
+) -> tuple[str, float | None]:
     """Write the export into `staging`; returns its kind and the largest output difference found
     when it was reloaded (None: a merged model too large to run, checked by names and shapes)."""
     saved = checkpoint.load_json(ckpt, layout.STATE).get("adapter") or {}
     if not cfg.model.pretrained and not merge:
-        raise QgtrainError(f"export: {ckpt.path} trained LoRA adapters on a model built from "
-                           f"train.seed, which no adapter folder can name as its base. HINT: export "
-                           "the merged model with --merge (or export.merge: true)")
+        raise QgtrainError(
+            f"export: {ckpt.path} trained LoRA adapters on a model built from "
+            f"train.seed, which no adapter folder can name as its base. HINT: export "
+            "the merged model with --merge (or export.merge: true)"
+        )
     facts = json.loads((ckpt.path / layout.MODEL_FACTS).read_text())
     run = export_task.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
     base = Path(cfg.model.pretrained).resolve() if cfg.model.pretrained else None
@@ -58,10 +61,18 @@ def write(ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: boo
     return ("merged" if merge else "peft adapter"), diff
 
 
-def _streamed(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], base: Path,
-              staging: Path, dtype: torch.dtype, run: Any) -> float | None:
+def _streamed(
+    ckpt: checkpoint.Checkpoint,
+    cfg: RunConfig,
+    saved: dict[str, Any],
+    base: Path,
+    staging: Path,
+    dtype: torch.dtype,
+    run: Any,
+) -> float | None:
     """The merge tensor by tensor; the run's model is built whole only to take the outputs the
     reloaded folder must give, and freed before the folder is loaded."""
+
     def expected() -> list[torch.Tensor]:
         model = _adapted_base(ckpt, cfg, saved)[0]
         if dtype == torch.float32:
@@ -79,8 +90,15 @@ def _streamed(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any]
     return export_merge.write(base, adapters, lora, staging, dtype, run, expected)
 
 
-def _in_memory(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], staging: Path,
-               merge: bool, dtype: torch.dtype, run: Any) -> float:
+def _in_memory(
+    ckpt: checkpoint.Checkpoint,
+    cfg: RunConfig,
+    saved: dict[str, Any],
+    staging: Path,
+    merge: bool,
+    dtype: torch.dtype,
+    run: Any,
+) -> float:
     model, base_path = _adapted_base(ckpt, cfg, saved)
     if merge:
         diff = _merged(model, staging, dtype, run)
@@ -90,14 +108,19 @@ def _in_memory(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any
     return diff
 
 
-def _adapted_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any]) -> tuple[Any, str]:
-    """The run's model: its base as training built it in a PeftModel, the checkpoint's adapters in it."""
+def _adapted_base(
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any]
+) -> tuple[Any, str]:
+    """The run's model: its base as training built it, in a PeftModel holding the checkpoint's
+    adapters."""
     from peft import get_peft_model
 
     base = export_task.rebuild_task(cfg).model
     _check_base(ckpt, cfg, saved, base_identity(base, cfg))
     base_path = str(Path(cfg.model.pretrained).resolve()) if cfg.model.pretrained else ""
-    model = get_peft_model(base, lora_config(cfg.model, saved["lora"]["targets"], base_path or None))
+    model = get_peft_model(
+        base, lora_config(cfg.model, saved["lora"]["targets"], base_path or None)
+    )
     inner = model.base_model.model
     wanted = {name: p for name, p in inner.named_parameters() if p.requires_grad}
     adapters = export_stream.checkpoint_reader(ckpt)(wanted)
@@ -107,12 +130,15 @@ def _adapted_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, 
     return model.eval(), base_path
 
 
-def _check_base(ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any],
-                identity: dict[str, Any]) -> None:
+def _check_base(
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], identity: dict[str, Any]
+) -> None:
     if identity != saved.get("base"):
-        raise CheckpointError(f"export: {ckpt.path} was trained on {describe(saved.get('base'))}, "
-                              f"but its config now builds {describe(identity)}; the adapters fit "
-                              "only their own base")
+        raise CheckpointError(
+            f"export: {ckpt.path} was trained on {describe(saved.get('base'))}, "
+            f"but its config now builds {describe(identity)}; the adapters fit "
+            "only their own base"
+        )
 
 
 def _adapter_reloaded(model: Any, base_path: str, folder: Path, run: Any) -> float:

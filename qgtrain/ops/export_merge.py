@@ -50,8 +50,15 @@ def streamable(base: Path) -> bool:
     return bool(safetensors_files(base))
 
 
-def write(base: Path, adapters: export_stream.Reader, lora: Any, folder: Path, dtype: torch.dtype,
-          run: Callable[[nn.Module], None], expected: Outputs) -> float | None:
+def write(
+    base: Path,
+    adapters: export_stream.Reader,
+    lora: Any,
+    folder: Path,
+    dtype: torch.dtype,
+    run: Callable[[nn.Module], None],
+    expected: Outputs,
+) -> float | None:
     """Write the merged model into `folder`; returns the largest output difference after reloading,
     or None for a model checked by names and shapes only. `lora` is the run's peft LoraConfig,
     `adapters` reads the checkpoint's adapter tensors by name."""
@@ -67,10 +74,14 @@ def write(base: Path, adapters: export_stream.Reader, lora: Any, folder: Path, d
     model.load_state_dict(adapters(trained), strict=False, assign=True)
     if untie_adapted(model):
         config.tie_word_embeddings = False
-    layers = {f"{name}.weight": m for name, m in model.named_modules()
-              if hasattr(m, "get_delta_weight")}
-    meta = {n.replace(".base_layer.", "."): t
-            for n, t in export_stream.tensors_to_write(model).items() if ".lora_" not in n}
+    layers = {
+        f"{name}.weight": m for name, m in model.named_modules() if hasattr(m, "get_delta_weight")
+    }
+    meta = {
+        n.replace(".base_layer.", "."): t
+        for n, t in export_stream.tensors_to_write(model).items()
+        if ".lora_" not in n
+    }
     small = sum(4 * math.prod(t.shape) for t in meta.values()) <= reload_check.OUTPUTS_CHECKED_UP_TO
     outputs = expected() if small else []
     gc.collect()
@@ -108,8 +119,9 @@ def _tie_groups(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def _merged_reader(base: Path, aliases: dict[str, list[str]], layers: dict[str, Any]
-                   ) -> export_stream.Reader:
+def _merged_reader(
+    base: Path, aliases: dict[str, list[str]], layers: dict[str, Any]
+) -> export_stream.Reader:
     """The merged model's tensors, read from the base folder a group at a time."""
     from safetensors import safe_open
 
@@ -124,16 +136,20 @@ def _merged_reader(base: Path, aliases: dict[str, list[str]], layers: dict[str, 
         for candidate in [name, *aliases.get(name, [])]:
             if candidate in where:
                 return candidate
-        raise QgtrainError(f"export --merge: {base} holds no tensor {name}, which its config.json "
-                           "builds; give model.pretrained a folder as save_pretrained writes it")
+        raise QgtrainError(
+            f"export --merge: {base} holds no tensor {name}, which its config.json "
+            "builds; give model.pretrained a folder as save_pretrained writes it"
+        )
 
     @torch.no_grad()
     def read(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         with contextlib.ExitStack() as opened:
             sources = {name: source(name) for name in wanted}
-            handles = {f: opened.enter_context(safe_open(base / f, "pt"))
-                       for f in sorted({where[s] for s in sources.values()})}
+            handles = {
+                f: opened.enter_context(safe_open(base / f, "pt"))
+                for f in sorted({where[s] for s in sources.values()})
+            }
             for name, meta in wanted.items():
                 tensor = handles[where[sources[name]]].get_tensor(sources[name])
                 if tensor.is_floating_point():
@@ -146,8 +162,14 @@ def _merged_reader(base: Path, aliases: dict[str, list[str]], layers: dict[str, 
     return read
 
 
-def _write_folder(base: Path, config: Any, folder: Path, meta: dict[str, torch.Tensor],
-                  read: export_stream.Reader, dtype: torch.dtype) -> None:
+def _write_folder(
+    base: Path,
+    config: Any,
+    folder: Path,
+    meta: dict[str, torch.Tensor],
+    read: export_stream.Reader,
+    dtype: torch.dtype,
+) -> None:
     """config.json and generation_config.json as save_pretrained writes them, then the weights."""
     import transformers
 

@@ -53,7 +53,8 @@ def converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def checkpoint_reader(ckpt: checkpoint.Checkpoint) -> Reader:
     """Full tensors from a checkpoint of either kind, for the names asked."""
     if not sharded.is_sharded_checkpoint(ckpt):
-        saved = strip_wrapper_prefixes(checkpoint.load_file(ckpt, layout.MODEL))  # mmap: read as asked
+        # memory-mapped: each tensor is read as it is asked for
+        saved = strip_wrapper_prefixes(checkpoint.load_file(ckpt, layout.MODEL))
 
         def pick(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             missing = sorted(set(wanted) - set(saved))

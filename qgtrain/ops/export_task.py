@@ -89,7 +89,8 @@ def verify(model: nn.Module, reloaded: nn.Module, run: Callable[[nn.Module], Non
     return verify_against(outputs(model, run), reloaded, run, folder)
 
 
-def verify_against(expected: list[torch.Tensor], reloaded: nn.Module, run: Callable[[nn.Module], None],
+def verify_against(expected: list[torch.Tensor], reloaded: nn.Module,
+                   run: Callable[[nn.Module], None],
                    folder: Path) -> float:
     """As `verify`, against outputs taken before (of a model since changed in place: a merge)."""
     got = outputs(reloaded, run)

@@ -254,9 +254,9 @@ def fail_together(failure: str | None, what: str) -> None:
 
 
 def main_decides(decide: Callable[[], Any]) -> Any:
-    """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is raised
-    on every rank. The result is pickled by torch and travels over the group's own connections
-    between ranks, trusted like every tensor on them."""
+    """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is
+    raised on every rank. The result is pickled by torch and travels over the group's own
+    connections between ranks, trusted like every tensor on them."""
     result, failure = attempt(decide) if dist.get_rank() == 0 else (None, None)
     fail_together(failure, "decision")
     return broadcast_from_main(result)

@@ -186,7 +186,8 @@ def list_unreadable(root: Path) -> list[Path]:
 def _step_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return [entry for entry in root.iterdir() if layout.STEP_PATTERN.fullmatch(entry.name) and entry.is_dir()]
+    return [entry for entry in root.iterdir()
+            if layout.STEP_PATTERN.fullmatch(entry.name) and entry.is_dir()]
 
 
 def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
@@ -265,7 +266,9 @@ def remove_stale_staging(root: Path, run_id: str) -> list[Path]:
     """Half-written folders this run left when it was killed, and interrupted deletions."""
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if (p.name.startswith(layout.STAGING_PREFIX) and p.name.endswith(f"-{run_id}"))
+    ours = f"-{run_id}"
+    stale = [p for p in root.iterdir()
+             if (p.name.startswith(layout.STAGING_PREFIX) and p.name.endswith(ours))
              or p.name.startswith((layout.DELETING_PREFIX, layout.REPLACED_PREFIX))]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""A checkpoint folder's file names: the one place they are spelled (rundir.py spells the run directory's).
+"""A checkpoint folder's file names: the one place they are spelled (rundir.py spells the run
+directory's).
 
     <run dir>/checkpoints/
         step-<N>/                    committed: counts only if its manifest parses (checkpoint.py)
@@ -9,7 +10,7 @@
             state.json               the train state: step, outcome, precision, adapter (rank 0)
             model.pt                 the weights, replicated runs (ddp, one process; rank 0)
             optim.pt                 the optimizer and grad scaler (rank 0)
-            ema.pt                   the EMA of the weights, replicated runs with train.ema_decay > 0
+            ema.pt                   the EMA of the weights (replicated runs, train.ema_decay > 0)
             rank-<N>.pt              each rank's own: its RNG and data position
             sharded/                 fsdp: weights, optimizer and `ema.<parameter>` entries, by DCP
                 .metadata            DCP's index of the shards

@@ -118,7 +118,8 @@ class RunDir:
 # (slurm/, the code snapshot code/, a chain's stages/) and of submitit (submitit/), the status
 # `qgtrain recover` records when a first start failed, and leftovers <name>.tmp-<random> of these
 # and of run.json, from a write cut short.
-BEFORE_THE_RUN = frozenset({".lock", "slurm", "submitit", "status.json", "run.json", "code", "stages"})
+BEFORE_THE_RUN = frozenset(
+    {".lock", "slurm", "submitit", "status.json", "run.json", "code", "stages"})
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

@@ -82,7 +82,8 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
             raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
                                   f"({first_line(exc)}). HINT: resume with the model settings it was trained "
                                   "with, or set checkpoint.resume: never") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=adapter_of(model) is None))
         return
     # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its shards.
@@ -93,8 +94,8 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
                "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                                 for group in saved["param_groups"]]}
     try:
-        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, MODEL), optim_state_dict=by_name,
-                       options=full)
+        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, MODEL),
+                       optim_state_dict=by_name, options=full)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path} does not fit the configured model and optimizer "
                               f"({first_line(exc)}). HINT: resume with the model settings it was trained with, "

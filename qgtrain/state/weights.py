@@ -17,7 +17,8 @@ from torch import nn
 from ..errors import CheckpointError
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-ADAPTER_ATTRIBUTE = "qgtrain_adapter"  # on a model with adapters: {"base": identity, "lora": settings}
+# set on a model with adapters: {"base": its identity, "lora": its settings}
+ADAPTER_ATTRIBUTE = "qgtrain_adapter"
 
 
 def adapter_of(model: nn.Module) -> dict[str, Any] | None:
@@ -34,13 +35,14 @@ def saved_state(model: nn.Module) -> dict[str, Any]:
 
 
 def check_base(saved: dict[str, Any] | None, model: nn.Module, source: Path) -> None:
-    """A checkpoint of adapters fits only the base they were trained on (and a full one no adapter)."""
+    """A checkpoint of adapters fits only the base they were trained on (a full one no adapter)."""
     before, now = (saved or {}).get("base"), (adapter_of(model) or {}).get("base")
     if before != now:
-        key = "model.pretrained" if "pretrained" in {**(before or {}), **(now or {})} else "model.adapter"
+        named = {**(before or {}), **(now or {})}
+        key = "model.pretrained" if "pretrained" in named else "model.adapter"
         raise CheckpointError(f"{key}: {source} was trained on {describe(before)}, this run "
-                              f"has {describe(now)}. HINT: resume on the base it was trained on, or "
-                              "start afresh (checkpoint.resume: never)")
+                              f"has {describe(now)}. HINT: resume on the base it was trained "
+                              "on, or start afresh (checkpoint.resume: never)")
 
 
 def describe(identity: dict[str, Any] | None) -> str:
@@ -48,7 +50,8 @@ def describe(identity: dict[str, Any] | None) -> str:
     if not identity:
         return "no adapter (every weight trained)"
     if "pretrained" in identity:
-        return f"model.pretrained {identity['pretrained']} (weight files {identity['weights'][:12]})"
+        files = identity["weights"][:12]
+        return f"model.pretrained {identity['pretrained']} (weight files {files})"
     return (f"the model built from {identity['built']} (shapes {identity['shapes'][:12]}) "
             f"with train.seed {identity['seed']}")
 

@@ -39,8 +39,9 @@ def build_task(cfg: RunConfig, given: TaskSource | None = None, *, empty: bool =
         factory = (lambda _: given) if isinstance(given, Task) else given
     made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg), cfg)
     if not isinstance(made, Task):
-        raise TaskError(f"task.factory: {spec} returned {type(made).__name__}, not a qgtrain.Task. HINT: "
-                          "return qgtrain.Task(model=..., train=..., val=..., loss=...)")
+        raise TaskError(f"task.factory: {spec} returned {type(made).__name__}, not a "
+                        "qgtrain.Task. HINT: return qgtrain.Task(model=..., train=..., val=..., "
+                        "loss=...)")
     check_task(made, spec, cfg)
     filled = {"collate": made.collate or default_collate, "loss": made.loss or model_loss}
     return ReadyTask(**{**{f.name: getattr(made, f.name) for f in dataclasses.fields(Task)}, **filled})
@@ -98,14 +99,16 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
         value = getattr(task, part)
         if value is not None and not callable(value):
             fail(f"has {part}={type(value).__name__}, which cannot be called")
-    es = cfg.early_stopping  # the config asks what the task lacks: a config error, either may change
+    # the config asks for what the task lacks: a config error, as either may change
+    es = cfg.early_stopping
     if task.val is None and (es.patience or es.metric != "val_loss"):
-        raise ConfigError(f"early_stopping: the task of {spec} has no val dataset, but early stopping "
-                          f"follows {es.metric}; give the task a val split or turn early stopping off "
-                          "(early_stopping.patience: 0)")
+        raise ConfigError(f"early_stopping: the task of {spec} has no val dataset, but early "
+                          f"stopping follows {es.metric}; give the task a val split or turn early "
+                          "stopping off (early_stopping.patience: 0)")
     if es.metric != "val_loss" and task.metrics is None:
         raise ConfigError(f"early_stopping.metric: the task of {spec} reports no metrics, but "
-                          f"early_stopping.metric is {es.metric}; add a metrics function or use val_loss")
+                          f"early_stopping.metric is {es.metric}; add a metrics function or use "
+                          "val_loss")
 
 
 def split_problem(split: str, dataset: Any) -> str | None:
@@ -149,6 +152,7 @@ def model_loss(model: nn.Module, batch: Any) -> Any:
     out = model(**batch) if isinstance(batch, Mapping) else model(batch)
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:
-        raise TaskError(f"task: the model returned {type(out).__name__} without a loss. HINT: put labels in the "
-                          "batch (Hugging Face models then compute the loss), or give the task a loss function")
+        raise TaskError(f"task: the model returned {type(out).__name__} without a loss. HINT: put "
+                        "labels in the batch (Hugging Face models then compute the loss), or give "
+                        "the task a loss function")
     return loss

@@ -101,13 +101,20 @@ def _prepared_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed:
     windows = {split: _split(prepared, split, data.seq_len) for split in corpus.SPLITS}
     for split, dataset in windows.items():
         if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
-            source = "data.corpus_mb" if data.name == "corpus" else "data.files" if split == "train" \
-                else f"data.{split}_files" if getattr(data, f"{split}_files") \
-                else f"data.{split}_fraction"
+            source = _source_key(data, split)
             raise ConfigError(f"{source}: the {split} split has {prepared.tokens[split]} tokens, "
                               f"fewer than data.seq_len={data.seq_len}; use more text or a shorter "
                               "seq_len")
     return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
+
+
+def _source_key(data: DataConfig, split: str) -> str:
+    """The setting that decides how much text a split of the corpus or the data files gets."""
+    if data.name == "corpus":
+        return "data.corpus_mb"
+    if split == "train":
+        return "data.files"
+    return f"data.{split}_files" if getattr(data, f"{split}_files") else f"data.{split}_fraction"
 
 
 def _synthetic_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:

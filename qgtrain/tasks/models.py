@@ -27,7 +27,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
     if cfg.factory:
         model = load_factory(cfg.factory, "model.factory")(vocab_size=vocab_size, seq_len=seq_len)
         if not isinstance(model, nn.Module):
-            raise TaskError(f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
+            raise TaskError(f"model.factory: {cfg.factory} returned {type(model).__name__}, not a "
+                            "torch.nn.Module")
         return model
     import transformers
 

@@ -39,7 +39,8 @@ def load_pretrained(path: Path) -> nn.Module:
                               "fix its config.json to describe its weights")
         model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                    dtype=torch.float32)
-        return model.train()  # from_pretrained gives eval mode, for inference: its dropout would be off
+        # from_pretrained gives eval mode, for inference: its dropout would be off
+        return model.train()
     except (OSError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"model.pretrained: cannot load {path}: {first_line(exc)}") from None
 

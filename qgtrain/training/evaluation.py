@@ -109,11 +109,12 @@ def _batch_sizes(loader: Any) -> list[int]:
 def _checked(reported: Any) -> Mapping[str, tuple[Any, Any]]:
     if not isinstance(reported, Mapping) or not all(
             isinstance(k, str) and isinstance(v, (tuple, list)) and len(v) == 2 for k, v in reported.items()):
-        raise TaskError(f"task: metrics(model, batch) returned {type(reported).__name__} {str(reported)[:80]}; "
-                          "expected a dict of name -> (sum, count), e.g. {'accuracy': (correct, samples)}")
+        shown = f"{type(reported).__name__} {str(reported)[:80]}"
+        raise TaskError(f"task: metrics(model, batch) returned {shown}; expected a dict of name -> "
+                        "(sum, count), e.g. {'accuracy': (correct, samples)}")
     if "loss" in reported:
-        raise TaskError("task: metrics(model, batch) reports 'loss', which qgtrain computes from Task.loss; "
-                          "give the metric another name")
+        raise TaskError("task: metrics(model, batch) reports 'loss', which qgtrain computes from "
+                        "Task.loss; give the metric another name")
     return reported
 
 

@@ -68,6 +68,6 @@ def checked_loss(loss: Any) -> torch.Tensor:
     """The task's loss, if it is one: a floating-point scalar tensor that backward can start from."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TaskError(f"task: loss(model, batch) returned {shown}; it must return a floating-point scalar "
-                          "tensor (reduce it, e.g. with .mean())")
+        raise TaskError(f"task: loss(model, batch) returned {shown}; it must return a "
+                        "floating-point scalar tensor (reduce it, e.g. with .mean())")
     return loss

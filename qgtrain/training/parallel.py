@@ -34,8 +34,8 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     replicas.check_start(model, train.parallel, device, env.world_size)
     if sharded:
         blocks = sharding.find_blocks(model, train.shard_modules)
-        log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel, len(blocks),
-                 type(blocks[0]).__name__, env.world_size)
+        log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel,
+                 len(blocks), type(blocks[0]).__name__, env.world_size)
         full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
         sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
         initial_shards.fill(model, full, device)

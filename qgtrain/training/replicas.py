@@ -58,10 +58,10 @@ def check_start(model: nn.Module, parallel: str, device: torch.device, world_siz
     repair = ("no rank sends them under FSDP (they are not in the state_dict): the ranks would compute with "
               "different values" if parallel != "ddp" else f"DDP does not copy them from rank 0 (they are in the "
               f"model's {IGNORE_ATTRIBUTE}): a checkpoint would hold one rank's values")
-    raise TaskError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks when the task is "
-                      f"built, and {repair}. HINT: build them the same "
-                      "on every rank (the task function runs with the same seed on each)" +
-                      ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
+    raise TaskError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks "
+                    f"when the task is built, and {repair}. HINT: build them the same on every "
+                    "rank (the task function runs with the same seed on each)" +
+                    ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
 
 
 def agree_before_save(model: nn.Module, wrapped: nn.Module, step: int, device: torch.device) -> None:

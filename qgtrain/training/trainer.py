@@ -121,7 +121,8 @@ class Trainer:
         raise AssertionError("the loop ends at its last step")
 
     def _already_ended(self) -> Outcome | None:
-        if self.state.outcome is Outcome.FINISHED and self.state.step < self.settings.train.max_steps:
+        steps_left = self.state.step < self.settings.train.max_steps
+        if self.state.outcome is Outcome.FINISHED and steps_left:
             self.state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
         if self.state.outcome:
             log.warning("this run already ended at step %d (%s); nothing to do. HINT: raise train.max_steps to "

@@ -5,8 +5,8 @@ A transform takes the task's model and returns the model to train (the same obje
 as all of these do, so the names in checkpoints stay the model's own). They run on every rank with
 the same seed, before the ranks' random streams part, so anything a transform draws (LoRA's initial
 adapters) is the same everywhere. torch.compile is not among them: it returns a new module that only
-forward and backward go through, so it stays with the parallel wrap (parallel.py). A new transform is
-a function here, a row in the table and the setting that turns it on.
+forward and backward go through, so it stays with the parallel wrap (parallel.py). A new transform
+is a function here, a row in the table and the setting that turns it on.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _adapter(model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.devic
     return apply_adapter(model, cfg)
 
 
-def _sync_batchnorm(model: nn.Module, cfg: RunConfig, env: DistEnv,
-                    device: torch.device) -> nn.Module:
+def _sync_batchnorm(
+    model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device
+) -> nn.Module:
     problem = replicas.sync_batchnorm_problem(cfg.train.parallel, device.type, env.world_size)
     if problem:
         raise ConfigError(problem)
@@ -42,8 +43,9 @@ def _sync_batchnorm(model: nn.Module, cfg: RunConfig, env: DistEnv,
     return model
 
 
-def _activation_checkpointing(model: nn.Module, cfg: RunConfig, env: DistEnv,
-                              device: torch.device) -> nn.Module:
+def _activation_checkpointing(
+    model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device
+) -> nn.Module:
     sharding.checkpoint_activations(sharding.find_blocks(model, cfg.train.shard_modules))
     return model
 
@@ -52,8 +54,10 @@ def _activation_checkpointing(model: nn.Module, cfg: RunConfig, env: DistEnv,
 TRANSFORMS: dict[str, tuple[Callable[[RunConfig], bool], Transform]] = {
     "adapter": (lambda cfg: cfg.model.adapter != "none", _adapter),
     "sync_batchnorm": (lambda cfg: cfg.train.sync_batchnorm, _sync_batchnorm),
-    "activation_checkpointing": (lambda cfg: cfg.train.activation_checkpointing,
-                                 _activation_checkpointing),
+    "activation_checkpointing": (
+        lambda cfg: cfg.train.activation_checkpointing,
+        _activation_checkpointing,
+    ),
 }
 
 
