@@ -64,6 +64,17 @@ def test_with_git_tracked_and_unignored_files_are_collected_and_the_diff_recorde
     assert "-VALUE = 1\n+VALUE = 2" in str(record["diff"])
 
 
+def test_a_link_is_kept_as_a_link_and_what_it_points_at_is_never_copied(tmp_path):
+    folder = submit_dir(tmp_path)
+    (tmp_path / "secret").write_text("a key from the home folder\n")
+    (folder / "helper.py").symlink_to(tmp_path / "secret")
+    code = codesnap.take(folder, tmp_path / "code", 50, (folder / "runs",))
+    kept = code.folder / "submit" / "helper.py"
+    assert kept.is_symlink() and os.readlink(kept) == str(tmp_path / "secret")
+    copied = [p for p in code.folder.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert not any(p.read_bytes() == b"a key from the home folder\n" for p in copied)
+
+
 def test_the_snapshot_is_content_addressed_reused_unchanged_and_new_after_an_edit(tmp_path):
     folder = submit_dir(tmp_path)
     first = codesnap.take(folder, tmp_path / "code", 50, (folder / "runs",))

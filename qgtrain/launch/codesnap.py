@@ -72,7 +72,7 @@ def collect(submit_dir: Path, leave_out: tuple[Path, ...] = ()) -> Files:
     entries = [
         (f"submit/{name}", submit_dir / name)
         for name in names
-        if (submit_dir / name).is_file() and not _under(submit_dir / name, skipped)
+        if _is_entry(submit_dir / name) and not _under(submit_dir / name, skipped)
     ]
     package = package_dir()
     entries += [
@@ -81,6 +81,18 @@ def collect(submit_dir: Path, leave_out: tuple[Path, ...] = ()) -> Files:
         if path.suffix != ".pyc"
     ]
     return Files(sorted(entries), listed is not None)
+
+
+def _is_entry(path: Path) -> bool:
+    """A file, or a link, which the snapshot keeps as a link: what it points at (data, a key in the
+    home folder) is never read or copied into the run directory."""
+    return path.is_symlink() or path.is_file()
+
+
+def _contents(path: Path) -> bytes:
+    if path.is_symlink():
+        return os.readlink(path).encode(errors="surrogateescape")
+    return path.read_bytes()
 
 
 def _under(path: Path, folders: list[Path]) -> bool:
@@ -129,14 +141,14 @@ def digest(files: Files) -> str:
     total = hashlib.sha256()
     for name, path in files.entries:
         total.update(name.encode(errors="surrogateescape") + b"\0")
-        total.update(hashlib.sha256(path.read_bytes()).digest())
+        total.update(hashlib.sha256(_contents(path)).digest())
     return total.hexdigest()[:16]
 
 
 def check_size(files: Files, max_mb: float) -> int:
     """The snapshot's size in bytes; refused (naming the largest files) above
     slurm.snapshot_max_mb."""
-    sizes = sorted(((path.stat().st_size, name) for name, path in files.entries), reverse=True)
+    sizes = sorted(((path.lstat().st_size, name) for name, path in files.entries), reverse=True)
     total = sum(size for size, _ in sizes)
     if total > max_mb * 1e6:
         largest = ", ".join(f"{name.partition('/')[2]} ({_mb(size)})" for size, name in sizes[:3])
@@ -174,7 +186,7 @@ def take(
     staging = code_dir / f".tmp-{uuid.uuid4().hex[:8]}"
     for relative, source in files.entries:
         (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, staging / relative)
+        shutil.copy2(source, staging / relative, follow_symlinks=False)
     record = {
         "hash": name,
         "submit_dir": str(submit_dir.resolve()),
