@@ -35,11 +35,25 @@ CASES = {
         "train.shard_modules=[Linear]",
     ],
     "adafactor-ddp": [*KILLABLE, "optim.name=adafactor"],
+    "path-fsdp": [
+        *KILLABLE,
+        "optim.name=torch.optim.RMSprop",
+        "optim.args={momentum: 0.5, centered: true}",
+        "train.parallel=fsdp",
+        "train.shard_modules=[Linear]",
+    ],
     "task-ddp": [
         *KILLABLE,
         "task.factory=tests.optim_factories:points_with_own_optimizer",
         "task.options={size: 256}",
         "optim.schedule=linear",
+    ],
+    "task-fsdp": [
+        *KILLABLE,
+        "task.factory=tests.optim_factories:points_with_own_optimizer",
+        "task.options={size: 256}",
+        "train.parallel=fsdp",
+        "train.shard_modules=[Linear]",
     ],
 }
 
@@ -66,7 +80,9 @@ def test_sigkill_on_two_ranks_then_resume_equals_the_uninterrupted_run(tmp_path,
     named = {
         "sgd-fsdp": "torch.optim.sgd.SGD",
         "adafactor-ddp": "torch.optim.Adafactor",
+        "path-fsdp": "torch.optim.rmsprop.RMSprop",
         "task-ddp": "torch.optim.sgd.SGD",
+        "task-fsdp": "torch.optim.sgd.SGD",
     }[case]
     assert state["optimizer"] == named and state["max_steps"] == 8 and state["horizons"] == []
     assert f"optimizer {named}" in Path(killed, "logs", "rank_0.log").read_text()
