@@ -213,17 +213,17 @@ def resume(sizes_gb: list[float], repeats: int) -> None:
 BEFORE = """
 import sys, tempfile
 from pathlib import Path
-from qgtrain.ops import export_task
-from qgtrain.ops.export import yaml_config
+from qgtrain.ops.export import rebuild
+from qgtrain.ops.export.pipeline import yaml_config
 from qgtrain.state import checkpoint, sharded
 ckpt = checkpoint.list_committed(Path(sys.argv[1]) / 'checkpoints')[-1]
-model = export_task.rebuild_lm(ckpt.path, yaml_config(ckpt), {})
+model = rebuild.rebuild_lm(ckpt.path, yaml_config(ckpt), {})
 sharded.load_model(ckpt, model)
 model.save_pretrained(sys.argv[2], max_shard_size='2GB')
 """
-NOW = "import sys\nfrom qgtrain.ops.export import export_run\nexport_run(sys.argv[1], sys.argv[2])\n"
+NOW = "import sys\nfrom qgtrain.ops.export.pipeline import export_run\nexport_run(sys.argv[1], sys.argv[2])\n"
 MEASURED = """
-import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint, qgtrain.ops.export
+import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint, qgtrain.ops.export.pipeline
 def status(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
 before = status('VmRSS:')

@@ -146,7 +146,7 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from .ops.export import export_run
+    from .ops.export.pipeline import export_run
 
     done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force,
                       dtype=args.dtype, trust_code=args.trust_code, weights=args.weights,

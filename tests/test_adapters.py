@@ -149,8 +149,8 @@ def test_a_merged_export_too_large_to_run_is_streamed_without_building_the_model
     files are checked by names and shapes, and hold the same tensors as the export that was run."""
     from safetensors.torch import load_file
 
-    from qgtrain.ops import export_adapter, reload_check
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export import adapter, reload
+    from qgtrain.ops.export.pipeline import export_run
 
     small = export_run(runs["ddp"], tmp_path / "small", merge=True, dtype="bf16")
     assert small.max_logit_diff is not None and small.dtype == "bf16"
@@ -158,8 +158,8 @@ def test_a_merged_export_too_large_to_run_is_streamed_without_building_the_model
     def never(*args):
         raise AssertionError("the whole model was built")
 
-    monkeypatch.setattr(reload_check, "OUTPUTS_CHECKED_UP_TO", 0)
-    monkeypatch.setattr(export_adapter, "_adapted_base", never)
+    monkeypatch.setattr(reload, "OUTPUTS_CHECKED_UP_TO", 0)
+    monkeypatch.setattr(adapter, "_adapted_base", never)
     large = export_run(runs["ddp"], tmp_path / "large", merge=True, dtype="bf16")
     assert large.max_logit_diff is None
     want, got = (load_file(tmp_path / name / "model.safetensors") for name in ("small", "large"))
@@ -194,7 +194,7 @@ def test_a_built_in_base_exports_merged_only_and_a_model_without_defaults_needs_
     import transformers
 
     from qgtrain.errors import ConfigError, QgtrainError
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export.pipeline import export_run
     from qgtrain.training.adapters import apply_adapter
     from tests.helpers import tiny_config
 

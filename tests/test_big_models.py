@@ -205,7 +205,7 @@ def test_hsdp_layouts_and_pretrained_folders_that_cannot_work_are_refused_on_eve
 
 EXPORT_RSS = """
 import json, sys
-from qgtrain.ops.export import export_run
+from qgtrain.ops.export.pipeline import export_run
 import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint  # code, before the baseline
 
 def status(key):

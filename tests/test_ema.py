@@ -49,7 +49,7 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_the_ema_in_every_checkpoint_equals_the_average_recomputed_from_the_weights(one_rank):
     """From the initial weights (the model rebuilt as training built it), one step of the average per
     optimizer step, in float64: within fp32 rounding of what each checkpoint holds."""
-    from qgtrain.ops.export_task import rebuild_task
+    from qgtrain.ops.export.rebuild import rebuild_task
 
     run = one_rank["raw"]
     model = rebuild_task(ema_run()).model
@@ -94,7 +94,7 @@ def test_a_run_that_turns_ema_on_as_it_resumes_starts_it_from_the_checkpoints_we
 def test_bad_ema_settings_and_exporting_an_ema_that_is_not_there_are_refused_in_one_line(one_rank, tmp_path):
     from qgtrain.configload import load_config
     from qgtrain.errors import ConfigError, QgtrainError
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export.pipeline import export_run
 
     done = cli("config", "--set", "train.ema_decay=1.0", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

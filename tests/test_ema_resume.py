@@ -82,7 +82,7 @@ def test_sigkill_then_resume_with_ema_equals_the_uninterrupted_run(killed, layou
 def test_export_weights_ema_loads_with_transformers_and_holds_the_average(killed, layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export.pipeline import export_run
 
     _, run, _ = killed[layout]
     done = export_run(run, tmp_path / "hf", weights="ema")

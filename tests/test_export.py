@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from qgtrain.configload import load_config
 from qgtrain.errors import CheckpointError, QgtrainError
-from qgtrain.ops import export, export_writer
+from qgtrain.ops.export import writer
+from qgtrain.ops.export.pipeline import export_run
 from qgtrain.state import checkpoint
 from tests.helpers import records
 from tests.ranks import run_ranks, train_rank
@@ -47,7 +48,7 @@ def checkpoint_logits(ckpt_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained, tmp_path):
     import transformers
 
-    done = export.export_run(trained, tmp_path / "out")
+    done = export_run(trained, tmp_path / "out")
     assert done.checkpoint == trained / "checkpoints" / "step-30" and done.max_logit_diff <= 1e-6
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"} <= names
@@ -67,7 +68,7 @@ def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained
 
 
 def test_pipeline_generates_in_a_process_that_never_imports_qgtrain(trained, tmp_path):
-    export.export_run(trained, tmp_path / "out")
+    export_run(trained, tmp_path / "out")
     code = ("import sys\nfrom transformers import pipeline\n"
             f"generate = pipeline('text-generation', model={str(tmp_path / 'out')!r})\n"
             "text = generate('def main(', max_new_tokens=20, do_sample=False)[0]['generated_text']\n"
@@ -78,14 +79,14 @@ def test_pipeline_generates_in_a_process_that_never_imports_qgtrain(trained, tmp
 
 
 def test_best_and_step_pick_checkpoints_and_large_models_are_sharded(trained, tmp_path, monkeypatch):
-    best = export.export_run(trained, tmp_path / "best", best=True)
+    best = export_run(trained, tmp_path / "best", best=True)
     scored = [c for c in checkpoint.list_committed(trained / "checkpoints") if c.val_loss is not None]
     assert best.checkpoint == min(scored, key=lambda c: c.val_loss).path
-    monkeypatch.setattr(export_writer, "SHARD_SIZE", "20KB")
-    done = export.export_run(trained, tmp_path / "step20", step=20)
+    monkeypatch.setattr(writer, "SHARD_SIZE", "20KB")
+    done = export_run(trained, tmp_path / "step20", step=20)
     assert done.checkpoint.name == "step-20" and (tmp_path / "step20" / "model.safetensors.index.json").exists()
     with pytest.raises(QgtrainError, match="no checkpoint at step 7 in .*; there are: 10, 20, 30"):
-        export.export_run(trained, tmp_path / "x", step=7)
+        export_run(trained, tmp_path / "x", step=7)
 
 
 def test_an_export_replaces_only_an_earlier_export_and_only_with_force(trained, tmp_path):
@@ -94,15 +95,15 @@ def test_an_export_replaces_only_an_earlier_export_and_only_with_force(trained, 
     (out / "keep.txt").write_text("mine")
     for force in (False, True):
         with pytest.raises(QgtrainError, match=r"not a qgtrain export \('keep.txt'\)"):
-            export.export_run(trained, out, force=force)
+            export_run(trained, out, force=force)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "mine"
     earlier = tmp_path / "earlier"
-    export.export_run(trained, earlier)
+    export_run(trained, earlier)
     with pytest.raises(QgtrainError, match="holds an earlier export; choose another --out or"):
-        export.export_run(trained, earlier)
+        export_run(trained, earlier)
     (earlier / "stale.txt").write_text("from the earlier export")
-    export.export_run(trained, earlier, force=True)
+    export_run(trained, earlier, force=True)
     assert not (earlier / "stale.txt").exists() and (earlier / "config.json").exists()
 
 
@@ -113,7 +114,7 @@ def test_an_export_replaces_only_an_earlier_export_and_only_with_force(trained, 
 def test_wrong_sources_fail_clearly(tmp_path, source, message):
     (tmp_path / "empty").mkdir()
     with pytest.raises(QgtrainError, match=message):
-        export.export_run(tmp_path / source, tmp_path / "out")
+        export_run(tmp_path / source, tmp_path / "out")
 
 
 def test_a_checkpoint_without_a_model_is_refused(tmp_path):
@@ -122,7 +123,7 @@ def test_a_checkpoint_without_a_model_is_refused(tmp_path):
     files = checkpoint.write_files(staging, {"state.json": b"{}"})
     ckpt = checkpoint.commit(staging, tmp_path / "checkpoints" / "step-5", files, {"step": 5, "run_id": "r"})
     with pytest.raises(CheckpointError, match="has no model weights or config to export"):
-        export.export_run(ckpt.path, tmp_path / "out")
+        export_run(ckpt.path, tmp_path / "out")
 
 
 def test_cli_export_errors_are_one_line_with_exit_code_2(tmp_path):
@@ -145,17 +146,17 @@ def test_cli_export_into_other_files_is_one_line_with_exit_2_even_with_force(tra
 def test_a_bf16_run_and_a_two_rank_run_export_cleanly(tmp_path):
     assert run_ranks(1, train_rank, small_lm(tmp_path, "train.precision=bf16"), str(tmp_path / "bf16"))[0]["exit"] == 0
     assert json.loads((tmp_path / "bf16" / "checkpoints" / "step-30" / "state.json").read_text())["precision"] == "bf16"
-    assert export.export_run(tmp_path / "bf16", tmp_path / "bf16-out").max_logit_diff <= 1e-6
+    assert export_run(tmp_path / "bf16", tmp_path / "bf16-out").max_logit_diff <= 1e-6
     results = run_ranks(2, train_rank, small_lm(tmp_path), str(tmp_path / "ddp"))
     assert [r["exit"] for r in results] == [0, 0]
-    export.export_run(tmp_path / "ddp", tmp_path / "ddp-out")
+    export_run(tmp_path / "ddp", tmp_path / "ddp-out")
     with safe_open(tmp_path / "ddp-out" / "model.safetensors", "pt") as f:
         keys = list(f.keys())
     assert keys and not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
 
 
 def test_train_export_finetune_export_round_trip(trained, tmp_path):
-    first = export.export_run(trained, tmp_path / "models" / "tiny-gpt2")
+    first = export_run(trained, tmp_path / "models" / "tiny-gpt2")
     cfg = small_lm(tmp_path, f"model.pretrained={first.folder}", "train.run_name=finetune", "optim.lr=3e-4",
                 "optim.min_lr=3e-5", "train.max_steps=10", "export.on_finish=true")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "finetune"))[0]["exit"] == 0
@@ -166,7 +167,7 @@ def test_train_export_finetune_export_round_trip(trained, tmp_path):
     assert first_loss < pretrained_loss + 0.5, "fine-tuning starts from the exported weights, not from scratch"
     on_finish = tmp_path / "finetune" / "export"
     assert (on_finish / "config.json").exists() and (on_finish / "tokenizer.json").exists()
-    again = export.export_run(tmp_path / "finetune", tmp_path / "again")
+    again = export_run(tmp_path / "finetune", tmp_path / "again")
     assert again.max_logit_diff <= 1e-6
 
 
@@ -176,7 +177,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
 
     cfg = small_lm(tmp_path, "model.factory=tests.factories:tiny", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "plain"))[0]["exit"] == 0
-    done = export.export_run(tmp_path / "plain", tmp_path / "plain-out")
+    done = export_run(tmp_path / "plain", tmp_path / "plain-out")
     assert done.kind == "state_dict" and done.max_logit_diff == 0
     assert {p.name for p in (tmp_path / "plain-out").iterdir()} == {"model.safetensors", "qgtrain_model.json",
                                                                    "README.md", "tokenizer.json",
@@ -192,7 +193,7 @@ def test_any_model_exports_its_state_dict_and_load_model_gives_it_back(tmp_path)
 
     cfg = small_lm(tmp_path, "model.factory=tests.factories:tiny_hub", "train.max_steps=2", "train.eval_every=0")
     assert run_ranks(1, train_rank, cfg, str(tmp_path / "hub"))[0]["exit"] == 0
-    done = export.export_run(tmp_path / "hub", tmp_path / "hub-out")
+    done = export_run(tmp_path / "hub", tmp_path / "hub-out")
     assert done.kind == "hub" and done.max_logit_diff == 0 and (tmp_path / "hub-out" / "model.safetensors").exists()
     assert type(qgtrain.load_model(tmp_path / "hub-out", trust_code=True)) is TinyHubLM
 
@@ -208,7 +209,7 @@ def test_a_task_model_trained_on_two_ranks_comes_back_giving_the_runs_test_metri
     assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(tmp_path / "run"))] == [0, 0]
     if parallel == "fsdp":
         assert (tmp_path / "run" / "checkpoints" / "step-12" / "sharded").is_dir()
-    export.export_run(tmp_path / "run", tmp_path / "out")
+    export_run(tmp_path / "run", tmp_path / "out")
     model = qgtrain.load_model(tmp_path / "out", trust_code=True)
     reported = json.loads((tmp_path / "out" / "qgtrain_model.json").read_text())["run"]["test"]
     last = records(tmp_path / "run")[-1]

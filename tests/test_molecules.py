@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 import qgtrain
 from qgtrain.configload import config_from_dict
 from qgtrain.errors import CheckpointError
-from qgtrain.ops import export
-from qgtrain.ops.export_task import rebuild_task
+from qgtrain.ops.export.pipeline import export_run
+from qgtrain.ops.export.rebuild import rebuild_task
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
 from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
@@ -79,7 +79,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoin
 def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_test_metrics(references, tmp_path):
     for mode, run in references.items():
         out = tmp_path / mode
-        assert export.export_run(run, out).kind == "state_dict"
+        assert export_run(run, out).kind == "state_dict"
         assert {"model.safetensors", "qgtrain_model.json", "README.md"} <= {p.name for p in out.iterdir()}
         meta = json.loads((out / "qgtrain_model.json").read_text())
         model = qgtrain.load_model(out, trust_code=True)  # the task of jobs/examples, read

@@ -23,8 +23,8 @@ from torch import nn
 from ..configload import config_from_dict
 from ..errors import CheckpointError
 from ..trust import Named, config_code, require
-from .export_task import rebuild_model
-from .export_writer import META
+from .export.rebuild import rebuild_model
+from .export.writer import META
 
 
 def load_model(folder: str | Path, *, trust_code: bool = False) -> nn.Module:

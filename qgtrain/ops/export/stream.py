@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, QgtrainError, first_line
-from ..state import checkpoint, layout, sharded
-from ..state.weights import strip_wrapper_prefixes, within_budget
+from ...errors import CheckpointError, QgtrainError, first_line
+from ...state import checkpoint, layout, sharded
+from ...state.weights import strip_wrapper_prefixes, within_budget
 
 Reader = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # meta tensors in, full tensors out
 INDEX = "model.safetensors.index.json"
@@ -66,7 +66,7 @@ def checkpoint_reader(ckpt: checkpoint.Checkpoint) -> Reader:
         return pick
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..state import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
+    from ...state import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
 
     reader = dcp_safe.SafeReader(ckpt)  # the metadata read and checked once for every group
 

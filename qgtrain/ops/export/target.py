@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .export_writer import META
+from .writer import META
 
 
 def refusal(out: Path, force: bool) -> str | None:

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import QgtrainError
-from ..runtime import distributed, rng
-from ..runtime.rendezvous import DistEnv
-from ..state import layout
-from ..task import BUILTIN_LM, ReadyTask
-from ..tasks.build import build_task
-from ..tasks.empty_weights import building_empty, to_meta
-from ..tasks.models import build_model
+from ...errors import QgtrainError
+from ...runtime import distributed, rng
+from ...runtime.rendezvous import DistEnv
+from ...state import layout
+from ...task import BUILTIN_LM, ReadyTask
+from ...tasks.build import build_task
+from ...tasks.empty_weights import building_empty, to_meta
+from ...tasks.models import build_model
 
 log = logging.getLogger("qgtrain")
 MAX_OUTPUT_DIFF = 1e-4

@@ -3,11 +3,11 @@
 Offline and on the CPU (no GPU, no process group): the checkpoint's model is rebuilt as training built it
 (from its saved transformers config, its model factory, or by calling its task function again), the
 checkpoint's weights are read into it (a sharded checkpoint's shards straight into its tensors), and the one
-writer (export_writer.py) writes it: save_pretrained for a transformers model or a PyTorchModelHubMixin,
+writer (writer.py) writes it: save_pretrained for a transformers model or a PyTorchModelHubMixin,
 model.safetensors for any other module, with the task, config, run facts and a model card. The folder is
 then reloaded as a user would (`qgtrain.load_model`, or AutoModelForCausalLM for the built-in language
 model) and its outputs compared with the checkpoint's model before it is moved into place. With
-`weights="ema"` (`--weights ema`) the trained parameters are their EMA instead (export_ema.py).
+`weights="ema"` (`--weights ema`) the trained parameters are their EMA instead (ema.py).
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
-from ..configload import config_from_dict, config_to_dict
-from ..data import tokenizer
-from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint, ema_files, layout, sharded
-from ..state.rundir import RunDir
-from ..task import BUILTIN_LM
-from ..training.metrics import read_metrics
-from ..trust import config_code, not_yours, require
+from ...config import RunConfig
+from ...configload import config_from_dict, config_to_dict
+from ...data import tokenizer
+from ...errors import CheckpointError, QgtrainError
+from ...state import checkpoint, ema_files, layout, sharded
+from ...state.rundir import RunDir
+from ...task import BUILTIN_LM
+from ...training.metrics import read_metrics
+from ...trust import config_code, not_yours, require
 from . import (
-    export_adapter,
-    export_ema,
-    export_stream,
-    export_target,
-    export_task,
-    export_writer,
-    reload_check,
+    adapter,
+    ema,
+    rebuild,
+    reload,
+    stream,
+    target,
+    writer,
 )
 
 log = logging.getLogger("qgtrain")
@@ -70,21 +70,21 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
 
     transformers.utils.logging.disable_progress_bar()  # a bar per weight load is noise in a CLI
     out = Path(out)
-    if (refused := export_target.refusal(out, force)) is not None:
+    if (refused := target.refusal(out, force)) is not None:
         raise QgtrainError(refused)
     saved = yaml_config(ckpt)
     _require_trusted(saved, Path(source), ckpt.path / layout.CONFIG, trust_code)
     chosen = export_dtype(dtype or saved.export.dtype, _trained_precision(ckpt))
-    if saved.model.adapter != "none" or merge:  # export_adapter.py
+    if saved.model.adapter != "none" or merge:  # adapter.py
         return _export_adapter(ckpt, saved, out, merge, force, chosen, weights)
     builtin = saved.task.factory == BUILTIN_LM
     model_facts = _model_facts(ckpt)
-    task = None if builtin else export_task.rebuild_task(saved, empty=True)
-    model = task.model if task is not None else export_task.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
-    tensors, read = export_stream.tensors_to_write(model), export_stream.checkpoint_reader(ckpt)
+    task = None if builtin else rebuild.rebuild_task(saved, empty=True)
+    model = task.model if task is not None else rebuild.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
+    tensors, read = stream.tensors_to_write(model), stream.checkpoint_reader(ckpt)
     if weights == "ema":
-        read = export_ema.averaged(ckpt, model, read)
-    kind = export_writer.kind_of(model)
+        read = ema.averaged(ckpt, model, read)
+    kind = writer.kind_of(model)
     lm = builtin and kind == "transformers"
     staging = _staging(out)
     try:
@@ -93,23 +93,23 @@ def export_run(source: Path, out: Path, *, best: bool = False, step: int | None 
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
         builder = f"model.factory {saved.model.factory}" if builtin else f"the task function {saved.task.factory}"
-        published = export_writer.publishable(config_to_dict(saved))
-        card = export_writer.model_card(saved.train.run_name, model, saved.task.factory, facts,
+        published = writer.publishable(config_to_dict(saved))
+        card = writer.model_card(saved.train.run_name, model, saved.task.factory, facts,
                                         published,
-                                        LM_USAGE if lm else export_writer.usage(kind, model, builder),
+                                        LM_USAGE if lm else writer.usage(kind, model, builder),
                                         "text-generation" if lm else None)
         meta = {"task": saved.task.factory, "options": saved.task.options, "model_facts": model_facts,
                 "run": facts, "config": published}
-        torch_dtype = export_stream.DTYPES[chosen]
+        torch_dtype = stream.DTYPES[chosen]
         def write_weights(folder: Path, size: int) -> list[str]:
-            return export_stream.write_weights(folder, tensors, read, torch_dtype, size)
+            return stream.write_weights(folder, tensors, read, torch_dtype, size)
 
-        export_writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
+        writer.write(model, staging, meta, card, task.tokenizer if task is not None else None,
                             weights=write_weights, dtype=torch_dtype)
         if builtin and model_facts.get("tokenizer"):
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-        checked = export_stream.check_weights(staging, tensors, read, torch_dtype)
-        diff = reload_check.outputs(ckpt, saved, model_facts, task, tensors, read, torch_dtype,
+        checked = stream.check_weights(staging, tensors, read, torch_dtype)
+        diff = reload.outputs(ckpt, saved, model_facts, task, tensors, read, torch_dtype,
                                     staging, lm)
         _replace(staging, out, force)
     finally:
@@ -134,7 +134,7 @@ def _export_adapter(ckpt: checkpoint.Checkpoint, saved: RunConfig, out: Path, me
                            "adapters; use --weights model")
     staging = _staging(out)
     try:
-        kind, diff = export_adapter.write(ckpt, saved, staging, merge, export_stream.DTYPES[chosen])
+        kind, diff = adapter.write(ckpt, saved, staging, merge, stream.DTYPES[chosen])
         _replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -236,7 +236,7 @@ def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.C
 def _replace(staging: Path, out: Path, force: bool) -> None:
     """Move the verified export into place; a replaced folder goes only once the new one is there.
     `out` is checked again: files may have arrived there while the export was written."""
-    if (refused := export_target.refusal(out, force)) is not None:
+    if (refused := target.refusal(out, force)) is not None:
         raise QgtrainError(refused)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():

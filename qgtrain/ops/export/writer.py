@@ -7,7 +7,7 @@ them; the weights are written the model's own way. A transformers PreTrainedMode
 huggingface_hub PyTorchModelHubMixin use their own config files (their own class reloads them
 without qgtrain); any other module's `state_dict` goes to `model.safetensors`, with the model's own
 names, and `qgtrain.load_model(folder)` rebuilds it by calling the task function again. The weights
-themselves are streamed from the checkpoint (export_stream.py), sharded past SHARD_SIZE as
+themselves are streamed from the checkpoint (stream.py), sharded past SHARD_SIZE as
 transformers shards them, except for the hub mixin, whose loader reads one file.
 """
 
@@ -44,7 +44,7 @@ def kind_of(model: nn.Module) -> str:
 def write(model: nn.Module, folder: Path, meta: dict[str, Any], card: str, tokenizer: Any = None, *,
           weights: Callable[[Path, int], list[str]], dtype: torch.dtype) -> str:
     """Write the model into `folder` (empty) the way its kind asks, with META, the card and a tokenizer.
-    `weights(folder, max_file_bytes)` writes the weights (export_stream.py): the model itself holds none."""
+    `weights(folder, max_file_bytes)` writes the weights (stream.py): the model itself holds none."""
     kind = kind_of(model)
     if kind == "transformers":
         config: Any = getattr(model, "config")

@@ -1,0 +1,2 @@
+"""`qgtrain export`, one module per step: pipeline.py runs it (target, rebuild, stream, writer,
+reload), adapter.py and merging.py export a LoRA run, ema.py reads the averaged weights instead."""
