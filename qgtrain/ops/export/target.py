@@ -25,10 +25,18 @@ def refusal(out: Path, force: bool) -> str | None:
     if not names:
         return None
     if (out / META).is_file():
-        return None if force else (f"export: {out} holds an earlier export; choose another --out "
-                                   "or pass --force to replace it")
+        return (
+            None
+            if force
+            else (
+                f"export: {out} holds an earlier export; choose another --out "
+                "or pass --force to replace it"
+            )
+        )
     shown = ", ".join(map(repr, names[:3]))
     shown += f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return (f"export: {out} holds files that are not a qgtrain export ({shown}); an export "
-            f"replaces only an empty folder or an earlier export (one with {META}), with --force "
-            "too; choose another --out")
+    return (
+        f"export: {out} holds files that are not a qgtrain export ({shown}); an export "
+        f"replaces only an empty folder or an earlier export (one with {META}), with --force "
+        "too; choose another --out"
+    )
