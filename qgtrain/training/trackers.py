@@ -93,8 +93,8 @@ class Tracker:
         try:
             action()
             return True
-        except Exception as exc:  # noqa: BLE001
-            # a tracker library raises bare Exceptions; none may stop training
+        except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions
+            # none may stop training
             self.broken = True
             log.warning(
                 "logging.trackers: %s failed to %s (%s: %s); training goes on without it",
@@ -135,8 +135,8 @@ def open_trackers(
     for name in (n for n in cfg.trackers if n in EXTRAS):
         try:
             run = STARTERS[name](cfg, run_dir, run_name, config, state.get(f"{name}_id"), environ)
-        except Exception as exc:  # noqa: BLE001
-            # a tracker library raises bare Exceptions; none may stop training
+        except Exception as exc:  # noqa: BLE001 a tracker library raises bare Exceptions
+            # none may stop training
             log.warning(
                 "logging.trackers: %s could not start (%s: %s); training goes on without it",
                 name,
