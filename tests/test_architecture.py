@@ -29,7 +29,7 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.part
 NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgtrain.configload", "qgtrain.task",
             "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.runtime.comms",
             "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
-            "qgtrain.state.layout",
+            "qgtrain.state.layout", "qgtrain.runtime.slurm_values",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
             "qgtrain.durations", "qgtrain.files", "qgtrain.redact", "qgtrain.trust",

@@ -18,7 +18,8 @@ import pytest
 from qgtrain.errors import ConfigError, RendezvousError
 from qgtrain.runtime import devices, distributed, precision
 from qgtrain.runtime.devices import choose, count_without_cuda, gpu_device_files, visible_entries
-from qgtrain.runtime.rendezvous import DistEnv, from_environ, hook_port, port_for_job
+from qgtrain.runtime.rendezvous import DistEnv, from_environ
+from qgtrain.runtime.slurm_values import hook_port, port_for_job
 
 JOB = "48832491"
 

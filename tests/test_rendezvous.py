@@ -9,11 +9,11 @@ import torch
 
 from qgtrain.errors import RendezvousError
 from qgtrain.runtime.distributed import ddp_device_ids
-from qgtrain.runtime.rendezvous import (
+from qgtrain.runtime.rendezvous import from_environ
+from qgtrain.runtime.slurm_values import (
     PORT_BASE,
     PORT_SPAN,
     expand_nodelist,
-    from_environ,
     port_for_job,
     tasks_per_node,
 )

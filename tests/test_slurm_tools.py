@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from qgtrain.runtime.rendezvous import expand_nodelist
+from qgtrain.runtime.slurm_values import expand_nodelist
 from tests.helpers import NODELISTS
 
 pytestmark = [pytest.mark.slurm]
