@@ -28,7 +28,8 @@ def train(args: argparse.Namespace) -> int:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from .launch.sbatch import render, submit_config, validate
+    from .launch.sbatch import render, submit_config
+    from .launch.slurm_checks import validate
     from .state.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
@@ -41,7 +42,7 @@ def submit(args: argparse.Namespace) -> int:
     job_dir = RunDir(run_dir).slurm
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_launcher import dry_run_parameters
+            from .launch.submitit_params import dry_run_parameters
 
             print(json.dumps(dry_run_parameters(cfg), indent=1))
             return 0

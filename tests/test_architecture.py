@@ -32,6 +32,7 @@ NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgt
             "qgtrain.state.layout", "qgtrain.runtime.slurm_values",
             "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
             "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
+            "qgtrain.launch.slurm_checks", "qgtrain.launch.submitit_params",
             "qgtrain.durations", "qgtrain.files", "qgtrain.redact", "qgtrain.trust",
             *(f"qgtrain.config.{p.stem}" for p in (PACKAGE / "config").glob("*.py") if p.stem != "__init__")]
 

@@ -16,7 +16,8 @@ import pytest
 from qgtrain.config import SlurmConfig
 from qgtrain.configload import load_config
 from qgtrain.errors import QgtrainError
-from qgtrain.launch.sbatch import parse_job_id, render, time_minutes
+from qgtrain.launch.sbatch import parse_job_id, render
+from qgtrain.launch.slurm_checks import time_minutes
 from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +268,7 @@ def test_a_bad_container_value_is_one_line_exit_2_naming_the_key(tmp_path, sets,
 
 
 def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
-    from qgtrain.launch.submitit_launcher import container_python, executor_parameters
+    from qgtrain.launch.submitit_params import container_python, executor_parameters
 
     pyxis = load_config([ROOT / "config.yaml"], ["slurm.container_image=nvcr.io#nvidia/pytorch:24.08-py3",
                                                  "slurm.container_mounts=['/data:/data']"])
