@@ -214,7 +214,7 @@ BEFORE = """
 import sys, tempfile
 from pathlib import Path
 from qgtrain.ops.export import rebuild
-from qgtrain.ops.export.pipeline import yaml_config
+from qgtrain.ops.export.origin import yaml_config
 from qgtrain.state import checkpoint, sharded
 ckpt = checkpoint.list_committed(Path(sys.argv[1]) / 'checkpoints')[-1]
 model = rebuild.rebuild_lm(ckpt.path, yaml_config(ckpt), {})

@@ -7,8 +7,11 @@ earlier export, recognised by the qgtrain_model.json that every export holds.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+from ...errors import QgtrainError
 from .writer import META
 
 
@@ -40,3 +43,26 @@ def refusal(out: Path, force: bool) -> str | None:
         f"replaces only an empty folder or an earlier export (one with {META}), with --force "
         "too; choose another --out"
     )
+
+
+def staging(out: Path) -> Path:
+    """A fresh folder beside `out`: the export is written there, moved into place once checked."""
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def replace(staging: Path, out: Path, force: bool) -> None:
+    """Move the verified export into place; a replaced folder goes only once the new one is there.
+    `out` is checked again: files may have arrived there while the export was written."""
+    if (refused := refusal(out, force)) is not None:
+        raise QgtrainError(refused)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.rename(out, old)
+    os.rename(staging, out)
+    if old.is_symlink():  # --out was a link to an earlier export: the link goes, not its target
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
