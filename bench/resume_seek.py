@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qgtrain.data.loaders import ResumableSampler, TokenWindows, make_loader
+from qgtrain.data.loaders import ResumableSampler, make_loader
+from qgtrain.data.tokens import TokenWindows
 from qgtrain.runtime.rendezvous import DistEnv
 
 WINDOWS, SEQ, BATCH = 400_000, 64, 16
