@@ -39,8 +39,10 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     wrap(model, env, cpu, False, cfg.train, "fp32")
     optimizer, scaler = adamw(model, cfg.optim, cpu), torch.amp.GradScaler("cpu", enabled=False)
     before = status_bytes("VmRSS:")
-    batches = [torch.randint(0, 257, (1, 16), generator=torch.Generator().manual_seed(env.rank + i))
-               for i in range(micro)]
+    batches = [
+        torch.randint(0, 257, (1, 16), generator=torch.Generator().manual_seed(env.rank + i))
+        for i in range(micro)
+    ]
     for _ in range(2):
         with _deferred_reduction(model, micro) if deferred else contextlib.nullcontext():
             accumulate_gradients(model, _loss, batches, "fp32", scaler, cpu)
@@ -76,14 +78,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     args = parser.parse_args()
-    sets = [f"model.layers={args.layers}", f"model.hidden={args.hidden}", "model.heads=16",
-            "data.name=synthetic", "data.seq_len=16", "data.synthetic_samples=64",
-            "train.parallel=fsdp"]
-    print(f"GPT-2 {args.layers} x {args.hidden}, 2 gloo ranks, fsdp; peak RSS growth per rank over "
-          "two steps, MB (rank 0 / rank 1)")
+    sets = [
+        f"model.layers={args.layers}",
+        f"model.hidden={args.hidden}",
+        "model.heads=16",
+        "data.name=synthetic",
+        "data.seq_len=16",
+        "data.synthetic_samples=64",
+        "train.parallel=fsdp",
+    ]
+    print(
+        f"GPT-2 {args.layers} x {args.hidden}, 2 gloo ranks, fsdp; peak RSS growth per rank over "
+        "two steps, MB (rank 0 / rank 1)"
+    )
     peaks = {}
-    for name, deferred in (("qgtrain (reduce-scatter every micro-batch)", False),
-                           ("before (reduce at the last micro-batch)", True)):
+    for name, deferred in (
+        ("qgtrain (reduce-scatter every micro-batch)", False),
+        ("before (reduce at the last micro-batch)", True),
+    ):
         for micro in (1, 4):
             got = spawn(2, step_rank, sets, micro, deferred)
             peaks[name, micro] = max(got[r]["peak"] for r in got)

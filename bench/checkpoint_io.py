@@ -1,12 +1,13 @@
 """Checkpoint save and load, qgtrain against plain torch.save/torch.load of the same state.
 
-qgtrain's side is the real path: a (one-rank) process group, Checkpointer.save with its staging folder,
-checksums, fsync, manifest and rename, then choose() (which verifies checksums) and loading into a model and
-optimizer. The baseline saves the same model and optimizer state dicts with torch.save and loads them back
-into the same objects. Like qgtrain (keep_last=2), it writes a new file per save and deletes the one
-before last: overwriting a single file reuses the pages it has just freed, which on a VM is measurably
-cheaper than writing fresh ones and would compare unlike with like.
-Usage: python -m bench.checkpoint_io [--params-m 25] [--repeats 7] [--async-save] [--dir /dev/shm]
+qgtrain's side is the real path: a (one-rank) process group, Checkpointer.save with its staging
+folder, checksums, fsync, manifest and rename, then choose() (which verifies checksums) and loading
+into a model and optimizer. The baseline saves the same model and optimizer state dicts with
+torch.save and loads them back into the same objects. Like qgtrain (keep_last=2), it writes a new
+file per save and deletes the one before last: overwriting a single file reuses the pages it has
+just freed, which on a VM is measurably cheaper than writing fresh ones and would compare unlike
+with like. Usage: python -m bench.checkpoint_io [--params-m 25] [--repeats 7] [--async-save] [--dir
+/dev/shm]
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ from qgtrain.state.resume import resume_candidates
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
+    parser.add_argument(
+        "--params-m", type=float, default=25.0, help="model size in millions of parameters"
+    )
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--async-save", action="store_true", help="also time the stall of an async save")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder; /dev/shm "
-                        "isolates the software cost from the disk)")
+    parser.add_argument(
+        "--async-save", action="store_true", help="also time the stall of an async save"
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where to write (default: a temporary folder; /dev/shm "
+        "isolates the software cost from the disk)",
+    )
     args = parser.parse_args()
     width = 1024
     layers = max(1, round(args.params_m * 1e6 / (width * width)))
@@ -52,8 +61,12 @@ def main() -> None:
         step = iter(range(1, 10**6))
 
         def qgtrain_save() -> None:
-            saver.save(next(step), lambda: {"model.pt": model.state_dict(), "optim.pt": optimizer.state_dict()},
-                       {"rng": torch.get_rng_state()}, {})
+            saver.save(
+                next(step),
+                lambda: {"model.pt": model.state_dict(), "optim.pt": optimizer.state_dict()},
+                {"rng": torch.get_rng_state()},
+                {},
+            )
 
         plain_written: list[Path] = []
 
@@ -69,7 +82,9 @@ def main() -> None:
                 plain_written[-3].unlink()
 
         def qgtrain_load() -> None:
-            chosen, _ = verify_ranks.choose(resume_candidates(saver.root, saver.run_id, "auto", print), saver.root)
+            chosen, _ = verify_ranks.choose(
+                resume_candidates(saver.root, saver.run_id, "auto", print), saver.root
+            )
             ckpt = checkpoint.read_manifest(Path(str(chosen)))
             assert ckpt is not None
             model.load_state_dict(checkpoint.load_file(ckpt, "model.pt"))
@@ -81,27 +96,42 @@ def main() -> None:
             optimizer.load_state_dict(state["optim"])
 
         def settle() -> None:
-            """Untimed: background fsync and rotation finish (as between real saves), and every dirty page
-            is written, so neither side inherits the other's writeback throttling."""
+            """Untimed: background fsync and rotation finish (as between real saves), and every
+            dirty page is written, so neither side inherits the other's writeback throttling."""
             saver.wait()
             os.sync()
 
-        saves = alternate({"qgtrain save": qgtrain_save, "torch.save": plain_save}, args.repeats, settle=settle)
-        loads = alternate({"qgtrain load": qgtrain_load, "torch.load": plain_load}, args.repeats, settle=settle)
+        saves = alternate(
+            {"qgtrain save": qgtrain_save, "torch.save": plain_save}, args.repeats, settle=settle
+        )
+        loads = alternate(
+            {"qgtrain load": qgtrain_load, "torch.load": plain_load}, args.repeats, settle=settle
+        )
         report("save (training stall)", saves, "qgtrain save", "torch.save", "<= 1.1")
         report("load (verified)", loads, "qgtrain load", "torch.load", "<= 1.1")
-        durable = alternate({"qgtrain durable save": lambda: (qgtrain_save(), saver.wait()),
-                             "torch.save + fsync": lambda: plain_save(fsync=True)}, args.repeats, settle=settle)
+        durable = alternate(
+            {
+                "qgtrain durable save": lambda: (qgtrain_save(), saver.wait()),
+                "torch.save + fsync": lambda: plain_save(fsync=True),
+            },
+            args.repeats,
+            settle=settle,
+        )
         report("durable save", durable, "qgtrain durable save", "torch.save + fsync", "reported")
         if args.async_save:
+
             def save_with(async_save: bool) -> Callable[[], None]:
                 def timed() -> None:
                     saver.async_save = async_save
                     qgtrain_save()
+
                 return timed
 
-            stalls = alternate({"async save stall": save_with(True), "sync save stall": save_with(False)},
-                               args.repeats, settle=settle)
+            stalls = alternate(
+                {"async save stall": save_with(True), "sync save stall": save_with(False)},
+                args.repeats,
+                settle=settle,
+            )
             report("async checkpoint", stalls, "async save stall", "sync save stall", "<= 0.2")
     shutil.rmtree(root, ignore_errors=True)
 

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: alternate candidate and baseline in one process, report medians and ratios."""
+"""Shared by the benchmarks: alternate candidate and baseline in one process, report medians and
+ratios."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import time
 from collections.abc import Callable
 
 
-def alternate(pairs: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-              settle: Callable[[], object] = lambda: None) -> dict[str, list[float]]:
+def alternate(
+    pairs: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    settle: Callable[[], object] = lambda: None,
+) -> dict[str, list[float]]:
     """Time each callable `repeats` times, interleaved (a, b, a, b, ...) so drift hits both alike.
 
-    `settle` runs untimed after every call (e.g. to let background work finish before the next timing).
+    `settle` runs untimed after every call (e.g. to let background work finish before the next
+    timing).
     """
     for _ in range(warmup):
         for fn in pairs.values():
@@ -27,9 +33,13 @@ def alternate(pairs: dict[str, Callable[[], object]], repeats: int, warmup: int 
     return times
 
 
-def report(title: str, times: dict[str, list[float]], candidate: str, baseline: str, goal: str) -> float:
+def report(
+    title: str, times: dict[str, list[float]], candidate: str, baseline: str, goal: str
+) -> float:
     med = {name: statistics.median(values) for name, values in times.items()}
     ratio = med[candidate] / med[baseline]
-    print(f"{title}: {candidate} median {med[candidate] * 1e3:.1f} ms, {baseline} median "
-          f"{med[baseline] * 1e3:.1f} ms, ratio {ratio:.3f} (goal {goal}; n={len(times[candidate])})")
+    print(
+        f"{title}: {candidate} median {med[candidate] * 1e3:.1f} ms, {baseline} median "
+        f"{med[baseline] * 1e3:.1f} ms, ratio {ratio:.3f} (goal {goal}; n={len(times[candidate])})"
+    )
     return ratio

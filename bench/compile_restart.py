@@ -1,8 +1,8 @@
 """A requeued job with model.compile: time to the first step of the second start against the first.
 
 Each start gets an empty node-local inductor cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder), as a
-requeue on another node would, so only what qgtrain keeps in the run directory can help. One rank, the
-small preset's GPT-2; the first start trains 5 steps, the second resumes and trains 5 more.
+requeue on another node would, so only what qgtrain keeps in the run directory can help. One rank,
+the small preset's GPT-2; the first start trains 5 steps, the second resumes and trains 5 more.
 
     .venv/bin/python -m bench.compile_restart [--repeats 2]
 """
@@ -24,11 +24,33 @@ ROOT = Path(__file__).resolve().parents[1]
 def start(run: Path, steps: int) -> float:
     """Seconds from process start to the end of the first step, as qgtrain reports it."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-")}
-    subprocess.run([sys.executable, "-m", "qgtrain", "train", "--run-dir", str(run), "--set", "data.name=synthetic",
-                    "data.seq_len=128", "model.layers=2", "model.hidden=128", "model.heads=4", "model.compile=true",
-                    "train.batch_size=8", f"train.max_steps={steps}", "train.eval_every=0", "train.log_every=1",
-                    "logging.tensorboard=false", "checkpoint.every_steps=0"],
-                   cwd=run.parent, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "train",
+            "--run-dir",
+            str(run),
+            "--set",
+            "data.name=synthetic",
+            "data.seq_len=128",
+            "model.layers=2",
+            "model.hidden=128",
+            "model.heads=4",
+            "model.compile=true",
+            "train.batch_size=8",
+            f"train.max_steps={steps}",
+            "train.eval_every=0",
+            "train.log_every=1",
+            "logging.tensorboard=false",
+            "checkpoint.every_steps=0",
+        ],
+        cwd=run.parent,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return sum(next(r for r in reversed(records) if "startup_s" in r)["startup_s"].values())
 
@@ -44,8 +66,10 @@ def main() -> None:
         seconds.append(start(run, 10))
         print(f"first start {firsts[-1]:.2f} s, second start {seconds[-1]:.2f} s", flush=True)
     first, second = statistics.median(firsts), statistics.median(seconds)
-    print(f"time to the first step with model.compile: first start {first:.2f} s, requeued start {second:.2f} s, "
-          f"ratio {second / first:.2f} (goal <= 0.5; medians of {args.repeats})")
+    print(
+        f"time to the first step with model.compile: first start {first:.2f} s, requeued start "
+        f"{second:.2f} s, ratio {second / first:.2f} (goal <= 0.5; medians of {args.repeats})"
+    )
 
 
 if __name__ == "__main__":

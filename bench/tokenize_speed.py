@@ -1,10 +1,11 @@
-"""Tokenizing data files: qgtrain's preparation against a plain loop calling the same fast tokenizer over the
-same files in one process, and its scaling with worker processes; then the time to the first training step
-on a prepared cache against the built-in corpus's.
+"""Tokenizing data files: qgtrain's preparation against a plain loop calling the same fast tokenizer
+over the same files in one process, and its scaling with worker processes; then the time to the
+first training step on a prepared cache against the built-in corpus's.
 
-The data is real text: Python's standard library as jsonl shards (one document per source file), with a
-byte-level BPE tokenizer of 8,192 tokens trained on it here. Both sides run with one tokenizer thread
-(RAYON_NUM_THREADS=1), so "one process" means one core; rounds alternate baseline and candidates.
+The data is real text: Python's standard library as jsonl shards (one document per source file),
+with a byte-level BPE tokenizer of 8,192 tokens trained on it here. Both sides run with one
+tokenizer thread (RAYON_NUM_THREADS=1), so "one process" means one core; rounds alternate baseline
+and candidates.
 
 Usage: python -m bench.tokenize_speed [--rounds 3] [--mb 12] [--skip-first-step]
 """
@@ -56,8 +57,12 @@ def make_tokenizer(folder: Path, sample: list[Path]) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = (json.loads(line)["text"] for path in sample for line in path.open())
     tok.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
@@ -75,7 +80,7 @@ def plain_loop(paths: list[Path], tokenizer_dir: Path, out: Path) -> None:
             with open(path) as lines:
                 docs = [json.loads(line)["text"] for line in lines]
             for start in range(0, len(docs), 256):
-                for enc in tok.encode_batch(docs[start:start + 256], add_special_tokens=False):
+                for enc in tok.encode_batch(docs[start : start + 256], add_special_tokens=False):
                     sink.write(np.asarray(enc.ids + [eos], dtype=np.uint16).tobytes())
 
 
@@ -84,8 +89,13 @@ def tokenization(work: Path, rounds: int, megabytes: float) -> None:
     size = sum(p.stat().st_size for p in paths)
     tokenizer_dir = make_tokenizer(work / "tok", paths[:2])
     cpus = len(os.sched_getaffinity(0))
-    data = DataConfig(name="files", files=(str(work / "shard-*.jsonl"),), tokenizer=str(tokenizer_dir),
-                      val_fraction=0.0, test_fraction=0.0)
+    data = DataConfig(
+        name="files",
+        files=(str(work / "shard-*.jsonl"),),
+        tokenizer=str(tokenizer_dir),
+        val_fraction=0.0,
+        test_fraction=0.0,
+    )
     counts = sorted({1, 2, cpus})
 
     def ours(workers: int) -> None:
@@ -97,39 +107,75 @@ def tokenization(work: Path, rounds: int, megabytes: float) -> None:
     candidates.update({f"qgtrain, {n} process(es)": (lambda n=n: ours(n)) for n in counts})
     times = alternate(candidates, rounds, warmup=0)
     ours_1 = np.fromfile(next((work / "cache-1").glob("files-*/train.bin")), dtype=np.uint16)
-    assert np.array_equal(ours_1, np.fromfile(work / "plain.bin", dtype=np.uint16)), "different tokens"
+    assert np.array_equal(ours_1, np.fromfile(work / "plain.bin", dtype=np.uint16)), (
+        "different tokens"
+    )
     med = {name: statistics.median(values) for name, values in times.items()}
-    print(f"tokenization of {size / 1e6:.1f} MB of jsonl ({len(ours_1):,} tokens), {rounds} rounds, medians:")
+    print(
+        f"tokenization of {size / 1e6:.1f} MB of jsonl ({len(ours_1):,} tokens), {rounds} rounds, "
+        "medians:"
+    )
     for name, seconds in med.items():
-        print(f"  {name}: {seconds:.2f} s, {size / 1e6 / seconds:.2f} MB/s, throughput against the plain "
-              f"loop {med['plain loop'] / seconds:.3f}")
+        print(
+            f"  {name}: {seconds:.2f} s, {size / 1e6 / seconds:.2f} MB/s, throughput against the "
+            f"plain loop {med['plain loop'] / seconds:.3f}"
+        )
     print(f"  (goal: >= 0.9 at one process; {cpus} CPUs here)")
 
 
 def first_step(work: Path, rounds: int) -> None:
-    """Seconds from process start to the end of the first step, built-in corpus against a prepared files cache.
-    Two steps, so that the first does not carry the final evaluation (whose cost depends on the data size)."""
+    """Seconds from process start to the end of the first step, built-in corpus against a prepared
+    files cache. Two steps, so that the first does not carry the final evaluation (whose cost
+    depends on the data size)."""
     docs = work / "docs.jsonl"
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:400]
-    docs.write_text("".join(json.dumps({"text": p.read_text(errors="replace")}) + "\n" for p in sources))
-    common = ["train.max_steps=2", "logging.tensorboard=false", "checkpoint.every_steps=0", "train.eval_every=0",
-              "train.eval_batches=1", f"data.cache_dir={work / 'data'}"]
-    setups = {"built-in corpus": ["data.name=corpus"], "data files": ["data.name=files", f"data.files=[{docs}]"]}
+    docs.write_text(
+        "".join(json.dumps({"text": p.read_text(errors="replace")}) + "\n" for p in sources)
+    )
+    common = [
+        "train.max_steps=2",
+        "logging.tensorboard=false",
+        "checkpoint.every_steps=0",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        f"data.cache_dir={work / 'data'}",
+    ]
+    setups = {
+        "built-in corpus": ["data.name=corpus"],
+        "data files": ["data.name=files", f"data.files=[{docs}]"],
+    }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     times: dict[str, list[float]] = {name: [] for name in setups}
     for round_ in range(rounds + 1):
         for name, sets in setups.items():
             run = work / "runs" / f"{name.replace(' ', '-')}-{round_}"
-            subprocess.run([sys.executable, "-m", "qgtrain", "train", "--config", str(ROOT / "config.yaml"),
-                            "--run-dir", str(run), "--set", *common, *sets], check=True, env=env,
-                           capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "qgtrain",
+                    "train",
+                    "--config",
+                    str(ROOT / "config.yaml"),
+                    "--run-dir",
+                    str(run),
+                    "--set",
+                    *common,
+                    *sets,
+                ],
+                check=True,
+                env=env,
+                capture_output=True,
+            )
             first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
             if round_:  # round 0 prepares both caches
                 times[name].append(sum(first["startup_s"].values()))
     med = {name: statistics.median(values) for name, values in times.items()}
-    print(f"process start to the end of the first step, medians of {rounds}: built-in corpus "
-          f"{med['built-in corpus']:.2f} s, prepared data files {med['data files']:.2f} s, difference "
-          f"{med['data files'] - med['built-in corpus']:+.2f} s (goal: within 1 s)")
+    print(
+        f"process start to the end of the first step, medians of {rounds}: built-in corpus "
+        f"{med['built-in corpus']:.2f} s, prepared data files {med['data files']:.2f} s, "
+        f"difference {med['data files'] - med['built-in corpus']:+.2f} s (goal: within 1 s)"
+    )
 
 
 def main() -> None:

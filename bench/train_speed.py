@@ -1,14 +1,19 @@
-"""Training speed of qgtrain against the hand-written DDP loop (bench/handwritten_ddp.py), alternated in one
-invocation: steps/s, time from process start to the first optimizer step, and time spent waiting for data.
+"""Training speed of qgtrain against the hand-written DDP loop (bench/handwritten_ddp.py),
+alternated in one invocation: steps/s, time from process start to the first optimizer step, and time
+spent waiting for data.
 
-Both train the same GPT-2 on the same token file, launched the same way (one process per rank, torchrun's
-variables), logging every 10 steps; qgtrain's periodic checkpoints and validations are off so the same work
-is timed, and it writes TensorBoard events as config.yaml's default does. The default is the main job's
+Both train the same GPT-2 on the same token file, launched the same way (one process per rank,
+    torchrun's
+variables), logging every 10 steps; qgtrain's periodic checkpoints and validations are off so the
+    same work
+is timed, and it writes TensorBoard events as config.yaml's default does. The default is the main
+    job's
 model (config.yaml: 4 layers, 128 wide) on 2 gloo ranks on the CPU;
-`--preset gpt2-124m --device cuda --world 1` is GPT-2 124M's shape (12 layers, 768 wide, 1024 tokens) in
+`--preset gpt2-124m --device cuda --world 1` is GPT-2 124M's shape (12 layers, 768 wide, 1024
+    tokens) in
 bf16 with fused AdamW on one GPU (NCCL), where model FLOPs utilisation is reported too.
-Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m] [--device cpu|cuda]
-       [--world 2] [--precision fp32|bf16|fp16] [--compile] [--peak-tflops 989]
+Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m] [--device
+       cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile] [--peak-tflops 989]
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from qgtrain.configload import load_config
 from qgtrain.data import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = {"tiny": {"hidden": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1},  # the step costs ~nothing: fixed cost
-           "small": {"hidden": 128, "layers": 2, "heads": 4, "seq": 128, "batch": 8},
-           "main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},
-           "large": {"hidden": 256, "layers": 6, "heads": 4, "seq": 256, "batch": 16},
-           "gpt2-124m": {"hidden": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 16}}
+# the step costs ~nothing: fixed cost
+PRESETS = {
+    "tiny": {"hidden": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1},
+    "small": {"hidden": 128, "layers": 2, "heads": 4, "seq": 128, "batch": 8},
+    "main": {"hidden": 128, "layers": 4, "heads": 4, "seq": 128, "batch": 16},
+    "large": {"hidden": 256, "layers": 6, "heads": 4, "seq": 256, "batch": 16},
+    "gpt2-124m": {"hidden": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 16},
+}
 VOCAB = 257
 
 
@@ -41,40 +49,85 @@ def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, list[subproces
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     start = time.time()
-    procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in range(world)
+    ]
     return start, procs
 
 
 def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
-    """Steps/s is the median over 10-step intervals after warm-up, before the last step (whose record
-    qgtrain writes after its final validation and test evaluation)."""
+    """Steps/s is the median over 10-step intervals after warm-up, before the last step (whose
+    record qgtrain writes after its final validation and test evaluation)."""
     by_step = {r["step"]: r for r in records if "time" in r}
     marks = list(range(10, steps, 10))
     rates = [10 / (by_step[b]["time"] - by_step[a]["time"]) for a, b in zip(marks, marks[1:])]
-    startup = {f"start: {name}": seconds for name, seconds in by_step[1].get("startup_s", {}).items()}
+    startup = {
+        f"start: {name}": seconds for name, seconds in by_step[1].get("startup_s", {}).items()
+    }
     previous = start
-    for name, mark in by_step[1].get("marks", {}).items():  # the hand-written loop's wall-clock marks
+    # the hand-written loop's wall-clock marks
+    for name, mark in by_step[1].get("marks", {}).items():
         startup[f"start: {name}"], previous = mark - previous, mark
-    return {**startup, "first_step_s": by_step[1]["time"] - start,
-            "steps_per_s": statistics.median(rates),
-            "data_wait": statistics.mean(r["data_wait_frac"] for r in records if "data_wait_frac" in r)
-            if any("data_wait_frac" in r for r in records) else float("nan")}
+    return {
+        **startup,
+        "first_step_s": by_step[1]["time"] - start,
+        "steps_per_s": statistics.median(rates),
+        "data_wait": statistics.mean(r["data_wait_frac"] for r in records if "data_wait_frac" in r)
+        if any("data_wait_frac" in r for r in records)
+        else float("nan"),
+    }
 
 
 def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, float]:
     run, shape = work / name, PRESETS[args.preset]
-    start, procs = launch([sys.executable, "-m", "qgtrain", "train", "--config", str(ROOT / "config.yaml"),
-                           "--run-dir", str(run), "--set", f"train.max_steps={args.steps}", "train.log_every=10",
-                           "train.eval_every=0", "train.eval_batches=1", "checkpoint.every_steps=0",
-                           f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001",
-                           f"model.hidden={shape['hidden']}", f"model.layers={shape['layers']}",
-                           f"model.heads={shape['heads']}", f"data.seq_len={shape['seq']}", "model.dropout=0.0",
-                           f"train.batch_size={shape['batch']}", f"train.device={args.device}",
-                           f"train.precision={args.precision}", f"model.compile={str(args.compile).lower()}",
-                           *args.set], work, args.world)
+    start, procs = launch(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "train",
+            "--config",
+            str(ROOT / "config.yaml"),
+            "--run-dir",
+            str(run),
+            "--set",
+            f"train.max_steps={args.steps}",
+            "train.log_every=10",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "checkpoint.every_steps=0",
+            f"data.cache_dir={work / 'data'}",
+            "data.test_fraction=0.001",
+            f"model.hidden={shape['hidden']}",
+            f"model.layers={shape['layers']}",
+            f"model.heads={shape['heads']}",
+            f"data.seq_len={shape['seq']}",
+            "model.dropout=0.0",
+            f"train.batch_size={shape['batch']}",
+            f"train.device={args.device}",
+            f"train.precision={args.precision}",
+            f"model.compile={str(args.compile).lower()}",
+            *args.set,
+        ],
+        work,
+        args.world,
+    )
     for proc in procs:
         proc.communicate()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -83,13 +136,28 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
 
 def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[str, float]:
     shape = PRESETS[args.preset]
-    start, procs = launch([sys.executable, str(ROOT / "bench" / "handwritten_ddp.py"), "--tokens", str(tokens),
-                           "--steps", str(args.steps), "--log_every", "10",
-                           *[f"--{key}={value}" for key, value in shape.items()], f"--device={args.device}",
-                           f"--precision={args.precision}", *(["--compile"] if args.compile else [])],
-                          work, args.world)
+    start, procs = launch(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "handwritten_ddp.py"),
+            "--tokens",
+            str(tokens),
+            "--steps",
+            str(args.steps),
+            "--log_every",
+            "10",
+            *[f"--{key}={value}" for key, value in shape.items()],
+            f"--device={args.device}",
+            f"--precision={args.precision}",
+            *(["--compile"] if args.compile else []),
+        ],
+        work,
+        args.world,
+    )
     out = [proc.communicate()[0] for proc in procs][0]
-    return measure([json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps)
+    return measure(
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps
+    )
 
 
 def flops_per_token(shape: dict[str, int]) -> float:
@@ -107,44 +175,91 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--world", type=int, default=2, help="ranks (processes) on this machine")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model on both sides")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="the device's dense peak for --precision, for MFU (H100 SXM bf16: 989)")
-    parser.add_argument("--set", nargs="*", default=[], help="extra qgtrain settings, e.g. train.agree_every=1000")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model on both sides"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="the device's dense peak for --precision, for MFU (H100 SXM bf16: 989)",
+    )
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="extra qgtrain settings, e.g. train.agree_every=1000"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qgtrain-speed-"))
-    cfg = load_config([ROOT / "config.yaml"], [f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001"])
+    cfg = load_config(
+        [ROOT / "config.yaml"], [f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001"]
+    )
     tokens = corpus.prepare(cfg.data).path("train")
     results: dict[str, list[dict[str, float]]] = {"qgtrain": [], "hand-written": []}
     for index in range(args.rounds):  # ABBA order: drift over the run favours neither side
-        for name in (["qgtrain", "hand-written"] if index % 2 == 0 else ["hand-written", "qgtrain"]):
-            results[name].append(run_qgtrain(work, args, f"run{index}") if name == "qgtrain"
-                                 else run_handwritten(work, args, tokens))
-        print(f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, hand-written {results['hand-written'][-1]}",
-              flush=True)
-    med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
+        for name in ["qgtrain", "hand-written"] if index % 2 == 0 else ["hand-written", "qgtrain"]:
+            results[name].append(
+                run_qgtrain(work, args, f"run{index}")
+                if name == "qgtrain"
+                else run_handwritten(work, args, tokens)
+            )
+        print(
+            f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, hand-written "
+            f"{results['hand-written'][-1]}",
+            flush=True,
+        )
+    med = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for name, runs in results.items()
+    }
     q, h = med["qgtrain"], med["hand-written"]
-    ratios = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results["qgtrain"], results["hand-written"])]
+    ratios = [
+        a["steps_per_s"] / b["steps_per_s"]
+        for a, b in zip(results["qgtrain"], results["hand-written"])
+    ]
     shape = PRESETS[args.preset]
     tokens_per_step = shape["batch"] * shape["seq"] * args.world
-    print(f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, compile={args.compile}, "
-          f"median of {args.rounds} alternated rounds")
-    print(f"steps/s: qgtrain {q['steps_per_s']:.3f}, hand-written {h['steps_per_s']:.3f}, ratio "
-          f"{q['steps_per_s'] / h['steps_per_s']:.3f} (goal >= 0.98 on CPU, >= 0.97 on a GPU); tokens/s: qgtrain "
-          f"{q['steps_per_s'] * tokens_per_step:.0f}, hand-written {h['steps_per_s'] * tokens_per_step:.0f}")
+    print(
+        f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, "
+        f"compile={args.compile}, median of {args.rounds} alternated rounds"
+    )
+    print(
+        f"steps/s: qgtrain {q['steps_per_s']:.3f}, hand-written {h['steps_per_s']:.3f}, ratio "
+        f"{q['steps_per_s'] / h['steps_per_s']:.3f} (goal >= 0.98 on CPU, >= 0.97 on a GPU); "
+        f"tokens/s: qgtrain {q['steps_per_s'] * tokens_per_step:.0f}, hand-written "
+        f"{h['steps_per_s'] * tokens_per_step:.0f}"
+    )
     if args.device == "cuda":
         for name, m in med.items():
-            mfu = m["steps_per_s"] * tokens_per_step * flops_per_token(shape) / (args.peak_tflops * 1e12 * args.world)
-            print(f"model FLOPs utilisation, {name}: {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s per GPU")
-    print(f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, hand-written {1e6 / h['steps_per_s']:.0f} "
-          f"us, difference {1e6 / q['steps_per_s'] - 1e6 / h['steps_per_s']:+.0f} us per step (goal <= 1000 us; "
-          f"ratio spread over rounds {min(ratios):.3f} to {max(ratios):.3f})")
-    print(f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written {h['first_step_s']:.2f} s, "
-          f"difference {q['first_step_s'] - h['first_step_s']:+.2f} s (goal within 0.3 s)")
+            mfu = (
+                m["steps_per_s"]
+                * tokens_per_step
+                * flops_per_token(shape)
+                / (args.peak_tflops * 1e12 * args.world)
+            )
+            print(
+                f"model FLOPs utilisation, {name}: {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s per "
+                "GPU"
+            )
+    print(
+        f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, hand-written "
+        f"{1e6 / h['steps_per_s']:.0f} us, difference "
+        f"{1e6 / q['steps_per_s'] - 1e6 / h['steps_per_s']:+.0f} us per step (goal <= 1000 us; "
+        f"ratio spread over rounds {min(ratios):.3f} to {max(ratios):.3f})"
+    )
+    print(
+        f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written "
+        f"{h['first_step_s']:.2f} s, difference {q['first_step_s'] - h['first_step_s']:+.2f} s "
+        "(goal within 0.3 s)"
+    )
     print(f"time waiting for data: {q['data_wait']:.2%} of qgtrain's step time (goal < 1%)")
     for name, m in med.items():
-        print(f"{name}'s start, medians: " + ", ".join(f"{key.removeprefix('start: ')} {value:.2f} s"
-                                                      for key, value in m.items() if key.startswith("start: ")))
+        print(
+            f"{name}'s start, medians: "
+            + ", ".join(
+                f"{key.removeprefix('start: ')} {value:.2f} s"
+                for key, value in m.items()
+                if key.startswith("start: ")
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def main() -> None:
     overrides = dict(item.split("=", 1) for item in args.set)
     if args.dry_run:
         from qgtrain.configload import load_config
-        from qgtrain.launch.submitit_launcher import executor_parameters
+        from qgtrain.launch.submitit_params import executor_parameters
 
         print(json.dumps(executor_parameters(load_config([args.config], args.set)), indent=1))
         return

@@ -1,7 +1,7 @@
 """qgtrain: PyTorch training on Slurm clusters that survives time limits and preemption.
 
-`import qgtrain` stays light (no torch, no submitit): `Task` and `RunConfig` are plain dataclasses, and
-`qgtrain.train` and `qgtrain.submit` load what they need when first called.
+`import qgtrain` stays light (no torch, no submitit): `Task` and `RunConfig` are plain dataclasses,
+and `qgtrain.train` and `qgtrain.submit` load what they need when first called.
 """
 
 from typing import Any
@@ -10,7 +10,16 @@ from .config import RunConfig
 from .task import Task
 from .version import __version__
 
-__all__ = ["RunConfig", "Task", "__version__", "load_config", "load_model", "submit", "submit_sweep", "train"]
+__all__ = [
+    "RunConfig",
+    "Task",
+    "__version__",
+    "load_config",
+    "load_model",
+    "submit",
+    "submit_sweep",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,6 @@
-"""What each `qgtrain` command does, given its parsed arguments (cli.py parses them). Each imports what it
-needs when it runs, so `qgtrain --help`, `submit --dry-run` and `runs` answer at once on a login node."""
+"""What each `qgtrain` command does, given its parsed arguments (cli.py parses them). Each imports
+what it needs when it runs, so `qgtrain --help`, `submit --dry-run` and `runs` answer at once on a
+login node."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def train(args: argparse.Namespace) -> int:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from .launch.sbatch import render, submit_config, validate
+    from .launch.sbatch import render, submit_config
+    from .launch.slurm_checks import validate
     from .state.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
@@ -40,22 +42,28 @@ def submit(args: argparse.Namespace) -> int:
     job_dir = RunDir(run_dir).slurm
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_launcher import dry_run_parameters
+            from .launch.submitit_params import dry_run_parameters
 
             print(json.dumps(dry_run_parameters(cfg), indent=1))
             return 0
         from .launch.submitit_launcher import submit as submit_python
 
         job = submit_python(cfg)
-        print(f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory {run_dir}")
+        print(
+            f"submitted job {job.job_id} (submitit); logs in {job.paths.folder}; run directory "
+            f"{run_dir}"
+        )
         return 0
     if args.dry_run:
         code = _planned_code(cfg, run_dir)
         sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=code))
         return 0
     job_id = submit_config(cfg, job_dir)
-    print(f"submitted job {job_id}; output in {Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-"
-          f"{job_id}.out; run directory {run_dir}{_code_note(run_dir)}")
+    print(
+        f"submitted job {job_id}; output in "
+        f"{Path(cfg.slurm.output_dir).resolve()}/{cfg.slurm.job_name}-{job_id}.out; run directory "
+        f"{run_dir}{_code_note(run_dir)}"
+    )
     return 0
 
 
@@ -84,24 +92,36 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     from .state.rundir import RunDir, default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
-        raise ConfigError("--then: stages are submitted with the sbatch launcher, one run per "
-                          "stage; leave out --sweep, --max-parallel and --launcher submitit")
+        raise ConfigError(
+            "--then: stages are submitted with the sbatch launcher, one run per "
+            "stage; leave out --sweep, --max-parallel and --launcher submitit"
+        )
     planned = stages.plan(cfg, args.then)
     if args.dry_run:
         run_dir = default_run_dir(cfg).resolve()
         from .launch.sbatch import render
 
-        sys.stdout.write(render(cfg.slurm, str(RunDir(run_dir).slurm / "config.yaml"),
-                                code=_planned_code(cfg, run_dir),
-                                after=stages.epilogue(RunDir(run_dir).stages, 1, "CHAIN-ID")))
-        sys.stdout.write("".join(f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n"
-                                 for s in planned))
+        sys.stdout.write(
+            render(
+                cfg.slurm,
+                str(RunDir(run_dir).slurm / "config.yaml"),
+                code=_planned_code(cfg, run_dir),
+                after=stages.epilogue(RunDir(run_dir).stages, 1, "CHAIN-ID"),
+            )
+        )
+        sys.stdout.write(
+            "".join(
+                f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n" for s in planned
+            )
+        )
         return 0
     job_id, folder = stages.submit_chain(planned, Path.cwd())
     names = ", ".join(s.cfg.train.run_name for s in planned)
-    print(f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted "
-          f"when the one before finishes; runs {names}; chain in {folder}"
-          f"{_code_note(folder.parent)}")
+    print(
+        f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted "
+        f"when the one before finishes; runs {names}; chain in {folder}"
+        f"{_code_note(folder.parent)}"
+    )
     return 0
 
 
@@ -134,26 +154,45 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
         sweep.check_size(sweep.combinations(axes))
     planned = sweep.expand(cfg, axes)
     if args.launcher == "sbatch" or args.dry_run:
-        sys.stdout.write(sweep.submit_array(planned, args.max_parallel, dry_run=args.dry_run,
-                                            launcher=args.launcher))
+        sys.stdout.write(
+            sweep.submit_array(
+                planned, args.max_parallel, dry_run=args.dry_run, launcher=args.launcher
+            )
+        )
         return 0
     from .launch.submitit_launcher import submit_sweep
 
     jobs = submit_sweep(cfg, planned, max_parallel=args.max_parallel)
-    print(f"submitted job array {jobs[0].job_id.split('_')[0]} (submitit) with {len(jobs)} tasks; runs in "
-          f"{Path(cfg.logging.runs_dir).resolve()}")
+    print(
+        f"submitted job array {jobs[0].job_id.split('_')[0]} (submitit) with {len(jobs)} tasks; "
+        f"runs in {Path(cfg.logging.runs_dir).resolve()}"
+    )
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
-    from .ops.export import export_run
+    from .ops.export.pipeline import export_run
 
-    done = export_run(args.source, args.out, best=args.best, step=args.step, force=args.force,
-                      dtype=args.dtype, trust_code=args.trust_code, weights=args.weights,
-                      merge=args.merge)
-    how = "tensor by tensor" if (diff := done.max_logit_diff) is None else f"largest output difference {diff:.3g}"
-    print(f"exported {done.checkpoint} to {done.folder} in {done.dtype}; reloaded and compared with the checkpoint, "
-          + how)
+    done = export_run(
+        args.source,
+        args.out,
+        best=args.best,
+        step=args.step,
+        force=args.force,
+        dtype=args.dtype,
+        trust_code=args.trust_code,
+        weights=args.weights,
+        merge=args.merge,
+    )
+    how = (
+        "tensor by tensor"
+        if (diff := done.max_logit_diff) is None
+        else f"largest output difference {diff:.3g}"
+    )
+    print(
+        f"exported {done.checkpoint} to {done.folder} in {done.dtype}; reloaded and compared with "
+        "the checkpoint, " + how
+    )
     return 0
 
 
@@ -162,9 +201,16 @@ def recover(args: argparse.Namespace) -> int:
     from .state.rundir import default_run_dir
 
     cfg = load_args_config(args)
-    decision = recovery.recover((args.run_dir or default_run_dir(cfg)).resolve(), args.srun_log, args.exit_code,
-                                args.attempt, args.restart, args.ranks, cfg.slurm,
-                                nodes.spare_nodes(args.partition, cfg.slurm.nodes))
+    decision = recovery.recover(
+        (args.run_dir or default_run_dir(cfg)).resolve(),
+        args.srun_log,
+        args.exit_code,
+        args.attempt,
+        args.restart,
+        args.ranks,
+        cfg.slurm,
+        nodes.spare_nodes(args.partition, cfg.slurm.nodes),
+    )
     print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
     print(decision.line())
     return 0

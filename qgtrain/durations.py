@@ -1,5 +1,5 @@
-"""Durations as users write them: '3h30m', '45m', '90s', '1d2h' (train.max_time), and Slurm's own forms
-(slurm.time, scontrol's limits). One parser for both, so a time means the same everywhere."""
+"""Durations as users write them: '3h30m', '45m', '90s', '1d2h' (train.max_time), and Slurm's own
+forms (slurm.time, scontrol's limits). One parser for both, so a time means the same everywhere."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ _SLURM = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
 def duration_s(text: str) -> float | None:
-    """Seconds in '3h30m', '45m', '90s', '1d2h', or Slurm's forms (see slurm_time_s); None if the text is
-    none of them or not positive."""
+    """Seconds in '3h30m', '45m', '90s', '1d2h', or Slurm's forms (see slurm_time_s); None if the
+    text is none of them or not positive."""
     units = _UNITS.fullmatch(text.strip())
     if not text.strip() or not units or not any(units.groups()):
         return slurm_time_s(text) or None
@@ -20,14 +20,19 @@ def duration_s(text: str) -> float | None:
 
 
 def slurm_time_s(text: str) -> float | None:
-    """Seconds in a Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS), as sbatch --time
-    reads it; None if the text is not one."""
+    """Seconds in a Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS), as sbatch
+    --time reads it; None if the text is not one."""
     slurm = _SLURM.fullmatch(text.strip())
     if slurm is None:
         return None
     days_text, first, second, third = slurm.groups()
     if days_text is not None:
-        days, hours, minutes, seconds = int(days_text), int(first), int(second or 0), int(third or 0)
+        days, hours, minutes, seconds = (
+            int(days_text),
+            int(first),
+            int(second or 0),
+            int(third or 0),
+        )
     elif third is not None:
         days, hours, minutes, seconds = 0, int(first), int(second), int(third)
     else:

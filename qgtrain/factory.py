@@ -1,6 +1,6 @@
-"""User extension points: a function named in the config, as 'package.module:function' (importable from
-where qgtrain runs) or as 'path/to/file.py:function' (a file of your own, relative to the working
-directory; nothing needs installing)."""
+"""User extension points: a function named in the config, as 'package.module:function' (importable
+from where qgtrain runs) or as 'path/to/file.py:function' (a file of your own, relative to the
+working directory; nothing needs installing)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,18 @@ from .errors import ConfigError
 def load_factory(spec: str, key: str) -> Any:
     module_name, _, attr = spec.rpartition(":")
     try:
-        module = _load_file(Path(module_name)) if module_name.endswith(".py") else \
-            importlib.import_module(module_name)
+        module = (
+            _load_file(Path(module_name))
+            if module_name.endswith(".py")
+            else importlib.import_module(module_name)
+        )
         return getattr(module, attr)
     except (ImportError, AttributeError, FileNotFoundError) as exc:
-        raise ConfigError(f"{key}: cannot load {spec!r} ({exc}). HINT: the module must be importable "
-                          "from where qgtrain runs (installed, or on PYTHONPATH), or name a file as "
-                          "path/to/file.py:function") from None
+        raise ConfigError(
+            f"{key}: cannot load {spec!r} ({exc}). HINT: the module must be importable "
+            "from where qgtrain runs (installed, or on PYTHONPATH), or name a file as "
+            "path/to/file.py:function"
+        ) from None
 
 
 def _load_file(path: Path) -> Any:

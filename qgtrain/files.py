@@ -1,8 +1,9 @@
-"""How qgtrain writes the small files others read while it runs: whole or not at all, and under a lock.
+"""How qgtrain writes the small files others read while it runs: whole or not at all, and under a
+lock.
 
-A reader (`qgtrain runs` on a login node, a requeued job, another rank) must never see half a file, so
-each is written beside its final name and renamed over it. Locks are flocks, released by the kernel when
-their holder dies, so they never go stale; a filesystem without locks is used unguarded.
+A reader (`qgtrain runs` on a login node, a requeued job, another rank) must never see half a file,
+so each is written beside its final name and renamed over it. Locks are flocks, released by the
+kernel when their holder dies, so they never go stale; a filesystem without locks is used unguarded.
 
 Run directories and data caches may sit in folders others can write, where a name qgtrain opens
 can be planted in advance as a link to one of the user's files. So nothing here opens a predictable
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from .errors import QgtrainError
 
-_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # what a filesystem without flock answers
+# what a filesystem without flock answers
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 # A lock file holds who holds it, padded to this size: rewritten, never truncated.
 HOLDER_BYTES = 200
 
@@ -72,15 +74,19 @@ def open_lock(path: Path, mode: int) -> int:
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise QgtrainError(f"{path} is a symbolic link where qgtrain keeps a lock file; a lock is "
-                           "never opened through a link (it could point at any file). "
-                           "HINT: remove the link") from None
+        raise QgtrainError(
+            f"{path} is a symbolic link where qgtrain keeps a lock file; a lock is "
+            "never opened through a link (it could point at any file). "
+            "HINT: remove the link"
+        ) from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        raise QgtrainError(f"{path} is not a plain file of its own (a folder, a device or a hard "
-                           "link to another file), where qgtrain keeps a lock file. "
-                           "HINT: remove it")
+        raise QgtrainError(
+            f"{path} is not a plain file of its own (a folder, a device or a hard "
+            "link to another file), where qgtrain keeps a lock file. "
+            "HINT: remove it"
+        )
     return fd
 
 
@@ -97,8 +103,8 @@ def read_holder(fd: int) -> str:
 
 
 def try_lock(fd: int, shared: bool = False) -> bool | None:
-    """Take the lock without waiting: True if taken, False if another process holds it, None where the
-    filesystem has no locks."""
+    """Take the lock without waiting: True if taken, False if another process holds it, None where
+    the filesystem has no locks."""
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         return True

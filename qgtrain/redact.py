@@ -16,8 +16,11 @@ from urllib.parse import parse_qsl, urlsplit
 MASK = "***"
 _SECRET_NAME = re.compile(r"pass|secret|token|key|auth|credential|sig", re.IGNORECASE)
 _USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)(?:([^\s/@:]*):)?[^\s/@]*@")
-_QUERY_SECRET = re.compile(r"([?&;][^\s=&;#]*(?:pass|secret|token|key|auth|credential|sig)"
-                           r"[^\s=&;#]*=)[^\s&;#]*", re.IGNORECASE)
+_QUERY_SECRET = re.compile(
+    r"([?&;][^\s=&;#]*(?:pass|secret|token|key|auth|credential|sig)"
+    r"[^\s=&;#]*=)[^\s&;#]*",
+    re.IGNORECASE,
+)
 
 
 def secret_name(name: str) -> bool:
@@ -45,6 +48,7 @@ def uri_credentials(uri: str) -> str | None:
 def mask_text(text: str) -> str:
     """`text` with every URI password and secret query value in it replaced by MASK (for messages of
     libraries, which may quote the URI they failed on)."""
+
     def userinfo(match: re.Match[str]) -> str:
         return f"{match[1]}{match[2]}:{MASK}@" if match[2] is not None else f"{match[1]}{MASK}@"
 

@@ -22,7 +22,7 @@ from .config import RunConfig
 from .configload import config_to_dict
 from .data.loaders import build_loaders
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
-from .ops import export_target
+from .ops.export import target as export_target
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv

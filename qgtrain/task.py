@@ -1,10 +1,11 @@
-"""The contract between qgtrain and a user's work: a Task names the model, the data and how to score them.
+"""The contract between qgtrain and a user's work: a Task names the model, the data and how to score
+them.
 
-A task is made by a function the config names (`task: package.module:function`), called on every rank
-with the resolved RunConfig once the process group is up; it returns a Task. qgtrain owns everything
-around it: sharding and resumable data order, the device move, DDP, mixed precision, checkpoints, agreed
-stops, metrics exact over the whole split, early stopping, export. This module imports neither torch nor
-the user's code, so the CLI stays fast on a login node.
+A task is made by a function the config names (`task: package.module:function`), called on every
+rank with the resolved RunConfig once the process group is up; it returns a Task. qgtrain owns
+everything around it: sharding and resumable data order, the device move, DDP, mixed precision,
+checkpoints, agreed stops, metrics exact over the whole split, early stopping, export. This module
+imports neither torch nor the user's code, so the CLI stays fast on a login node.
 """
 
 from __future__ import annotations
@@ -26,19 +27,20 @@ class Task:
         torch IterableDataset (a stream) that yields this rank's and this loader worker's share;
         with state_dict()/load_state_dict() it resumes from its own saved position, without them
         by reading past what was consumed (data/streams.py).
-    collate: turns a list of samples into a batch (default: torch's default_collate). A batch may be a
-        tensor, a dict, tuple, list or dataclass of them, or any object with its own `.to(device)`.
+    collate: turns a list of samples into a batch (default: torch's default_collate). A batch may be
+        a tensor, a dict, tuple, list or dataclass of them, or any object with its own
+        `.to(device)`.
     loss: loss(model, batch) -> scalar tensor (default: `model(**batch).loss` for a dict batch, else
         `model(batch).loss`, as Hugging Face models compute it when given labels).
     metrics: metrics(model, batch) -> {name: (sum, count)} on validation and test batches; each is
         all-reduced over ranks and reported as val_<name> and test_<name> = sum / count.
-    tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a GPU,
-        e.g. a shape product). Without it only samples/s is reported.
+    tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a
+        GPU, e.g. a shape product). Without it only samples/s is reported.
     tokenizer: anything with save_pretrained (a Hugging Face tokenizer), exported beside the model.
     flops_per_sample: training FLOPs (forward and backward) per sample, for model FLOPs utilisation
         (`mfu` in the metrics, on GPUs whose peak is known).
-    facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of the
-        built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
+    facts: small JSON-able facts about the model, saved in every checkpoint's model.json (export of
+        the built-in causal LM reads its vocabulary, sequence length and tokenizer from them).
     optimizer: optimizer(model, optim_config) -> a torch.optim.Optimizer over the model's parameters
         (param groups, per-layer learning rates), instead of the one optim.name names. It is called
         with the model already on its device and sharded (fsdp). The schedule sets every group's
@@ -62,7 +64,8 @@ class Task:
 
 @dataclass(kw_only=True)
 class ReadyTask(Task):
-    """A Task as qgtrain trains it: checked, with collate and loss filled in (tasks/build.py makes it)."""
+    """A Task as qgtrain trains it: checked, with collate and loss filled in (tasks/build.py makes
+    it)."""
 
     collate: Callable[[list[Any]], Any]
     loss: Callable[[Any, Any], Any]

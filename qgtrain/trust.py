@@ -43,7 +43,7 @@ class UntrustedCode(QgtrainError):
 
 @dataclass(frozen=True)
 class Named:
-    key: str   # task.factory, model.factory, data.factory, or class (an exported model's)
+    key: str  # task.factory, model.factory, data.factory, or class (an exported model's)
     spec: str  # 'package.module:function', 'path/to/file.py:function' or 'package.module.Class'
 
     def builtin(self) -> bool:
@@ -72,9 +72,11 @@ def require(named: list[Named], where: Path, *, why_not: str, fix: str, what: st
     foreign = [n for n in named if not n.builtin()]
     if foreign:
         code = ", ".join(f"{n.key} {n.spec!r}" for n in foreign)
-        raise UntrustedCode(f"{what}: {code} in {where} is code outside qgtrain and transformers, "
-                            f"and {why_not}, so it was not imported. HINT: read that code; if you "
-                            f"trust it, pass {fix}")
+        raise UntrustedCode(
+            f"{what}: {code} in {where} is code outside qgtrain and transformers, "
+            f"and {why_not}, so it was not imported. HINT: read that code; if you "
+            f"trust it, pass {fix}"
+        )
 
 
 def not_yours(top: Path, file: Path) -> str | None:

@@ -1,3 +1,4 @@
-"""The release of qgtrain, recorded in every checkpoint (a module of its own so that any layer can read it)."""
+"""The release of qgtrain, recorded in every checkpoint (a module of its own so that any layer can
+read it)."""
 
 __version__ = "0.1.0"

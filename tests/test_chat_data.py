@@ -1,7 +1,8 @@
-"""Chat and instruction data: rendered with a real chat template (a BPE tokenizer trained here, saved by
-transformers, one template with {% generation %} marks and one without), masked so that the loss counts
-only the answers, packed into rows whose samples do not attend to each other (checked on real gpt2 and
-llama models), or padded; then real `qgtrain` processes train on it, are SIGKILLed and resume."""
+"""Chat and instruction data: rendered with a real chat template (a BPE tokenizer trained here,
+saved by transformers, one template with {% generation %} marks and one without), masked so that the
+loss counts only the answers, packed into rows whose samples do not attend to each other (checked on
+real gpt2 and llama models), or padded; then real `qgtrain` processes train on it, are SIGKILLed and
+resume."""
 
 from __future__ import annotations
 
@@ -25,17 +26,25 @@ from qgtrain.tasks.models import build_model, lm_loss
 from tests.helpers import checkpoint_state, cli, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
-MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-          "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-          "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MARKED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 # The generation prompt differs from how an answer is rendered: neither marks nor prefixes work.
-BROKEN = PLAIN.replace("{{ '<|im_start|>assistant\\n' }}{% endif %}", "{{ '<|im_start|>bot\\n' }}{% endif %}")
+BROKEN = PLAIN.replace(
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}", "{{ '<|im_start|>bot\\n' }}{% endif %}"
+)
 WORDS = "the rank writes a checkpoint what is shard piece of weights and node resumes loss falls".split()
-TALK = [{"role": "system", "content": "be short"}, {"role": "user", "content": "what is a shard?"},
-        {"role": "assistant", "content": "a piece"}, {"role": "user", "content": "and a rank?"},
-        {"role": "assistant", "content": "it writes"}]
+TALK = [
+    {"role": "system", "content": "be short"},
+    {"role": "user", "content": "what is a shard?"},
+    {"role": "assistant", "content": "a piece"},
+    {"role": "user", "content": "and a rank?"},
+    {"role": "assistant", "content": "it writes"},
+]
 
 
 def tokenizer_folder(folder: Path, template: str | None) -> Path:
@@ -45,11 +54,15 @@ def tokenizer_folder(folder: Path, template: str | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 4 + ["what is a shard? a piece"] * 4, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                            chat_template=template).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", chat_template=template
+    ).save_pretrained(folder)
     return folder
 
 
@@ -59,8 +72,14 @@ def conversations(count: int, seed: int) -> list[dict]:
     talks = []
     for _ in range(count):
         asked = rng.choices(WORDS, k=rng.randint(2, 6))
-        talks.append({"messages": [{"role": "user", "content": " ".join(asked)},
-                                   {"role": "assistant", "content": " ".join(reversed(asked))}]})
+        talks.append(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(asked)},
+                    {"role": "assistant", "content": " ".join(reversed(asked))},
+                ]
+            }
+        )
     return talks
 
 
@@ -70,8 +89,18 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def data(tmp_path: Path, files: Path, **changes) -> DataConfig:  # type: ignore[no-untyped-def]
-    return replace(DataConfig(name="files", files=(str(files),), cache_dir=str(tmp_path / "cache"), format="chat",
-                              seq_len=48, val_fraction=0.0, test_fraction=0.0), **changes)
+    return replace(
+        DataConfig(
+            name="files",
+            files=(str(files),),
+            cache_dir=str(tmp_path / "cache"),
+            format="chat",
+            seq_len=48,
+            val_fraction=0.0,
+            test_fraction=0.0,
+        ),
+        **changes,
+    )
 
 
 @pytest.mark.parametrize("template", ["marked", "plain"])
@@ -79,13 +108,18 @@ def test_only_the_assistant_tokens_are_trained_token_by_token(tmp_path, template
     from transformers import AutoTokenizer
 
     folder = tokenizer_folder(tmp_path / "tok", MARKED if template == "marked" else PLAIN)
-    ids, trained = chat.renderer(data(tmp_path, tmp_path, tokenizer=str(folder)), 0)({"messages": TALK}, "talk")
+    ids, trained = chat.renderer(data(tmp_path, tmp_path, tokenizer=str(folder)), 0)(
+        {"messages": TALK}, "talk"
+    )
     tok = AutoTokenizer.from_pretrained(folder)
     expected_ids, expected_mask = [], []
     for message in TALK:  # special tokens split the text, so the pieces' tokens are the whole's
         answer = message["role"] == "assistant"
-        pieces = [(f"<|im_start|>{message['role']}\n", False), (message["content"] + "<|im_end|>", answer),
-                  ("\n", answer and template == "plain")]  # prefixes end where the next turn starts
+        pieces = [
+            (f"<|im_start|>{message['role']}\n", False),
+            (message["content"] + "<|im_end|>", answer),
+            ("\n", answer and template == "plain"),
+        ]  # prefixes end where the next turn starts
         for text, counted in pieces:
             piece = tok(text, add_special_tokens=False)["input_ids"]
             expected_ids += piece
@@ -100,8 +134,14 @@ def test_prompt_completion_with_and_without_a_chat_template(tmp_path):
     cfg = data(tmp_path, tmp_path, format="prompt_completion", tokenizer=str(folder))
     with_template = chat.renderer(cfg, 0)(row, "row")
     as_chat = chat.renderer(replace(cfg, format="chat"), 0)(
-        {"messages": [{"role": "user", "content": row["prompt"]},
-                      {"role": "assistant", "content": row["completion"]}]}, "row")
+        {
+            "messages": [
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["completion"]},
+            ]
+        },
+        "row",
+    )
     assert all(np.array_equal(a, b) for a, b in zip(with_template, as_chat))
     ids, trained = chat.renderer(replace(cfg, tokenizer="byte"), 256)(row, "row")
     assert ids.tolist() == list(b"what is a shard? a piece") + [256]
@@ -109,8 +149,12 @@ def test_prompt_completion_with_and_without_a_chat_template(tmp_path):
 
 
 def prepared_rows(tmp_path: Path, rows: list, **changes) -> tuple[ChatRows, DataConfig]:  # type: ignore[no-untyped-def]
-    cfg = data(tmp_path, write_jsonl(tmp_path / "talk.jsonl", rows),
-               tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED)), **changes)
+    cfg = data(
+        tmp_path,
+        write_jsonl(tmp_path / "talk.jsonl", rows),
+        tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED)),
+        **changes,
+    )
     files, _ = prepare.prepare(cfg)
     return ChatRows(files.folder, "train", files.dtype, cfg.seq_len, cfg.packing), cfg
 
@@ -127,11 +171,15 @@ def test_a_packed_row_resets_positions_and_its_samples_do_not_see_each_other(tmp
     assert starts[:3] == [0, span.start, span.stop], "the first two samples share the first row"
     assert row["position_ids"][span].tolist() == list(range(len(second[0])))
     assert "attention_mask" not in row
-    assert row["input_ids"][:span.stop].tolist() == first[0].tolist() + second[0].tolist()
-    assert (row["labels"][1:len(first[0])] != -100).tolist() == first[1][1:].tolist()
-    assert row["labels"][0] == -100 and row["labels"][len(first[0])] == -100, "a sample's first token"
+    assert row["input_ids"][: span.stop].tolist() == first[0].tolist() + second[0].tolist()
+    assert (row["labels"][1 : len(first[0])] != -100).tolist() == first[1][1:].tolist()
+    assert row["labels"][0] == -100 and row["labels"][len(first[0])] == -100, (
+        "a sample's first token"
+    )
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, layers=2, heads=2, hidden=32), 300, cfg.seq_len, 0).eval()
+    model = build_model(
+        ModelConfig(arch=arch, layers=2, heads=2, hidden=32), 300, cfg.seq_len, 0
+    ).eval()
     batch = {k: v[None] for k, v in row.items()}
     with torch.no_grad():
         packed = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
@@ -149,13 +197,18 @@ def test_unpacked_rows_hold_one_sample_each_padded_out_of_the_loss_and_attention
         ids, _ = render(talk, "")
         row = rows[index]
         assert row["attention_mask"].tolist() == [1] * len(ids) + [0] * (cfg.seq_len - len(ids))
-        assert row["input_ids"][:len(ids)].tolist() == ids.tolist()
-        assert (row["labels"][len(ids):] == -100).all() and (row["labels"][:len(ids)] != -100).any()
+        assert row["input_ids"][: len(ids)].tolist() == ids.tolist()
+        assert (row["labels"][len(ids) :] == -100).all() and (
+            row["labels"][: len(ids)] != -100
+        ).any()
     torch.manual_seed(0)
     model = build_model(ModelConfig(layers=1, heads=2, hidden=32), 300, cfg.seq_len, 0)
     batch = {k: torch.stack([rows[i][k] for i in range(4)]) for k in rows[0]}
-    own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-    torch.testing.assert_close(lm_loss(model, batch), own)  # a mean over the counted tokens, as transformers'
+    own = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+    ).loss
+    # a mean over the counted tokens, as transformers'
+    torch.testing.assert_close(lm_loss(model, batch), own)
 
 
 def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path):
@@ -166,45 +219,81 @@ def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
-    long_question = {"messages": [{"role": "system", "content": " ".join(WORDS * 4)},
-                                  {"role": "user", "content": "what is a shard?"},
-                                  {"role": "assistant", "content": "a piece of the weights"}]}
+    long_question = {
+        "messages": [
+            {"role": "system", "content": " ".join(WORDS * 4)},
+            {"role": "user", "content": "what is a shard?"},
+            {"role": "assistant", "content": "a piece of the weights"},
+        ]
+    }
     no_answer = {"messages": [{"role": "user", "content": "what is a shard?"}]}
     try:
-        rows, cfg = prepared_rows(tmp_path, [long_question, *conversations(3, 3), no_answer],
-                                   packing=False, seq_len=64)
+        rows, cfg = prepared_rows(
+            tmp_path, [long_question, *conversations(3, 3), no_answer], packing=False, seq_len=64
+        )
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    assert any(re.match(r"data: 1 of 5 samples truncated to data.seq_len=64 \(from the prompt side\); 1 dropped",
-                        line) for line in lines), lines
+    assert any(
+        re.match(
+            r"data: 1 of 5 samples truncated to data.seq_len=64 \(from the prompt side\); 1 dropped",
+            line,
+        )
+        for line in lines
+    ), lines
     ids, trained = chat.renderer(cfg, 0)(long_question, "")
     assert len(ids) > cfg.seq_len and len(rows) == 4
-    assert rows[0]["input_ids"].tolist() == ids[-cfg.seq_len:].tolist(), "the end (the answer) is kept"
+    assert rows[0]["input_ids"].tolist() == ids[-cfg.seq_len :].tolist(), (
+        "the end (the answer) is kept"
+    )
     assert (rows[0]["labels"] != -100).sum() == trained.sum()
 
 
-@pytest.mark.parametrize("record, expected", [
-    ({"messages": "hello"}, r"talk.jsonl:2: 'messages' holds str, not a list of messages"),
-    ({"messages": [{"role": "user"}]}, r"talk.jsonl:2: message 0 is not an object with 'role' and 'content'"),
-    ({"messages": [{"role": "robot", "content": "hi"}]},
-     r"talk.jsonl:2: message 0 has the unknown role 'robot'; allowed: system, user, assistant, tool"),
-])
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        ({"messages": "hello"}, r"talk.jsonl:2: 'messages' holds str, not a list of messages"),
+        (
+            {"messages": [{"role": "user"}]},
+            r"talk.jsonl:2: message 0 is not an object with 'role' and 'content'",
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            r"talk.jsonl:2: message 0 has the unknown role 'robot'; allowed: system, user, assistant, tool",
+        ),
+    ],
+)
 def test_a_malformed_record_names_its_file_and_line(tmp_path, record, expected):
     files = write_jsonl(tmp_path / "talk.jsonl", [*conversations(1, 4), record])
     with pytest.raises(ConfigError, match=expected):
-        prepare.prepare(data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED))))
+        prepare.prepare(
+            data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED)))
+        )
 
 
 def test_templates_that_cannot_mark_answers_and_tokenizers_without_one_exit_2(tmp_path):
     files = write_jsonl(tmp_path / "talk.jsonl", conversations(3, 5))
-    with pytest.raises(ConfigError, match=r"data.tokenizer: the chat template of .*tok cannot mark the assistant's "
-                                          r"tokens for data.format: chat: it has no \{% generation %\} marks"):
-        prepare.prepare(data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", BROKEN))))
+    with pytest.raises(
+        ConfigError,
+        match=r"data.tokenizer: the chat template of .*tok cannot mark the assistant's "
+        r"tokens for data.format: chat: it has no \{% generation %\} marks",
+    ):
+        prepare.prepare(
+            data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", BROKEN)))
+        )
     with pytest.raises(ConfigError, match=r"data.tokenizer: .*bare has no chat template"):
-        prepare.prepare(data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "bare", None))))
-    out = cli("data", "prepare", "--set", "data.name=files", f"data.files=[{files}]", "data.format=chat",
-              cwd=tmp_path)
+        prepare.prepare(
+            data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "bare", None)))
+        )
+    out = cli(
+        "data",
+        "prepare",
+        "--set",
+        "data.name=files",
+        f"data.files=[{files}]",
+        "data.format=chat",
+        cwd=tmp_path,
+    )
     errors = [line for line in out.stderr.splitlines() if line.startswith("qgtrain: error: ")]
     assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "data.tokenizer: 'byte' has no chat template; data.format: chat needs" in errors[0]
@@ -214,19 +303,42 @@ STEPS = 16
 
 
 def train_args(tmp_path: Path, run: Path) -> list[str]:
-    return ["train", "--run-dir", str(run), "--set", "data.name=files", f"data.files=[{tmp_path}/talk.jsonl]",
-            "data.format=chat", f"data.tokenizer={tmp_path}/tok", f"data.cache_dir={tmp_path / 'cache'}",
-            "data.seq_len=96", "data.val_fraction=0.1", "data.test_fraction=0.0", f"train.max_steps={STEPS}",
-            "train.log_every=1", "train.eval_every=8", "train.eval_batches=2", "checkpoint.every_steps=4",
-            "model.hidden=32", "model.layers=2", "model.heads=2", "train.batch_size=4", "optim.lr=0.01",
-            "optim.warmup_steps=2", "optim.schedule=constant", "logging.tensorboard=false"]
+    return [
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        "data.name=files",
+        f"data.files=[{tmp_path}/talk.jsonl]",
+        "data.format=chat",
+        f"data.tokenizer={tmp_path}/tok",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=96",
+        "data.val_fraction=0.1",
+        "data.test_fraction=0.0",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=8",
+        "train.eval_batches=2",
+        "checkpoint.every_steps=4",
+        "model.hidden=32",
+        "model.layers=2",
+        "model.heads=2",
+        "train.batch_size=4",
+        "optim.lr=0.01",
+        "optim.warmup_steps=2",
+        "optim.schedule=constant",
+        "logging.tensorboard=false",
+    ]
 
 
 def test_two_ranks_learn_the_answers_and_a_killed_run_resumes_bit_for_bit(tmp_path):
     write_jsonl(tmp_path / "talk.jsonl", conversations(400, 6))
     tokenizer_folder(tmp_path / "tok", MARKED)
     reference, run = tmp_path / "reference", tmp_path / "killed"
-    assert wait_ranks(start_cli_ranks(2, train_args(tmp_path, reference), tmp_path, log_prefix="ref"), 300) == [0, 0]
+    assert wait_ranks(
+        start_cli_ranks(2, train_args(tmp_path, reference), tmp_path, log_prefix="ref"), 300
+    ) == [0, 0]
     expected = records(reference)
     losses = [r["loss"] for r in expected if "loss" in r]
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:2]), losses
@@ -236,12 +348,15 @@ def test_two_ranks_learn_the_answers_and_a_killed_run_resumes_bit_for_bit(tmp_pa
     procs = start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed")
     wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
     kill_ranks(procs)
-    assert wait_ranks(start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300) == [0, 0]
+    assert wait_ranks(
+        start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300
+    ) == [0, 0]
     context = f"(seed {seed}: killed at step {kill_at})"
     got = records(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), context
-    assert [(r["loss"], r.get("val_loss")) for r in got] == \
-        [(r["loss"], r.get("val_loss")) for r in expected], context
+    assert [(r["loss"], r.get("val_loss")) for r in got] == [
+        (r["loss"], r.get("val_loss")) for r in expected
+    ], context
     want = checkpoint_state(reference / "checkpoints" / f"step-{STEPS}")
     have = checkpoint_state(run / "checkpoints" / f"step-{STEPS}")
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context

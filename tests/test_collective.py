@@ -1,6 +1,6 @@
 """`qgtrain doctor --collective`: the pairing schedule, bus bandwidth and the verdict as tables; the
-measurement over real gloo ranks standing for three nodes. The throttled node on the Slurm test cluster is
-in test_slurm_tools.py."""
+measurement over real gloo ranks standing for three nodes. The throttled node on the Slurm test
+cluster is in test_slurm_tools.py."""
 
 from __future__ import annotations
 
@@ -33,11 +33,34 @@ def test_bus_bandwidth_is_nccl_tests_definition():
 
 FAST, SLOW = 1.2, 0.0011
 VERDICTS = [
-    (["a", "b", "c"], {("a", "b"): FAST, ("a", "c"): SLOW, ("b", "c"): SLOW}, [], "error",
-     ["c (its best link", "--exclude=c)"]),
-    (["a", "b", "c", "d"], {("a", "b"): FAST, ("a", "c"): FAST, ("a", "d"): SLOW, ("b", "c"): 1.1,
-                            ("b", "d"): SLOW, ("c", "d"): None}, [], "error", ["d (its best link"]),
-    (["a", "b", "c"], {("a", "b"): FAST, ("a", "c"): 0.9, ("b", "c"): 1.0}, [], "ok", ["no node is slower"]),
+    (
+        ["a", "b", "c"],
+        {("a", "b"): FAST, ("a", "c"): SLOW, ("b", "c"): SLOW},
+        [],
+        "error",
+        ["c (its best link", "--exclude=c)"],
+    ),
+    (
+        ["a", "b", "c", "d"],
+        {
+            ("a", "b"): FAST,
+            ("a", "c"): FAST,
+            ("a", "d"): SLOW,
+            ("b", "c"): 1.1,
+            ("b", "d"): SLOW,
+            ("c", "d"): None,
+        },
+        [],
+        "error",
+        ["d (its best link"],
+    ),
+    (
+        ["a", "b", "c"],
+        {("a", "b"): FAST, ("a", "c"): 0.9, ("b", "c"): 1.0},
+        [],
+        "ok",
+        ["no node is slower"],
+    ),
     (["a", "b"], {("a", "b"): SLOW}, [], "ok", ["one link only"]),
     (["a"], {}, [], "ok", ["one node"]),
     (["a", "b", "c"], {}, ["c"], "error", ["node(s) c never answered", "--exclude=c"]),
@@ -47,7 +70,9 @@ VERDICTS = [
 @pytest.mark.parametrize("nodes, links, silent, level, said", VERDICTS)
 def test_a_node_slower_by_a_clear_factor_or_silent_is_named(nodes, links, silent, level, said):
     verdict = judge(nodes, links, silent)
-    assert verdict.level == level and all(text in verdict.message + verdict.fix for text in said), verdict
+    assert verdict.level == level and all(text in verdict.message + verdict.fix for text in said), (
+        verdict
+    )
     named = [n for n in nodes if f"{n} (its best" in verdict.message]
     assert len(named) <= 1
 
@@ -60,8 +85,14 @@ def measured_as_three_nodes() -> object:
     from qgtrain.runtime.rendezvous import from_environ
 
     env = from_environ(os.environ)
-    node = dict(env.__dict__, node_rank=env.rank, node_name=f"n{env.rank}", local_rank=0, local_world_size=1,
-                num_nodes=3)
+    node = dict(
+        env.__dict__,
+        node_rank=env.rank,
+        node_name=f"n{env.rank}",
+        local_rank=0,
+        local_world_size=1,
+        num_nodes=3,
+    )
     env = type(env)(**node)
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
         return measure(env, torch.device("cpu"), [0.01, 0.1])
@@ -77,7 +108,16 @@ def test_the_measurement_gives_every_link_and_the_whole_allocation():
 
 
 def test_bad_sizes_are_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "qgtrain", "doctor", "--collective", "1,big"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr == "qgtrain: error: --collective '1,big': give sizes in MB between 0 " \
-                                                    "and 4096, e.g. 1,16,64\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "doctor", "--collective", "1,big"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        done.returncode == 2
+        and done.stderr
+        == "qgtrain: error: --collective '1,big': give sizes in MB between 0 "
+        "and 4096, e.g. 1,16,64\n"
+    )

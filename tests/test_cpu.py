@@ -1,5 +1,5 @@
-"""How a rank uses its CPU. Runs against: fresh interpreters training the main job's model (page faults
-counted by the kernel, through getrusage)."""
+"""How a rank uses its CPU. Runs against: fresh interpreters training the main job's model (page
+faults counted by the kernel, through getrusage)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,18 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 
 
 def faults_per_step(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", STEPS, mode], capture_output=True, text=True, check=True, timeout=120
+    )
     return float(out.stdout.split()[-1])
 
 
 def test_a_cpu_rank_keeps_freed_memory_instead_of_faulting_it_in_every_step():
-    """A step of the main job's model touches ~50 MB of activations. glibc's default gives much of it back
-    and faults it in again each step (thousands of page faults); kept, a step reuses its memory."""
+    """A step of the main job's model touches ~50 MB of activations. glibc's default gives much of
+    it back and faults it in again each step (thousands of page faults); kept, a step reuses its
+    memory."""
     kept, default = faults_per_step("keep"), faults_per_step("default")
     assert kept < 1000, f"{kept:.0f} page faults per step with keep_freed_memory"
-    assert default > 5 * kept, f"default malloc: {default:.0f} page faults per step, kept: {kept:.0f}"
+    assert default > 5 * kept, (
+        f"default malloc: {default:.0f} page faults per step, kept: {kept:.0f}"
+    )

@@ -1,5 +1,6 @@
-"""DDP semantics with real 2-process gloo groups on the CPU (tests/ranks.py). Gradient tests use the real
-GPT-2 model and the trainer's own accumulation; the stop tests run the whole `qgtrain train` path."""
+"""DDP semantics with real 2-process gloo groups on the CPU (tests/ranks.py). Gradient tests use the
+real GPT-2 model and the trainer's own accumulation; the stop tests run the whole `qgtrain train`
+path."""
 
 from __future__ import annotations
 
@@ -30,24 +31,39 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def ddp_gradients(micro_batches_per_rank: int, samples_per_micro: int) -> dict[str, object]:
-    """One rank: DDP over this rank's share of `batch`, counting the gradient all-reduces it issues."""
+    """One rank: DDP over this rank's share of `batch`, counting the gradient all-reduces it
+    issues."""
     env = from_environ(os.environ)
     with process_group(env, torch.device("cpu"), 60, 60):
         model = tiny_gpt2()
         ddp = DDP(model)
         per_rank = micro_batches_per_rank * samples_per_micro
-        mine = batch(per_rank * env.world_size)[env.rank * per_rank:(env.rank + 1) * per_rank]
+        mine = batch(per_rank * env.world_size)[env.rank * per_rank : (env.rank + 1) * per_rank]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            accumulate_gradients(ddp, lm_loss, list(mine.split(samples_per_micro)), "fp32",
-                                 torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"))
-        reduces = sum(1 for event in prof.events() if "allreduce" in event.name.replace("_", "").lower())
+            accumulate_gradients(
+                ddp,
+                lm_loss,
+                list(mine.split(samples_per_micro)),
+                "fp32",
+                torch.amp.GradScaler("cpu", enabled=False),
+                torch.device("cpu"),
+            )
+        reduces = sum(
+            1 for event in prof.events() if "allreduce" in event.name.replace("_", "").lower()
+        )
         return {"grads": grads(model), "allreduce_calls": reduces}
 
 
 def single_process_gradients(samples: int) -> dict[str, torch.Tensor]:
     model = tiny_gpt2()
-    accumulate_gradients(model, lm_loss, [batch(samples)], "fp32", torch.amp.GradScaler("cpu", enabled=False),
-                         torch.device("cpu"))
+    accumulate_gradients(
+        model,
+        lm_loss,
+        [batch(samples)],
+        "fp32",
+        torch.amp.GradScaler("cpu", enabled=False),
+        torch.device("cpu"),
+    )
     return grads(model)
 
 
@@ -64,33 +80,48 @@ def test_no_sync_accumulation_equals_one_k_times_larger_batch_and_reduces_once()
     ranks = run_ranks(2, ddp_gradients, k, 2)
     expected = single_process_gradients(2 * k * 2)
     buckets_per_step = run_ranks(2, ddp_gradients, 1, 2)[0]["allreduce_calls"]
-    assert buckets_per_step >= 1, "the profiler must see DDP's all-reduce, or the count below proves nothing"
+    assert buckets_per_step >= 1, (
+        "the profiler must see DDP's all-reduce, or the count below proves nothing"
+    )
     for result in ranks:
-        assert result["allreduce_calls"] == buckets_per_step, "gradients must be reduced on the last micro-step only"
+        assert result["allreduce_calls"] == buckets_per_step, (
+            "gradients must be reduced on the last micro-step only"
+        )
         for name, grad in expected.items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def synthetic(*sets: str):  # type: ignore[no-untyped-def]
-    """TINY with 101 samples (ranks get uneven validation shards), a validation every 2 steps, no checkpoints."""
-    return tiny_config("data.synthetic_samples=101", "train.eval_every=2", "checkpoint.every_steps=0", *sets)
+    """TINY with 101 samples (ranks get uneven validation shards), a validation every 2 steps, no
+    checkpoints."""
+    return tiny_config(
+        "data.synthetic_samples=101", "train.eval_every=2", "checkpoint.every_steps=0", *sets
+    )
 
 
 def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(tmp_path):
-    # lr 0: the validation loss never improves, so patience 2 ends the run at the third validation (step 6).
-    # 101 synthetic samples leave 5 for validation: rank 0 evaluates 3 of them, rank 1 evaluates 2.
-    cfg = synthetic("optim.lr=0", "optim.min_lr=0", "early_stopping.patience=2", "train.max_steps=50")
+    # lr 0: the validation loss never improves, so patience 2 ends the run at the third validation
+    # (step 6). 101 synthetic samples leave 5 for validation: rank 0 evaluates 3 of them, rank 1
+    # evaluates 2.
+    cfg = synthetic(
+        "optim.lr=0", "optim.min_lr=0", "early_stopping.patience=2", "train.max_steps=50"
+    )
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     assert [r["exit"] for r in results] == [0, 0], results
     for rank in (0, 1):
         assert "early stopping at step 6" in rank_log(tmp_path / "run", rank)
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "state.json").read_text())
-    assert state["trainer"]["outcome"] == "stopped early" and state["trainer"]["evals_since_best"] == 2
+    assert (
+        state["trainer"]["outcome"] == "stopped early" and state["trainer"]["evals_since_best"] == 2
+    )
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tmp_path):
-    cfg = synthetic("model.factory=tests.factories:nan_on_rank_one_at_step_three", "train.max_steps=10",
-                "checkpoint.every_steps=1")
+    cfg = synthetic(
+        "model.factory=tests.factories:nan_on_rank_one_at_step_three",
+        "train.max_steps=10",
+        "checkpoint.every_steps=1",
+    )
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     for result in results:
         assert result["exit"] == 1
@@ -101,7 +132,8 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tm
 
 
 def test_an_uneven_dataset_over_several_epochs_does_not_hang(tmp_path):
-    # 91 training samples over 2 ranks with batches of 4: an odd split, a partial last batch, 4 epochs.
+    # 91 training samples over 2 ranks with batches of 4: an odd split, a partial last batch, 4
+    # epochs.
     cfg = synthetic("train.max_steps=45", "train.eval_every=10")
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"), timeout=120)
     assert [r["exit"] for r in results] == [0, 0]
@@ -111,28 +143,40 @@ def test_an_uneven_dataset_over_several_epochs_does_not_hang(tmp_path):
 
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unused):
-    cfg = synthetic("model.factory=tests.factories:with_unused_head", "train.max_steps=3",
-                f"train.find_unused_parameters={find_unused}")
+    cfg = synthetic(
+        "model.factory=tests.factories:with_unused_head",
+        "train.max_steps=3",
+        f"train.find_unused_parameters={find_unused}",
+    )
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     if find_unused:
         assert [r["exit"] for r in results] == [0, 0], results
         return
     for result in results:
         assert result["exit"] == 1
-        assert "2 parameter(s) received no gradient in step 1 on rank(s) [0, 1]: unused_head.weight, " \
-               "unused_head.bias" in result["error"]
+        assert (
+            "2 parameter(s) received no gradient in step 1 on rank(s) [0, 1]: unused_head.weight, "
+            "unused_head.bias" in result["error"]
+        )
         assert "train.find_unused_parameters: true" in result["error"]
 
 
 def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(tmp_path):
-    cfg = synthetic("model.factory=tests.factories:drifts_apart", "train.max_steps=10",
-                "checkpoint.every_steps=4")
+    cfg = synthetic(
+        "model.factory=tests.factories:drifts_apart",
+        "train.max_steps=10",
+        "checkpoint.every_steps=4",
+    )
     results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
     for result in results:
         assert result["exit"] == 1
-        assert "the ranks' copies of the model differ at step 4: scale; no checkpoint was written" in result["error"]
-    assert not (tmp_path / "run" / "checkpoints").exists() or \
-        not any((tmp_path / "run" / "checkpoints").iterdir())
+        assert (
+            "the ranks' copies of the model differ at step 4: scale; no checkpoint was written"
+            in result["error"]
+        )
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
 
 
 def join_after(delays: dict[int, float]) -> int:
@@ -143,7 +187,8 @@ def join_after(delays: dict[int, float]) -> int:
 
 
 def test_a_rank_that_starts_before_rank_0_opens_the_store_still_joins():
-    """The other ranks probe rank 0's port before joining; they must wait through a late rank 0, not fail."""
+    """The other ranks probe rank 0's port before joining; they must wait through a late rank 0, not
+    fail."""
     assert run_ranks(2, join_after, {0: 1.5}) == [2, 2]
 
 
@@ -152,11 +197,22 @@ def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint(monke
     from tests.ranks import free_port
 
     port = free_port()
-    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):  # set by the process group in this process
+    # set by the process group in this process
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         monkeypatch.setenv(name, "lo")
-    env = from_environ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    with pytest.raises(RendezvousError, match=rf"rank 1 could not join 2 ranks at 127.0.0.1:{port} within 2s.*HINT"):
+    env = from_environ(
+        {
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    with pytest.raises(
+        RendezvousError, match=rf"rank 1 could not join 2 ranks at 127.0.0.1:{port} within 2s.*HINT"
+    ):
         with process_group(env, torch.device("cpu"), 2, 60):
             pass
     assert not torch.distributed.is_initialized()
@@ -164,13 +220,16 @@ def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint(monke
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_gradient_accumulation_through_the_trainer_trains_as_the_big_batch(tmp_path, parallel):
-    """train.grad_accum_steps=2 with batch 4 takes the same samples and the same steps as batch 8: every
-    logged loss (which follows every update before it) agrees within float32 rounding, on 2 ranks."""
+    """train.grad_accum_steps=2 with batch 4 takes the same samples and the same steps as batch 8:
+    every logged loss (which follows every update before it) agrees within float32 rounding, on 2
+    ranks."""
     sharding = ["train.parallel=fsdp", "train.shard_modules=[Linear]"] if parallel == "fsdp" else []
     common = ["data.synthetic_samples=400", "train.max_steps=6", "train.eval_every=0", *sharding]
     losses = {}
-    for name, sets in (("big", ["train.batch_size=8"]), ("accumulated", ["train.batch_size=4",
-                                                                         "train.grad_accum_steps=2"])):
+    for name, sets in (
+        ("big", ["train.batch_size=8"]),
+        ("accumulated", ["train.batch_size=4", "train.grad_accum_steps=2"]),
+    ):
         results = run_ranks(2, train_rank, synthetic(*common, *sets), str(tmp_path / name))
         assert [r["exit"] for r in results] == [0, 0], results
         losses[name] = [r["loss"] for r in records(tmp_path / name) if "loss" in r]

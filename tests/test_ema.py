@@ -19,8 +19,15 @@ STEPS = 6
 
 
 def ema_run(*sets: str):  # type: ignore[no-untyped-def]
-    return tiny_config(f"train.max_steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
-                       "train.eval_every=2", "train.eval_batches=2", "optim.lr=0.05", *sets)
+    return tiny_config(
+        f"train.max_steps={STEPS}",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=10",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+        "optim.lr=0.05",
+        *sets,
+    )
 
 
 def train(cfg, run: Path) -> None:  # type: ignore[no-untyped-def]
@@ -34,22 +41,24 @@ def step_files(run: Path, step: int, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same EMA run evaluated on its training weights and on its EMA; and a run without EMA, then
-    resumed with it."""
+    """The same EMA run evaluated on its training weights and on its EMA; and a run without EMA,
+    then resumed with it."""
     tmp = tmp_path_factory.mktemp("ema")
     runs = {name: tmp / name for name in ("raw", "eval_ema", "late")}
     train(ema_run(f"train.ema_decay={DECAY}"), runs["raw"])
-    train(ema_run(f"train.ema_decay={DECAY}", "train.eval_ema=true", "checkpoint.every_steps=0"),
-          runs["eval_ema"])  # its final checkpoint is all the comparison needs
+    train(
+        ema_run(f"train.ema_decay={DECAY}", "train.eval_ema=true", "checkpoint.every_steps=0"),
+        runs["eval_ema"],
+    )  # its final checkpoint is all the comparison needs
     train(ema_run("train.max_steps=2"), runs["late"])
     train(ema_run(f"train.ema_decay={DECAY}", "train.max_steps=3"), runs["late"])
     return runs
 
 
 def test_the_ema_in_every_checkpoint_equals_the_average_recomputed_from_the_weights(one_rank):
-    """From the initial weights (the model rebuilt as training built it), one step of the average per
-    optimizer step, in float64: within fp32 rounding of what each checkpoint holds."""
-    from qgtrain.ops.export_task import rebuild_task
+    """From the initial weights (the model rebuilt as training built it), one step of the average
+    per optimizer step, in float64: within fp32 rounding of what each checkpoint holds."""
+    from qgtrain.ops.export.rebuild import rebuild_task
 
     run = one_rank["raw"]
     model = rebuild_task(ema_run()).model
@@ -68,8 +77,12 @@ def test_eval_ema_validates_with_the_average_and_leaves_training_exactly_as_it_w
     assert [r["loss"] for r in on_ema] == [r["loss"] for r in raw] and len(raw) == STEPS
     validated = [(a["val_loss"], b["val_loss"]) for a, b in zip(raw, on_ema) if "val_loss" in a]
     assert len(validated) == 3 and all(a != b for a, b in validated), validated
-    tested = [json.loads((one_rank[name] / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())
-              ["trainer"]["test_metrics"]["loss"] for name in ("raw", "eval_ema")]
+    tested = [
+        json.loads((one_rank[name] / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())[
+            "trainer"
+        ]["test_metrics"]["loss"]
+        for name in ("raw", "eval_ema")
+    ]
     assert tested[0] != tested[1]
     # The weights put back after each validation are the training weights bit for bit: the run
     # goes on identically, and ends with identical weights, optimizer state and average.
@@ -83,18 +96,22 @@ def test_a_run_that_turns_ema_on_as_it_resumes_starts_it_from_the_checkpoints_we
     run = one_rank["late"]
     assert not (run / "checkpoints" / "step-2" / "ema.pt").exists()  # without EMA: as ever
     log = (run / "logs" / "rank_0.log").read_text()
-    assert "holds no EMA of the weights (saved with train.ema_decay 0): the EMA starts from its " \
-           "weights, those of step 2" in log
+    assert (
+        "holds no EMA of the weights (saved with train.ema_decay 0): the EMA starts from its "
+        "weights, those of step 2" in log
+    )
     before, after = step_files(run, 2, "model.pt"), step_files(run, 3, "model.pt")
     for name, average in step_files(run, 3, "ema.pt").items():
         expected = DECAY * before[name].double() + (1 - DECAY) * after[name].double()
         torch.testing.assert_close(average.double(), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_bad_ema_settings_and_exporting_an_ema_that_is_not_there_are_refused_in_one_line(one_rank, tmp_path):
+def test_bad_ema_settings_and_exporting_an_ema_that_is_not_there_are_refused_in_one_line(
+    one_rank, tmp_path
+):
     from qgtrain.configload import load_config
     from qgtrain.errors import ConfigError, QgtrainError
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export.pipeline import export_run
 
     done = cli("config", "--set", "train.ema_decay=1.0", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

@@ -1,8 +1,8 @@
-"""The EMA of the weights across a SIGKILL, under ddp and fsdp, and exported: two training ranks (real
-processes in a real gloo group, tests/ranks.py) SIGKILLed at a random step and resumed, compared with
-the uninterrupted run bit for bit (the loss, the validations on the average, the weights, the optimizer
-and the average); the resumed run's average exported with `--weights ema` and loaded by transformers
-itself."""
+"""The EMA of the weights across a SIGKILL, under ddp and fsdp, and exported: two training ranks
+(real processes in a real gloo group, tests/ranks.py) SIGKILLed at a random step and resumed,
+compared with the uninterrupted run bit for bit (the loss, the validations on the average, the
+weights, the optimizer and the average); the resumed run's average exported with `--weights ema` and
+loaded by transformers itself."""
 
 from __future__ import annotations
 
@@ -19,10 +19,25 @@ from tests.helpers import checkpoint_state, records
 from tests.ranks import ROOT, run_ranks, start_ranks, train_rank
 
 KILLED_STEPS = 12
-GPT2 = ["data.name=synthetic", "data.synthetic_samples=2048", "data.seq_len=32", "model.hidden=64",
-        "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=2",
-        "train.eval_batches=2", "checkpoint.every_steps=3", "optim.warmup_steps=4", "logging.tensorboard=false",
-        f"train.max_steps={KILLED_STEPS}", "train.ema_decay=0.9", "train.eval_ema=true", "model.dropout=0.1"]
+GPT2 = [
+    "data.name=synthetic",
+    "data.synthetic_samples=2048",
+    "data.seq_len=32",
+    "model.hidden=64",
+    "model.layers=2",
+    "model.heads=2",
+    "train.batch_size=6",
+    "train.log_every=1",
+    "train.eval_every=2",
+    "train.eval_batches=2",
+    "checkpoint.every_steps=3",
+    "optim.warmup_steps=4",
+    "logging.tensorboard=false",
+    f"train.max_steps={KILLED_STEPS}",
+    "train.ema_decay=0.9",
+    "train.eval_ema=true",
+    "model.dropout=0.1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         try:
             deadline = time.monotonic() + 300
             while not any(r["step"] >= kill_at for r in records(run)[-1:]):
-                assert all(p.is_alive() for p in procs) and time.monotonic() < deadline, f"step {kill_at}"
+                assert all(p.is_alive() for p in procs) and time.monotonic() < deadline, (
+                    f"step {kill_at}"
+                )
                 time.sleep(0.002)
         finally:
             for proc in procs:
@@ -59,8 +76,8 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_sigkill_then_resume_with_ema_equals_the_uninterrupted_run(killed, layout):
-    """Killed and resumed, validating on the average: the uninterrupted run's losses, weights, optimizer
-    state and average, bit for bit; its validations (on its training weights) differ."""
+    """Killed and resumed, validating on the average: the uninterrupted run's losses, weights,
+    optimizer state and average, bit for bit; its validations (on its training weights) differ."""
     reference, run, context = killed[layout]
     expected, got = records(reference), records(run)
     assert [r["step"] for r in got] == list(range(1, KILLED_STEPS + 1)), context
@@ -68,10 +85,17 @@ def test_sigkill_then_resume_with_ema_equals_the_uninterrupted_run(killed, layou
     validated = [(a["val_loss"], b["val_loss"]) for a, b in zip(expected, got) if "val_loss" in a]
     assert len(validated) == KILLED_STEPS // 2 and all(a != b for a, b in validated), context
     last = f"checkpoints/step-{KILLED_STEPS}"
-    assert (run / last / "sharded").is_dir() == (layout == "fsdp") == (not (run / last / "ema.pt").exists())
+    assert (
+        (run / last / "sharded").is_dir()
+        == (layout == "fsdp")
+        == (not (run / last / "ema.pt").exists())
+    )
     want, have = checkpoint_state(reference / last), checkpoint_state(run / last)
     averages = [k for k in want if k.startswith("ema.")]
-    assert want.keys() == have.keys() and len(averages) == len([k for k in want if k.startswith("model.")]) - 1
+    assert (
+        want.keys() == have.keys()
+        and len(averages) == len([k for k in want if k.startswith("model.")]) - 1
+    )
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
     assert not torch.equal(want["ema.transformer.wte.weight"], want["model.transformer.wte.weight"])
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
@@ -82,7 +106,7 @@ def test_sigkill_then_resume_with_ema_equals_the_uninterrupted_run(killed, layou
 def test_export_weights_ema_loads_with_transformers_and_holds_the_average(killed, layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from qgtrain.ops.export import export_run
+    from qgtrain.ops.export.pipeline import export_run
 
     _, run, _ = killed[layout]
     done = export_run(run, tmp_path / "hf", weights="ema")

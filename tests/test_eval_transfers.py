@@ -23,12 +23,15 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
     from qgtrain.training.evaluation import evaluate
     from tests.tasks import Points, classify_loss
 
-    def metrics(model: torch.nn.Module,
-                batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+    def metrics(
+        model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[Any, Any]]:
         labels = batch["label"].tolist()
-        return {"ones": (sum(labels), len(labels)),
-                "share": (0.5 * len(labels), float(len(labels))),
-                "right": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(labels))}
+        return {
+            "ones": (sum(labels), len(labels)),
+            "share": (0.5 * len(labels), float(len(labels))),
+            "right": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(labels)),
+        }
 
     env = from_environ(os.environ)
     made = []
@@ -45,8 +48,15 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
         loader = make_loader(data, shard, batch_size, 0, torch.device("cpu"), 0, False)
         torch.as_tensor = counted
         try:
-            result = evaluate(torch.nn.Linear(8, 2), loader, classify_loss, metrics,
-                              torch.device("cpu"), "fp32", 0)
+            result = evaluate(
+                torch.nn.Linear(8, 2),
+                loader,
+                classify_loss,
+                metrics,
+                torch.device("cpu"),
+                "fp32",
+                0,
+            )
         finally:
             torch.as_tensor = real
     labels = [int(data[i]["label"]) for i in range(size)]
@@ -56,7 +66,8 @@ def evaluate_with_python_numbers(size: int, batch_size: int) -> dict[str, Any]:
 def test_python_numbers_from_a_task_s_metrics_are_summed_on_the_host():
     seen = run_ranks(1, evaluate_with_python_numbers, 10, 4)[0]
     assert seen["made"] == ["Tensor"] * 3, (
-        "only the tensor metric's sums and no Python number became a tensor")
+        "only the tensor metric's sums and no Python number became a tensor"
+    )
     assert seen["result"]["ones"] == seen["ones"] / 10 and seen["result"]["share"] == 0.5
     assert 0 <= seen["result"]["right"] <= 1
 

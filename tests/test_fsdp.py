@@ -1,6 +1,7 @@
 """FSDP2 and sharded checkpoints. Runs against: real 2- and 3-rank gloo groups (FSDP2 and
-torch.distributed.checkpoint work on the CPU), real `qgtrain train` processes SIGKILLed and resumed, also on
-other world sizes and in the other parallel mode, and the exported folder loaded by transformers itself."""
+torch.distributed.checkpoint work on the CPU), real `qgtrain train` processes SIGKILLed and resumed,
+also on other world sizes and in the other parallel mode, and the exported folder loaded by
+transformers itself."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 
 def run_cli(world: int, args: list[str], cwd: Path, prefix: str) -> None:
     codes = wait_ranks(start_cli_ranks(world, args, cwd, log_prefix=prefix), 300)
-    assert codes == [0] * world, (codes, [(cwd / f"{prefix}-{r}.out").read_text()[-3000:] for r in range(world)])
+    assert codes == [0] * world, (
+        codes,
+        [(cwd / f"{prefix}-{r}.out").read_text()[-3000:] for r in range(world)],
+    )
 
 
 @pytest.mark.slow
@@ -30,13 +34,18 @@ def test_fsdp_trains_like_ddp_on_the_same_model_data_and_seed(tmp_path):
     steps = ["train.max_steps=50", "checkpoint.every_steps=0", "train.eval_every=25"]
     run_cli(2, small_gpt2_run(tmp_path / "ddp", *steps), tmp_path, "ddp")
     run_cli(2, small_gpt2_run(tmp_path / "fsdp", *steps, "train.parallel=fsdp"), tmp_path, "fsdp")
-    checkpointed = small_gpt2_run(tmp_path / "fsdp-ac", *steps, "train.parallel=fsdp",
-                                  "train.activation_checkpointing=true")
+    checkpointed = small_gpt2_run(
+        tmp_path / "fsdp-ac", *steps, "train.parallel=fsdp", "train.activation_checkpointing=true"
+    )
     run_cli(2, checkpointed, tmp_path, "fsdp-ac")
     ddp, fsdp = records(tmp_path / "ddp"), records(tmp_path / "fsdp")
-    assert [r["loss"] for r in records(tmp_path / "fsdp-ac")] == [r["loss"] for r in fsdp]  # recomputed, same
+    # recomputed, same
+    assert [r["loss"] for r in records(tmp_path / "fsdp-ac")] == [r["loss"] for r in fsdp]
     assert [r["step"] for r in fsdp] == list(range(1, 51))
-    assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in (tmp_path / "fsdp-0.out").read_text()
+    assert (
+        "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks"
+        in (tmp_path / "fsdp-0.out").read_text()
+    )
     for a, b in zip(ddp, fsdp):  # the same sums in another order: fp32 rounding, nothing more
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), a["step"]
@@ -68,7 +77,8 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
 
 def test_fsdp_holds_about_half_the_parameters_and_optimizer_state_of_ddp_on_two_ranks():
     ddp, fsdp = run_ranks(2, memory_per_rank, "ddp"), run_ranks(2, memory_per_rank, "fsdp")
-    assert ddp[0] == ddp[1] and ddp[0][1] == 2 * ddp[0][0]  # a full replica: AdamW keeps two moments
+    # a full replica: AdamW keeps two moments
+    assert ddp[0] == ddp[1] and ddp[0][1] == 2 * ddp[0][0]
     for rank in range(2):
         params, states = (fsdp[rank][i] / ddp[rank][i] for i in range(2))
         assert 0.45 <= params <= 0.56 and 0.45 <= states <= 0.56, fsdp
@@ -91,7 +101,9 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
     context = f"(seed {seed}: killed at step {kill_at})"
     expected, got = records(tmp_path / "reference"), records(run)
     assert [r["step"] for r in got] == list(range(1, 25)), context
-    assert [(r["loss"], r.get("val_loss")) for r in got] == [(r["loss"], r.get("val_loss")) for r in expected]
+    assert [(r["loss"], r.get("val_loss")) for r in got] == [
+        (r["loss"], r.get("val_loss")) for r in expected
+    ]
     want = checkpoint_state(tmp_path / "reference" / "checkpoints" / "step-24")
     have = checkpoint_state(run / "checkpoints" / "step-24")
     assert want.keys() == have.keys() and any(k.startswith("optim.") for k in want)
@@ -101,42 +113,76 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
 
 @pytest.mark.slow
 def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
-    """fsdp on 2 ranks, then 1 rank (no sharding), fsdp on 3, ddp on 2: each start reshards the last one's
-    checkpoint; 12 samples a step on 2 ranks keeps every data position divisible by the next world size."""
-    constant = "optim.schedule=constant"  # each phase raises train.max_steps: a rate that does not move
-    run_cli(2, small_gpt2_run(tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp", constant),
-            tmp_path, "ref")
+    """fsdp on 2 ranks, then 1 rank (no sharding), fsdp on 3, ddp on 2: each start reshards the last
+    one's checkpoint; 12 samples a step on 2 ranks keeps every data position divisible by the next
+    world size."""
+    # each phase raises train.max_steps: a rate that does not move
+    constant = "optim.schedule=constant"
+    run_cli(
+        2,
+        small_gpt2_run(
+            tmp_path / "reference", "train.max_steps=24", "train.parallel=fsdp", constant
+        ),
+        tmp_path,
+        "ref",
+    )
     run = tmp_path / "run"
     phases = [(2, "fsdp", 12), (1, "fsdp", 16), (3, "fsdp", 20), (2, "ddp", 24)]
     for world, mode, until in phases:
         args = small_gpt2_run(run, f"train.max_steps={until}", f"train.parallel={mode}", constant)
         run_cli(world, args, tmp_path, f"{mode}{world}")
-        shutil.copytree(run, tmp_path / f"at-{until}")  # as this layout left it, for the probes below
+        # as this layout left it, for the probes below
+        shutil.copytree(run, tmp_path / f"at-{until}")
     log = (run / "logs" / "rank_0.log").read_text()
     for step, (world, _, _) in zip((12, 16, 20), phases[1:]):
         assert f"resumed from {run}/checkpoints/step-{step}: step {step}" in log
-        assert f"resuming a {phases[[p[2] for p in phases].index(step)][0]}-rank checkpoint on {world} ranks" in log
+        assert (
+            f"resuming a {phases[[p[2] for p in phases].index(step)][0]}-rank checkpoint on "
+            f"{world} ranks" in log
+        )
     got, expected = records(run), records(tmp_path / "reference")
     assert [r["step"] for r in got] == list(range(1, 25))
-    for mine, theirs in zip(got[12:], expected[12:]):  # other batch sizes, the same model: close, not equal
+    # other batch sizes, the same model: close, not equal
+    for mine, theirs in zip(got[12:], expected[12:]):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=0.1), mine["step"]
     state = json.loads((run / "checkpoints" / "step-24" / "state.json").read_text())
     assert state["trainer"]["samples_in_epoch"] == 12 * 12 + 4 * 6 + 4 * 18 + 4 * 12
-    for step, world, sharded in ((20, 3, True), (24, 2, False)):  # the names layout.py declares, no others
+    # the names layout.py declares, no others
+    for step, world, sharded in ((20, 3, True), (24, 2, False)):
         folder = run / "checkpoints" / layout.step_folder(step)
-        assert {p.name for p in folder.iterdir()} == layout.top_level(world, sharded, ema=False, hf_config=True)
-    shards = {p.name for p in (run / "checkpoints" / layout.step_folder(20) / layout.SHARDED).iterdir()}
+        assert {p.name for p in folder.iterdir()} == layout.top_level(
+            world, sharded, ema=False, hf_config=True
+        )
+    shards = {
+        p.name for p in (run / "checkpoints" / layout.step_folder(20) / layout.SHARDED).iterdir()
+    }
     assert {f"{layout.SHARDED}/{name}" for name in shards} == {layout.SHARDED_METADATA} | {
-        f"{layout.SHARDED}/__{rank}_0.distcp" for rank in range(3)}
-    # The weights each layout loads are exactly the saved ones: a step at learning rate 0 from the 2-rank
-    # shards of step 12 on 3 fsdp ranks, and from the 3-rank shards of step 20 on 2 ddp ranks, saves them back.
+        f"{layout.SHARDED}/__{rank}_0.distcp" for rank in range(3)
+    }
+    # The weights each layout loads are exactly the saved ones: a step at learning rate 0 from the
+    # 2-rank shards of step 12 on 3 fsdp ranks, and from the 3-rank shards of step 20 on 2 ddp
+    # ranks, saves them back.
     for saved, world, mode in ((12, 3, "fsdp"), (20, 2, "ddp")):
         probe = tmp_path / f"at-{saved}"
         want = checkpoint_state(probe / "checkpoints" / f"step-{saved}")
-        run_cli(world, small_gpt2_run(probe, f"train.max_steps={saved + 1}", f"train.parallel={mode}",
-                                      "optim.lr=0", "optim.min_lr=0"), tmp_path, "probe")
+        run_cli(
+            world,
+            small_gpt2_run(
+                probe,
+                f"train.max_steps={saved + 1}",
+                f"train.parallel={mode}",
+                "optim.lr=0",
+                "optim.min_lr=0",
+            ),
+            tmp_path,
+            "probe",
+        )
         have = checkpoint_state(probe / "checkpoints" / f"step-{saved + 1}")
-        assert all(torch.equal(want[k], have[k]) for k in want if k.startswith("model.")), (saved, world, mode)
+        assert all(torch.equal(want[k], have[k]) for k in want if k.startswith("model.")), (
+            saved,
+            world,
+            mode,
+        )
 
 
 @pytest.mark.slow
@@ -148,8 +194,13 @@ def test_export_of_an_fsdp_run_gathers_the_full_weights(tmp_path):
 
     run = tmp_path / "run"
     run_cli(2, small_gpt2_run(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "fsdp")
-    out = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run), "--out", str(tmp_path / "hf")],
-                         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "export", str(run), "--out", str(tmp_path / "hf")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     saved = checkpoint_state(run / "checkpoints" / "step-8")
@@ -159,23 +210,40 @@ def test_export_of_an_fsdp_run_gathers_the_full_weights(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_without_blocks_to_shard_and_incomplete_shards_are_explained(tmp_path):
-    procs = start_cli_ranks(2, small_gpt2_run(tmp_path / "noblocks", "train.parallel=fsdp", "train.max_steps=2",
-                                     "model.factory=tests.factories:tiny"), tmp_path, log_prefix="noblocks")
+    procs = start_cli_ranks(
+        2,
+        small_gpt2_run(
+            tmp_path / "noblocks",
+            "train.parallel=fsdp",
+            "train.max_steps=2",
+            "model.factory=tests.factories:tiny",
+        ),
+        tmp_path,
+        log_prefix="noblocks",
+    )
     assert wait_ranks(procs, 300) == [2, 2]
     said = (tmp_path / "noblocks-0.out").read_text()
-    assert "train.shard_modules: TinyLM does not name its blocks (it has no _no_split_modules); list the class " \
-           "names of its repeated blocks" in said and "Traceback" not in said
+    assert (
+        "train.shard_modules: TinyLM does not name its blocks (it has no _no_split_modules); list "
+        "the class names of its repeated blocks"
+        in said
+        and "Traceback" not in said
+    )
 
     run = tmp_path / "run"
     run_cli(2, small_gpt2_run(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "first")
     (run / "checkpoints" / "step-8" / "sharded" / "__1_0.distcp").unlink()
     run_cli(2, small_gpt2_run(run, "train.max_steps=10", "train.parallel=fsdp"), tmp_path, "again")
     log = (run / "logs" / "rank_0.log").read_text()
-    assert "step-8/sharded/__1_0.distcp cannot be read" in log and f"resumed from {run}/checkpoints/step-4" in log
+    assert (
+        "step-8/sharded/__1_0.distcp cannot be read" in log
+        and f"resumed from {run}/checkpoints/step-4" in log
+    )
 
 
 def saved_activation_bytes(checkpointed: bool) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes autograd keeps from one forward of a GPT-2 for backward, and the gradients that backward gives."""
+    """Bytes autograd keeps from one forward of a GPT-2 for backward, and the gradients that
+    backward gives."""
     from qgtrain.config import ModelConfig, RunConfig, TrainConfig
     from qgtrain.runtime import rng
     from qgtrain.runtime.rendezvous import DistEnv
@@ -196,7 +264,8 @@ def saved_activation_bytes(checkpointed: bool) -> tuple[int, dict[str, torch.Ten
         return tensor
 
     ids = torch.randint(0, 257, (8, 16), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(3)  # dropout: checkpointing replays the same random numbers in the recomputation
+    # dropout: checkpointing replays the same random numbers in the recomputation
+    torch.manual_seed(3)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

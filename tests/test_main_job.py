@@ -1,4 +1,5 @@
-"""The main job end to end, as a user runs it: `python -m qgtrain train` and torchrun, real processes."""
+"""The main job end to end, as a user runs it: `python -m qgtrain train` and torchrun, real
+processes."""
 
 from __future__ import annotations
 
@@ -13,16 +14,33 @@ import pytest
 from tests.helpers import ROOT, cli, records
 
 
-def qgtrain(tmp_path: Path, *args: str, launcher: tuple[str, ...] = (),
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return cli("train", "--config", str(ROOT / "config.yaml"), "--set", f"data.cache_dir={tmp_path / 'data'}",
-               f"logging.runs_dir={tmp_path / 'runs'}", *args, cwd=tmp_path, timeout=timeout, launcher=launcher)
+def qgtrain(
+    tmp_path: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return cli(
+        "train",
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'data'}",
+        f"logging.runs_dir={tmp_path / 'runs'}",
+        *args,
+        cwd=tmp_path,
+        timeout=timeout,
+        launcher=launcher,
+    )
 
 
 @pytest.mark.slow
 def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path):
-    result = qgtrain(tmp_path, "train.max_steps=80", "train.eval_every=20", "train.log_every=10",
-                     "data.corpus_mb=1", "checkpoint.every_steps=40")
+    result = qgtrain(
+        tmp_path,
+        "train.max_steps=80",
+        "train.eval_every=20",
+        "train.log_every=10",
+        "data.corpus_mb=1",
+        "checkpoint.every_steps=40",
+    )
     assert result.returncode == 0, result.stderr
     run = tmp_path / "runs" / "tiny-gpt2"
     logged = records(run)
@@ -30,11 +48,20 @@ def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path
     vals = [r["val_loss"] for r in logged if "val_loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.2 and logged[-1]["test_loss"] > 0
-    assert [r["step"] for r in logged] == sorted({r["step"] for r in logged}), "one record per logged step"
+    assert [r["step"] for r in logged] == sorted({r["step"] for r in logged}), (
+        "one record per logged step"
+    )
     assert {"step", "epoch", "loss", "lr"} <= set(logged[0])
-    assert repr(logged[0]["loss"]) in (run / "metrics.jsonl").read_text(), "losses are written at full precision"
-    for path in ("config.yaml", "run.json", "logs/rank_0.log", "checkpoints/step-40/manifest.json",
-                 "checkpoints/step-80/manifest.json"):
+    assert repr(logged[0]["loss"]) in (run / "metrics.jsonl").read_text(), (
+        "losses are written at full precision"
+    )
+    for path in (
+        "config.yaml",
+        "run.json",
+        "logs/rank_0.log",
+        "checkpoints/step-40/manifest.json",
+        "checkpoints/step-80/manifest.json",
+    ):
         assert (run / path).is_file(), path
     assert any((run / "tb").glob("events.out.tfevents.*"))
     assert "[rank 0]" in (run / "logs" / "rank_0.log").read_text()
@@ -46,19 +73,45 @@ def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path
 
 @pytest.mark.slow
 def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
-    result = qgtrain(tmp_path, "train.max_steps=20", "train.eval_every=10", "data.corpus_mb=0.3",
-                     launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "qgtrain"))
+    result = qgtrain(
+        tmp_path,
+        "train.max_steps=20",
+        "train.eval_every=10",
+        "data.corpus_mb=0.3",
+        launcher=(
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "qgtrain",
+        ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "tiny-gpt2"
     assert "2 rank(s) on 1 node(s)" in (run / "logs" / "rank_0.log").read_text()
     assert "[rank 1]" in (run / "logs" / "rank_1.log").read_text()
     assert records(run)[-1]["step"] == 20
-    # A stop at a checkpoint under torchrun: every rank exits 75, torchrun's agent reports it and exits 1
-    # (what the README's table of exit codes says); status.json tells the outcome.
-    stopped = qgtrain(tmp_path, "train.max_steps=100000", "train.max_time=1s", "data.corpus_mb=0.3",
-                      launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "qgtrain"))
+    # A stop at a checkpoint under torchrun: every rank exits 75, torchrun's agent reports it and
+    # exits 1 (what the README's table of exit codes says); status.json tells the outcome.
+    stopped = qgtrain(
+        tmp_path,
+        "train.max_steps=100000",
+        "train.max_time=1s",
+        "data.corpus_mb=0.3",
+        launcher=(
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "qgtrain",
+        ),
+    )
     assert stopped.returncode == 1 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"
     # the flags of the first agreement (step 21) reach the host at the read two agreements later
-    assert re.search(r"stopping at step 2[1-3] on the time limit: checkpoint saved", (run / "logs" /
-                                                                                     "rank_0.log").read_text())
+    assert re.search(
+        r"stopping at step 2[1-3] on the time limit: checkpoint saved",
+        (run / "logs" / "rank_0.log").read_text(),
+    )

@@ -1,8 +1,9 @@
-"""The PyTorch Geometric example (jobs/examples/molecules.py) as its users build such models: real PyG layers
-(GINConv, BatchNorm, global_mean_pool), PyG Batch objects through collate and .to(), a dict of outputs.
-Runs against: real 2-rank `qgtrain train` processes under ddp and fsdp (gloo), SIGKILLed at a random step
-and resumed, exported, and loaded back with qgtrain.load_model in this process, where the whole test split
-is evaluated at once (one rank, no uneven shards) and must give the metrics the 2-rank run reported."""
+"""The PyTorch Geometric example (jobs/examples/molecules.py) as its users build such models: real
+PyG layers (GINConv, BatchNorm, global_mean_pool), PyG Batch objects through collate and .to(), a
+dict of outputs. Runs against: real 2-rank `qgtrain train` processes under ddp and fsdp (gloo),
+SIGKILLed at a random step and resumed, exported, and loaded back with qgtrain.load_model in this
+process, where the whole test split is evaluated at once (one rank, no uneven shards) and must give
+the metrics the 2-rank run reported."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from safetensors.torch import save_file
 import qgtrain
 from qgtrain.configload import config_from_dict
 from qgtrain.errors import CheckpointError
-from qgtrain.ops import export
-from qgtrain.ops.export_task import rebuild_task
+from qgtrain.ops.export.pipeline import export_run
+from qgtrain.ops.export.rebuild import rebuild_task
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
 from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
-MODES = {"ddp": [], "fsdp": ["train.parallel=fsdp"]}  # jobs/molecules.yaml names the blocks: [GINBlock]
+# jobs/molecules.yaml names the blocks: [GINBlock]
+MODES = {"ddp": [], "fsdp": ["train.parallel=fsdp"]}
 
 
 def train_to_the_end(run: Path, mode: str, cwd: Path, prefix: str) -> None:
@@ -51,11 +53,15 @@ def saved_state(run: Path, mode: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoints(references, tmp_path, mode):
+def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoints(
+    references, tmp_path, mode
+):
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(5, MAX_STEPS - 4)
     run = tmp_path / "killed"
-    procs = start_cli_ranks(2, example("molecules", run, *MODES[mode]), tmp_path, log_prefix="killed")
+    procs = start_cli_ranks(
+        2, example("molecules", run, *MODES[mode]), tmp_path, log_prefix="killed"
+    )
     wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
     kill_ranks(procs)
     train_to_the_end(run, mode, tmp_path, "resumed")
@@ -65,34 +71,56 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoin
     assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1)), context
     for want, have in zip(expected, got):
         compared = [k for k in want if k == "loss" or k.startswith(("val_", "test_"))]
-        assert {k: have.get(k) for k in compared} == {k: want[k] for k in compared}, f"step {want['step']} {context}"
+        assert {k: have.get(k) for k in compared} == {k: want[k] for k in compared}, (
+            f"step {want['step']} {context}"
+        )
     assert {"val_ring_accuracy", "test_ring_accuracy", "test_polarity_mae"} <= expected[-1].keys()
     want, have = saved_state(references[mode], mode), saved_state(run, mode)
-    assert want.keys() == have.keys() and any("running_mean" in k for k in want) and any("optim" in k for k in want)
+    assert (
+        want.keys() == have.keys()
+        and any("running_mean" in k for k in want)
+        and any("optim" in k for k in want)
+    )
     assert all(torch.equal(want[k], have[k]) for k in want), context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
     if mode == "fsdp":
-        assert "fsdp: sharding 2 GINBlock blocks and the root over 2 ranks" in (tmp_path / "resumed-0.out").read_text()
+        assert (
+            "fsdp: sharding 2 GINBlock blocks and the root over 2 ranks"
+            in (tmp_path / "resumed-0.out").read_text()
+        )
 
 
 @pytest.mark.slow
-def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_test_metrics(references, tmp_path):
+def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_test_metrics(
+    references, tmp_path
+):
     for mode, run in references.items():
         out = tmp_path / mode
-        assert export.export_run(run, out).kind == "state_dict"
-        assert {"model.safetensors", "qgtrain_model.json", "README.md"} <= {p.name for p in out.iterdir()}
+        assert export_run(run, out).kind == "state_dict"
+        assert {"model.safetensors", "qgtrain_model.json", "README.md"} <= {
+            p.name for p in out.iterdir()
+        }
         meta = json.loads((out / "qgtrain_model.json").read_text())
         model = qgtrain.load_model(out, trust_code=True)  # the task of jobs/examples, read
-        assert type(model).__name__ == "MoleculeModel" and meta["run"]["ranks"] == 2 and meta["run"]["parallel"] == mode
+        assert (
+            type(model).__name__ == "MoleculeModel"
+            and meta["run"]["ranks"] == 2
+            and meta["run"]["parallel"] == mode
+        )
         reported = meta["run"]["test"]
-        assert reported == {k.removeprefix("test_"): v for k, v in records(run)[-1].items() if k.startswith("test_")}
+        assert reported == {
+            k.removeprefix("test_"): v for k, v in records(run)[-1].items() if k.startswith("test_")
+        }
         task = rebuild_task(config_from_dict(meta["config"], "export"))
-        batch = task.collate([task.test[i] for i in range(len(task.test))])  # all 499 molecules at once
+        # all 499 molecules at once
+        batch = task.collate([task.test[i] for i in range(len(task.test))])
         with torch.no_grad():
             loss, got = float(task.loss(model, batch)), task.metrics(model, batch)
         assert int(got["ring_accuracy"][0]) / len(task.test) == reported["ring_accuracy"], mode
         assert loss == pytest.approx(reported["loss"], rel=1e-5), mode
-        assert float(got["polarity_mae"][0]) / len(task.test) == pytest.approx(reported["polarity_mae"], rel=1e-5)
+        assert float(got["polarity_mae"][0]) / len(task.test) == pytest.approx(
+            reported["polarity_mae"], rel=1e-5
+        )
 
     other = tmp_path / "other"
     shutil.copytree(tmp_path / "ddp", other)
@@ -101,6 +129,9 @@ def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_te
         qgtrain.load_model(other, trust_code=True)
     said = str(refused.value)
     assert refused.value.exit_code == 2 and "\n" not in said
-    assert f"load_model: the weights in {other} (of a " in said and "MoleculeModel) do not fit the " in said
+    assert (
+        f"load_model: the weights in {other} (of a " in said
+        and "MoleculeModel) do not fit the " in said
+    )
     assert "not in the folder: embed.weight, blocks.0.conv.eps, blocks.0.conv.nn.0.weight" in said
     assert "not in the model: bias, weight" in said

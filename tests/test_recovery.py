@@ -1,6 +1,7 @@
 """After a failed step in a batch job: retry in the allocation, requeue (away from a node that keeps
-failing), or end on the run's own failure. Runs against: srun's real messages (as the test cluster printed
-them), the decision as a table, and a run directory holding the notes failing ranks leave."""
+failing), or end on the run's own failure. Runs against: srun's real messages (as the test cluster
+printed them), the decision as a table, and a run directory holding the notes failing ranks
+leave."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ srun: Force Terminated StepId=48872078.3
 
 def test_the_first_task_srun_reports_is_the_one_that_failed():
     assert first_failure(KILLED) == TaskFailure("node2", 1, "Killed")
-    assert first_failure("srun: error: gpu07: tasks 4-7: Exited with exit code 2\n") == \
-        TaskFailure("gpu07", 4, "Exited with exit code 2")
+    assert first_failure("srun: error: gpu07: tasks 4-7: Exited with exit code 2\n") == TaskFailure(
+        "gpu07", 4, "Exited with exit code 2"
+    )
     assert first_failure("step output only\n") is None
 
 
@@ -34,25 +36,87 @@ MACHINE = {1: {"message": "checkpoint at step 40 failed: rank 1 cannot write", "
 DIED = TaskFailure("node2", 1, "Killed")
 
 
-@pytest.mark.parametrize("notes, failure, attempt, restart, per_node, spare, expected", [
-    ({}, DIED, 0, 0, {"node2": 1}, 1, Decision("retry", "retry 1 of 2 in this allocation")),
-    (MACHINE, None, 1, 0, {}, 1, Decision("retry", "retry 2 of 2 in this allocation")),
-    (OWN, DIED, 0, 0, {"node2": 1}, 1,
-     Decision("end", "rank 1 failed on its own (ValueError: sample 17 has no label): a new attempt would fail the "
-                     "same way")),
-    ({}, TaskFailure("node1", 0, "Exited with exit code 2"), 0, 0, {}, 1,
-     Decision("end", "rank 0 on node1 stopped on bad input (exit 2); its message is in the job's output")),
-    ({}, DIED, 2, 0, {"node2": 1}, 1, Decision("requeue", "2 retries in this allocation failed; requeueing")),
-    ({}, DIED, 2, 0, {"node2": 3, "node1": 1}, 1,
-     Decision("requeue", "2 retries in this allocation failed; requeueing, away from node2, which failed twice or "
-                         "more", ("node2",))),
-    ({}, DIED, 2, 0, {"node2": 2}, 0,
-     Decision("requeue", "2 retries in this allocation failed; requeueing (not excluding node2: the partition has "
-                         "no other nodes to take their place)")),
-    ({}, DIED, 2, 20, {"node2": 1}, 1,
-     Decision("end", "2 retries in this allocation failed, and the job is not requeued (slurm.requeue=True, "
-                     "restart 20 of at most 20)")),
-])
+@pytest.mark.parametrize(
+    "notes, failure, attempt, restart, per_node, spare, expected",
+    [
+        ({}, DIED, 0, 0, {"node2": 1}, 1, Decision("retry", "retry 1 of 2 in this allocation")),
+        (MACHINE, None, 1, 0, {}, 1, Decision("retry", "retry 2 of 2 in this allocation")),
+        (
+            OWN,
+            DIED,
+            0,
+            0,
+            {"node2": 1},
+            1,
+            Decision(
+                "end",
+                "rank 1 failed on its own (ValueError: sample 17 has no label): a new attempt "
+                "would fail the same way",
+            ),
+        ),
+        (
+            {},
+            TaskFailure("node1", 0, "Exited with exit code 2"),
+            0,
+            0,
+            {},
+            1,
+            Decision(
+                "end",
+                "rank 0 on node1 stopped on bad input (exit 2); its message is in the job's output",
+            ),
+        ),
+        (
+            {},
+            DIED,
+            2,
+            0,
+            {"node2": 1},
+            1,
+            Decision("requeue", "2 retries in this allocation failed; requeueing"),
+        ),
+        (
+            {},
+            DIED,
+            2,
+            0,
+            {"node2": 3, "node1": 1},
+            1,
+            Decision(
+                "requeue",
+                "2 retries in this allocation failed; requeueing, away from node2, which failed "
+                "twice or more",
+                ("node2",),
+            ),
+        ),
+        (
+            {},
+            DIED,
+            2,
+            0,
+            {"node2": 2},
+            0,
+            Decision(
+                "requeue",
+                "2 retries in this allocation failed; requeueing (not excluding node2: the "
+                "partition has no other nodes to take their place)",
+            ),
+        ),
+        (
+            {},
+            DIED,
+            2,
+            20,
+            {"node2": 1},
+            1,
+            Decision(
+                "end",
+                "2 retries in this allocation failed, and the job is not requeued "
+                "(slurm.requeue=True, restart 20 of at most 20)",
+            ),
+        ),
+    ],
+)
 def test_what_a_failed_step_leads_to(notes, failure, attempt, restart, per_node, spare, expected):
     assert decide(notes, failure, attempt, 2, restart, 20, True, per_node, spare) == expected
 
@@ -67,8 +131,10 @@ def test_each_failure_is_recorded_with_its_rank_node_how_and_last_log_line(tmp_p
     third = recover(tmp_path, KILLED, 137, 2, 0, 2, RETRY_TWICE, 1)
     assert [first.line(), second.line(), third.line()] == ["retry", "retry", "requeue node2"]
     failures = json.loads(run.status.read_text())["failures"]
-    assert [(f["node"], f["rank"], f["how"], f["last_line"], f["action"]) for f in failures] == \
-        [("node2", 1, "Killed", "step 20/100 loss 2.1", action) for action in ("retry", "retry", "requeue node2")]
+    assert [(f["node"], f["rank"], f["how"], f["last_line"], f["action"]) for f in failures] == [
+        ("node2", 1, "Killed", "step 20/100 loss 2.1", action)
+        for action in ("retry", "retry", "requeue node2")
+    ]
 
 
 def test_a_note_of_the_runs_own_failure_ends_the_job(tmp_path):

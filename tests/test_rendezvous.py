@@ -1,6 +1,7 @@
-"""Rendezvous from the environment. Runs against: environment tables (dict in, DistEnv out), among them the
-exact variables srun, torchrun and enroot's container hook set. The nodelist table (tests/helpers.py) is also
-checked against the real `scontrol show hostnames` of the Slurm test cluster, in test_slurm_tools.py."""
+"""Rendezvous from the environment. Runs against: environment tables (dict in, DistEnv out), among
+them the exact variables srun, torchrun and enroot's container hook set. The nodelist table
+(tests/helpers.py) is also checked against the real `scontrol show hostnames` of the Slurm test
+cluster, in test_slurm_tools.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import torch
 
 from qgtrain.errors import RendezvousError
 from qgtrain.runtime.distributed import ddp_device_ids
-from qgtrain.runtime.rendezvous import (
+from qgtrain.runtime.rendezvous import from_environ
+from qgtrain.runtime.slurm_values import (
     PORT_BASE,
     PORT_SPAN,
     expand_nodelist,
-    from_environ,
     port_for_job,
     tasks_per_node,
 )
@@ -22,10 +23,21 @@ from tests.helpers import NODELISTS
 
 def slurm_step(**overrides: str) -> dict[str, str]:
     """The variables srun gives task 1 of a 2-node, 2-task step (as seen on the test cluster)."""
-    env = {"SLURM_JOB_ID": "48832491", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-           "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "gpu[01-02]",
-           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURMD_NODENAME": "gpu02", "SLURM_CPUS_PER_TASK": "4"}
+    env = {
+        "SLURM_JOB_ID": "48832491",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_STEP_NODELIST": "gpu[01-02]",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURMD_NODENAME": "gpu02",
+        "SLURM_CPUS_PER_TASK": "4",
+    }
     env.update(overrides)
     return {k: v for k, v in env.items() if v != ""}
 
@@ -37,23 +49,43 @@ def test_nodelist_expands_like_scontrol(nodelist, hosts):
 
 def test_no_launcher_means_one_process():
     env = from_environ({}, hostname="laptop")
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.node_name) == ("single", 0, 1, 0, "laptop")
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.node_name) == (
+        "single",
+        0,
+        1,
+        0,
+        "laptop",
+    )
     assert env.job_id is None and not env.in_slurm_job
 
 
 def test_slurm_step_gives_ranks_master_and_port():
     env = from_environ(slurm_step())
-    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.node_rank, env.num_nodes) == \
-        ("slurm", 1, 0, 2, 1, 2)
+    assert (
+        env.launcher,
+        env.rank,
+        env.local_rank,
+        env.world_size,
+        env.node_rank,
+        env.num_nodes,
+    ) == ("slurm", 1, 0, 2, 1, 2)
     assert (env.master_addr, env.node_name, env.cpus_per_task) == ("gpu01", "gpu02", 4)
     assert env.master_port == port_for_job("48832491", 0) and env.restart_count == 0
 
 
 def test_master_address_is_the_first_host_in_any_hostlist_form():
     for nodelist, hosts in NODELISTS:
-        env = from_environ(slurm_step(SLURM_JOB_NODELIST=nodelist, SLURM_STEP_NODELIST=nodelist,
-                                      SLURM_STEP_TASKS_PER_NODE=f"1(x{len(hosts)})", SLURM_NTASKS=str(len(hosts)),
-                                      SLURM_STEP_NUM_TASKS=str(len(hosts)), SLURM_PROCID="0", SLURM_NODEID="0"))
+        env = from_environ(
+            slurm_step(
+                SLURM_JOB_NODELIST=nodelist,
+                SLURM_STEP_NODELIST=nodelist,
+                SLURM_STEP_TASKS_PER_NODE=f"1(x{len(hosts)})",
+                SLURM_NTASKS=str(len(hosts)),
+                SLURM_STEP_NUM_TASKS=str(len(hosts)),
+                SLURM_PROCID="0",
+                SLURM_NODEID="0",
+            )
+        )
         assert env.master_addr == hosts[0]
 
 
@@ -63,9 +95,24 @@ def test_environment_master_address_and_port_override_slurm():
 
 
 def test_torchrun_variables_win_over_slurm():
-    env = from_environ(slurm_step(RANK="5", LOCAL_RANK="1", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4",
-                                  MASTER_ADDR="head", MASTER_PORT="29400", GROUP_RANK="1"))
-    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.node_rank) == ("torchrun", 5, 1, 8, 1)
+    env = from_environ(
+        slurm_step(
+            RANK="5",
+            LOCAL_RANK="1",
+            WORLD_SIZE="8",
+            LOCAL_WORLD_SIZE="4",
+            MASTER_ADDR="head",
+            MASTER_PORT="29400",
+            GROUP_RANK="1",
+        )
+    )
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.node_rank) == (
+        "torchrun",
+        5,
+        1,
+        8,
+        1,
+    )
     assert (env.master_addr, env.master_port) == ("head", 29400)
     assert env.job_id == "48832491", "the Slurm job id is still known, for requeue"
 
@@ -77,8 +124,12 @@ def test_ddp_gets_the_device_index_as_an_integer_never_a_device():
 
 
 def test_ports_differ_for_consecutive_jobs_restarts_and_steps_and_stay_in_range():
-    ports = {port_for_job(str(job), restart, step) for job in range(48830000, 48830100) for restart in range(8)
-             for step in range(4)}
+    ports = {
+        port_for_job(str(job), restart, step)
+        for job in range(48830000, 48830100)
+        for restart in range(8)
+        for step in range(4)
+    }
     assert len(ports) == 100 * 8 * 4
     assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
     first = from_environ(slurm_step())
@@ -96,22 +147,41 @@ def test_array_jobs_requeue_by_array_id_and_task():
 
 
 def test_batch_shell_with_several_tasks_is_refused_with_a_hint():
-    batch = {"SLURM_JOB_ID": "5", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "vm"}
-    with pytest.raises(RendezvousError, match=r"not under srun, so every task would believe it is rank 0.*srun"):
+    batch = {
+        "SLURM_JOB_ID": "5",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "vm",
+    }
+    with pytest.raises(
+        RendezvousError, match=r"not under srun, so every task would believe it is rank 0.*srun"
+    ):
         from_environ(batch)
     env = from_environ({**batch, "SLURM_NTASKS": "1"})
     assert env.world_size == 1 and env.job_id == "5", "a one-task batch job trains as one process"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"SLURM_NTASKS": "4"}, r"SLURM_NTASKS=4 does not match this step's SLURM_STEP_NUM_TASKS=2"),
-    ({"SLURM_NTASKS": "3", "SLURM_STEP_NUM_TASKS": "3"}, r"SLURM_NTASKS=3 does not match the allocation: 2 node"),
-    ({"SLURM_PROCID": "2"}, r"SLURM_PROCID=2 is outside SLURM_NTASKS=2"),
-    ({"SLURM_LOCALID": "1"}, r"SLURM_LOCALID=1 is outside the 1 task\(s\) on node gpu02"),
-    ({"SLURM_JOB_NODELIST": "gpu[01-", "SLURM_STEP_NODELIST": ""}, r"is not a valid Slurm hostlist"),
-    ({"SLURM_PROCID": "one"}, r"SLURM_PROCID='one' is not an integer"),
-    ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"SLURM_NTASKS": "4"},
+            r"SLURM_NTASKS=4 does not match this step's SLURM_STEP_NUM_TASKS=2",
+        ),
+        (
+            {"SLURM_NTASKS": "3", "SLURM_STEP_NUM_TASKS": "3"},
+            r"SLURM_NTASKS=3 does not match the allocation: 2 node",
+        ),
+        ({"SLURM_PROCID": "2"}, r"SLURM_PROCID=2 is outside SLURM_NTASKS=2"),
+        ({"SLURM_LOCALID": "1"}, r"SLURM_LOCALID=1 is outside the 1 task\(s\) on node gpu02"),
+        (
+            {"SLURM_JOB_NODELIST": "gpu[01-", "SLURM_STEP_NODELIST": ""},
+            r"is not a valid Slurm hostlist",
+        ),
+        ({"SLURM_PROCID": "one"}, r"SLURM_PROCID='one' is not an integer"),
+        ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
+    ],
+)
 def test_inconsistent_slurm_environments_fail_with_a_clear_message(overrides, message):
     with pytest.raises(RendezvousError, match=message):
         from_environ(slurm_step(**overrides))

@@ -1,6 +1,6 @@
 """What the ranks' replicas must agree on under DDP and FSDP. Runs against: real DDP on 2 gloo ranks
-(tests/ranks.py) with a real batch norm layer, resumed the way run.py resumes (a new model and DDP, rank 0's
-checkpoint loaded after wrapping), and real `qgtrain train` ranks for the refusals."""
+(tests/ranks.py) with a real batch norm layer, resumed the way run.py resumes (a new model and DDP,
+rank 0's checkpoint loaded after wrapping), and real `qgtrain train` ranks for the refusals."""
 
 from __future__ import annotations
 
@@ -37,9 +37,12 @@ class Normalized(nn.Module):
 
 
 def train_steps(ddp: nn.Module, steps: range, rank: int) -> None:
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)  # stateless: nothing to checkpoint but the model
+    # stateless: nothing to checkpoint but the model
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in steps:
-        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank)) * (rank + 1)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + rank)) * (
+            rank + 1
+        )
         optimizer.zero_grad()
         ddp(x).pow(2).mean().backward()
         optimizer.step()
@@ -55,26 +58,36 @@ def batchnorm_under_ddp() -> dict[str, object]:
     with process_group(env, CPU, 60, 60):
         model = Normalized()
         ddp = DDP(model)
-        out["broadcast"] = sorted(n for n, b in model.named_buffers()
-                                  if any(b is t for t in replicas.broadcast_by_ddp(ddp)))
+        out["broadcast"] = sorted(
+            n
+            for n, b in model.named_buffers()
+            if any(b is t for t in replicas.broadcast_by_ddp(ddp))
+        )
         train_steps(ddp, range(1, 4), env.rank)
         out["differ_between_forwards"] = diverged(list(model.named_buffers()), CPU)
-        replicas.agree_before_save(model, ddp, 3, CPU)  # does not raise: DDP repairs those at the next forward
-        own, checkpoint = state(model), broadcast_from_main(state(model))  # model.pt: rank 0's, read by all
+        # does not raise: DDP repairs those at the next forward
+        replicas.agree_before_save(model, ddp, 3, CPU)
+        # model.pt: rank 0's, read by all
+        own, checkpoint = state(model), broadcast_from_main(state(model))
         train_steps(ddp, range(4, 7), env.rank)
         uninterrupted = state(model)
-        # Resumed as run.py does: a new process's model wrapped first, then the checkpoint loaded into it.
-        # Rank 1 also tries a checkpoint holding its own stale buffers: DDP's first forward copies rank 0's.
+        # Resumed as run.py does: a new process's model wrapped first, then the checkpoint loaded
+        # into it. Rank 1 also tries a checkpoint holding its own stale buffers: DDP's first forward
+        # copies rank 0's.
         for name, saved in (("rank 0's", checkpoint), ("own stale", own)):
             resumed = Normalized()
             resumed_ddp = DDP(resumed)
             resumed.load_state_dict(saved)
             train_steps(resumed_ddp, range(4, 7), env.rank)
             mine = state(resumed)
-            out[f"resumed from {name} equals"] = all(torch.equal(mine[k], v) for k, v in uninterrupted.items())
+            out[f"resumed from {name} equals"] = all(
+                torch.equal(mine[k], v) for k, v in uninterrupted.items()
+            )
         replicas.agree_before_evaluation(model, ddp)
         main = broadcast_from_main(state(model))
-        out["evaluates with rank 0's"] = all(torch.equal(main[k], v) for k, v in state(model).items())
+        out["evaluates with rank 0's"] = all(
+            torch.equal(main[k], v) for k, v in state(model).items()
+        )
         tensors = dict([*model.named_buffers(), *model.named_parameters()])
         for what in ("calls", "inner.3.bias"):  # changed on rank 1 only: no broadcast repairs these
             with torch.no_grad():
@@ -92,18 +105,27 @@ def batchnorm_under_ddp() -> dict[str, object]:
 def test_batchnorm_buffers_are_rank_0s_in_checkpoints_evaluation_and_resume_while_real_divergence_stops():
     results = run_ranks(2, batchnorm_under_ddp)
     for rank, result in enumerate(results):
-        assert result["broadcast"] == ["inner.1.num_batches_tracked", "inner.1.running_mean",
-                                       "inner.1.running_var"], "everything but the ignored counter"
+        assert result["broadcast"] == [
+            "inner.1.num_batches_tracked",
+            "inner.1.running_mean",
+            "inner.1.running_var",
+        ], "everything but the ignored counter"
         assert result["differ_between_forwards"] == ["inner.1.running_mean", "inner.1.running_var"]
-        assert result["resumed from rank 0's equals"] and result["resumed from own stale equals"], rank
+        assert result["resumed from rank 0's equals"] and result["resumed from own stale equals"], (
+            rank
+        )
         assert result["evaluates with rank 0's"], rank
-        assert "the ranks' copies of the model differ at step 7: calls; no checkpoint was written" in result["calls"]
+        assert (
+            "the ranks' copies of the model differ at step 7: calls; no checkpoint was written"
+            in result["calls"]
+        )
         assert "differ at step 7: inner.3.bias;" in result["inner.3.bias"]
 
 
 def test_the_choices_for_sync_batchnorm():
     assert replicas.sync_batchnorm_problem("ddp", "cuda", 8) is None
-    assert replicas.sync_batchnorm_problem("ddp", "cpu", 1) is None  # one rank: nothing to synchronize
+    # one rank: nothing to synchronize
+    assert replicas.sync_batchnorm_problem("ddp", "cpu", 1) is None
     assert replicas.sync_batchnorm_problem("fsdp", "cuda", 1) is None
     assert "SyncBatchNorm runs on GPUs only" in replicas.sync_batchnorm_problem("ddp", "cpu", 2)
     assert "applies to train.parallel: ddp" in replicas.sync_batchnorm_problem("fsdp", "cuda", 2)
@@ -112,27 +134,50 @@ def test_the_choices_for_sync_batchnorm():
 def test_sync_batchnorm_converts_in_place_keeping_names_and_tensors():
     model = Normalized()
     before = dict(model.state_dict(keep_vars=True))
-    assert replicas.to_sync_batchnorm(model, 2) == 1 and isinstance(model.inner[1], nn.SyncBatchNorm)
+    assert replicas.to_sync_batchnorm(model, 2) == 1 and isinstance(
+        model.inner[1], nn.SyncBatchNorm
+    )
     after = dict(model.state_dict(keep_vars=True))
     assert after.keys() == before.keys() and all(after[k] is v for k, v in before.items())
 
 
 def cli_config(tmp_path, *sets: str):  # type: ignore[no-untyped-def]
-    return load_config([], ["train.batch_size=8", "train.max_steps=4", "logging.tensorboard=false",
-                            "checkpoint.every_steps=2", *sets])
+    return load_config(
+        [],
+        [
+            "train.batch_size=8",
+            "train.max_steps=4",
+            "logging.tensorboard=false",
+            "checkpoint.every_steps=2",
+            *sets,
+        ],
+    )
 
 
-@pytest.mark.parametrize("sets, message", [
-    (("task=tests.tasks:rank_local_buffer",),
-     "task.factory: the model's visits differ(s) across ranks when the task is built, and DDP does not copy them "
-     "from rank 0 (they are in the model's _ddp_params_and_buffers_to_ignore)"),
-    (("task=tests.tasks:points", "train.sync_batchnorm=true"),
-     "train.sync_batchnorm: SyncBatchNorm runs on GPUs only (torch refuses CPU tensors), and these 2 ranks train "
-     "on the CPU. HINT: set train.sync_batchnorm: false"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ("task=tests.tasks:rank_local_buffer",),
+            "task.factory: the model's visits differ(s) across ranks when the task is built, and "
+            "DDP does not copy them from rank 0 (they are in the model's "
+            "_ddp_params_and_buffers_to_ignore)",
+        ),
+        (
+            ("task=tests.tasks:points", "train.sync_batchnorm=true"),
+            "train.sync_batchnorm: SyncBatchNorm runs on GPUs only (torch refuses CPU tensors), "
+            "and these 2 ranks train on the CPU. HINT: set train.sync_batchnorm: false",
+        ),
+    ],
+)
 def test_what_no_rank_can_repair_is_refused_before_training(tmp_path, sets, message):
     results = run_ranks(2, train_rank, cli_config(tmp_path, *sets), str(tmp_path / "run"))
     for result in results:
-        code = 3 if message.startswith("task.factory") else 2  # the task's own code, or a config value
-        assert result["exit"] == code and message in result["error"] and "\n" not in result["error"], result
-    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+        # the task's own code, or a config value
+        code = 3 if message.startswith("task.factory") else 2
+        assert (
+            result["exit"] == code and message in result["error"] and "\n" not in result["error"]
+        ), result
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )

@@ -1,6 +1,6 @@
-"""The batch script and its submission, without a cluster. Runs against: the renderer, bash (the rendered
-script is executed with stand-ins for srun and scontrol), shellcheck, and `qgtrain submit` as a subprocess.
-The same script on a real cluster: test_slurm.py."""
+"""The batch script and its submission, without a cluster. Runs against: the renderer, bash (the
+rendered script is executed with stand-ins for srun and scontrol), shellcheck, and `qgtrain submit`
+as a subprocess. The same script on a real cluster: test_slurm.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 from qgtrain.config import SlurmConfig
 from qgtrain.configload import load_config
 from qgtrain.errors import QgtrainError
-from qgtrain.launch.sbatch import parse_job_id, render, time_minutes
+from qgtrain.launch.sbatch import parse_job_id, render
+from qgtrain.launch.slurm_checks import time_minutes
 from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,9 @@ def shellcheck(path: Path) -> None:
 
 
 def test_train_slurm_is_the_script_rendered_from_the_default_config():
-    assert (ROOT / "train.slurm").read_text() == render(load_config([ROOT / "config.yaml"]).slurm, "config.yaml")
+    assert (ROOT / "train.slurm").read_text() == render(
+        load_config([ROOT / "config.yaml"]).slurm, "config.yaml"
+    )
 
 
 def test_train_slurm_passes_bash_n_and_shellcheck():
@@ -39,11 +42,18 @@ def test_train_slurm_passes_bash_n_and_shellcheck():
 
 def test_the_header_asks_for_what_requeue_and_preemption_need():
     script = (ROOT / "train.slurm").read_text()
-    for line in ("#SBATCH --requeue", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append",
-                 "#SBATCH --ntasks-per-node=1", "#SBATCH --output=jobs/out/%x-%j.out"):
+    for line in (
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --output=jobs/out/%x-%j.out",
+    ):
         assert line in script
-    assert "srun --kill-on-bad-exit=1 \"$PYTHON\" -m qgtrain train" in script
-    assert "SLURM_PROCID" not in script and "MASTER_" not in script, "no rank or address logic in bash"
+    assert 'srun --kill-on-bad-exit=1 "$PYTHON" -m qgtrain train' in script
+    assert "SLURM_PROCID" not in script and "MASTER_" not in script, (
+        "no rank or address logic in bash"
+    )
 
 
 @pytest.mark.parametrize("overlay", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
@@ -63,19 +73,50 @@ def test_gpu_overlay_asks_for_one_task_per_gpu():
 
 
 def test_submitit_job_script_dry_run_prints_the_same_resources():
-    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "submitit_job.py"), "--dry-run", "--config",
-                             str(ROOT / "config.yaml"), "--set", "slurm.nodes=2", "slurm.gpus_per_node=4"],
-                            capture_output=True, text=True, check=True, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "jobs" / "submitit_job.py"),
+            "--dry-run",
+            "--config",
+            str(ROOT / "config.yaml"),
+            "--set",
+            "slurm.nodes=2",
+            "slurm.gpus_per_node=4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     params = json.loads(result.stdout)
-    assert (params["nodes"], params["tasks_per_node"], params["gpus_per_node"], params["timeout_min"]) == (2, 4, 4, 60)
+    assert (
+        params["nodes"],
+        params["tasks_per_node"],
+        params["gpus_per_node"],
+        params["timeout_min"],
+    ) == (2, 4, 4, 60)
     assert "export SUBMITIT_PREEMPT_SIGNAL=USR2" in params["slurm_setup"]
 
 
 NASTY = "x$(touch {m}/dollar)`touch {m}/tick`;touch {m}/semi|touch {m}/pipe&&touch {m}/and'\"\n#SBATCH --x"
 
 
-@pytest.mark.parametrize("key", ["job_name", "partition", "account", "qos", "constraint", "mem", "output_dir", "time",
-                                 "container_image", "apptainer_image"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "job_name",
+        "partition",
+        "account",
+        "qos",
+        "constraint",
+        "mem",
+        "output_dir",
+        "time",
+        "container_image",
+        "apptainer_image",
+    ],
+)
 def test_slurm_values_that_could_break_out_are_refused_naming_the_key(tmp_path, key):
     with pytest.raises(QgtrainError, match=rf"slurm.{key}: "):
         render(SlurmConfig(**{key: NASTY.format(m=tmp_path)}), "config.yaml")
@@ -84,18 +125,27 @@ def test_slurm_values_that_could_break_out_are_refused_naming_the_key(tmp_path, 
 def test_extra_sbatch_lines_must_be_options():
     with pytest.raises(QgtrainError, match="slurm.extra_sbatch"):
         render(SlurmConfig(extra_sbatch=("--exclusive\nrm -rf /",)), "config.yaml")
-    assert "#SBATCH --reservation=big\n" in render(SlurmConfig(extra_sbatch=("--reservation=big",)), "c.yaml")
+    assert "#SBATCH --reservation=big\n" in render(
+        SlurmConfig(extra_sbatch=("--reservation=big",)), "c.yaml"
+    )
 
 
 def test_a_config_with_shell_metacharacters_everywhere_runs_no_injected_command(tmp_path):
-    """Every string field gets a nasty value; the ones the script uses are quoted (the run directory, and
-    so the config path) or refused above. The script is executed with stand-ins for srun and scontrol."""
+    """Every string field gets a nasty value; the ones the script uses are quoted (the run
+    directory, and so the config path) or refused above. The script is executed with stand-ins for
+    srun and scontrol."""
     marks = tmp_path / "marks"
     marks.mkdir()
     nasty = NASTY.format(m=marks).replace("\n#SBATCH --x", "")
-    strings = {"model.arch": nasty, "data.corpus": nasty, "data.tokenizer": nasty, "data.cache_dir": nasty,
-               "logging.runs_dir": str(tmp_path / "runs dir") + nasty.replace("/", "_"), "export.dir": nasty,
-               "checkpoint.resume": nasty}
+    strings = {
+        "model.arch": nasty,
+        "data.corpus": nasty,
+        "data.tokenizer": nasty,
+        "data.cache_dir": nasty,
+        "logging.runs_dir": str(tmp_path / "runs dir") + nasty.replace("/", "_"),
+        "export.dir": nasty,
+        "checkpoint.resume": nasty,
+    }
     cfg = load_config([ROOT / "config.yaml"], [f"{k}={v}" for k, v in strings.items()])
     run_dir = Path(cfg.logging.runs_dir) / cfg.train.run_name
     config_path = str(run_dir / "slurm" / "config.yaml")
@@ -104,20 +154,38 @@ def test_a_config_with_shell_metacharacters_everywhere_runs_no_injected_command(
     subprocess.run(["bash", "-n", str(script)], check=True)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool, body in (("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit 76'),
-                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"')):
+    for tool, body in (
+        ("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit 76'),
+        ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
+    ):
         (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(tmp_path / "srun.txt"),
-           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77", "QGTRAIN_PYTHON": "python3"}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"),
+        "SLURM_JOB_ID": "77",
+        "QGTRAIN_PYTHON": "python3",
+    }
     before = set(tmp_path.rglob("*"))
-    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert result.returncode == 76, result.stderr
     created = set(tmp_path.rglob("*")) - before - {tmp_path / "srun.txt", tmp_path / "scontrol.txt"}
     assert created == set(), f"an injected command ran: {created}"
-    assert (tmp_path / "srun.txt").read_text().splitlines() == ["--kill-on-bad-exit=1", "python3", "-m", "qgtrain",
-                                                               "train", "--config", config_path]
-    assert (tmp_path / "scontrol.txt").read_text() == "requeue\n77\n", "exit 76 makes the batch shell requeue"
+    assert (tmp_path / "srun.txt").read_text().splitlines() == [
+        "--kill-on-bad-exit=1",
+        "python3",
+        "-m",
+        "qgtrain",
+        "train",
+        "--config",
+        config_path,
+    ]
+    assert (tmp_path / "scontrol.txt").read_text() == "requeue\n77\n", (
+        "exit 76 makes the batch shell requeue"
+    )
 
 
 def test_several_config_files_become_several_config_options(tmp_path):
@@ -126,13 +194,33 @@ def test_several_config_files_become_several_config_options(tmp_path):
     (tmp_path / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > args.txt\n')
     (tmp_path / "srun").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "QGTRAIN_PYTHON": "py"}
-    subprocess.run(["bash", str(script), "config.yaml", "jobs/cpu.yaml"], cwd=tmp_path, env=env, check=True)
-    assert (tmp_path / "args.txt").read_text().split() == ["--kill-on-bad-exit=1", "py", "-m", "qgtrain", "train",
-                                                          "--config", "config.yaml", "--config", "jobs/cpu.yaml"]
+    subprocess.run(
+        ["bash", str(script), "config.yaml", "jobs/cpu.yaml"], cwd=tmp_path, env=env, check=True
+    )
+    assert (tmp_path / "args.txt").read_text().split() == [
+        "--kill-on-bad-exit=1",
+        "py",
+        "-m",
+        "qgtrain",
+        "train",
+        "--config",
+        "config.yaml",
+        "--config",
+        "jobs/cpu.yaml",
+    ]
 
 
-@pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("01:00:00", 60), ("2-00", 2880),
-                                           ("1-02:03", 1563), ("0-00:00:30", 1)])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [
+        ("90", 90),
+        ("1:30", 2),
+        ("01:00:00", 60),
+        ("2-00", 2880),
+        ("1-02:03", 1563),
+        ("0-00:00:30", 1),
+    ],
+)
 def test_slurm_time_formats(text, minutes):
     assert time_minutes(text) == minutes
 
@@ -144,55 +232,116 @@ def test_job_ids_are_parsed_from_sbatch_output():
 
 
 def test_submit_dry_run_prints_the_script_without_importing_torch_or_submitit(tmp_path):
-    code = ("import sys; from qgtrain.cli import main; rc = main(['submit', '--dry-run', '--config', "
-            f"{str(ROOT / 'config.yaml')!r}]); "
-            "print(rc, [m for m in ('torch', 'transformers', 'submitit') if m in sys.modules], file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    code = (
+        "import sys; from qgtrain.cli import main; rc = main(['submit', '--dry-run', '--config', "
+        f"{str(ROOT / 'config.yaml')!r}]); print(rc, [m for m in ('torch', 'transformers', "
+        "'submitit') if m in sys.modules], file=sys.stderr)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.stderr.strip() == "0 []"
     assert result.stdout.startswith("#!/bin/bash") and "#SBATCH --requeue" in result.stdout
 
 
 def test_submit_without_slurm_says_so(tmp_path):
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"),
-                             "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True, env=env)
-    assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "submit",
+            "--config",
+            str(ROOT / "config.yaml"),
+            "--set",
+            f"logging.runs_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert (
+        result.returncode == 2
+        and "sbatch is not on PATH" in result.stderr
+        and "Traceback" not in result.stderr
+    )
 
 
 def test_a_sweep_renders_one_job_array_whose_tasks_train_their_own_configs(tmp_path):
-    result = cli("submit", "--dry-run", "--config", str(ROOT / "config.yaml"), "--sweep", "optim.lr=1e-3,3e-4",
-                         "--sweep", "train.seed=1,2", "--max-parallel", "2", "--set", f"logging.runs_dir={tmp_path}",
-                         cwd=tmp_path)
+    result = cli(
+        "submit",
+        "--dry-run",
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--sweep",
+        "optim.lr=1e-3,3e-4",
+        "--sweep",
+        "train.seed=1,2",
+        "--max-parallel",
+        "2",
+        "--set",
+        f"logging.runs_dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     script = result.stdout
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --output=jobs/out/%x-%A_%a.out" in script
-    assert f'default_config={tmp_path}/.sweeps/tiny-gpt2/task-"${{SLURM_ARRAY_TASK_ID}}".yaml' in script
+    assert (
+        f'default_config={tmp_path}/.sweeps/tiny-gpt2/task-"${{SLURM_ARRAY_TASK_ID}}".yaml'
+        in script
+    )
     tasks = [line for line in script.splitlines() if line.startswith("# task ")]
-    assert tasks == ["# task 0: tiny-gpt2-lr_1e-3-seed_1: optim.lr=1e-3 train.seed=1",
-                     "# task 1: tiny-gpt2-lr_1e-3-seed_2: optim.lr=1e-3 train.seed=2",
-                     "# task 2: tiny-gpt2-lr_3e-4-seed_1: optim.lr=3e-4 train.seed=1",
-                     "# task 3: tiny-gpt2-lr_3e-4-seed_2: optim.lr=3e-4 train.seed=2"]
+    assert tasks == [
+        "# task 0: tiny-gpt2-lr_1e-3-seed_1: optim.lr=1e-3 train.seed=1",
+        "# task 1: tiny-gpt2-lr_1e-3-seed_2: optim.lr=1e-3 train.seed=2",
+        "# task 2: tiny-gpt2-lr_3e-4-seed_1: optim.lr=3e-4 train.seed=1",
+        "# task 3: tiny-gpt2-lr_3e-4-seed_2: optim.lr=3e-4 train.seed=2",
+    ]
     (tmp_path / "array.sbatch").write_text(script)
     shellcheck(tmp_path / "array.sbatch")
     assert not (tmp_path / ".sweeps").exists(), "a dry run writes nothing"
 
 
-@pytest.mark.parametrize("sweeps, expected", [
-    (["optim.lrr=1e-3,3e-4"], r"--sweep optim.lrr=1e-3: .*unknown key 'optim.lrr'. Did you mean 'optim.lr'"),
-    (["train.seed=1,two"], r"--sweep train.seed=two: .*train.seed: expected an integer"),
-    (["optim.lr="], r"--sweep 'optim.lr=': expected KEY=VALUE\[,VALUE...\]"),
-    (["optim.lr=1e-3", "optim.lr=3e-4"], r"--sweep optim.lr: given twice"),
-    (["train.seed=" + ",".join(map(str, range(1002)))], r"1002 combinations, but this cluster's MaxArraySize "
-                                                          r"allows 1001 tasks"),
-])
+@pytest.mark.parametrize(
+    "sweeps, expected",
+    [
+        (
+            ["optim.lrr=1e-3,3e-4"],
+            r"--sweep optim.lrr=1e-3: .*unknown key 'optim.lrr'. Did you mean 'optim.lr'",
+        ),
+        (["train.seed=1,two"], r"--sweep train.seed=two: .*train.seed: expected an integer"),
+        (["optim.lr="], r"--sweep 'optim.lr=': expected KEY=VALUE\[,VALUE...\]"),
+        (["optim.lr=1e-3", "optim.lr=3e-4"], r"--sweep optim.lr: given twice"),
+        (
+            ["train.seed=" + ",".join(map(str, range(1002)))],
+            r"1002 combinations, but this cluster's MaxArraySize "
+            r"allows 1001 tasks",
+        ),
+    ],
+)
 def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, expected):
     import re
 
     args = [arg for sweep in sweeps for arg in ("--sweep", sweep)]
     env_path = str(Path(sys.executable).parent)  # no scontrol, no sbatch: the checks come first
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"),
-                             *args, "--set", f"logging.runs_dir={tmp_path}"], capture_output=True, text=True,
-                            cwd=tmp_path, env={**os.environ, "PATH": env_path, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "submit",
+            "--config",
+            str(ROOT / "config.yaml"),
+            *args,
+            "--set",
+            f"logging.runs_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": env_path, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert re.search(expected, result.stderr), result.stderr
     assert not (tmp_path / ".sweeps").exists()
@@ -204,37 +353,97 @@ def run_script(script: str, tmp_path: Path, srun_exit: int = 0) -> tuple[int, li
     (tmp_path / "job.sbatch").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for tool, body in (("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
-                       ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
-                       ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end')):
+    for tool, body in (
+        ("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
+        ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
+        ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end'),
+    ):
         (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(tmp_path / "srun.txt"),
-           "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"), "SLURM_JOB_ID": "77", "HOST_ARGS": str(tmp_path / "host"),
-           "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python")}
-    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True)
-    requeued = (tmp_path / "scontrol.txt").read_text() if (tmp_path / "scontrol.txt").exists() else ""
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"),
+        "SLURM_JOB_ID": "77",
+        "HOST_ARGS": str(tmp_path / "host"),
+        "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python"),
+    }
+    done = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    requeued = (
+        (tmp_path / "scontrol.txt").read_text() if (tmp_path / "scontrol.txt").exists() else ""
+    )
     return done.returncode, (tmp_path / "srun.txt").read_text().splitlines(), requeued
 
 
 TRAIN = ["python", "-m", "qgtrain", "train", "--config", "config.yaml"]
 
 
-@pytest.mark.parametrize("slurm, srun", [
-    (SlurmConfig(container_image="nvcr.io#nvidia/pytorch:24.08-py3", container_mounts=("/data:/data", "/s:/s:ro"),
-                 gpus_per_node=4),
-     ["--container-image=nvcr.io#nvidia/pytorch:24.08-py3", "--container-mounts={pwd}:{pwd},/data:/data,/s:/s:ro",
-      "--container-workdir={pwd}", *TRAIN]),
-    (SlurmConfig(container_image="/shared/images/pytorch.sqsh"),
-     ["--container-image=/shared/images/pytorch.sqsh", "--container-mounts={pwd}:{pwd}", "--container-workdir={pwd}",
-      *TRAIN]),
-    (SlurmConfig(apptainer_image="/shared/images/pytorch.sif", container_mounts=("/data:/data",), gpus_per_node=4),
-     ["apptainer", "exec", "--nv", "--pwd", "{pwd}", "--bind", "/data:/data", "/shared/images/pytorch.sif", *TRAIN]),
-    (SlurmConfig(apptainer_image="docker://nvcr.io/nvidia/pytorch:24.08-py3"),
-     ["apptainer", "exec", "--pwd", "{pwd}", "docker://nvcr.io/nvidia/pytorch:24.08-py3", *TRAIN]),
-], ids=["pyxis-gpu", "pyxis-sqsh", "apptainer-gpu", "apptainer-cpu"])
-def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_the_batch_shell(tmp_path, slurm, srun):
+@pytest.mark.parametrize(
+    "slurm, srun",
+    [
+        (
+            SlurmConfig(
+                container_image="nvcr.io#nvidia/pytorch:24.08-py3",
+                container_mounts=("/data:/data", "/s:/s:ro"),
+                gpus_per_node=4,
+            ),
+            [
+                "--container-image=nvcr.io#nvidia/pytorch:24.08-py3",
+                "--container-mounts={pwd}:{pwd},/data:/data,/s:/s:ro",
+                "--container-workdir={pwd}",
+                *TRAIN,
+            ],
+        ),
+        (
+            SlurmConfig(container_image="/shared/images/pytorch.sqsh"),
+            [
+                "--container-image=/shared/images/pytorch.sqsh",
+                "--container-mounts={pwd}:{pwd}",
+                "--container-workdir={pwd}",
+                *TRAIN,
+            ],
+        ),
+        (
+            SlurmConfig(
+                apptainer_image="/shared/images/pytorch.sif",
+                container_mounts=("/data:/data",),
+                gpus_per_node=4,
+            ),
+            [
+                "apptainer",
+                "exec",
+                "--nv",
+                "--pwd",
+                "{pwd}",
+                "--bind",
+                "/data:/data",
+                "/shared/images/pytorch.sif",
+                *TRAIN,
+            ],
+        ),
+        (
+            SlurmConfig(apptainer_image="docker://nvcr.io/nvidia/pytorch:24.08-py3"),
+            [
+                "apptainer",
+                "exec",
+                "--pwd",
+                "{pwd}",
+                "docker://nvcr.io/nvidia/pytorch:24.08-py3",
+                *TRAIN,
+            ],
+        ),
+    ],
+    ids=["pyxis-gpu", "pyxis-sqsh", "apptainer-gpu", "apptainer-cpu"],
+)
+def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_the_batch_shell(
+    tmp_path, slurm, srun
+):
     script = render(slurm, "config.yaml")
     (tmp_path / "rendered.sbatch").write_text(script)
     subprocess.run(["bash", "-n", str(tmp_path / "rendered.sbatch")], check=True)
@@ -244,47 +453,112 @@ def test_a_container_job_starts_every_task_in_the_image_and_still_requeues_from_
     assert requeued == ""
     code, _, requeued = run_script(script, tmp_path, srun_exit=76)  # no scontrol inside the image
     assert code == 76 and requeued == "requeue\n77\n"
-    code, _, _ = run_script(script, tmp_path, srun_exit=1)  # a failed step is judged outside the image
-    assert code == 1 and (tmp_path / "host").read_text().split()[:5] == ["-m", "qgtrain", "recover", "--config",
-                                                                         "config.yaml"]
+    # a failed step is judged outside the image
+    code, _, _ = run_script(script, tmp_path, srun_exit=1)
+    assert code == 1 and (tmp_path / "host").read_text().split()[:5] == [
+        "-m",
+        "qgtrain",
+        "recover",
+        "--config",
+        "config.yaml",
+    ]
 
 
-@pytest.mark.parametrize("sets, key", [
-    (["slurm.container_image=img;touch x"], "slurm.container_image: 'img;touch x' is not allowed"),
-    (["slurm.apptainer_image=$(touch x).sif"], "slurm.apptainer_image: '$(touch x).sif' is not allowed"),
-    (["slurm.container_image=a", "slurm.container_mounts=['/a:/b,/c:/d']"], "slurm.container_mounts: '/a:/b,/c:/d'"),
-    (["slurm.container_image=a", "slurm.container_mounts=['/a:/b\" x']"], "slurm.container_mounts: "),
-    (["slurm.container_image=a", "slurm.apptainer_image=b"], "slurm.apptainer_image: set together with"),
-    (["slurm.container_mounts=['/a:/a']"], "slurm.container_mounts: there is no container to mount into"),
-])
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (
+            ["slurm.container_image=img;touch x"],
+            "slurm.container_image: 'img;touch x' is not allowed",
+        ),
+        (
+            ["slurm.apptainer_image=$(touch x).sif"],
+            "slurm.apptainer_image: '$(touch x).sif' is not allowed",
+        ),
+        (
+            ["slurm.container_image=a", "slurm.container_mounts=['/a:/b,/c:/d']"],
+            "slurm.container_mounts: '/a:/b,/c:/d'",
+        ),
+        (
+            ["slurm.container_image=a", "slurm.container_mounts=['/a:/b\" x']"],
+            "slurm.container_mounts: ",
+        ),
+        (
+            ["slurm.container_image=a", "slurm.apptainer_image=b"],
+            "slurm.apptainer_image: set together with",
+        ),
+        (
+            ["slurm.container_mounts=['/a:/a']"],
+            "slurm.container_mounts: there is no container to mount into",
+        ),
+    ],
+)
 @pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
 def test_a_bad_container_value_is_one_line_exit_2_naming_the_key(tmp_path, sets, key, launcher):
-    result = cli("submit", "--dry-run", "--launcher", launcher, "--config", str(ROOT / "config.yaml"),
-                         "--set", *sets, cwd=tmp_path)
+    result = cli(
+        "submit",
+        "--dry-run",
+        "--launcher",
+        launcher,
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--set",
+        *sets,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2 and result.stdout == "", result.stdout
-    assert result.stderr.startswith(f"qgtrain: error: {key}") and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"qgtrain: error: {key}") and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
     assert not (tmp_path / "x").exists()
 
 
 def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
-    from qgtrain.launch.submitit_launcher import container_python, executor_parameters
+    from qgtrain.launch.submitit_params import container_python, executor_parameters
 
-    pyxis = load_config([ROOT / "config.yaml"], ["slurm.container_image=nvcr.io#nvidia/pytorch:24.08-py3",
-                                                 "slurm.container_mounts=['/data:/data']"])
+    pyxis = load_config(
+        [ROOT / "config.yaml"],
+        [
+            "slurm.container_image=nvcr.io#nvidia/pytorch:24.08-py3",
+            "slurm.container_mounts=['/data:/data']",
+        ],
+    )
     assert executor_parameters(pyxis, "/work/me")["slurm_srun_args"] == [
-        "--kill-on-bad-exit=1", "--container-image=nvcr.io#nvidia/pytorch:24.08-py3",
-        "--container-mounts=/work/me:/work/me,/data:/data", "--container-workdir=/work/me"]
+        "--kill-on-bad-exit=1",
+        "--container-image=nvcr.io#nvidia/pytorch:24.08-py3",
+        "--container-mounts=/work/me:/work/me,/data:/data",
+        "--container-workdir=/work/me",
+    ]
     assert container_python(pyxis) == "python"
-    apptainer = load_config([ROOT / "config.yaml"], ["slurm.apptainer_image=/img/pt.sif", "slurm.gpus_per_node=2",
-                                                     "slurm.container_mounts=['/data:/data']"])
-    assert container_python(apptainer, "/work/me") == "apptainer exec --nv --pwd /work/me --bind /data:/data " \
-                                                      "/img/pt.sif python"
+    apptainer = load_config(
+        [ROOT / "config.yaml"],
+        [
+            "slurm.apptainer_image=/img/pt.sif",
+            "slurm.gpus_per_node=2",
+            "slurm.container_mounts=['/data:/data']",
+        ],
+    )
+    assert (
+        container_python(apptainer, "/work/me")
+        == "apptainer exec --nv --pwd /work/me --bind /data:/data "
+        "/img/pt.sif python"
+    )
     assert executor_parameters(apptainer)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
     host = load_config([ROOT / "config.yaml"])
     assert container_python(host) is None
     assert executor_parameters(host)["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
-    shown = json.loads(cli("submit", "--dry-run", "--launcher", "submitit", "--config",
-                                   str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / "container.yaml"),
-                                   cwd=tmp_path).stdout)
+    shown = json.loads(
+        cli(
+            "submit",
+            "--dry-run",
+            "--launcher",
+            "submitit",
+            "--config",
+            str(ROOT / "config.yaml"),
+            "--config",
+            str(ROOT / "jobs" / "container.yaml"),
+            cwd=tmp_path,
+        ).stdout
+    )
     assert shown["slurm_srun_args"][1] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"
     assert shown["slurm_python"] == "python"

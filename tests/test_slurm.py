@@ -1,7 +1,7 @@
-"""qgtrain on a real Slurm cluster: slurmctld and three slurmd in their own network namespaces (node1..node3),
-started by the `slurm_cluster` fixture. The shipped train.slurm and qgtrain.submit are used as users use
-them; preemption, external requeue and time limits are Slurm's own. The cluster has no accounting (no
-sacct), as many don't."""
+"""qgtrain on a real Slurm cluster: slurmctld and three slurmd in their own network namespaces
+(node1..node3), started by the `slurm_cluster` fixture. The shipped train.slurm and qgtrain.submit
+are used as users use them; preemption, external requeue and time limits are Slurm's own. The
+cluster has no accounting (no sacct), as many don't."""
 
 from __future__ import annotations
 
@@ -43,8 +43,12 @@ LONG = 1200
 
 
 def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_path):
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=5",
-                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 60)])
+    job_id = sbatch(
+        tmp_path,
+        *TWO_NODES,
+        "--time=5",
+        configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 60)],
+    )
     assert wait_finished(job_id) == "COMPLETED"
     run = tmp_path / "runs" / "cpu"
     assert "rank 0 on node node1 (local rank 0), rendezvous node1:" in rank_log(run, 0)
@@ -54,11 +58,16 @@ def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_pa
 
 
 @pytest.mark.parametrize("interrupt", ["warning signal", "scontrol requeue"])
-def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_path, two_node_reference, interrupt):
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=two_node_configs(tmp_path, every_steps=400))
+def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(
+    tmp_path, two_node_reference, interrupt
+):
+    job_id = sbatch(
+        tmp_path, *TWO_NODES, "--time=10", configs=two_node_configs(tmp_path, every_steps=400)
+    )
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= 100, 120, "training to pass step 100")
-    if interrupt == "warning signal":  # what --signal=USR2@120 sends before a time limit, or a preemption
+    # what --signal=USR2@120 sends before a time limit, or a preemption
+    if interrupt == "warning signal":
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     else:  # the SIGTERM path: Slurm requeues, the tasks get SIGTERM and KillWait (5 s) to finish
         subprocess.run(["scontrol", "requeue", job_id], check=True)
@@ -68,11 +77,14 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(tmp_pa
     signal = "SIGUSR2" if interrupt == "warning signal" else "SIGTERM"
     stopped = int(log.split("stopping at step ")[1].split(" ")[0])
     assert f"stopping at step {stopped} on {signal}: checkpoint saved" in log
-    assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, (
         "the stop checkpoint was complete before the job was killed"
+    )
     assert f"Slurm job {job_id} restart 1" in log
     resumed = final_weights(run, TWO_NODE_STEPS)
-    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
+        "final weights differ"
+    )
 
 
 GRAPH_STEPS = 750
@@ -82,8 +94,12 @@ GRAPH_OPTIONS = {"graphs": 1024, "hidden": 32, "layers": 2}
 def graph_configs(tmp: Path) -> list[Path]:
     """jobs/graph.yaml's task (a factory given as a file path relative to the yaml) on the CPU job's
     settings; its run_name, graph, comes after cpu.yaml's and wins."""
-    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "graph.yaml",
-            overlay(tmp, GRAPH_STEPS, every_steps=250, task_options=GRAPH_OPTIONS)]
+    return [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        ROOT / "jobs" / "graph.yaml",
+        overlay(tmp, GRAPH_STEPS, every_steps=250, task_options=GRAPH_OPTIONS),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +111,21 @@ def graph_reference(tmp_path_factory) -> Path:
     return tmp / "runs" / "graph"
 
 
-def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped(tmp_path, graph_reference):
+def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped(
+    tmp_path, graph_reference
+):
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=graph_configs(tmp_path))
     run = tmp_path / "runs" / "graph"
     wait_until(lambda: logged_step(run) >= 50, 120, "training to pass step 50")
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # the warning signal, or a preemption
+    # the warning signal, or a preemption
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     assert wait_finished(job_id) == "COMPLETED"
     assert job(job_id)["Restarts"] == "1", "the same job id came back once"
     log = rank_log(run, 0)
-    assert log.count(f"task {ROOT / 'jobs' / 'examples' / 'graph.py'}:graph_classifier") == 2, \
-        "both allocations found the factory, given relative to jobs/graph.yaml, from the job's own directory"
+    assert log.count(f"task {ROOT / 'jobs' / 'examples' / 'graph.py'}:graph_classifier") == 2, (
+        "both allocations found the factory, given relative to jobs/graph.yaml, from the job's own "
+        "directory"
+    )
     stopped = int(log.split("stopping at step ")[1].split(" ")[0])
     assert 50 <= stopped < GRAPH_STEPS
     assert f"stopping at step {stopped} on SIGUSR2: checkpoint saved" in log
@@ -113,20 +134,35 @@ def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped
     final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     expected = json.loads((graph_reference / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["step"] == GRAPH_STEPS and {"val_accuracy", "test_accuracy"} <= final.keys()
-    assert {k: v for k, v in final.items() if k.startswith(("val_", "test_"))} == \
-        {k: v for k, v in expected.items() if k.startswith(("val_", "test_"))}
-    reference, resumed = final_weights(graph_reference, GRAPH_STEPS), final_weights(run, GRAPH_STEPS)
+    assert {k: v for k, v in final.items() if k.startswith(("val_", "test_"))} == {
+        k: v for k, v in expected.items() if k.startswith(("val_", "test_"))
+    }
+    reference, resumed = (
+        final_weights(graph_reference, GRAPH_STEPS),
+        final_weights(run, GRAPH_STEPS),
+    )
     assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "final weights differ"
 
 
 def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_path):
-    # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit. The run is
-    # far longer than a minute (its steps are a sleep, sparing the CPUs), so every allocation ends on the time
-    # limit; after two such ends the job is cancelled. Finishing after a requeue is the interrupted-job test's concern.
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=USR2@10",
-                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
-                             overlay(tmp_path, 10**7), sleep_paced(tmp_path)])
+    # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit.
+    # The run is far longer than a minute (its steps are a sleep, sparing the CPUs), so every
+    # allocation ends on the time limit; after two such ends the job is cancelled. Finishing after a
+    # requeue is the interrupted-job test's concern.
+    job_id = sbatch(
+        tmp_path,
+        *TWO_NODES,
+        "--time=1",
+        "--signal=USR2@10",
+        configs=[
+            ROOT / "config.yaml",
+            ROOT / "jobs" / "cpu.yaml",
+            ROOT / "jobs" / "preemptible.yaml",
+            overlay(tmp_path, 10**7),
+            sleep_paced(tmp_path),
+        ],
+    )
     run = tmp_path / "runs" / "preemptible"
     try:
         wait_until(lambda: rank_log(run, 0).count("resumed from") >= 2, 420, "a second resume")
@@ -138,26 +174,41 @@ def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_
     assert len(stops) == 2 and 0 < stops[0] < stops[1]
     for restart, stopped in enumerate(stops, start=1):
         assert f"stopping at step {stopped} on SIGUSR2: checkpoint saved" in log
-        assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, \
+        assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, (
             f"allocation {restart + 1} lost work after the time limit"
+        )
         assert f"Slurm job {job_id} restart {restart}" in log
     assert wait_finished(job_id, timeout=120) == "CANCELLED"
 
 
-def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_ends_completed(tmp_path):
-    """SIGURG as the warning (the ranks ignore it): a job whose signal never reaches them, stopped by qgtrain's
-    own reading of the time limit. Validations take 4 s (a sleep) where a step takes a twentieth of that;
-    the run needs about two 1-minute allocations. It ends COMPLETED, never TIMEOUT, with every loss and
-    validation loss of an uninterrupted run of the same settings trained alongside on two local ranks."""
+def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_ends_completed(
+    tmp_path,
+):
+    """SIGURG as the warning (the ranks ignore it): a job whose signal never reaches them, stopped
+    by qgtrain's own reading of the time limit. Validations take 4 s (a sleep) where a step takes a
+    twentieth of that; the run needs about two 1-minute allocations. It ends COMPLETED, never
+    TIMEOUT, with every loss and validation loss of an uninterrupted run of the same settings
+    trained alongside on two local ranks."""
     task = tmp_path / "task.yaml"
-    task.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', options: {{size: 4096, "
-                    "step_s: 0.05, eval_batch_s: 0.5}}\n"
-                    "train: {max_steps: 800, eval_every: 100, eval_batches: 8, log_every: 20, cpu_threads: 1}\n"
-                    "early_stopping: {patience: 0}\ncheckpoint: {every_steps: 0}\n")
+    task.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', options: {{size: 4096, "
+        "step_s: 0.05, eval_batch_s: 0.5}}\n"
+        "train: {max_steps: 800, eval_every: 100, eval_batches: 8, log_every: 20, cpu_threads: 1}\n"
+        "early_stopping: {patience: 0}\ncheckpoint: {every_steps: 0}\n"
+    )
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 800), task]
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=URG@10", configs=configs)
-    local = start_cli_ranks(2, ["train", *[a for c in configs for a in ("--config", str(c))], "--run-dir",
-                                   str(tmp_path / "uninterrupted")], tmp_path, log_prefix="local")
+    local = start_cli_ranks(
+        2,
+        [
+            "train",
+            *[a for c in configs for a in ("--config", str(c))],
+            "--run-dir",
+            str(tmp_path / "uninterrupted"),
+        ],
+        tmp_path,
+        log_prefix="local",
+    )
     assert wait_ranks(local, 600) == [0, 0]
     assert wait_finished(job_id, timeout=900) == "COMPLETED"
     run = tmp_path / "runs" / "cpu"
@@ -167,13 +218,20 @@ def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_end
     want, have = records(tmp_path / "uninterrupted"), records(run)
     for key in ("loss", "val_loss", "test_loss"):
         by_step = [{r["step"]: r[key] for r in rs if key in r} for rs in (want, have)]
-        assert by_step[0] and by_step[0].items() <= by_step[1].items(), key  # a start also logs its first step
+        # a start also logs its first step
+        assert by_step[0] and by_step[0].items() <= by_step[1].items(), key
         assert key == "loss" or by_step[0] == by_step[1], key
 
 
 def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.launch.submitit_launcher.TrainJob:  # type: ignore[name-defined]
-    return qgtrain.submit(overlay(tmp_path, max_steps), folder=tmp_path / "submitit", slurm__nodes=2,
-                          slurm__cpus_per_task=1, train__run_name="submitit", train__device="cpu")
+    return qgtrain.submit(
+        overlay(tmp_path, max_steps),
+        folder=tmp_path / "submitit",
+        slurm__nodes=2,
+        slurm__cpus_per_task=1,
+        train__run_name="submitit",
+        train__device="cpu",
+    )
 
 
 def test_submitit_job_is_interrupted_requeued_and_resumed_to_a_result(tmp_path):
@@ -187,54 +245,94 @@ def test_submitit_job_is_interrupted_requeued_and_resumed_to_a_result(tmp_path):
     log = rank_log(run, 0)
     assert "checkpoint saved" in log and "resumed from" in log and logged_step(run) == LONG
     # this cluster has no accounting: the state comes from squeue (submitit alone would say UNKNOWN)
-    wait_until(lambda: job.watcher.get_state(job.job_id, mode="force") == "COMPLETED", 60, "state COMPLETED")
+    wait_until(
+        lambda: job.watcher.get_state(job.job_id, mode="force") == "COMPLETED",
+        60,
+        "state COMPLETED",
+    )
 
 
 def test_a_cancelled_submitit_job_raises_instead_of_hanging(tmp_path):
     job = submit_small(tmp_path, 10**6)
     wait_until(lambda: logged_step(tmp_path / "runs" / "submitit") >= 50, 180, "training to start")
     job.cancel()
-    with pytest.raises(submitit.core.utils.UncompletedJobError, match="CANCELLED"):  # not the wait's TimeoutError
+    # not the wait's TimeoutError
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="CANCELLED"):
         job.result(timeout=120)
     assert "checkpoint saved" in rank_log(tmp_path / "runs" / "submitit", 0)
     assert "not requeued: the job is ending (COMPLETING" in job._sub_jobs[0].stderr()
 
 
 def test_doctor_under_srun_checks_that_every_node_sees_the_run_directory(tmp_path):
-    result = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=2", f"--chdir={tmp_path}",
-                             sys.executable, "-m", "qgtrain", "doctor", "--set", f"logging.runs_dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            "srun",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--time=2",
+            f"--chdir={tmp_path}",
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "doctor",
+            "--set",
+            f"logging.runs_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert "qgtrain doctor on node1 (rank 0 of 2)" in result.stdout, result.stderr
     assert f"ok       shared filesystem  all 2 node(s) see {tmp_path}" in result.stdout
     assert result.stdout.count("qgtrain doctor on") == 1, "only rank 0 prints"
 
 
-def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_start_resumes(tmp_path):
-    """node2's link to the cluster's bridge goes down mid-run: each rank's collective times out after
-    train.collective_timeout_s and names the rank that did not arrive; the next job resumes. The cut may
-    land in a checkpoint save (one every 100 steps of a few milliseconds): the saver's collectives are
-    bounded by the same timeout (gloo's own default is half an hour)."""
+def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_start_resumes(
+    tmp_path,
+):
+    """node2's link to the cluster's bridge goes down mid-run: each rank's collective times out
+    after train.collective_timeout_s and names the rank that did not arrive; the next job resumes.
+    The cut may land in a checkpoint save (one every 100 steps of a few milliseconds): the saver's
+    collectives are bounded by the same timeout (gloo's own default is half an hour)."""
     bounded = tmp_path / "timeout.yaml"
     bounded.write_text("train: {collective_timeout_s: 20}\n")
-    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, LONG, every_steps=100), bounded]
+    configs = [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        overlay(tmp_path, LONG, every_steps=100),
+        bounded,
+    ]
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", "--no-requeue", configs=configs)
     run = tmp_path / "runs" / "cpu"
-    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    wait_until(
+        lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)"
+    )
     subprocess.run(["ip", "link", "set", "veth-qg2", "down"], check=True)
     cut = time.time()
     try:
-        for rank, other in ((0, 1), (1, 0)):  # the event; the bound is checked below on the ranks' own clocks
-            wait_until(lambda: f"rank(s) [{other}] did not arrive" in rank_log(run, rank), 600,
-                       f"rank {rank} to name rank {other}")
+        # the event; the bound is checked below on the ranks' own clocks
+        for rank, other in ((0, 1), (1, 0)):
+            wait_until(
+                lambda: f"rank(s) [{other}] did not arrive" in rank_log(run, rank),
+                600,
+                f"rank {rank} to name rank {other}",
+            )
     finally:
         subprocess.run(["ip", "link", "set", "veth-qg2", "up"], check=True)
     for rank, other in ((0, 1), (1, 0)):
-        (line,) = [line for line in rank_log(run, rank).splitlines() if f"rank(s) [{other}] did not arrive" in line]
+        (line,) = [
+            line
+            for line in rank_log(run, rank).splitlines()
+            if f"rank(s) [{other}] did not arrive" in line
+        ]
         named = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
-        assert named - cut <= 20 + 30, f"rank {rank} named rank {other} {named - cut:.0f} s after the cut: the " \
+        assert named - cut <= 20 + 30, (
+            f"rank {rank} named rank {other} {named - cut:.0f} s after the cut: the "
             "collective timeout (20 s) and a few seconds to find who is missing"
-    # The failed step is retried in the allocation (a new step, on a port of its own): once the link is back
-    # it resumes and completes; if the link was still down when it started, the next job resumes instead.
+        )
+    # The failed step is retried in the allocation (a new step, on a port of its own): once the link
+    # is back it resumes and completes; if the link was still down when it started, the next job
+    # resumes instead.
     if wait_finished(job_id, timeout=600) != "COMPLETED":
         again = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs)
         assert wait_finished(again) == "COMPLETED"
@@ -246,18 +344,28 @@ FSDP_STEPS = 300
 
 def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
     sharded = tmp / "fsdp.yaml"
-    # a longer run than the checkpoint's says how its learning rate goes on: from where it is (rewarm 0)
+    # a longer run than the checkpoint's says how its learning rate goes on: from where it is
+    # (rewarm 0)
     extended = "optim: {rewarm_steps: 0}\n" if max_steps != FSDP_STEPS else ""
     sharded.write_text(f"train: {{parallel: fsdp}}\nmodel: {{layers: 2}}\n{extended}")
-    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp, max_steps, every_steps=200), sharded]
+    return [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        overlay(tmp, max_steps, every_steps=200),
+        sharded,
+    ]
 
 
 def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_one_node(tmp_path):
-    """Two nodes shard the model; the warning signal stops them at a sharded checkpoint, the requeued job
-    resumes bit for bit (against an uninterrupted job), and a later one-node job continues the run."""
+    """Two nodes shard the model; the warning signal stops them at a sharded checkpoint, the
+    requeued job resumes bit for bit (against an uninterrupted job), and a later one-node job
+    continues the run."""
     reference = tmp_path / "reference"
     reference.mkdir()
-    assert wait_finished(sbatch(reference, *TWO_NODES, "--time=10", configs=fsdp_configs(reference))) == "COMPLETED"
+    assert (
+        wait_finished(sbatch(reference, *TWO_NODES, "--time=10", configs=fsdp_configs(reference)))
+        == "COMPLETED"
+    )
 
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=fsdp_configs(tmp_path))
     run = tmp_path / "runs" / "cpu"
@@ -270,65 +378,123 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
     assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
     assert (run / "checkpoints" / f"step-{FSDP_STEPS}" / "sharded" / "__1_0.distcp").is_file()
-    want, have = checkpoint_state(reference / "runs" / "cpu" / "checkpoints" / f"step-{FSDP_STEPS}"), \
-        checkpoint_state(run / "checkpoints" / f"step-{FSDP_STEPS}")
-    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), "final weights differ"
+    want, have = (
+        checkpoint_state(reference / "runs" / "cpu" / "checkpoints" / f"step-{FSDP_STEPS}"),
+        checkpoint_state(run / "checkpoints" / f"step-{FSDP_STEPS}"),
+    )
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), (
+        "final weights differ"
+    )
 
-    one_node = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
-                      configs=fsdp_configs(tmp_path, FSDP_STEPS + 50))
+    one_node = sbatch(
+        tmp_path,
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--time=10",
+        configs=fsdp_configs(tmp_path, FSDP_STEPS + 50),
+    )
     assert wait_finished(one_node) == "COMPLETED"
     log = rank_log(run, 0)
     assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 50
 
 
 def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(tmp_path):
-    """Four combinations, two at a time on the two nodes; task 1 gets the warning signal mid-run, saves,
-    is requeued alone and resumes; every task ends with its own settings in its own run directory."""
-    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 400, every_steps=100)]
+    """Four combinations, two at a time on the two nodes; task 1 gets the warning signal mid-run,
+    saves, is requeued alone and resumes; every task ends with its own settings in its own run
+    directory."""
+    configs = [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        overlay(tmp_path, 400, every_steps=100),
+    ]
     submitted = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "submit", *[arg for c in configs for arg in ("--config", str(c))],
-         "--sweep", "optim.lr=1e-3,3e-3", "--sweep", "train.seed=1,2", "--max-parallel", "2", "--set",
-         "slurm.nodes=1", "slurm.cpus_per_task=1", "slurm.tasks_per_node=1", "slurm.time=10",
-         "train.run_name=sweep"], cwd=tmp_path, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "submit",
+            *[arg for c in configs for arg in ("--config", str(c))],
+            "--sweep",
+            "optim.lr=1e-3,3e-3",
+            "--sweep",
+            "train.seed=1,2",
+            "--max-parallel",
+            "2",
+            "--set",
+            "slurm.nodes=1",
+            "slurm.cpus_per_task=1",
+            "slurm.tasks_per_node=1",
+            "slurm.time=10",
+            "train.run_name=sweep",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert submitted.returncode == 0, submitted.stderr
     array = submitted.stdout.split("submitted job array ")[1].split()[0]
     runs = tmp_path / "runs"
-    names = ["sweep-lr_1e-3-seed_1", "sweep-lr_1e-3-seed_2", "sweep-lr_3e-3-seed_1", "sweep-lr_3e-3-seed_2"]
+    names = [
+        "sweep-lr_1e-3-seed_1",
+        "sweep-lr_1e-3-seed_2",
+        "sweep-lr_3e-3-seed_1",
+        "sweep-lr_3e-3-seed_2",
+    ]
     wait_until(lambda: logged_step(runs / names[1]) >= 100, 180, "task 1 to pass step 100")
     running = [name for name in names if (runs / name / "metrics.jsonl").exists()]
     assert len(running) <= 2, "at most two tasks at once"
-    # To the training step only: scancel retries a job-level signal while the job is being requeued (it
-    # answers "try again later"), which would deliver it a second time to the next allocation.
+    # To the training step only: scancel retries a job-level signal while the job is being requeued
+    # (it answers "try again later"), which would deliver it a second time to the next allocation.
     subprocess.run(["scancel", "--signal=USR2", f"{array}_1.0"], check=True)
     for task in range(4):
         assert wait_finished(f"{array}_{task}", timeout=600) == "COMPLETED", task
     assert job(f"{array}_1")["Restarts"] == "1" and job(f"{array}_0")["Restarts"] == "0"
     log = rank_log(runs / names[1], 0)
     stopped = int(log.split("stopping at step ")[1].split(" ")[0])
-    assert f"resumed from {runs / names[1] / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
+    assert (
+        f"resumed from {runs / names[1] / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
+    )
     for name, (lr, seed) in zip(names, [(1e-3, 1), (1e-3, 2), (3e-3, 1), (3e-3, 2)]):
         saved = (runs / name / "config.yaml").read_text()
         assert f"lr: {lr}" in saved and f"seed: {seed}" in saved and logged_step(runs / name) == 400
-    table = subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(runs)], capture_output=True, text=True)
-    assert "optim.lr=3e-3 train.seed=2" in table.stdout and table.stdout.count("finished") == 4, table.stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "runs", str(runs)], capture_output=True, text=True
+    )
+    assert "optim.lr=3e-3 train.seed=2" in table.stdout and table.stdout.count("finished") == 4, (
+        table.stdout
+    )
 
 
 def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
-    """A 1-minute job whose warning never reaches the ranks (URG) gets a 2-minute limit once it trains:
-    qgtrain reads the new end time (every 5 s here) and stops at a checkpoint before it, well past the
-    minute the job started with, instead of stopping early or being killed at it. (Its stop margin is a
-    tenth of the time given, so the minute would have ended training near 50 s.)"""
+    """A 1-minute job whose warning never reaches the ranks (URG) gets a 2-minute limit once it
+    trains: qgtrain reads the new end time (every 5 s here) and stops at a checkpoint before it,
+    well past the minute the job started with, instead of stopping early or being killed at it. (Its
+    stop margin is a tenth of the time given, so the minute would have ended training near 50 s.)"""
     checks = tmp_path / "checks.yaml"
     checks.write_text("train: {time_limit_check_s: 5}\n")
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=1", "--signal=URG@10",
-                    configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", ROOT / "jobs" / "preemptible.yaml",
-                             overlay(tmp_path, 10**7), sleep_paced(tmp_path), checks])
+    job_id = sbatch(
+        tmp_path,
+        *TWO_NODES,
+        "--time=1",
+        "--signal=URG@10",
+        configs=[
+            ROOT / "config.yaml",
+            ROOT / "jobs" / "cpu.yaml",
+            ROOT / "jobs" / "preemptible.yaml",
+            overlay(tmp_path, 10**7),
+            sleep_paced(tmp_path),
+            checks,
+        ],
+    )
     run = tmp_path / "runs" / "preemptible"
     try:
         wait_until(lambda: logged_step(run) >= 1, 120, "training to start")
         started = time.mktime(time.strptime(job(job_id)["StartTime"], "%Y-%m-%dT%H:%M:%S"))
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], check=True)
-        wait_until(lambda: "stopping at step" in rank_log(run, 0), 180, "the stop before the new limit")
+        wait_until(
+            lambda: "stopping at step" in rank_log(run, 0), 180, "the stop before the new limit"
+        )
         stopped_at = time.time()
     finally:
         subprocess.run(["scancel", job_id], check=True)
@@ -338,14 +504,24 @@ def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
 
 
 def test_a_sweep_from_python_with_submitit_gives_each_task_its_run_and_result(tmp_path):
-    base = qgtrain.load_config([overlay(tmp_path, 60)], ["slurm.nodes=1", "slurm.cpus_per_task=1",
-                                                         "train.run_name=py", "train.device=cpu"])
+    base = qgtrain.load_config(
+        [overlay(tmp_path, 60)],
+        ["slurm.nodes=1", "slurm.cpus_per_task=1", "train.run_name=py", "train.device=cpu"],
+    )
     jobs = qgtrain.submit_sweep(base, {"optim.lr": [1e-3, 3e-3]}, max_parallel=2)
     assert len(jobs) == 2 and len({job.job_id.split("_")[0] for job in jobs}) == 1, "one job array"
     runs = tmp_path / "runs"
     results = [job.result(timeout=300) for job in jobs]
-    assert results == [{"run_dir": str(runs / name), "exit_code": 0} for name in ("py-lr_0.001", "py-lr_0.003")]
+    assert results == [
+        {"run_dir": str(runs / name), "exit_code": 0} for name in ("py-lr_0.001", "py-lr_0.003")
+    ]
     for name, lr in (("py-lr_0.001", "0.001"), ("py-lr_0.003", "0.003")):
-        assert f"lr: {lr}" in (runs / name / "config.yaml").read_text() and logged_step(runs / name) == 60
+        assert (
+            f"lr: {lr}" in (runs / name / "config.yaml").read_text()
+            and logged_step(runs / name) == 60
+        )
     listed = json.loads((runs / ".sweeps" / "py" / "sweep.json").read_text())
-    assert [run["values"] for run in listed["runs"]] == [{"optim.lr": "0.001"}, {"optim.lr": "0.003"}]
+    assert [run["values"] for run in listed["runs"]] == [
+        {"optim.lr": "0.001"},
+        {"optim.lr": "0.003"},
+    ]

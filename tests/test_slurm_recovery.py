@@ -1,8 +1,9 @@
-"""A crash is not the end of the job: on the real Slurm test cluster (three nodes), a rank's process is
-SIGKILLed as the OOM killer or a lost node would end it, and the shipped train.slurm brings the run back by
-itself: a new srun step in the same allocation, then a requeue away from a node that keeps failing. A
-failure that is the run's own is not retried. Runs against: real sbatch jobs, real processes, the run
-directory's records, and the uninterrupted two-node reference run (conftest.two_node_reference)."""
+"""A crash is not the end of the job: on the real Slurm test cluster (three nodes), a rank's process
+is SIGKILLed as the OOM killer or a lost node would end it, and the shipped train.slurm brings the
+run back by itself: a new srun step in the same allocation, then a requeue away from a node that
+keeps failing. A failure that is the run's own is not retried. Runs against: real sbatch jobs, real
+processes, the run directory's records, and the uninterrupted two-node reference run
+(conftest.two_node_reference)."""
 
 from __future__ import annotations
 
@@ -44,16 +45,25 @@ def failures(run: Path) -> list[dict[str, object]]:
     return json.loads((run / "status.json").read_text()).get("failures", [])
 
 
-def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(tmp_path, two_node_reference):
+def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(
+    tmp_path, two_node_reference
+):
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs(tmp_path))
     run = tmp_path / "runs" / "cpu"
-    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    wait_until(
+        lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)"
+    )
     killed = time.time()
     kill_rank(job_id, 1)
     assert wait_finished(job_id, timeout=600) == "COMPLETED"
     assert job(job_id)["Restarts"] == "0", "recovered inside the allocation, not requeued"
     (failure,) = failures(run)
-    assert (failure["node"], failure["rank"], failure["how"], failure["action"]) == ("node2", 1, "Killed", "retry")
+    assert (failure["node"], failure["rank"], failure["how"], failure["action"]) == (
+        "node2",
+        1,
+        "Killed",
+        "retry",
+    )
     assert failure["last_line"], "the killed rank's last log line"
     log = rank_log(run, 0)
     assert re.search(rf"resumed from {run / 'checkpoints'}/step-\d+: step \d+", log)
@@ -61,15 +71,20 @@ def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never
     assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
     back = time.mktime(time.strptime(resumed_line[:19], "%Y-%m-%d %H:%M:%S"))
-    print(f"kill to training again: {back - killed:.0f} s")  # the README's recovery figure (pytest -n 0 -s)
+    # the README's recovery figure (pytest -n 0 -s)
+    print(f"kill to training again: {back - killed:.0f} s")
     resumed = final_weights(run, TWO_NODE_STEPS)
-    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
+        "final weights differ"
+    )
 
 
 def test_the_runs_own_failure_is_not_retried(tmp_path):
     settings = tmp_path / "task.yaml"
-    settings.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:raises_on_rank_one', "
-                        "options: {where: loss}}\n")
+    settings.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:raises_on_rank_one', "
+        "options: {where: loss}}\n"
+    )
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=[*configs(tmp_path), settings])
     run = tmp_path / "runs" / "cpu"
     assert wait_finished(job_id, timeout=300) == "FAILED"
@@ -79,51 +94,102 @@ def test_the_runs_own_failure_is_not_retried(tmp_path):
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
 
 
-def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(tmp_path, two_node_reference):
-    """One retry in the allocation; the second failure on node2 requeues the job with node2 excluded, and the
-    new allocation (node1 and node3) finishes the run."""
-    job_id = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
-                    configs=configs(tmp_path, step_retries=1))
+def test_a_node_that_fails_twice_is_kept_away_from_when_the_job_is_requeued(
+    tmp_path, two_node_reference
+):
+    """One retry in the allocation; the second failure on node2 requeues the job with node2
+    excluded, and the new allocation (node1 and node3) finishes the run."""
+    job_id = sbatch(
+        tmp_path,
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--time=10",
+        configs=configs(tmp_path, step_retries=1),
+    )
     run = tmp_path / "runs" / "cpu"
     for attempt in (1, 2):
-        # The resume is logged after the metrics of the attempt before are cut back to its checkpoint.
-        wait_until(lambda: rank_log(run, 0).count("rendezvous node1:") == attempt and
-                   rank_log(run, 0).count("resumed from") == attempt - 1 and logged_step(run) >= 150,
-                   300, f"attempt {attempt} to train past step 150")
+        # The resume is logged after the metrics of the attempt before are cut back to its
+        # checkpoint.
+        wait_until(
+            lambda: (
+                rank_log(run, 0).count("rendezvous node1:") == attempt
+                and rank_log(run, 0).count("resumed from") == attempt - 1
+                and logged_step(run) >= 150
+            ),
+            300,
+            f"attempt {attempt} to train past step 150",
+        )
         assert job(job_id)["NodeList"] == "node[1-2]"
         kill_rank(job_id, 1)
     assert wait_finished(job_id, timeout=600) == "COMPLETED"
     shown = job(job_id)
-    assert shown["Restarts"] == "1" and shown["ExcNodeList"] == "node2" and shown["NodeList"] == "node[1,3]"
+    assert (
+        shown["Restarts"] == "1"
+        and shown["ExcNodeList"] == "node2"
+        and shown["NodeList"] == "node[1,3]"
+    )
     assert [f["action"] for f in failures(run)] == ["retry", "requeue node2"]
     resumed = final_weights(run, TWO_NODE_STEPS)
-    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
+        "final weights differ"
+    )
 
 
-def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(tmp_path, two_node_reference):
-    """submitit's script runs its srun line through the same retry loop as train.slurm (a shell function of
-    the setup lines), so the failed step comes back in the allocation and the job's result is the run's."""
+def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(
+    tmp_path, two_node_reference
+):
+    """submitit's script runs its srun line through the same retry loop as train.slurm (a shell
+    function of the setup lines), so the failed step comes back in the allocation and the job's
+    result is the run's."""
     import qgtrain
 
-    submitted = qgtrain.submit(configs(tmp_path)[2], folder=tmp_path / "submitit", slurm__nodes=2,
-                               slurm__cpus_per_task=1, train__run_name="submitit", train__device="cpu",
-                               train__precision="fp32")
+    submitted = qgtrain.submit(
+        configs(tmp_path)[2],
+        folder=tmp_path / "submitit",
+        slurm__nodes=2,
+        slurm__cpus_per_task=1,
+        train__run_name="submitit",
+        train__device="cpu",
+        train__precision="fp32",
+    )
     run = tmp_path / "runs" / "submitit"
-    wait_until(lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)")
+    wait_until(
+        lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)"
+    )
     kill_rank(submitted.job_id, 1)
     assert submitted.result(timeout=600) == {"run_dir": str(run), "exit_code": 0}
     assert job(submitted.job_id)["Restarts"] == "0"
     (failure,) = failures(run)
     assert (failure["rank"], failure["how"], failure["action"]) == (1, "Killed", "retry")
     resumed = final_weights(run, TWO_NODE_STEPS)
-    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), "final weights differ"
+    assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
+        "final weights differ"
+    )
 
 
 def test_an_exclude_that_leaves_too_few_nodes_is_refused_before_sbatch(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "qgtrain", "submit", "--config", str(ROOT / "config.yaml"), "--set",
-                           "slurm.nodes=2", "slurm.extra_sbatch=['--exclude=node[2-3]']",
-                           f"logging.runs_dir={tmp_path / 'runs'}"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "submit",
+            "--config",
+            str(ROOT / "config.yaml"),
+            "--set",
+            "slurm.nodes=2",
+            "slurm.extra_sbatch=['--exclude=node[2-3]']",
+            f"logging.runs_dir={tmp_path / 'runs'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert "slurm.extra_sbatch: --exclude=node[2-3] leaves 1 of the 3 usable nodes of the default partition, and " \
-           "the job asks for slurm.nodes=2" in done.stderr
+    assert (
+        "slurm.extra_sbatch: --exclude=node[2-3] leaves 1 of the 3 usable nodes of the default "
+        "partition, and "
+        "the job asks for slurm.nodes=2" in done.stderr
+    )
     assert not (tmp_path / "runs").exists(), "nothing submitted, nothing written"

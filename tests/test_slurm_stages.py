@@ -83,14 +83,18 @@ def user_folder(tmp_path: Path, factory: str, max_steps: int) -> list[str]:
         f"task: {{factory: '{factory}'}}\n"
         f"train: {{run_name: mine, max_steps: {max_steps}, log_every: 10, eval_every: 0, "
         "cpu_threads: 1}\nearly_stopping: {patience: 0}\ncheckpoint: {every_steps: 0}\n"
-        f"logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}\n")
+        f"logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}\n"
+    )
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", tmp_path / "task.yaml"]
     return [arg for c in configs for arg in ("--config", str(c))]
 
 
 def runs_table(tmp_path: Path) -> str:
-    return subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(tmp_path / "runs")],
-                          capture_output=True, text=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "qgtrain", "runs", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 def submitted(result: subprocess.CompletedProcess[str]) -> str:
@@ -124,10 +128,19 @@ def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tm
     # lr 0: the second stage's weights stay those it started from
     (tmp_path / "tune.yaml").write_text(
         f"model: {{pretrained: {tmp_path / 'runs' / 'cpu' / 'export'}}}\n"
-        "optim: {lr: 0, min_lr: 0, warmup_steps: 0}\ntrain: {max_steps: 1, eval_every: 0}\n")
+        "optim: {lr: 0, min_lr: 0, warmup_steps: 0}\ntrain: {max_steps: 1, eval_every: 0}\n"
+    )
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", first_steps]
-    result = cli("submit", *[a for c in configs for a in ("--config", str(c))], "--then",
-                 "tune.yaml", "--set", *ONE_RANK, "export.on_finish=true", cwd=tmp_path)
+    result = cli(
+        "submit",
+        *[a for c in configs for a in ("--config", str(c))],
+        "--then",
+        "tune.yaml",
+        "--set",
+        *ONE_RANK,
+        "export.on_finish=true",
+        cwd=tmp_path,
+    )
     first_job = submitted(result)
     assert "submitted stage 1 of 2" in result.stdout and "runs cpu, cpu-stage2" in result.stdout
     run, chain = tmp_path / "runs" / "cpu", tmp_path / "runs" / "cpu" / "stages"
@@ -146,8 +159,9 @@ def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tm
     assert f"Slurm job {second_job} restart 0" in rank_log(second, 0)
     exported = load_file(run / "export" / "model.safetensors")
     started = checkpoint_state(second / "checkpoints" / "step-1")
-    assert exported and all(torch.equal(t, started[f"model.{name}"])
-                            for name, t in exported.items()), "stage 2 began with stage 1's weights"
+    assert exported and all(
+        torch.equal(t, started[f"model.{name}"]) for name, t in exported.items()
+    ), "stage 2 began with stage 1's weights"
     table = runs_table(tmp_path)
     assert f"chain cpu: stage 1/2 cpu: job {first_job}: finished" in table, table
     assert f"chain cpu: stage 2/2 cpu-stage2: job {second_job}: finished" in table, table
@@ -156,8 +170,9 @@ def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tm
 def test_a_failed_first_stage_never_submits_the_second_and_records_why(tmp_path):
     args = user_folder(tmp_path, "my_task:fails", 50)
     (tmp_path / "more.yaml").write_text("train: {max_steps: 60}\n")
-    job_id = submitted(cli("submit", *args, "--then", "more.yaml", "--set", *ONE_RANK,
-                           cwd=tmp_path))
+    job_id = submitted(
+        cli("submit", *args, "--then", "more.yaml", "--set", *ONE_RANK, cwd=tmp_path)
+    )
     assert wait_finished(job_id, timeout=120) == "FAILED"
     chain = tmp_path / "runs" / "mine" / "stages"
     wait_until(lambda: (chain / "2.not-submitted").exists(), 30, "the reason to be recorded")
@@ -166,5 +181,6 @@ def test_a_failed_first_stage_never_submits_the_second_and_records_why(tmp_path)
     assert "my_task fails at step 1" in reason
     assert not (chain / "2.submitted").exists() and not (tmp_path / "runs" / "mine-stage2").exists()
     table = runs_table(tmp_path)
-    assert "chain mine: stage 2/2 mine-stage2: not submitted: stage 1 ended with exit 1" in table, \
+    assert "chain mine: stage 2/2 mine-stage2: not submitted: stage 1 ended with exit 1" in table, (
         table
+    )

@@ -47,15 +47,18 @@ def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_al
     state = {"model.pt": model.state_dict(), "optim.pt": {"optimizer": optimizer.state_dict()}}
     first = snapshot.copy(state)
     assert {name for name, _ in calls} == {"qgtrain-pin-buffers"}, (
-        "the first save allocated nothing itself")
+        "the first save allocated nothing itself"
+    )
     # wte (= head), mid.weight, mid.bias; then exp_avg, exp_avg_sq and step for each of the 3
     # parameters
     assert len(calls) == len(layouts) == 3 + 3 * 3
     assert first["model.pt"]["wte.weight"] is first["model.pt"]["head.weight"]
     assert torch.equal(first["model.pt"]["mid.weight"], model.mid.weight)
     moments = first["optim.pt"]["optimizer"]["state"]
-    assert all(torch.equal(moments[i]["exp_avg"], optimizer.state[p]["exp_avg"])
-               for i, p in enumerate(model.parameters()))
+    assert all(
+        torch.equal(moments[i]["exp_avg"], optimizer.state[p]["exp_avg"])
+        for i, p in enumerate(model.parameters())
+    )
     snapshot.copy(state)
     assert len(calls) == len(layouts), "later saves reuse the same buffers"
 
@@ -65,9 +68,11 @@ def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert saved_layouts(model, optimizer, True) == [], "nothing is pinned on a CPU"
     assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], (
-        "ddp: rank 0 writes the state")
+        "ddp: rank 0 writes the state"
+    )
     snapshot = CpuSnapshot(
-        allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU")))
+        allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU"))
+    )
     snapshot.prepare([])
     copy = snapshot.copy({"w": model.mid.weight.detach()})
     assert torch.equal(copy["w"], model.mid.weight)
@@ -77,4 +82,6 @@ def test_an_optimizer_whose_state_is_not_predicted_leaves_it_to_the_first_save()
     model = torch.nn.Linear(4, 4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     assert saved_layouts(model, sgd, True, pinned=everything_on_a_gpu) == [
-        (torch.Size([4, 4]), torch.float32), (torch.Size([4]), torch.float32)]
+        (torch.Size([4, 4]), torch.float32),
+        (torch.Size([4]), torch.float32),
+    ]

@@ -55,8 +55,12 @@ def test_with_git_tracked_and_unignored_files_are_collected_and_the_diff_recorde
     subprocess.run([*git, "commit", "-qm", "first"], cwd=folder, check=True)
     (folder / "my_task.py").write_text("VALUE = 2\n")
     (folder / "notes.txt").write_text("untracked, not ignored\n")
-    assert names(codesnap.collect(folder)) == {"submit/.gitignore", "submit/my_task.py",
-                                               "submit/config.yaml", "submit/notes.txt"}
+    assert names(codesnap.collect(folder)) == {
+        "submit/.gitignore",
+        "submit/my_task.py",
+        "submit/config.yaml",
+        "submit/notes.txt",
+    }
     code = codesnap.take(folder, tmp_path / "code", 50)
     record = codesnap.read_record(code.folder)
     assert record["hash"] == code.digest and record["git"] is True
@@ -94,9 +98,15 @@ def test_the_snapshot_is_content_addressed_reused_unchanged_and_new_after_an_edi
 
 def test_the_job_config_anchors_relative_paths_and_points_file_factories_at_the_snapshot(tmp_path):
     folder = submit_dir(tmp_path)
-    cfg = load_config([folder / "config.yaml"], [
-        "data.cache_dir=cache", f"task.factory={folder}/my_task.py:make", "data.tokenizer=byte",
-        "model.pretrained=models/base"])
+    cfg = load_config(
+        [folder / "config.yaml"],
+        [
+            "data.cache_dir=cache",
+            f"task.factory={folder}/my_task.py:make",
+            "data.tokenizer=byte",
+            "model.pretrained=models/base",
+        ],
+    )
     code = snapshot(cfg, folder, tmp_path / "code")
     moved = job_config(cfg, folder, code)
     assert moved.logging.runs_dir == str(folder / "runs")
@@ -108,11 +118,19 @@ def test_the_job_config_anchors_relative_paths_and_points_file_factories_at_the_
 def test_a_snapshot_over_the_cap_is_one_line_exit_2_naming_the_largest_file(tmp_path):
     folder = submit_dir(tmp_path)
     (folder / "weights.json").write_text("0" * 3_000_000)
-    result = cli("submit", "--dry-run", "--config", "config.yaml", "--set",
-                 "slurm.snapshot_max_mb=2", cwd=folder)
+    result = cli(
+        "submit",
+        "--dry-run",
+        "--config",
+        "config.yaml",
+        "--set",
+        "slurm.snapshot_max_mb=2",
+        cwd=folder,
+    )
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(
-        "qgtrain: error: slurm.snapshot_max_mb: the code snapshot would be 3.")
+        "qgtrain: error: slurm.snapshot_max_mb: the code snapshot would be 3."
+    )
     assert "largest: weights.json (3.0 MB)" in result.stderr
     assert not (folder / "runs" / "demo").exists()
 
@@ -123,8 +141,15 @@ def test_the_dry_run_shows_the_job_moving_into_its_snapshot_and_the_opt_out_leav
     digest = codesnap.digest(codesnap.collect(folder, (folder / "runs", folder / "jobs" / "out")))
     assert f"cd {folder}/runs/demo/code/{digest}/submit || exit 1" in shown.stdout, shown.stderr
     assert f"export PYTHONPATH={folder}/runs/demo/code/{digest}/lib:" in shown.stdout
-    off = cli("submit", "--dry-run", "--config", "config.yaml", "--set", "slurm.snapshot=false",
-              cwd=folder)
+    off = cli(
+        "submit",
+        "--dry-run",
+        "--config",
+        "config.yaml",
+        "--set",
+        "slurm.snapshot=false",
+        cwd=folder,
+    )
     between = off.stdout.split("recover_args")[0].split("RECOVER_PYTHON")[1]
     assert off.returncode == 0 and "code" not in between
     assert not (folder / "runs" / "demo").exists(), "a dry run copies nothing"
@@ -135,8 +160,9 @@ def test_train_slurm_snapshots_at_a_jobs_first_start_and_reuses_it_on_requeue(tm
     first = cli("snapshot", "--config", "config.yaml", "--job", "41", cwd=folder)
     workdir, pythonpath, config = first.stdout.splitlines()
     (folder / "my_task.py").write_text("raise SyntaxError\n")
-    (folder / "config.yaml").write_text("train: {run_name: demo, max_steps: 7}\n"
-                                        "logging: {runs_dir: runs}\n")
+    (folder / "config.yaml").write_text(
+        "train: {run_name: demo, max_steps: 7}\nlogging: {runs_dir: runs}\n"
+    )
     requeued = cli("snapshot", "--config", "config.yaml", "--job", "41", cwd=folder)
     assert requeued.stdout == first.stdout, "a requeue runs the first attempt's code and config"
     assert (Path(workdir) / "my_task.py").read_text() == "VALUE = 1\n"
@@ -145,17 +171,28 @@ def test_train_slurm_snapshots_at_a_jobs_first_start_and_reuses_it_on_requeue(tm
     assert "runs_dir: " + str(folder / "runs") in Path(config).read_text()
     another = cli("snapshot", "--config", "config.yaml", "--job", "42", cwd=folder)
     assert another.stdout.splitlines()[0] != workdir, "a new job takes the code as it is now"
-    off = cli("snapshot", "--config", "config.yaml", "--job", "43", "--set",
-              "slurm.snapshot=false", cwd=folder)
+    off = cli(
+        "snapshot",
+        "--config",
+        "config.yaml",
+        "--job",
+        "43",
+        "--set",
+        "slurm.snapshot=false",
+        cwd=folder,
+    )
     assert off.returncode == 0 and off.stdout == ""
 
 
-@pytest.mark.parametrize("then, said", [
-    ("missing.yaml", "--then missing.yaml: no such file"),
-    ("broken.yaml", "--then broken.yaml: broken.yaml: not valid YAML"),
-    ("nothing.yaml", "--then nothing.yaml: changes nothing in the first stage's config"),
-    ("badkey.yaml", "--then badkey.yaml: badkey.yaml: unknown key 'optim.lrr'"),
-])
+@pytest.mark.parametrize(
+    "then, said",
+    [
+        ("missing.yaml", "--then missing.yaml: no such file"),
+        ("broken.yaml", "--then broken.yaml: broken.yaml: not valid YAML"),
+        ("nothing.yaml", "--then nothing.yaml: changes nothing in the first stage's config"),
+        ("badkey.yaml", "--then badkey.yaml: badkey.yaml: unknown key 'optim.lrr'"),
+    ],
+)
 def test_a_bad_stage_file_is_one_line_exit_2_naming_the_flag(tmp_path, then, said):
     folder = submit_dir(tmp_path)
     (folder / "broken.yaml").write_text("train: [\n")
@@ -173,13 +210,18 @@ def test_stages_get_run_names_and_a_stage_from_an_export_never_written_is_refuse
     first = load_config([folder / "config.yaml"], [f"logging.runs_dir={folder / 'runs'}"])
     export = folder / "runs" / "demo" / "export"
     (folder / "tune.yaml").write_text(f"model: {{pretrained: {export}}}\n")
-    (folder / "named.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n"
-                                       "train: {run_name: last}\n")
-    with pytest.raises(ConfigError, match=r"--then .*tune.yaml: model.pretrained is stage 1's "
-                                          r"export .* set export.on_finish: true for stage 1"):
+    (folder / "named.yaml").write_text(
+        "optim: {lr: 0.0001, min_lr: 0.00001}\ntrain: {run_name: last}\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"--then .*tune.yaml: model.pretrained is stage 1's "
+        r"export .* set export.on_finish: true for stage 1",
+    ):
         stages.plan(first, [folder / "tune.yaml"])
-    exporting = load_config([folder / "config.yaml"], [f"logging.runs_dir={folder / 'runs'}",
-                                                       "export.on_finish=true"])
+    exporting = load_config(
+        [folder / "config.yaml"], [f"logging.runs_dir={folder / 'runs'}", "export.on_finish=true"]
+    )
     planned = stages.plan(exporting, [folder / "tune.yaml", folder / "named.yaml"])
     assert [s.cfg.train.run_name for s in planned] == ["demo", "demo-stage2", "last"]
     assert planned[1].cfg.model.pretrained == str(folder / "runs" / "demo" / "export")
@@ -189,11 +231,15 @@ def fake_sbatch(tmp_path: Path) -> dict[str, str]:
     """sbatch as a script: prints the next job id, logs its working directory and script."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "$PWD $2" >> "$FAKE_SBATCH_LOG"\n'
-                                    'n=$(wc -l < "$FAKE_SBATCH_LOG"); echo $((100 + n))\n')
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\necho "$PWD $2" >> "$FAKE_SBATCH_LOG"\n'
+        'n=$(wc -l < "$FAKE_SBATCH_LOG"); echo $((100 + n))\n'
+    )
     (bin_dir / "sbatch").chmod(0o755)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "FAKE_SBATCH_LOG": str(tmp_path / "sbatch.log")}
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_SBATCH_LOG": str(tmp_path / "sbatch.log"),
+    }
 
 
 def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records_why(tmp_path):
@@ -201,14 +247,24 @@ def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records
     env = fake_sbatch(tmp_path)
     (folder / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
     (folder / "last.yaml").write_text("optim: {lr: 0.00001, min_lr: 0.000001}\n")
-    submitted = cli("submit", "--config", "config.yaml", "--then", "more.yaml", "--then",
-                    "last.yaml", cwd=folder, env=env)
+    submitted = cli(
+        "submit",
+        "--config",
+        "config.yaml",
+        "--then",
+        "more.yaml",
+        "--then",
+        "last.yaml",
+        cwd=folder,
+        env=env,
+    )
     assert submitted.returncode == 0, submitted.stderr
     chain = folder / "runs" / "demo" / "stages"
     assert submitted.stdout.startswith(
         "submitted stage 1 of 3 as job 101; each next stage is submitted when the one before "
         f"finishes; runs demo, demo-stage2, demo-stage3; chain in {chain}; code snapshot "
-        f"{folder / 'runs' / 'demo' / 'code'}/")
+        f"{folder / 'runs' / 'demo' / 'code'}/"
+    )
     first_status = folder / "runs" / "demo" / "status.json"
     first_status.write_text(json.dumps({"status": "preempted", "requeued": True}))
     said = cli("next-stage", str(chain), "--after", "1", "--exit-code", "75", cwd=folder, env=env)
@@ -216,23 +272,32 @@ def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records
     assert not (chain / "2.submitted").exists()
     first_status.write_text(json.dumps({"status": "finished"}))
     for _ in range(2):  # a job that ran its epilogue twice (a requeue after it) submits once
-        said = cli("next-stage", str(chain), "--after", "1", "--exit-code", "0", cwd=folder,
-                   env=env)
+        said = cli(
+            "next-stage", str(chain), "--after", "1", "--exit-code", "0", cwd=folder, env=env
+        )
     assert "stage 2 was submitted before" in said.stderr
     assert json.loads((chain / "2.submitted").read_text())["job_id"] == "102"
     second = (tmp_path / "sbatch.log").read_text().splitlines()[1]
     assert second == f"{folder} {chain / 'stage-2.sbatch'}", "from the submit directory"
     (folder / "runs" / "demo-stage2").mkdir()
-    (folder / "runs" / "demo-stage2" / "status.json").write_text(json.dumps(
-        {"status": "failed", "error": "task raised at step 1",
-         "failures": [{"exit_code": 1, "action": "end"}]}))
+    (folder / "runs" / "demo-stage2" / "status.json").write_text(
+        json.dumps(
+            {
+                "status": "failed",
+                "error": "task raised at step 1",
+                "failures": [{"exit_code": 1, "action": "end"}],
+            }
+        )
+    )
     said = cli("next-stage", str(chain), "--after", "2", "--exit-code", "1", cwd=folder, env=env)
     why = "stage 2 ended with exit 1 (failed: task raised at step 1)"
     assert f"stage 3 not submitted: {why}" in said.stderr
     assert len((tmp_path / "sbatch.log").read_text().splitlines()) == 2
     assert stages.describe(chain) == [
-        "stage 1/3 demo: job 101: finished", "stage 2/3 demo-stage2: job 102: failed",
-        f"stage 3/3 demo-stage3: not submitted: {why}"]
+        "stage 1/3 demo: job 101: finished",
+        "stage 2/3 demo-stage2: job 102: failed",
+        f"stage 3/3 demo-stage3: not submitted: {why}",
+    ]
     script = (chain / "stage-2.sbatch").read_text()
     assert f"qgtrain next-stage '{chain}' --after 2" in script
     assert "cd " + str(folder / "runs") in script, "the stage runs from the snapshot"
@@ -243,13 +308,15 @@ def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records
 def test_submitit_jobs_and_sweeps_run_from_the_snapshot_too(tmp_path):
     folder = submit_dir(tmp_path)
     digest = codesnap.digest(codesnap.collect(folder, (folder / "runs", folder / "jobs" / "out")))
-    shown = cli("submit", "--launcher", "submitit", "--dry-run", "--config", "config.yaml",
-                cwd=folder)
+    shown = cli(
+        "submit", "--launcher", "submitit", "--dry-run", "--config", "config.yaml", cwd=folder
+    )
     setup = json.loads(shown.stdout)["slurm_setup"]
     moved = f"cd {folder}/runs/demo/code/{digest}/submit || exit 1"
     assert f"{moved}  # the code as submitted (slurm.snapshot)" in setup, setup
-    swept = cli("submit", "--dry-run", "--config", "config.yaml", "--sweep", "train.seed=1,2",
-                cwd=folder)
+    swept = cli(
+        "submit", "--dry-run", "--config", "config.yaml", "--sweep", "train.seed=1,2", cwd=folder
+    )
     moved = f"cd {folder}/runs/.sweeps/demo/code/{digest}/submit || exit 1"
     assert moved in swept.stdout, swept.stderr
     assert not (folder / "runs" / ".sweeps").exists()
@@ -263,20 +330,33 @@ def test_a_chain_submitted_again_sets_the_earlier_one_aside_and_its_jobs_submit_
     shown = cli(*args, "--dry-run", cwd=folder, env=env)
     handed = '--after 1 --exit-code "$status" --job "$claimed_by" --chain-id CHAIN-ID'
     assert handed in shown.stdout
-    assert shown.stdout.endswith("# stage 1: run demo from the first stage's config\n"
-                                 "# stage 2: run demo-stage2 from more.yaml\n")
+    assert shown.stdout.endswith(
+        "# stage 1: run demo from the first stage's config\n"
+        "# stage 2: run demo-stage2 from more.yaml\n"
+    )
     assert cli(*args, cwd=folder, env=env).returncode == 0
     chain = folder / "runs" / "demo" / "stages"
     old = json.loads((chain / "chain.json").read_text())["id"]
     assert cli(*args, cwd=folder, env=env).returncode == 0
     assert (chain / "earlier" / old / "1.submitted").is_file()
     (folder / "runs" / "demo" / "status.json").write_text(json.dumps({"status": "finished"}))
-    said = cli("next-stage", str(chain), "--after", "1", "--exit-code", "0", "--chain-id", old,
-               cwd=folder, env=env)
+    said = cli(
+        "next-stage",
+        str(chain),
+        "--after",
+        "1",
+        "--exit-code",
+        "0",
+        "--chain-id",
+        old,
+        cwd=folder,
+        env=env,
+    )
     assert f"this job's chain {old} was replaced by chain" in said.stderr
     assert not (chain / "2.submitted").exists()
     (chain / "2.submitted").write_text(json.dumps({"job_id": None, "claimed_by": "77"}))
     assert stages.describe(chain)[1] == (
         "stage 2/2 demo-stage2: claimed by job 77 but never confirmed (that job ended before "
         f"sbatch answered): see squeue, or submit it by hand: cd {folder} && sbatch "
-        f"{chain / 'stage-2.sbatch'}")
+        f"{chain / 'stage-2.sbatch'}"
+    )

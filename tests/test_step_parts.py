@@ -22,8 +22,9 @@ def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm(
     versions = [g._version for g in grads]
     norm = clip_gradients(model, 0.0, torch.device("cpu"))
     assert [g._version for g in grads] == versions
-    torch.testing.assert_close(norm,
-                               torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    torch.testing.assert_close(
+        norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    )
     clip_gradients(model, 0.5, torch.device("cpu"))
     assert [g._version for g in grads] != versions  # a real bound still clips
 
@@ -120,8 +121,13 @@ def flags_as_reads_go_by() -> list[tuple[bool, bool, int]]:
 def test_agreed_flags_reach_the_host_one_read_later_and_settle_waits_for_them():
     """A stop asked on rank 1 before step 1 is agreed by step 2's read and on the host at step 3's,
     on both ranks; non-finite gradients read at step 3 come back at step 4's read, naming step 3."""
-    expected = [(False, False, 0), (False, False, 1), (True, False, 2), (False, True, 3),
-                (False, False, 4)]
+    expected = [
+        (False, False, 0),
+        (False, False, 1),
+        (True, False, 2),
+        (False, True, 3),
+        (False, False, 4),
+    ]
     assert run_ranks(2, flags_as_reads_go_by) == [expected, expected]
 
 

@@ -1,6 +1,7 @@
-"""The Task contract: any model, data, loss and metrics, with every guarantee kept. Runs against: real
-`qgtrain train` processes (1 and 2 ranks, gloo) on the tasks of tests/tasks.py, a real 3-rank group for
-exact metrics, and qgtrain.train called from a script the way a user's srun or torchrun job would."""
+"""The Task contract: any model, data, loss and metrics, with every guarantee kept. Runs against:
+real `qgtrain train` processes (1 and 2 ranks, gloo) on the tasks of tests/tasks.py, a real 3-rank
+group for exact metrics, and qgtrain.train called from a script the way a user's srun or torchrun
+job would."""
 
 from __future__ import annotations
 
@@ -21,13 +22,29 @@ from qgtrain.errors import TaskError
 from tests.helpers import cli, records
 from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, wait_ranks
 
-BASE = ["train.batch_size=8", "train.max_steps=12", "train.log_every=1", "train.eval_every=4",
-        "checkpoint.every_steps=4", "logging.tensorboard=false", "optim.warmup_steps=2"]
+BASE = [
+    "train.batch_size=8",
+    "train.max_steps=12",
+    "train.log_every=1",
+    "train.eval_every=4",
+    "checkpoint.every_steps=4",
+    "logging.tensorboard=false",
+    "optim.warmup_steps=2",
+]
 
 
 def qgtrain(tmp_path: Path, task: str, *sets: str) -> subprocess.CompletedProcess[str]:
-    return cli("train", "--run-dir", str(tmp_path / "run"), "--set", f"task=tests.tasks:{task}", *BASE, *sets,
-               cwd=tmp_path, timeout=180)
+    return cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        f"task=tests.tasks:{task}",
+        *BASE,
+        *sets,
+        cwd=tmp_path,
+        timeout=180,
+    )
 
 
 Named = collections.namedtuple("Named", "ids mask")
@@ -51,13 +68,36 @@ class Movable:
 def test_batches_of_any_structure_reach_the_device():
     meta = torch.device("meta")
     own = Movable()
-    batch = {"ids": torch.ones(2, 3), "pair": (torch.zeros(1), [torch.ones(1), 7]), "named": Named(torch.ones(1), None),
-             "graph": Graphish(torch.ones(4), 4), "own": own, "text": "kept", "array": __import__("numpy").ones(2)}
+    batch = {
+        "ids": torch.ones(2, 3),
+        "pair": (torch.zeros(1), [torch.ones(1), 7]),
+        "named": Named(torch.ones(1), None),
+        "graph": Graphish(torch.ones(4), 4),
+        "own": own,
+        "text": "kept",
+        "array": __import__("numpy").ones(2),
+    }
     moved = to_device(batch, meta)
-    assert moved["ids"].device == meta and moved["pair"][0].device == meta and moved["pair"][1][0].device == meta
-    assert moved["pair"][1][1] == 7 and isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
-    assert isinstance(moved["named"], Named) and moved["named"].ids.device == meta and moved["named"].mask is None
-    assert isinstance(moved["graph"], Graphish) and moved["graph"].nodes.device == meta and moved["graph"].count == 4
+    assert (
+        moved["ids"].device == meta
+        and moved["pair"][0].device == meta
+        and moved["pair"][1][0].device == meta
+    )
+    assert (
+        moved["pair"][1][1] == 7
+        and isinstance(moved["pair"], tuple)
+        and isinstance(moved["pair"][1], list)
+    )
+    assert (
+        isinstance(moved["named"], Named)
+        and moved["named"].ids.device == meta
+        and moved["named"].mask is None
+    )
+    assert (
+        isinstance(moved["graph"], Graphish)
+        and moved["graph"].nodes.device == meta
+        and moved["graph"].count == 4
+    )
     assert own.moved_to == meta and moved["text"] == "kept" and moved["array"] is batch["array"]
     assert batch["ids"].device.type == "cpu", "the batch itself is left as it was"
 
@@ -66,7 +106,9 @@ def test_a_batch_part_that_cannot_be_moved_is_named():
     class Opaque:
         pass
 
-    with pytest.raises(TaskError, match=r"the batch\['graph'\]\.nodes is a .*Opaque, which qgtrain cannot move"):
+    with pytest.raises(
+        TaskError, match=r"the batch\['graph'\]\.nodes is a .*Opaque, which qgtrain cannot move"
+    ):
         to_device({"graph": Graphish(Opaque(), 1)}, torch.device("meta"))  # type: ignore[arg-type]
 
 
@@ -83,13 +125,15 @@ def evaluate_points(size: int, batch_size: int) -> dict[str, float | None]:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)
         data = Points(size, 5)
-        loader = make_loader(data, EvalShard(data, env), batch_size, 0, torch.device("cpu"), 0, False)
+        loader = make_loader(
+            data, EvalShard(data, env), batch_size, 0, torch.device("cpu"), 0, False
+        )
         return evaluate(model, loader, classify_loss, accuracy, torch.device("cpu"), "fp32", 0)
 
 
 def test_metrics_are_exact_over_the_whole_split_on_uneven_shards():
-    """10 points on 3 ranks in batches of 4: shards of 4, 3 and 3 samples, a last batch shorter than the
-    others. Means of per-rank means would weigh them wrongly; sums over counts do not."""
+    """10 points on 3 ranks in batches of 4: shards of 4, 3 and 3 samples, a last batch shorter than
+    the others. Means of per-rank means would weigh them wrongly; sums over counts do not."""
     alone = run_ranks(1, evaluate_points, 10, 4)[0]
     three = run_ranks(3, evaluate_points, 10, 4)
     assert all(result == three[0] for result in three), "every rank reports the same values"
@@ -98,27 +142,69 @@ def test_metrics_are_exact_over_the_whole_split_on_uneven_shards():
     assert 0 < alone["accuracy"] < 1 and alone["accuracy"] * 10 == round(alone["accuracy"] * 10)
 
 
-@pytest.mark.parametrize("task, sets, code, message", [
-    ("no_such_function", (), 2, "task.factory: cannot load 'tests.tasks:no_such_function'"),
-    ("not_a_task", (), 3, "task.factory: tests.tasks:not_a_task returned int, not a qgtrain.Task"),
-    ("model_is_not_a_module", (), 3, "the task of tests.tasks:model_is_not_a_module has model=str; it "
-                                     "must be a torch.nn.Module"),
-    ("loss_is_not_a_scalar", (), 3, "task: loss(model, batch) returned a tensor of shape (8,); it must "
-                                    "return a floating-point scalar tensor"),
-    ("batch_cannot_move", (), 3, "task: the batch['x'] is a tests.tasks.Opaque, which qgtrain cannot "
-                                 "move to cpu"),
-    ("points", ("early_stopping.metric=val_f1",), 2, "early_stopping.metric: val_f1 is not reported by "
-                                                     "the task (it reports val_loss, val_accuracy)"),
-    ("without_metrics", ("early_stopping.metric=val_accuracy",), 2, "reports no metrics, but "
-                                                                    "early_stopping.metric is val_accuracy"),
-    ("endless_train", (), 3, f"has train=Endless, whose len() is {sys.maxsize} (sys.maxsize: an endless "
-                             "stream, not a count of samples); it must be a map-style dataset"),
-    ("streamed_val", (), 3, "has val=Stream, an IterableDataset; validation and test splits must be "
-                            "map-style (__len__ and __getitem__: every sample evaluated exactly once over "
-                            "all ranks), or None"),
-])
-def test_a_broken_task_is_one_line_naming_what_is_wrong_exit_2_for_config_3_for_code(tmp_path, task,
-                                                                                    sets, code, message):
+@pytest.mark.parametrize(
+    "task, sets, code, message",
+    [
+        ("no_such_function", (), 2, "task.factory: cannot load 'tests.tasks:no_such_function'"),
+        (
+            "not_a_task",
+            (),
+            3,
+            "task.factory: tests.tasks:not_a_task returned int, not a qgtrain.Task",
+        ),
+        (
+            "model_is_not_a_module",
+            (),
+            3,
+            "the task of tests.tasks:model_is_not_a_module has model=str; it "
+            "must be a torch.nn.Module",
+        ),
+        (
+            "loss_is_not_a_scalar",
+            (),
+            3,
+            "task: loss(model, batch) returned a tensor of shape (8,); it must "
+            "return a floating-point scalar tensor",
+        ),
+        (
+            "batch_cannot_move",
+            (),
+            3,
+            "task: the batch['x'] is a tests.tasks.Opaque, which qgtrain cannot move to cpu",
+        ),
+        (
+            "points",
+            ("early_stopping.metric=val_f1",),
+            2,
+            "early_stopping.metric: val_f1 is not reported by "
+            "the task (it reports val_loss, val_accuracy)",
+        ),
+        (
+            "without_metrics",
+            ("early_stopping.metric=val_accuracy",),
+            2,
+            "reports no metrics, but early_stopping.metric is val_accuracy",
+        ),
+        (
+            "endless_train",
+            (),
+            3,
+            f"has train=Endless, whose len() is {sys.maxsize} (sys.maxsize: an endless "
+            "stream, not a count of samples); it must be a map-style dataset",
+        ),
+        (
+            "streamed_val",
+            (),
+            3,
+            "has val=Stream, an IterableDataset; validation and test splits must be "
+            "map-style (__len__ and __getitem__: every sample evaluated exactly once over "
+            "all ranks), or None",
+        ),
+    ],
+)
+def test_a_broken_task_is_one_line_naming_what_is_wrong_exit_2_for_config_3_for_code(
+    tmp_path, task, sets, code, message
+):
     """A config value to change exits 2; the task's own code breaking the Task contract exits 3."""
     result = qgtrain(tmp_path, task, *sets)
     assert result.returncode == code, result.stderr[-2000:]
@@ -127,22 +213,45 @@ def test_a_broken_task_is_one_line_naming_what_is_wrong_exit_2_for_config_3_for_
     assert last.startswith("qgtrain: error: ") and message in last, last
 
 
-def test_a_dataclass_batch_trains_and_reports_exact_metrics_with_early_stopping_on_the_maximum(tmp_path):
-    result = qgtrain(tmp_path, "as_dataclass", "train.max_steps=200", "early_stopping.metric=val_accuracy",
-                     "early_stopping.mode=max", "early_stopping.patience=2", "early_stopping.min_delta=0.5")
+def test_a_dataclass_batch_trains_and_reports_exact_metrics_with_early_stopping_on_the_maximum(
+    tmp_path,
+):
+    result = qgtrain(
+        tmp_path,
+        "as_dataclass",
+        "train.max_steps=200",
+        "early_stopping.metric=val_accuracy",
+        "early_stopping.mode=max",
+        "early_stopping.patience=2",
+        "early_stopping.min_delta=0.5",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     run = tmp_path / "run"
     evaluated = [r for r in records(run) if "val_accuracy" in r]
-    assert [r["step"] for r in evaluated] == [4, 8, 12], "no gain of 0.5 after the first validation: stop at 12"
+    assert [r["step"] for r in evaluated] == [4, 8, 12], (
+        "no gain of 0.5 after the first validation: stop at 12"
+    )
     assert evaluated[-1]["test_accuracy"] is not None and "samples_per_s" in evaluated[-1]
     assert "tokens_per_s" not in evaluated[-1], "the task says nothing about tokens"
     manifest = json.loads((run / "checkpoints" / "step-12" / "manifest.json").read_text())
-    assert manifest["score"] == {"metric": "val_accuracy", "mode": "max", "value": evaluated[-1]["val_accuracy"]}
+    assert manifest["score"] == {
+        "metric": "val_accuracy",
+        "mode": "max",
+        "value": evaluated[-1]["val_accuracy"],
+    }
     state = json.loads((run / "checkpoints" / "step-12" / "state.json").read_text())["trainer"]
-    assert state["outcome"] == "stopped early" and state["best_metric"] == evaluated[0]["val_accuracy"]
-    shown = subprocess.run([sys.executable, "-m", "qgtrain", "runs", str(run), "--json"], capture_output=True,
-                           text=True, check=True)
-    assert json.loads(shown.stdout)[0]["last_val_metrics"] == {"val_accuracy": evaluated[-1]["val_accuracy"]}
+    assert (
+        state["outcome"] == "stopped early" and state["best_metric"] == evaluated[0]["val_accuracy"]
+    )
+    shown = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "runs", str(run), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(shown.stdout)[0]["last_val_metrics"] == {
+        "val_accuracy": evaluated[-1]["val_accuracy"]
+    }
 
 
 @pytest.mark.slow
@@ -150,30 +259,54 @@ def test_a_dataclass_batch_trains_and_reports_exact_metrics_with_early_stopping_
 def test_a_task_that_raises_on_one_rank_stops_every_rank_with_that_ranks_message(tmp_path, where):
     run = tmp_path / "run"
     started = time.monotonic()
-    procs = start_cli_ranks(2, ["train", "--run-dir", str(run), "--set", "task=tests.tasks:raises_on_rank_one",
-                                f"task.options.where={where}", *BASE, "train.max_steps=1000",
-                                "train.collective_timeout_s=120"], tmp_path)
+    procs = start_cli_ranks(
+        2,
+        [
+            "train",
+            "--run-dir",
+            str(run),
+            "--set",
+            "task=tests.tasks:raises_on_rank_one",
+            f"task.options.where={where}",
+            *BASE,
+            "train.max_steps=1000",
+            "train.collective_timeout_s=120",
+        ],
+        tmp_path,
+    )
     assert wait_ranks(procs, 100) == [1, 1]
-    assert time.monotonic() - started < 60, "the other rank learns of the failure at once, not at a timeout"
+    assert time.monotonic() - started < 60, (
+        "the other rank learns of the failure at once, not at a timeout"
+    )
     rank0 = (tmp_path / "rank-0.out").read_text()
     assert "rank 1 failed: ValueError: sample 17 has no label" in rank0.strip().splitlines()[-1]
     assert "ValueError: sample 17 has no label" in (tmp_path / "rank-1.out").read_text()
     status = json.loads((run / "status.json").read_text())
-    assert status["status"] == "failed" and "rank 1 failed: ValueError: sample 17" in status["error"]
+    assert (
+        status["status"] == "failed" and "rank 1 failed: ValueError: sample 17" in status["error"]
+    )
 
 
 def test_a_peer_that_vanishes_before_training_is_the_machines_failure_and_may_be_retried(tmp_path):
-    """A rank lost while the task is built breaks rank 0's first collective outside the step loop: that is a
-    peer failure, which the batch script retries, not the run's own failure, which it would not."""
+    """A rank lost while the task is built breaks rank 0's first collective outside the step loop:
+    that is a peer failure, which the batch script retries, not the run's own failure, which it
+    would not."""
     run = tmp_path / "run"
-    procs = start_cli_ranks(2, ["train", "--run-dir", str(run), "--set", "task=tests.tasks:vanishes_on_rank_one",
-                                *BASE], tmp_path)
+    procs = start_cli_ranks(
+        2,
+        ["train", "--run-dir", str(run), "--set", "task=tests.tasks:vanishes_on_rank_one", *BASE],
+        tmp_path,
+    )
     assert wait_ranks(procs, 100) == [1, 137]
     said = (tmp_path / "rank-0.out").read_text().strip().splitlines()[-1]
-    assert "a collective failed outside the step loop on rank 0: rank(s) [1] did not arrive" in said, said
+    assert (
+        "a collective failed outside the step loop on rank 0: rank(s) [1] did not arrive" in said
+    ), said
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and status["retryable"] is True, status
-    assert not (run / "logs" / "failed-rank-0.txt").exists(), "a note would tell the batch script not to retry"
+    assert not (run / "logs" / "failed-rank-0.txt").exists(), (
+        "a note would tell the batch script not to retry"
+    )
 
 
 SCRIPT = """
@@ -189,32 +322,66 @@ if __name__ == "__main__":
 
 def run_script(script: Path, run: Path, *sets: str) -> list[int]:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(run), *BASE, *sets], cwd=script.parent,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(run), *BASE, *sets],
+            cwd=script.parent,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": "1",
+            },
+        )
+        for r in (0, 1)
+    ]
     return [p.wait(timeout=120) for p in procs]
 
 
-def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_records_the_task(tmp_path):
+def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_records_the_task(
+    tmp_path,
+):
     script, run = tmp_path / "my_job.py", tmp_path / "run"
     script.write_text(SCRIPT)
     assert run_script(script, run) == [0, 0]
     assert records(run)[-1]["val_accuracy"] is not None and records(run)[-1]["step"] == 12
-    assert "factory: tests.tasks:points" in (run / "config.yaml").read_text(), "export can rebuild the task"
+    assert "factory: tests.tasks:points" in (run / "config.yaml").read_text(), (
+        "export can rebuild the task"
+    )
     # a longer run after the end: a new decay from the current rate (a bare change would be refused)
     assert run_script(script, run, "train.max_steps=16", "optim.rewarm_steps=0") == [0, 0]
-    assert "resumed from" in (run / "logs" / "rank_0.log").read_text() and records(run)[-1]["step"] == 16
+    assert (
+        "resumed from" in (run / "logs" / "rank_0.log").read_text()
+        and records(run)[-1]["step"] == 16
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_still_trains(
-        tmp_path, parallel):
+    tmp_path, parallel
+):
     """The ranks wait for a slow rank 0 (a large model read from a shared filesystem) up to
     train.startup_timeout_s, not train.collective_timeout_s: here 6 s of building against 2 s."""
     sharding = ["train.parallel=fsdp", "train.shard_modules=[Linear]"] if parallel == "fsdp" else []
-    procs = start_cli_ranks(2, ["train", "--run-dir", str(tmp_path / "run"), "--set",
-                                "task=tests.tasks:slow_on_rank_zero", "task.options={build_s: 6}",
-                                "train.collective_timeout_s=2", *sharding, *BASE], tmp_path)
+    procs = start_cli_ranks(
+        2,
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "task=tests.tasks:slow_on_rank_zero",
+            "task.options={build_s: 6}",
+            "train.collective_timeout_s=2",
+            *sharding,
+            *BASE,
+        ],
+        tmp_path,
+    )
     assert wait_ranks(procs, 120) == [0, 0], (tmp_path / "rank-1.out").read_text()[-2000:]

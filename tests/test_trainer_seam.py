@@ -57,8 +57,11 @@ def test_a_non_finite_loss_stops_training_naming_the_step_and_saves_nothing_afte
         return loss * float("nan") if len(calls) == 3 else loss
 
     with one_rank_group():
-        trainer = build_trainer(tmp_path, linear_task(loss=turns_nan),
-                                config("train.max_steps=10", "checkpoint.every_steps=1"))
+        trainer = build_trainer(
+            tmp_path,
+            linear_task(loss=turns_nan),
+            config("train.max_steps=10", "checkpoint.every_steps=1"),
+        )
         with pytest.raises(TrainingError, match="step 3"):
             trainer.fit()
         trainer.parts.checkpointer.wait()

@@ -60,8 +60,11 @@ def relist(folder: Path, step: int, extra: dict[str, Entry] | None = None) -> ch
     """Rewrite folder's manifest as an attacker would: every regular file in it listed with its true
     size and checksum, the step set to `step`, and `extra` entries added as they are."""
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    files = sorted(p for p in folder.rglob("*")
-                   if p.is_file() and not p.is_symlink() and p.name != checkpoint.MANIFEST)
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name != checkpoint.MANIFEST
+    )
     manifest["files"] = {str(p.relative_to(folder)): checkpoint.file_entry(p) for p in files}
     manifest["files"].update(extra or {})
     manifest["step"] = step
@@ -75,8 +78,9 @@ def committed(tmp_path: Path) -> checkpoint.Checkpoint:
     """A small committed checkpoint of the replicated kind."""
     staging = checkpoint.staging_dir(tmp_path / "checkpoints", 1, "run-a")
     staging.mkdir(parents=True)
-    files = checkpoint.write_files(staging, {"model.pt": {"weight": torch.ones(2, 2)},
-                                             "state.json": b"{}"})
+    files = checkpoint.write_files(
+        staging, {"model.pt": {"weight": torch.ones(2, 2)}, "state.json": b"{}"}
+    )
     final = tmp_path / "checkpoints" / "step-1"
     return checkpoint.commit(staging, final, files, {"step": 1, "run_id": "run-a"})
 
@@ -121,8 +125,10 @@ def test_a_byte_entry_that_would_run_code_is_refused_by_verification_and_by_the_
     from qgtrain.state import dcp_safe  # here: the tests above run on the code before it too
 
     state: dict[str, Any] = {"model": {"weight": None}}  # not a tensor's place: loaded as data
-    with pytest.raises(CheckpointError, match="refuses to unpickle posix.system from the sharded "
-                                              "checkpoint's entry model.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match="refuses to unpickle posix.system from the sharded checkpoint's entry model.weight",
+    ):
         dcp_safe.load(ckpt, state, no_dist=True)
     assert not marker.exists()
 
@@ -131,17 +137,31 @@ def test_a_sharded_checkpoint_of_qgtrain_s_own_kind_verifies_and_loads_whole(tmp
     """What qgtrain's fsdp checkpoints hold as bytes: the optimizer's param_groups (numbers, flags,
     None, tuples, parameter names); their metadata names dtypes, sizes, layouts and paths."""
     ckpt = committed(tmp_path)
-    groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "foreach": None,
-               "params": ["weight"]}]
-    model = {"weight": torch.randn(3, 2), "half": torch.ones(4, dtype=torch.bfloat16),
-             "step": torch.tensor(7), "t": torch.randn(2, 2).t()}
+    groups = [
+        {
+            "lr": 1e-3,
+            "betas": (0.9, 0.95),
+            "eps": 1e-8,
+            "amsgrad": False,
+            "foreach": None,
+            "params": ["weight"],
+        }
+    ]
+    model = {
+        "weight": torch.randn(3, 2),
+        "half": torch.ones(4, dtype=torch.bfloat16),
+        "step": torch.tensor(7),
+        "t": torch.randn(2, 2).t(),
+    }
     write_dcp(ckpt.path / "sharded", {"model": model, "optim": {"param_groups": groups}})
     ckpt = relist(ckpt.path, 1)
     assert checkpoint.verify(ckpt) is None
     from qgtrain.state import dcp_safe
 
-    empty = {"model": {k: torch.empty_like(v) for k, v in model.items()},
-             "optim": {"param_groups": [dict.fromkeys(groups[0])]}}
+    empty = {
+        "model": {k: torch.empty_like(v) for k, v in model.items()},
+        "optim": {"param_groups": [dict.fromkeys(groups[0])]},
+    }
     dcp_safe.load(ckpt, empty, no_dist=True)
     assert all(torch.equal(empty["model"][k], v) for k, v in model.items())
     assert empty["optim"] == {"param_groups": groups}
@@ -155,8 +175,12 @@ def test_dcp_metadata_that_points_outside_sharded_is_refused(tmp_path):
         info.relative_path = "../../../../etc/hostname"
     (ckpt.path / "sharded" / ".metadata").write_bytes(pickle.dumps(metadata))
     problem = checkpoint.verify(relist(ckpt.path, 1))
-    assert problem is not None and "stores 'model.weight' in '../../../../etc/hostname', which " \
-        "is not a file of sharded/ that the manifest lists" in problem
+    assert (
+        problem is not None
+        and "stores 'model.weight' in '../../../../etc/hostname', which "
+        "is not a file of sharded/ that the manifest lists"
+        in problem
+    )
 
 
 def fifo(path: Path) -> Entry:
@@ -180,6 +204,7 @@ def linked(link: str, to_folder: bool) -> Callable[[Path], Entry]:
         entry = outside(folder)
         os.symlink(folder.parent if to_folder else folder.parent / "outside", folder / link)
         return entry
+
     return make
 
 
@@ -187,8 +212,11 @@ def linked(link: str, to_folder: bool) -> Callable[[Path], Entry]:
 HOSTILE: dict[str, tuple[str, Callable[[Path], Entry], str]] = {
     "parent": ("../outside", outside, "'../outside', which is not a plain relative path"),
     "nested parent": ("sub/../../outside", nested, "which is not a plain relative path"),
-    "absolute": ("/etc/hostname", lambda f: checkpoint.file_entry(Path("/etc/hostname")),
-                 "'/etc/hostname', which is an absolute path"),
+    "absolute": (
+        "/etc/hostname",
+        lambda f: checkpoint.file_entry(Path("/etc/hostname")),
+        "'/etc/hostname', which is an absolute path",
+    ),
     "fifo": ("pipe", lambda f: fifo(f / "pipe"), "pipe is a FIFO (named pipe)"),
     "symlink": ("link", linked("link", False), "link is a symbolic link"),
     "linked folder": ("sub/outside", linked("sub", True), "sub is a symbolic link"),
@@ -243,6 +271,7 @@ def evil_metadata(marker: Path) -> Callable[[Path], None]:
     def plant(folder: Path) -> None:
         write_dcp(folder / "sharded", {"model": torch.load(folder / "model.pt", weights_only=True)})
         with_payload_in_metadata(folder, touch(marker))
+
     return plant
 
 
@@ -251,6 +280,7 @@ def evil_bytes(marker: Path) -> Callable[[Path], None]:
         weights = torch.load(folder / "model.pt", weights_only=True)
         weights["transformer.ln_f.weight"] = touch(marker)  # not tied: an export reads it
         write_dcp(folder / "sharded", {"model": weights})
+
     return plant
 
 
@@ -261,21 +291,32 @@ def a_fifo(folder: Path) -> dict[str, Entry]:
 @pytest.mark.slow
 @pytest.mark.timeout(4 * RUN_S)
 @pytest.mark.parametrize("kind", ["metadata", "byte entry", "fifo"])
-def test_a_planted_checkpoint_is_refused_by_export_and_passed_over_by_resume(trained, tmp_path,
-                                                                             kind):
+def test_a_planted_checkpoint_is_refused_by_export_and_passed_over_by_resume(
+    trained, tmp_path, kind
+):
     marker = tmp_path / "PWNED"
     refusal = "qgtrain refuses to unpickle posix.system from "
-    plant, said = {"metadata": (evil_metadata(marker), refusal),
-                   "byte entry": (evil_bytes(marker), refusal),
-                   "fifo": (a_fifo, "pipe is a FIFO (named pipe)")}[kind]
+    plant, said = {
+        "metadata": (evil_metadata(marker), refusal),
+        "byte entry": (evil_bytes(marker), refusal),
+        "fifo": (a_fifo, "pipe is a FIFO (named pipe)"),
+    }[kind]
     run = tmp_path / "run"
     shutil.copytree(trained, run, symlinks=True)
     step4, step6 = run / "checkpoints" / "step-4", run / "checkpoints" / "step-6"
     shutil.copytree(step4, step6)
     relist(step6, 6, plant(step6))
 
-    refused = cli("export", str(run), "--step", "6", "--out", str(tmp_path / "six"), cwd=tmp_path,
-                  timeout=RUN_S)
+    refused = cli(
+        "export",
+        str(run),
+        "--step",
+        "6",
+        "--out",
+        str(tmp_path / "six"),
+        cwd=tmp_path,
+        timeout=RUN_S,
+    )
     assert not marker.exists(), "the export ran the payload"
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert refused.returncode == 2 and len(lines) == 1, lines

@@ -19,7 +19,7 @@ from qgtrain.task import BUILTIN_LM
 from qgtrain.trust import Named, config_code
 from tests.helpers import cli
 
-TASK_FILE = '''from pathlib import Path
+TASK_FILE = """from pathlib import Path
 
 Path(__file__).with_name("imported").write_text("ran")
 
@@ -28,7 +28,7 @@ from tests.tasks import points
 
 def build(cfg):
     return points(cfg)
-'''
+"""
 
 
 def train(tmp_path: Path, run: Path, *sets: str) -> tuple[str, Path]:
@@ -36,9 +36,19 @@ def train(tmp_path: Path, run: Path, *sets: str) -> tuple[str, Path]:
     (removed here, once training has made it)."""
     (tmp_path / "evil.py").write_text(TASK_FILE)
     spec = f"{tmp_path / 'evil.py'}:build"
-    done = cli("train", "--run-dir", str(run), "--set", f"task={spec}", "train.batch_size=8",
-               "train.max_steps=2", "train.eval_every=0", "logging.tensorboard=false", *sets,
-               cwd=tmp_path)
+    done = cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        f"task={spec}",
+        "train.batch_size=8",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "logging.tensorboard=false",
+        *sets,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     (tmp_path / "imported").unlink()
     return spec, tmp_path / "imported"
@@ -103,7 +113,7 @@ def test_your_own_run_exports_without_the_flag_but_its_export_loads_only_with_tr
     assert type(model).__name__ == "Sequential" and imported.exists()
 
 
-WITNESS = '''from pathlib import Path
+WITNESS = """from pathlib import Path
 
 import torch
 
@@ -114,11 +124,12 @@ class Model:
     @classmethod
     def from_pretrained(cls, folder):
         return torch.nn.Linear(2, 2)
-'''
+"""
 
 
-def test_load_model_imports_a_class_by_name_only_from_transformers_or_when_trusted(tmp_path,
-                                                                                  monkeypatch):
+def test_load_model_imports_a_class_by_name_only_from_transformers_or_when_trusted(
+    tmp_path, monkeypatch
+):
     import qgtrain
 
     name = f"witness_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
@@ -150,8 +161,9 @@ def test_only_the_built_in_language_model_and_transformers_model_classes_are_bui
     assert not Named("model.factory", "transformers:AutoModelForCausalLM").builtin()
     assert not Named("class", "transformers_evil.Model").builtin()
     assert not Named("class", "torch.nn.Linear").builtin()
-    lm = load_config([], ["model.factory=tests.factories:tiny", "data.name=factory",
-                          "data.factory=x:y"])
+    lm = load_config(
+        [], ["model.factory=tests.factories:tiny", "data.name=factory", "data.factory=x:y"]
+    )
     assert config_code(lm) == [Named("model.factory", "tests.factories:tiny")]  # no LM data built
     task = load_config([], ["task=x:task", "data.name=factory", "data.factory=x:data"])
     assert config_code(task) == [Named("task.factory", "x:task"), Named("data.factory", "x:data")]

@@ -46,10 +46,14 @@ def test_an_export_dir_of_other_files_is_left_alone_and_an_earlier_export_replac
     assert (models / "notes.txt").read_text() == "my other models"
     assert status(run) == "finished" and (run / "checkpoints" / "step-2").is_dir()
     log = (run / "logs" / "rank_0.log").read_text()
-    assert f"training finished, but nothing was exported: export: {models} holds files that are " \
-           "not a qgtrain export ('notes.txt')" in log
-    assert "export by hand into another folder with " \
-           f"`qgtrain export {run.resolve()} --out OTHER`" in log
+    assert (
+        f"training finished, but nothing was exported: export: {models} holds files that are "
+        "not a qgtrain export ('notes.txt')" in log
+    )
+    assert (
+        "export by hand into another folder with "
+        f"`qgtrain export {run.resolve()} --out OTHER`" in log
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     for _ in range(2):  # an empty folder is used; a second start finds the run done, exports again
@@ -66,8 +70,10 @@ def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path):
     (mine / "config.yaml").write_text(text)
     code, err = train(mine, "train.max_steps=2")
     assert code == 2, err[-3000:]
-    assert f"{mine} is not a run directory (it has no run.json) and holds other files " \
-           "('config.yaml')" in one_error_line(err)
+    assert (
+        f"{mine} is not a run directory (it has no run.json) and holds other files "
+        "('config.yaml')" in one_error_line(err)
+    )
     assert [p.name for p in mine.iterdir()] == ["config.yaml"]
     assert (mine / "config.yaml").read_text() == text
     run = tmp_path / "run"
@@ -90,17 +96,24 @@ def test_a_link_planted_at_the_run_directory_lock_leaves_its_target_alone(tmp_pa
     (run / ".lock").symlink_to(victim)
     code, err = train(run, "train.max_steps=2")
     assert code == 2, err[-3000:]
-    assert f"{run / '.lock'} is a symbolic link where qgtrain keeps a lock file" \
-        in one_error_line(err)
+    assert f"{run / '.lock'} is a symbolic link where qgtrain keeps a lock file" in one_error_line(
+        err
+    )
     assert victim.read_text() == "precious"
 
 
 def test_a_link_planted_at_the_data_cache_lock_or_temporary_folder_leaves_its_target_alone(
-        tmp_path):
+    tmp_path,
+):
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(50)))
-    data = DataConfig(name="files", files=(str(source),), cache_dir=str(tmp_path / "cache"),
-                      val_fraction=0.1, test_fraction=0.1)
+    data = DataConfig(
+        name="files",
+        files=(str(source),),
+        cache_dir=str(tmp_path / "cache"),
+        val_fraction=0.1,
+        test_fraction=0.1,
+    )
     entry = prepare.plan(data).folder
     entry.parent.mkdir(parents=True)
     victim = tmp_path / "victim.txt"

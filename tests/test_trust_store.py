@@ -32,8 +32,9 @@ class Planted:
         return os.mkdir, (self.marker,)
 
 
-def hostile_client(port: int, values: dict[str, str], adds: list[str],
-                   done: threading.Event) -> None:
+def hostile_client(
+    port: int, values: dict[str, str], adds: list[str], done: threading.Event
+) -> None:
     """Any process on the network: connect to the job's store port and write keys, as soon as it
     opens."""
     import torch.distributed as dist
@@ -45,8 +46,9 @@ def hostile_client(port: int, values: dict[str, str], adds: list[str],
             break
         except OSError:
             time.sleep(0.01)
-    client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30),
-                           wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1", port, None, False, datetime.timedelta(seconds=30), wait_for_workers=False
+    )
     for key in adds:
         client.add(key, 1)
     for key, value in values.items():
@@ -69,8 +71,11 @@ def works_while_attacked(tmp: str, hidden_on_rank_1: bool) -> object:
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
         try:
             return distributed.main_works_long(
-                work, "works", ("data.prepare_timeout_s", 8.0),
-                lambda value: not (hidden_on_rank_1 and env.rank == 1))
+                work,
+                "works",
+                ("data.prepare_timeout_s", 8.0),
+                lambda value: not (hidden_on_rank_1 and env.rank == 1),
+            )
         except QgtrainError as exc:
             return f"{type(exc).__name__}: {exc}"
 
@@ -83,17 +88,20 @@ def test_a_pickle_planted_in_the_store_never_runs_on_any_rank(tmp_path, hidden):
     port, done = free_port(), threading.Event()
     host_key = f"{ONCE}/{socket.gethostname()}"
     values = {host_key: payload} if hidden else {ONCE: payload}
-    attacker = threading.Thread(target=hostile_client,
-                                args=(port, values, [f"{host_key}/asked"] if hidden else [], done))
+    attacker = threading.Thread(
+        target=hostile_client, args=(port, values, [f"{host_key}/asked"] if hidden else [], done)
+    )
     attacker.start()
-    results = run_ranks(2, works_while_attacked, str(tmp_path), hidden,
-                        env={"MASTER_PORT": str(port)})
+    results = run_ranks(
+        2, works_while_attacked, str(tmp_path), hidden, env={"MASTER_PORT": str(port)}
+    )
     attacker.join(timeout=30)
     assert done.is_set(), "the hostile client never wrote its keys"
     assert not marker.exists(), "a value from the store ran as code"
     assert results[1].startswith(
         f"QgtrainError: the rendezvous store's key qgtrain/once/0"
-        f"{'/' + socket.gethostname() if hidden else ''} holds '8"), results[1]
+        f"{'/' + socket.gethostname() if hidden else ''} holds '8"
+    ), results[1]
     assert "which is not a value a qgtrain rank writes. HINT: another process" in results[1]
 
 
@@ -106,17 +114,21 @@ def fails_on_rank_0(kind: str) -> list[str]:
     class TasksOwn(ConfigError):
         """A task's own error type, which no other rank can import by name."""
 
-    raised = {"checkpoint": CheckpointError("step-4 is damaged"),
-              "training": TrainingError("loss is nan"),
-              "own": TasksOwn("data.files: none match")}[kind]
+    raised = {
+        "checkpoint": CheckpointError("step-4 is damaged"),
+        "training": TrainingError("loss is nan"),
+        "own": TasksOwn("data.files: none match"),
+    }[kind]
 
     def fail() -> str:
         raise raised
 
     seen = []
     with distributed.process_group(from_environ(os.environ), torch.device("cpu"), 60, 60):
-        for call in (lambda: distributed.main_works_long(fail, "fails", ("its limit", 30.0)),
-                     lambda: distributed.main_decides(fail)):
+        for call in (
+            lambda: distributed.main_works_long(fail, "fails", ("its limit", 30.0)),
+            lambda: distributed.main_decides(fail),
+        ):
             try:
                 call()
                 seen.append("no error")
@@ -125,9 +137,14 @@ def fails_on_rank_0(kind: str) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("kind, expected", [("checkpoint", "CheckpointError: step-4 is damaged"),
-                                            ("training", "TrainingError: loss is nan"),
-                                            ("own", "ConfigError: data.files: none match")])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("checkpoint", "CheckpointError: step-4 is damaged"),
+        ("training", "TrainingError: loss is nan"),
+        ("own", "ConfigError: data.files: none match"),
+    ],
+)
 def test_an_error_of_rank_0_s_work_reaches_every_rank_as_its_qgtrain_type(kind, expected):
     """qgtrain's own types passed on 26ab7a7 too (the class crossed pickled) and guard that they
     still arrive by name. A task's own type failed there: a class pickle cannot import by name (here
@@ -150,10 +167,16 @@ def who_reaches_the_store() -> dict[str, bool] | None:
 
     env = from_environ(os.environ)
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        others = [i.address for i in comms.machine_interfaces()
-                  if i.address and not i.address.startswith("127.")]
-        reached = {a: connects(a, env.master_port) for a in ["127.0.0.1", "127.0.0.2", *others]} \
-            if env.is_main else None
+        others = [
+            i.address
+            for i in comms.machine_interfaces()
+            if i.address and not i.address.startswith("127.")
+        ]
+        reached = (
+            {a: connects(a, env.master_port) for a in ["127.0.0.1", "127.0.0.2", *others]}
+            if env.is_main
+            else None
+        )
         distributed.barrier()
         return reached
 
@@ -168,8 +191,9 @@ def test_the_store_listens_on_master_addr_only():
 def test_a_store_that_cannot_be_bound_to_master_addr_listens_everywhere_and_the_job_starts():
     """Two nodes with MASTER_ADDR on loopback (other nodes could not reach it): rank 0 falls back to
     torch's own listener on every interface, and the ranks still join."""
-    reached = run_ranks(2, who_reaches_the_store,
-                        env={"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})[0]
+    reached = run_ranks(2, who_reaches_the_store, env={"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})[
+        0
+    ]
     assert reached["127.0.0.2"] and reached["127.0.0.1"]
 
 
@@ -177,7 +201,8 @@ def test_the_listener_refuses_what_it_cannot_bind_and_says_why():
     port = free_port()
     listener, why = store.bound_listener("127.0.0.1", port, 1)
     assert listener is not None and why == (
-        f"listens on 127.0.0.1 port {port} only (MASTER_ADDR 127.0.0.1)")
+        f"listens on 127.0.0.1 port {port} only (MASTER_ADDR 127.0.0.1)"
+    )
     try:
         assert connects("127.0.0.1", port) and not connects("127.0.0.2", port)
         again, why = store.bound_listener("127.0.0.1", port, 1)
@@ -190,17 +215,27 @@ def test_the_listener_refuses_what_it_cannot_bind_and_says_why():
     assert loopback is None and "which other nodes cannot reach" in why
     nowhere, why = store.bound_listener("no-such-host.invalid", port, 2)
     assert nowhere is None and why.startswith(
-        "MASTER_ADDR no-such-host.invalid does not resolve here")
+        "MASTER_ADDR no-such-host.invalid does not resolve here"
+    )
 
 
-@pytest.mark.parametrize("text, says", [
-    ("80049520000000000000008c02", "holds '80049520000000000000008c02'..., which is not a value"),
-    ('{"error": "SystemExit", "message": "bye"}', "an error of an unknown type 'SystemExit'"),
-    ('{"error": "os.system", "message": "touch /tmp/x"}',
-     "an error of an unknown type 'os.system'"),
-    ('{"ok": 1, "extra": 2}', "which is not a value a qgtrain rank writes"),
-    ('[1, 2]', "which is not a value a qgtrain rank writes"),
-    (b"\xff\xfe", "which is not a value a qgtrain rank writes")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (
+            "80049520000000000000008c02",
+            "holds '80049520000000000000008c02'..., which is not a value",
+        ),
+        ('{"error": "SystemExit", "message": "bye"}', "an error of an unknown type 'SystemExit'"),
+        (
+            '{"error": "os.system", "message": "touch /tmp/x"}',
+            "an error of an unknown type 'os.system'",
+        ),
+        ('{"ok": 1, "extra": 2}', "which is not a value a qgtrain rank writes"),
+        ("[1, 2]", "which is not a value a qgtrain rank writes"),
+        (b"\xff\xfe", "which is not a value a qgtrain rank writes"),
+    ],
+)
 def test_what_qgtrain_does_not_write_is_refused_as_a_qgtrain_error(text, says):
     with pytest.raises(QgtrainError, match="HINT: another process on the network") as caught:
         wire.decode(text, "the key k")

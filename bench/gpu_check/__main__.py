@@ -23,8 +23,8 @@ def trained(
     folder: Path,
     export: bool,
 ) -> None:
-    """Straight through with async and with blocking checkpoints, and killed then resumed; compared.
-    """
+    """Straight through with async and with blocking checkpoints, and killed then resumed;
+    compared."""
     name = f"{world} rank(s) {parallel} {precision}"
     tag = f"{world}-{parallel}-{precision}"
     a, b, killed = (folder / f"{tag}-{kind}" for kind in ("async", "blocking", "killed"))
@@ -159,7 +159,7 @@ def main() -> int:
     if not cuda:
         print(
             "no CUDA device here: the above is the CPU dry run of the orchestration; "
-             "run this on a machine "
+            "run this on a machine "
             "with GPUs",
             file=sys.stderr,
         )

@@ -132,7 +132,8 @@ def stepped(
 ) -> dict[str, Any]:
     """qgtrain's pieces over this rank's share of the same batches; memory as the step leaves it."""
     rank, cuda = dist.get_rank(), device.type == "cuda"
-    gc.collect()  # the previous layout's DDP holds cycles: freed later, they would shrink this figure
+    # the previous layout's DDP holds cycles: freed later, they would shrink this figure
+    gc.collect()
     baseline = torch.cuda.memory_allocated(device) if cuda else 0
     wrapped = wrap(layout, model, device, world)
     after_wrap = torch.cuda.memory_allocated(device) - baseline if cuda else 0

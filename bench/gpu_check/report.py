@@ -38,8 +38,8 @@ class Report:
         return [r.name for r in self.results if r.verdict == "FAIL"]
 
     def table(self) -> str:
-        """The summary to paste into the README; a cell never breaks the table (pipes and newlines).
-        """
+        """The summary to paste into the README; a cell never breaks the table (pipes and
+        newlines)."""
         rows = ["| check | result | figure | device | torch |", "|---|---|---|---|---|"]
         for r in self.results:
             figure = r.figure if r.verdict != "SKIP" else r.detail

@@ -23,8 +23,8 @@ from .report import Report
 
 @dataclass(frozen=True)
 class Plan:
-    """A small run: its settings, length, checkpoint interval and the step after which it is killed.
-    """
+    """A small run: its settings, length, checkpoint interval and the step after which it is
+    killed."""
 
     device: str
     sets: tuple[str, ...]
@@ -133,8 +133,8 @@ def train(
 def killed_and_resumed(
     world: int, plan: Plan, run: Path, parallel: str, precision: str
 ) -> procs.Finished:
-    """SIGKILL every rank once a checkpoint is committed and training has gone past it; then resume.
-    """
+    """SIGKILL every rank once a checkpoint is committed and training has gone past it; then
+    resume."""
     log = run.parent / f"{run.name}.log"
     committed = run / "checkpoints" / f"step-{2 * plan.every}" / "manifest.json"
     proc = procs.start(runner(world, plan, run, parallel, precision), log, procs.DETERMINISTIC_ENV)

@@ -53,27 +53,43 @@ class Abort:
     def text(self) -> str:
         aborted = f"rank(s) {_ranks(self.aborted)} aborted" if self.aborted else "the step aborted"
         trace = f"`torchfrtrace {self.folder}` says which rank stopped in which collective"
-        silent = (f"; rank(s) {_ranks(self.silent)} left no dump: they died or hung before they "
-                  "could write one" if self.silent else "")
+        silent = (
+            f"; rank(s) {_ranks(self.silent)} left no dump: they died or hung before they "
+            "could write one"
+            if self.silent
+            else ""
+        )
         if self.kind == "collective":
-            return (f"an NCCL collective failed or timed out, the machine's failure: {aborted} "
-                    "(SIGABRT, exit 134, from NCCL's watchdog); the Flight Recorder dumps of "
-                    f"rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}")
+            return (
+                f"an NCCL collective failed or timed out, the machine's failure: {aborted} "
+                "(SIGABRT, exit 134, from NCCL's watchdog); the Flight Recorder dumps of "
+                f"rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}"
+            )
         if self.kind == "abort":
-            return (f"{aborted} (SIGABRT, exit 134) with no NCCL Flight Recorder dump in "
-                    f"{self.folder}: NCCL's watchdog where the job turned "
-                    "TORCH_NCCL_DUMP_ON_TIMEOUT off or sent the dumps elsewhere, or another abort "
-                    "in native code; the job's output holds its last words")
-        return ("an NCCL collective failed or timed out before the step ended: the Flight Recorder "
-                f"dumps of rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}")
+            return (
+                f"{aborted} (SIGABRT, exit 134) with no NCCL Flight Recorder dump in "
+                f"{self.folder}: NCCL's watchdog where the job turned "
+                "TORCH_NCCL_DUMP_ON_TIMEOUT off or sent the dumps elsewhere, or another abort "
+                "in native code; the job's output holds its last words"
+            )
+        return (
+            "an NCCL collective failed or timed out before the step ended: the Flight Recorder "
+            f"dumps of rank(s) {_ranks(self.dumped)} are in {self.folder}: {trace}{silent}"
+        )
 
     def record(self) -> dict[str, object]:
-        return {"kind": self.kind, "aborted": list(self.aborted), "dumped": list(self.dumped),
-                "silent": list(self.silent), "dumps": self.folder}
+        return {
+            "kind": self.kind,
+            "aborted": list(self.aborted),
+            "dumped": list(self.dumped),
+            "silent": list(self.silent),
+            "dumps": self.folder,
+        }
 
 
-def diagnose(exits: Mapping[int, str], exit_code: int, dumped: Iterable[int], world_size: int,
-             folder: str) -> Abort | None:
+def diagnose(
+    exits: Mapping[int, str], exit_code: int, dumped: Iterable[int], world_size: int, folder: str
+) -> Abort | None:
     """`exits`: rank -> how srun says it ended (the ranks srun reported); `exit_code`: srun's own;
     `dumped`: the ranks whose dump is in `folder`. None where nothing points at NCCL."""
     aborted = tuple(sorted(rank for rank, how in exits.items() if is_abort(how)))
@@ -82,8 +98,12 @@ def diagnose(exits: Mapping[int, str], exit_code: int, dumped: Iterable[int], wo
         return None
     silent = tuple(rank for rank in range(world_size) if rank not in dumps) if dumps else ()
     kind: Literal["collective", "abort", "dumps"] = (
-        "dumps" if not (aborted or exit_code == SIGABRT_STATUS)
-        else "collective" if dumps else "abort")
+        "dumps"
+        if not (aborted or exit_code == SIGABRT_STATUS)
+        else "collective"
+        if dumps
+        else "abort"
+    )
     return Abort(kind, aborted, dumps, silent, folder)
 
 

@@ -1,8 +1,9 @@
-"""Which nodes a job can have: the partition's nodes that are up (as sinfo says), and what exclusions leave.
+"""Which nodes a job can have: the partition's nodes that are up (as sinfo says), and what
+exclusions leave.
 
-Used when a job is submitted (an --exclude that leaves too few nodes is refused before sbatch sees it) and
-after a failed step (a failing node is kept away from the requeued job only if another can take its place).
-Where sinfo cannot answer, nothing is refused and nothing is excluded.
+Used when a job is submitted (an --exclude that leaves too few nodes is refused before sbatch sees
+it) and after a failed step (a failing node is kept away from the requeued job only if another can
+take its place). Where sinfo cannot answer, nothing is refused and nothing is excluded.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ..config import SlurmConfig
 from ..errors import ConfigError
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
-_DOWN = ("down", "drain", "drng", "fail", "maint", "inval")  # sinfo's short states of nodes that take no job
+# sinfo's short states of nodes that take no job
+_DOWN = ("down", "drain", "drng", "fail", "maint", "inval")
 
 
 def usable_nodes(partition: str, run: Runner = subprocess.run) -> set[str] | None:
@@ -43,9 +45,11 @@ def spare_nodes(partition: str, needed: int, run: Runner = subprocess.run) -> in
 
 
 def check_exclusions(slurm: SlurmConfig, run: Runner = subprocess.run) -> None:
-    """Refuse an --exclude in slurm.extra_sbatch that leaves the partition fewer nodes than the job asks for:
-    Slurm would keep it pending forever."""
-    excluded = [option.partition("=")[2] for option in slurm.extra_sbatch if option.startswith("--exclude=")]
+    """Refuse an --exclude in slurm.extra_sbatch that leaves the partition fewer nodes than the job
+    asks for: Slurm would keep it pending forever."""
+    excluded = [
+        option.partition("=")[2] for option in slurm.extra_sbatch if option.startswith("--exclude=")
+    ]
     if not excluded:
         return
     usable = usable_nodes(slurm.partition, run)
@@ -54,9 +58,13 @@ def check_exclusions(slurm: SlurmConfig, run: Runner = subprocess.run) -> None:
     try:
         left = usable - {node for spec in excluded for node in hostlist.expand_hostlist(spec)}
     except hostlist.BadHostlist as exc:
-        raise ConfigError(f"slurm.extra_sbatch: --exclude={excluded[0]} is not a Slurm hostlist ({exc})") from None
+        raise ConfigError(
+            f"slurm.extra_sbatch: --exclude={excluded[0]} is not a Slurm hostlist ({exc})"
+        ) from None
     if len(left) < slurm.nodes:
         where = f"partition {slurm.partition}" if slurm.partition else "the default partition"
-        raise ConfigError(f"slurm.extra_sbatch: --exclude={','.join(excluded)} leaves {len(left)} of the "
-                          f"{len(usable)} usable nodes of {where}, and the job asks for slurm.nodes={slurm.nodes}. "
-                          "HINT: exclude fewer nodes, or ask for fewer")
+        raise ConfigError(
+            f"slurm.extra_sbatch: --exclude={','.join(excluded)} leaves {len(left)} of the "
+            f"{len(usable)} usable nodes of {where}, and the job asks for "
+            f"slurm.nodes={slurm.nodes}. HINT: exclude fewer nodes, or ask for fewer"
+        )

@@ -1,18 +1,19 @@
-"""After a training step (srun) failed inside a batch job: try again in this allocation, requeue, or end.
+"""After a training step (srun) failed inside a batch job: try again in this allocation, requeue, or
+end.
 
-train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind decides:
-srun's own report of the first task that failed (node, rank, how it ended), the notes failing ranks left
-in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was the machine's failure
-or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank NCCL's watchdog took
-down leaves no note), and the run's history of failures per node. The answer is one line the script
-acts on:
+train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind
+decides: srun's own report of the first task that failed (node, rank, how it ended), the notes
+failing ranks left in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was
+the machine's failure or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank
+NCCL's watchdog took down leaves no note), and the run's history of failures per node. The answer is
+one line the script acts on:
 
-    retry                    a new srun step in this allocation, from the last committed checkpoint
-    requeue [NODE[,NODE]]    requeue the job, keeping it away from these nodes
-    end                      the run's own failure (a new attempt would fail the same way), or nothing left
+    retry a new srun step in this allocation, from the last committed checkpoint requeue
+    [NODE[,NODE]] requeue the job, keeping it away from these nodes end the run's own failure (a new
+    attempt would fail the same way), or nothing left
 
-Each failure is recorded in status.json, so `qgtrain runs` shows the retries and their causes. No torch
-is imported: the answer comes at once on the batch node.
+Each failure is recorded in status.json, so `qgtrain runs` shows the retries and their causes. No
+torch is imported: the answer comes at once on the batch node.
 """
 
 from __future__ import annotations
@@ -63,14 +64,25 @@ def task_failures(srun_log: str) -> list[TaskFailure]:
         if match:
             for part in match.group("ranks").split(","):
                 first, _, last = part.partition("-")
-                found += [TaskFailure(match.group("node"), rank, match.group("how"))
-                          for rank in range(int(first), int(last or first) + 1)]
+                found += [
+                    TaskFailure(match.group("node"), rank, match.group("how"))
+                    for rank in range(int(first), int(last or first) + 1)
+                ]
     return found
 
 
-def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attempt: int, step_retries: int,
-           restart: int, max_restarts: int, requeue: bool, failures_per_node: dict[str, int],
-           spare_nodes: int | None, nccl: aborts.Abort | None = None) -> Decision:
+def decide(
+    notes: dict[int, dict[str, Any]],
+    failure: TaskFailure | None,
+    attempt: int,
+    step_retries: int,
+    restart: int,
+    max_restarts: int,
+    requeue: bool,
+    failures_per_node: dict[str, int],
+    spare_nodes: int | None,
+    nccl: aborts.Abort | None = None,
+) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `spare_nodes`: nodes the
     partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
@@ -78,31 +90,52 @@ def decide(notes: dict[int, dict[str, Any]], failure: TaskFailure | None, attemp
     own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
     if own:
         rank, note = min(own.items())
-        return Decision("end", f"rank {rank} failed on its own ({note['message']}): a new attempt would fail "
-                               "the same way")
+        return Decision(
+            "end",
+            f"rank {rank} failed on its own ({note['message']}): a new attempt would fail "
+            "the same way",
+        )
     if failure is not None and failure.how == "Exited with exit code 2":
-        return Decision("end", f"rank {failure.rank} on {failure.node} stopped on bad input (exit 2); its message "
-                               "is in the job's output")
+        return Decision(
+            "end",
+            f"rank {failure.rank} on {failure.node} stopped on bad input (exit 2); its message "
+            "is in the job's output",
+        )
     said = f"{nccl.text()}; " if nccl else ""
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
-        return Decision("end", f"{said}{step_retries} retries in this allocation failed, and the "
-                               f"job is not requeued (slurm.requeue={requeue}, restart {restart} "
-                               f"of at most {max_restarts})")
+        return Decision(
+            "end",
+            f"{said}{step_retries} retries in this allocation failed, and the "
+            f"job is not requeued (slurm.requeue={requeue}, restart {restart} "
+            f"of at most {max_restarts})",
+        )
     repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
     exclude = tuple(repeat) if spare_nodes is not None and len(repeat) <= spare_nodes else ()
     why = f"{said}{step_retries} retries in this allocation failed; requeueing"
     if repeat and not exclude:
-        why += f" (not excluding {', '.join(repeat)}: the partition has no other nodes to take their place)"
+        why += (
+            f" (not excluding {', '.join(repeat)}: the partition has no other nodes to take "
+            "their place)"
+        )
     elif exclude:
         why += f", away from {', '.join(exclude)}, which failed twice or more"
     return Decision("requeue", why, exclude)
 
 
-def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, restart: int, world_size: int,
-            slurm: SlurmConfig, spare_nodes: int | None) -> Decision:
-    """Decide, and record the failure and the decision in the run's status (the script acts on it)."""
+def recover(
+    run_dir: Path,
+    srun_log: Path | str,
+    exit_code: int,
+    attempt: int,
+    restart: int,
+    world_size: int,
+    slurm: SlurmConfig,
+    spare_nodes: int | None,
+) -> Decision:
+    """Decide, and record the failure and the decision in the run's status (the script acts on
+    it)."""
     run = rundir.RunDir(run_dir)
     if isinstance(srun_log, Path):
         try:
@@ -125,8 +158,18 @@ def recover(run_dir: Path, srun_log: Path | str, exit_code: int, attempt: int, r
     for entry in [*history, record]:
         if entry.get("node"):
             per_node[entry["node"]] = per_node.get(entry["node"], 0) + 1
-    decision = decide(notes, failure, attempt, slurm.step_retries, restart, slurm.max_restarts, slurm.requeue, per_node,
-                      spare_nodes, nccl)
+    decision = decide(
+        notes,
+        failure,
+        attempt,
+        slurm.step_retries,
+        restart,
+        slurm.max_restarts,
+        slurm.requeue,
+        per_node,
+        spare_nodes,
+        nccl,
+    )
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision
@@ -153,10 +196,21 @@ def _keep_dumps(run: rundir.RunDir, failure: int) -> tuple[tuple[int, ...], Path
     return tuple(moved), kept if moved else prefix.parent
 
 
-def _record(run: rundir.RunDir, failure: TaskFailure | None, notes: dict[int, dict[str, Any]], exit_code: int,
-            attempt: int, restart: int) -> dict[str, Any]:
+def _record(
+    run: rundir.RunDir,
+    failure: TaskFailure | None,
+    notes: dict[int, dict[str, Any]],
+    exit_code: int,
+    attempt: int,
+    restart: int,
+) -> dict[str, Any]:
     """Which rank failed first, on which host, with what, and the last line of its log."""
-    record: dict[str, Any] = {"time": time.time(), "restart": restart, "attempt": attempt, "exit_code": exit_code}
+    record: dict[str, Any] = {
+        "time": time.time(),
+        "restart": restart,
+        "attempt": attempt,
+        "exit_code": exit_code,
+    }
     if failure is not None:
         record.update(asdict(failure), last_line=_last_line(run.rank_log(failure.rank)))
     if notes:

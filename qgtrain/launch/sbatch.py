@@ -1,14 +1,14 @@
-"""The batch script: rendered from the config's `slurm:` section, submitted with sbatch. No torch here.
+"""The batch script: rendered from the config's `slurm:` section, submitted with sbatch. No torch
+here.
 
-train.slurm is this renderer's output for the default config (a test keeps them identical). The script
-computes no rank, address or port: srun starts one task per GPU and rendezvous.py reads SLURM_*. Every
-config value that reaches the script is checked against what Slurm accepts and quoted, so no value can
-run a command; slurm.setup is the one field that is shell code by design.
+train.slurm is this renderer's output for the default config (a test keeps them identical). The
+script computes no rank, address or port: srun starts one task per GPU and rendezvous.py reads
+SLURM_*. Every config value that reaches the script is checked against what Slurm accepts and
+quoted, so no value can run a command; slurm.setup is the one field that is shell code by design.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 import subprocess
@@ -17,27 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
-from ..durations import slurm_time_s
 from ..errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from .slurm_checks import validate
 
 if TYPE_CHECKING:
     from .codesnap import Code
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
-_PATTERNS = {
-    "job_name": (r"[A-Za-z0-9_.+-]+", "letters, digits and _ . + -"),
-    "partition": (r"[A-Za-z0-9_.,-]*", "letters, digits and _ . , -"),
-    "account": (r"[A-Za-z0-9_.-]*", "letters, digits and _ . -"),
-    "qos": (r"[A-Za-z0-9_.-]*", "letters, digits and _ . -"),
-    "constraint": (r"[A-Za-z0-9_.,&|\[\]*:()-]*", "feature names joined by & | , with [ ] ( ) * :"),
-    "mem": (r"(\d+[KMGT]?)?", "a number with an optional K, M, G or T suffix, e.g. 64G"),
-    "output_dir": (r"[A-Za-z0-9_./+-]+", "a path of letters, digits and _ . / + -"),
-    "container_image": (r"[A-Za-z0-9_.:/#@+-]*", "an image name, URI or path of letters, digits and _ . : / # @ + -"),
-    "apptainer_image": (r"[A-Za-z0-9_.:/#@+-]*", "an image name, URI or path of letters, digits and _ . : / # @ + -"),
-}
-_EXTRA = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=/@%+\[\]-]+)?")
-_MOUNT = re.compile(r"[A-Za-z0-9_./+@-]+(:[A-Za-z0-9_./+@-]+(:[A-Za-z+]+)?)?")
 HOST_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python3}
 if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; fi"""
 IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
@@ -63,51 +50,8 @@ class SubmissionError(QgtrainError):
     """sbatch refused the job; carries what it said."""
 
 
-def time_minutes(text: str) -> int:
-    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in whole minutes, rounded up."""
-    seconds = slurm_time_s(text)
-    if seconds is None:
-        raise QgtrainError(f"slurm.time: {text!r} is not a Slurm time; use minutes, HH:MM:SS or D-HH:MM:SS")
-    if seconds < 1:
-        raise QgtrainError(f"slurm.time: {text!r} is shorter than one minute")
-    return math.ceil(seconds / 60)
-
-
 def tasks_per_node(slurm: SlurmConfig) -> int:
     return slurm.gpus_per_node or slurm.tasks_per_node or 1
-
-
-def validate(slurm: SlurmConfig) -> None:
-    """Refuse any value Slurm would misread or that could break out of its line."""
-    for key, (pattern, allowed) in _PATTERNS.items():
-        value = getattr(slurm, key)
-        if not re.fullmatch(pattern, value):
-            raise QgtrainError(f"slurm.{key}: {value!r} is not allowed; use {allowed}")
-    time_minutes(slurm.time)
-    if slurm.signal_lead_s >= time_minutes(slurm.time) * 60:
-        raise QgtrainError(f"slurm.signal_lead_s: {slurm.signal_lead_s}s is not shorter than slurm.time "
-                           f"({slurm.time}); the warning signal would come before the job starts")
-    for line in slurm.extra_sbatch:
-        if not _EXTRA.fullmatch(line):
-            raise QgtrainError(f"slurm.extra_sbatch: {line!r} is not allowed; use sbatch options such as "
-                               "'--exclusive' or '--reservation=name' (letters, digits and _ . , : = / @ % + - )")
-    for line in slurm.setup:
-        if "\n" in line or "\r" in line:
-            raise QgtrainError(f"slurm.setup: {line!r} holds a line break; give one list item per line")
-    _validate_container(slurm)
-
-
-def _validate_container(slurm: SlurmConfig) -> None:
-    if slurm.container_image and slurm.apptainer_image:
-        raise QgtrainError("slurm.apptainer_image: set together with slurm.container_image; choose one: pyxis "
-                           "(container_image) or apptainer (apptainer_image)")
-    for mount in slurm.container_mounts:
-        if not _MOUNT.fullmatch(mount):
-            raise QgtrainError(f"slurm.container_mounts: {mount!r} is not allowed; use SRC:DST or SRC:DST:FLAGS, "
-                               "paths of letters, digits and _ . / + @ -, one mount per list item")
-    if slurm.container_mounts and not (slurm.container_image or slurm.apptainer_image):
-        raise QgtrainError("slurm.container_mounts: there is no container to mount into; set "
-                           "slurm.container_image (pyxis) or slurm.apptainer_image")
 
 
 def snapshots(slurm: SlurmConfig) -> bool:
@@ -117,31 +61,47 @@ def snapshots(slurm: SlurmConfig) -> bool:
 
 
 def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
-    """How the script finds Python, what goes between srun's options and Python (pyxis' options, or the
-    apptainer command), and the variable naming the batch shell's own Python (for `qgtrain recover`): the
-    ranks run on the host, in a pyxis container or under apptainer, in the working directory either way."""
+    """How the script finds Python, what goes between srun's options and Python (pyxis' options, or
+    the apptainer command), and the variable naming the batch shell's own Python (for `qgtrain
+    recover`): the ranks run on the host, in a pyxis container or under apptainer, in the working
+    directory either way."""
     mounts = ",".join(slurm.container_mounts)
     if slurm.container_image:
-        return IMAGE_PYTHON, (f"--container-image={shlex.quote(slurm.container_image)} "
-                              f'--container-mounts="$PWD:$PWD{"," + mounts if mounts else ""}" \\\n'
-                              '        --container-workdir="$PWD" '), "HOST_PYTHON"
+        return (
+            IMAGE_PYTHON,
+            (
+                f"--container-image={shlex.quote(slurm.container_image)} "
+                f'--container-mounts="$PWD:$PWD{"," + mounts if mounts else ""}" \\\n'
+                '        --container-workdir="$PWD" '
+            ),
+            "HOST_PYTHON",
+        )
     if slurm.apptainer_image:
-        return IMAGE_PYTHON, (f'apptainer exec{" --nv" if slurm.gpus_per_node else ""} --pwd "$PWD"'
-                              f'{" --bind " + mounts if mounts else ""} {shlex.quote(slurm.apptainer_image)} '
-                              '\\\n        '), "HOST_PYTHON"
+        return (
+            IMAGE_PYTHON,
+            (
+                f'apptainer exec{" --nv" if slurm.gpus_per_node else ""} --pwd "$PWD"'
+                f"{' --bind ' + mounts if mounts else ''} {shlex.quote(slurm.apptainer_image)} "
+                "\\\n        "
+            ),
+            "HOST_PYTHON",
+        )
     return HOST_PYTHON, "", "PYTHON"
 
 
-
-
-def render(slurm: SlurmConfig, config_path: str, array: str | None = None,
-           code: str | None = None, after: str = "") -> str:
-    """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another. With
-    `array` (e.g. '0-3%2') it is a job array whose task i trains with `config_path`/task-<i>.yaml.
-    `code`: the lines that move the job into its code snapshot (runfrom.shell_lines), taken at
-    submit; without them, with slurm.snapshot, the script takes one at its first start. `after`:
-    lines run once the training steps are over, with their exit code in $status (the next stage of
-    a chain)."""
+def render(
+    slurm: SlurmConfig,
+    config_path: str,
+    array: str | None = None,
+    code: str | None = None,
+    after: str = "",
+) -> str:
+    """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another.
+    With `array` (e.g. '0-3%2') it is a job array whose task i trains with
+    `config_path`/task-<i>.yaml. `code`: the lines that move the job into its code snapshot
+    (runfrom.shell_lines), taken at submit; without them, with slurm.snapshot, the script takes one
+    at its first start. `after`: lines run once the training steps are over, with their exit code in
+    $status (the next stage of a chain)."""
     validate(slurm)
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
@@ -151,15 +111,27 @@ def render(slurm: SlurmConfig, config_path: str, array: str | None = None,
 
 
 def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
-    options = [f"--job-name={slurm.job_name}", f"--nodes={slurm.nodes}",
-               f"--ntasks-per-node={tasks_per_node(slurm)}", f"--cpus-per-task={slurm.cpus_per_task}"]
+    options = [
+        f"--job-name={slurm.job_name}",
+        f"--nodes={slurm.nodes}",
+        f"--ntasks-per-node={tasks_per_node(slurm)}",
+        f"--cpus-per-task={slurm.cpus_per_task}",
+    ]
     if slurm.gpus_per_node:
         options.append(f"--gpus-per-node={slurm.gpus_per_node}")
-    options += [f"--{key}={getattr(slurm, key)}" for key in ("mem", "partition", "account", "qos", "constraint")
-                if getattr(slurm, key)]
-    options += [f"--time={slurm.time}", "--requeue" if slurm.requeue else "--no-requeue",
-                f"--signal={slurm.signal}@{slurm.signal_lead_s}", "--open-mode=append",
-                f"--output={slurm.output_dir}/%x-{'%A_%a' if array else '%j'}.out", *slurm.extra_sbatch]
+    options += [
+        f"--{key}={getattr(slurm, key)}"
+        for key in ("mem", "partition", "account", "qos", "constraint")
+        if getattr(slurm, key)
+    ]
+    options += [
+        f"--time={slurm.time}",
+        "--requeue" if slurm.requeue else "--no-requeue",
+        f"--signal={slurm.signal}@{slurm.signal_lead_s}",
+        "--open-mode=append",
+        f"--output={slurm.output_dir}/%x-{'%A_%a' if array else '%j'}.out",
+        *slurm.extra_sbatch,
+    ]
     if array is not None:
         if not re.fullmatch(r"\d+-\d+(%\d+)?", array):
             raise QgtrainError(f"--array {array!r}: expected FIRST-LAST[%PARALLEL]")
@@ -168,12 +140,13 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
 
 
 def retry_steps(max_restarts: int) -> str:
-    """`run_steps COMMAND...`: run a training step until it finishes, stops at a checkpoint, or fails for good.
+    """`run_steps COMMAND...`: run a training step until it finishes, stops at a checkpoint, or
+    fails for good.
 
-    A rank that dies takes its step down at once (srun --kill-on-bad-exit, in the command); srun's report of
-    which task failed, where and how is kept for `qgtrain recover` (run by $RECOVER_PYTHON with the
-    arguments in recover_args), whose answer is carried out: another step here, a requeue (away from a
-    node that keeps failing), or the end. The step's exit code is returned."""
+    A rank that dies takes its step down at once (srun --kill-on-bad-exit, in the command); srun's
+    report of which task failed, where and how is kept for `qgtrain recover` (run by $RECOVER_PYTHON
+    with the arguments in recover_args), whose answer is carried out: another step here, a requeue
+    (away from a node that keeps failing), or the end. The step's exit code is returned."""
     return f"""run_steps() {{
     local said attempt=0 status decision action exclude
     local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
@@ -211,10 +184,17 @@ def retry_steps(max_restarts: int) -> str:
 }}"""
 
 
-def _script(header: str, setup: str, default: str, max_restarts: int,
-            launch: tuple[str, str, str], code: str, after: str) -> str:
-    """The script's text: no rank, address or port logic; srun steps until the run is done or requeued.
-    `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
+def _script(
+    header: str,
+    setup: str,
+    default: str,
+    max_restarts: int,
+    launch: tuple[str, str, str],
+    code: str,
+    after: str,
+) -> str:
+    """The script's text: no rank, address or port logic; srun steps until the run is done or
+    requeued. `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
@@ -241,8 +221,13 @@ run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]
 """
 
 
-def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, after: str = "",
-                  code: Code | None = None) -> str:
+def submit_config(
+    cfg: RunConfig,
+    job_dir: Path,
+    run: Runner = subprocess.run,
+    after: str = "",
+    code: Code | None = None,
+) -> str:
     """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it,
     to run from a snapshot of the working directory's code (`code`, or one taken now) unless
     slurm.snapshot is off."""
@@ -268,10 +253,14 @@ def submit_config(cfg: RunConfig, job_dir: Path, run: Runner = subprocess.run, a
 def submit(script: Path, run: Runner = subprocess.run) -> str:
     """sbatch the script; returns the job id."""
     try:
-        result = run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+        result = run(
+            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120
+        )
     except FileNotFoundError:
-        raise SubmissionError("sbatch is not on PATH: run `qgtrain submit` on a Slurm login node, or use "
-                              "`qgtrain submit --dry-run` to see the script") from None
+        raise SubmissionError(
+            "sbatch is not on PATH: run `qgtrain submit` on a Slurm login node, or use "
+            "`qgtrain submit --dry-run` to see the script"
+        ) from None
     if result.returncode != 0:
         said = (result.stderr or result.stdout).strip()
         raise SubmissionError(f"sbatch refused {script} (exit {result.returncode}): {said}")
@@ -282,15 +271,17 @@ def code_of(script: Path) -> str | None:
     """The code snapshot a rendered job script runs from, if any (what `qgtrain submit`
     prints)."""
     try:
-        match = re.search(r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(),
-                          re.MULTILINE)
+        match = re.search(
+            r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(), re.MULTILINE
+        )
     except OSError:
         return None
     return str(Path(shlex.split(match.group(1))[0]).parent) if match else None
 
 
 def parse_job_id(stdout: str) -> str:
-    """`--parsable` prints '<id>' or '<id>;<cluster>'; older output says 'Submitted batch job <id>'."""
+    """`--parsable` prints '<id>' or '<id>;<cluster>'; older output says 'Submitted batch job
+    <id>'."""
     match = re.search(r"(?:^|Submitted batch job )(\d+)(?:;\S+)?\s*$", stdout.strip(), re.MULTILINE)
     if not match:
         raise SubmissionError(f"cannot find a job id in sbatch's output: {stdout.strip()!r}")

@@ -1,10 +1,12 @@
-"""Every use of submitit's private members, in one place, so a new submitit release breaks loudly here.
+"""Every use of submitit's private members, in one place, so a new submitit release breaks loudly
+here.
 
-submitit has no public way to: know which signal its job handler listens for, tell that handler whether a
-stop was the time limit or a preemption (it guesses from run time, and charges every guess as a timeout),
-give an executor a job class of our own, read a multi-task job's per-task jobs, or change how job states
-are read when there is no accounting (sacct) behind the cluster. pyproject.toml bounds submitit to the
-minor version these were read against; tests/test_submitit.py fails when one of them disappears.
+submitit has no public way to: know which signal its job handler listens for, tell that handler
+whether a stop was the time limit or a preemption (it guesses from run time, and charges every guess
+as a timeout), give an executor a job class of our own, read a multi-task job's per-task jobs, or
+change how job states are read when there is no accounting (sacct) behind the cluster.
+pyproject.toml bounds submitit to the minor version these were read against; tests/test_submitit.py
+fails when one of them disappears.
 """
 
 from __future__ import annotations
@@ -21,21 +23,31 @@ from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {  # what qgtrain reads, sets or replaces, by class
     JobEnvironment: ("_usr_sig",),
     SignalHandler: ("_start_time", "has_timed_out"),
-    SlurmInfoWatcher: ("_make_command", "_num_calls", "_info_dict", "_last_status_check", "_registered",
-                       "_finished"),
+    SlurmInfoWatcher: (
+        "_make_command",
+        "_num_calls",
+        "_info_dict",
+        "_last_status_check",
+        "_registered",
+        "_finished",
+    ),
     SlurmJob: ("_sub_jobs",),
 }
 
 
 def missing_members() -> list[str]:
-    """The members above that the installed submitit lacks. Attributes set on instances are looked for
-    where submitit sets them, in the source of the class and its bases (`self.<name> =`)."""
+    """The members above that the installed submitit lacks. Attributes set on instances are looked
+    for where submitit sets them, in the source of the class and its bases (`self.<name> =`)."""
     import inspect
     import re
 
     missing = []
     for cls, names in PRIVATE_MEMBERS.items():
-        source = "".join(inspect.getsource(base) for base in cls.__mro__ if base.__module__.startswith("submitit"))
+        source = "".join(
+            inspect.getsource(base)
+            for base in cls.__mro__
+            if base.__module__.startswith("submitit")
+        )
         for name in names:
             if not hasattr(cls, name) and not re.search(rf"self\.{name}\s*(:[^=]*)?=", source):
                 missing.append(f"{cls.__name__}.{name}")
@@ -48,8 +60,9 @@ def preemption_signal() -> int:
 
 
 def decide_timed_out(handler: Any, timed_out: Callable[[float], bool]) -> None:
-    """Make submitit's handler count this stop as a timeout or a preemption by our rule, given the job's
-    run time, instead of its own (which counts every preemption of a short job as a timeout)."""
+    """Make submitit's handler count this stop as a timeout or a preemption by our rule, given the
+    job's run time, instead of its own (which counts every preemption of a short job as a
+    timeout)."""
     owner = getattr(handler, "__self__", None)  # the bound method's SignalHandler
     if isinstance(owner, SignalHandler):
         ran_s = time.time() - owner._start_time
@@ -67,8 +80,8 @@ def task_jobs(job: SlurmJob[Any]) -> list[Job[Any]]:
 
 
 class FallbackWatcher(SlurmInfoWatcher):
-    """Job states from sacct when accounting works, else `fallback(job ids)` (squeue, scontrol); a job
-    none of them knows any more is reported LOST, not UNKNOWN, so waiting on it ends."""
+    """Job states from sacct when accounting works, else `fallback(job ids)` (squeue, scontrol); a
+    job none of them knows any more is reported LOST, not UNKNOWN, so waiting on it ends."""
 
     fallback: Callable[[list[str]], dict[str, dict[str, str]]] = staticmethod(lambda ids: {})
 

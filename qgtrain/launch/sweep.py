@@ -1,11 +1,13 @@
-"""Sweeps: every combination of swept config values as one task of one Slurm job array. No torch here.
+"""Sweeps: every combination of swept config values as one task of one Slurm job array. No torch
+here.
 
-`--sweep optim.lr=1e-3,3e-4 --sweep train.seed=1,2` gives four tasks, in the order the keys were given (the
-last varies fastest). Every combination is built and checked as a config before anything is submitted, so
-a bad key or value is one error and no job. Each task has its own run, named after its values
-(`tiny-gpt2-lr_1e-3-seed_1`), and is requeued on its own like any qgtrain job (train.slurm and the
-trainer name the array task). The sweep's folder, `<runs_dir>/.sweeps/<run name>/`, holds each task's
-config and `sweep.json`, from which `qgtrain runs` shows the swept values beside the metrics.
+`--sweep optim.lr=1e-3,3e-4 --sweep train.seed=1,2` gives four tasks, in the order the keys were
+given (the last varies fastest). Every combination is built and checked as a config before anything
+is submitted, so a bad key or value is one error and no job. Each task has its own run, named after
+its values (`tiny-gpt2-lr_1e-3-seed_1`), and is requeued on its own like any qgtrain job
+(train.slurm and the trainer name the array task). The sweep's folder, `<runs_dir>/.sweeps/<run
+name>/`, holds each task's config and `sweep.json`, from which `qgtrain runs` shows the swept values
+beside the metrics.
 """
 
 from __future__ import annotations
@@ -48,11 +50,16 @@ def parse(options: Sequence[str]) -> list[tuple[str, list[str]]]:
         key, sep, text = option.partition("=")
         values = [v.strip() for v in text.split(",")] if sep else []
         if not key.strip() or not values or any(not v for v in values):
-            raise ConfigError(f"--sweep {option!r}: expected KEY=VALUE[,VALUE...], e.g. --sweep optim.lr=1e-3,3e-4")
+            raise ConfigError(
+                f"--sweep {option!r}: expected KEY=VALUE[,VALUE...], e.g. --sweep "
+                "optim.lr=1e-3,3e-4"
+            )
         if key in (k for k, _ in axes):
             raise ConfigError(f"--sweep {key}: given twice; list all its values in one --sweep")
         if key == "train.run_name":
-            raise ConfigError("--sweep train.run_name: each task's run name is made from its values")
+            raise ConfigError(
+                "--sweep train.run_name: each task's run name is made from its values"
+            )
         axes.append((key.strip(), values))
     if not axes:
         raise ConfigError("--sweep: no values to sweep")
@@ -60,7 +67,8 @@ def parse(options: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 
 def combinations(axes: list[tuple[str, list[str]]]) -> int:
-    """How many tasks the axes make: checked against the cluster before a config is built for each."""
+    """How many tasks the axes make: checked against the cluster before a config is built for
+    each."""
     return math.prod(len(values) for _, values in axes)
 
 
@@ -81,7 +89,9 @@ def expand(cfg: RunConfig, axes: list[tuple[str, list[str]]]) -> Sweep:
         configs.append(task)
     names = [c.train.run_name for c in configs]
     if len(set(names)) != len(names):
-        raise ConfigError(f"--sweep: two combinations give the same run name ({names}); sweep distinct values")
+        raise ConfigError(
+            f"--sweep: two combinations give the same run name ({names}); sweep distinct values"
+        )
     return Sweep(cfg.train.run_name, keys, values, configs)
 
 
@@ -90,13 +100,18 @@ def folder(planned: Sweep) -> Path:
 
 
 def write(sweep: Sweep, where: Path) -> None:
-    """Each task's config (task-<i>.yaml, which the job array's task i trains with) and sweep.json."""
+    """Each task's config (task-<i>.yaml, which the job array's task i trains with) and
+    sweep.json."""
     where.mkdir(parents=True, exist_ok=True)
     for index, cfg in enumerate(sweep.configs):
         (where / f"task-{index}.yaml").write_text(dump_yaml(cfg))
-    runs = [{"task": i, "run_name": c.train.run_name, "values": v}
-            for i, (c, v) in enumerate(zip(sweep.configs, sweep.values))]
-    (where / FILE).write_text(json.dumps({"name": sweep.name, "keys": sweep.keys, "runs": runs}, indent=1))
+    runs = [
+        {"task": i, "run_name": c.train.run_name, "values": v}
+        for i, (c, v) in enumerate(zip(sweep.configs, sweep.values))
+    ]
+    (where / FILE).write_text(
+        json.dumps({"name": sweep.name, "keys": sweep.keys, "runs": runs}, indent=1)
+    )
 
 
 def array_spec(tasks: int, max_parallel: int | None) -> str:
@@ -106,11 +121,14 @@ def array_spec(tasks: int, max_parallel: int | None) -> str:
 
 
 def check_size(tasks: int, run: Runner = subprocess.run) -> None:
-    """Refuse more tasks than the cluster's MaxArraySize allows (array indices go up to it, exclusive)."""
+    """Refuse more tasks than the cluster's MaxArraySize allows (array indices go up to it,
+    exclusive)."""
     limit = max_array_size(run)
     if tasks > limit:
-        raise QgtrainError(f"--sweep: {tasks} combinations, but this cluster's MaxArraySize allows {limit} tasks "
-                           "in one array; sweep fewer values, or split the sweep")
+        raise QgtrainError(
+            f"--sweep: {tasks} combinations, but this cluster's MaxArraySize allows {limit} tasks "
+            "in one array; sweep fewer values, or split the sweep"
+        )
 
 
 def max_array_size(run: Runner = subprocess.run) -> int:
@@ -122,8 +140,7 @@ def max_array_size(run: Runner = subprocess.run) -> int:
     return int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
 
 
-def from_snapshot(planned: Sweep, where: Path,
-                  dry_run: bool = False) -> tuple[Sweep, Code | None]:
+def from_snapshot(planned: Sweep, where: Path, dry_run: bool = False) -> tuple[Sweep, Code | None]:
     """The tasks' configs as they run from one code snapshot in the sweep's folder
     (slurm.snapshot), taken now (or, for a dry run, only planned: its size checked, nothing
     copied)."""
@@ -135,8 +152,11 @@ def from_snapshot(planned: Sweep, where: Path,
         return planned, None
     take = planned_code if dry_run else snapshot
     code = take(first, Path.cwd(), where / "code")
-    moved = planned.configs if dry_run else [job_config(cfg, Path.cwd(), code)
-                                             for cfg in planned.configs]
+    moved = (
+        planned.configs
+        if dry_run
+        else [job_config(cfg, Path.cwd(), code) for cfg in planned.configs]
+    )
     return dataclasses.replace(planned, configs=moved), code
 
 
@@ -150,17 +170,24 @@ def submit_array(planned: Sweep, max_parallel: int | None, *, dry_run: bool, lau
     planned, code = from_snapshot(planned, where, dry_run)
     lines = shell_lines(code) if code else None
     first = planned.configs[0]
-    listing = "".join(f"# task {i}: {c.train.run_name}: " + " ".join(f"{k}={v}" for k, v in values.items()) + "\n"
-                      for i, (c, values) in enumerate(zip(planned.configs, planned.values)))
+    listing = "".join(
+        f"# task {i}: {c.train.run_name}: " + " ".join(f"{k}={v}" for k, v in values.items()) + "\n"
+        for i, (c, values) in enumerate(zip(planned.configs, planned.values))
+    )
     if dry_run:
-        return (render(first.slurm, str(where), array=array, code=lines) if launcher == "sbatch"
-                else f"# array {array}\n") + listing
+        return (
+            render(first.slurm, str(where), array=array, code=lines)
+            if launcher == "sbatch"
+            else f"# array {array}\n"
+        ) + listing
     write(planned, where)
     Path(first.slurm.output_dir).mkdir(parents=True, exist_ok=True)
     (where / "job.sbatch").write_text(render(first.slurm, str(where), array=array, code=lines))
     job_id = submit(where / "job.sbatch")
-    return (f"submitted job array {job_id} with {tasks} tasks ({array}); configs in {where}; runs in "
-            f"{Path(first.logging.runs_dir).resolve()}\n")
+    return (
+        f"submitted job array {job_id} with {tasks} tasks ({array}); configs in {where}; runs in "
+        f"{Path(first.logging.runs_dir).resolve()}\n"
+    )
 
 
 def swept_values(runs_dir: Path) -> dict[str, dict[str, str]]:

@@ -1,4 +1,5 @@
-"""`qgtrain data info`: what the token caches in a folder hold, and whether their source files have changed."""
+"""`qgtrain data info`: what the token caches in a folder hold, and whether their source files have
+changed."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ def describe(path: Path) -> list[dict[str, Any]]:
         return [_entry(path)]
     if not path.is_dir():
         raise ConfigError(f"{path}: no such cache folder (data.cache_dir) or cache entry")
-    entries = [_entry(folder) for folder in sorted(path.iterdir()) if (folder / "meta.json").is_file()]
-    unfinished = [{"folder": str(folder), "unfinished": True} for folder in sorted(path.glob("*.tmp-*"))]
+    entries = [
+        _entry(folder) for folder in sorted(path.iterdir()) if (folder / "meta.json").is_file()
+    ]
+    unfinished = [
+        {"folder": str(folder), "unfinished": True} for folder in sorted(path.glob("*.tmp-*"))
+    ]
     return entries + unfinished
 
 
@@ -26,29 +31,53 @@ def render(entries: list[dict[str, Any]]) -> str:
     lines = []
     for entry in entries:
         if entry.get("unfinished"):
-            lines += [f"{entry['folder']}: unfinished (a job is tokenizing into it, or was killed; the next "
-                      "preparation removes it)", ""]
+            lines += [
+                f"{entry['folder']}: unfinished (a job is tokenizing into it, or was killed; the "
+                "next preparation removes it)",
+                "",
+            ]
             continue
         splits = ("train", "val", "test")
-        lines.append(f"{entry['folder']} ({entry['kind']}, tokenizer {entry['tokenizer']}, {entry['dtype']}, "
-                     f"{entry['mb_on_disk']:.1f} MB)")
+        lines.append(
+            f"{entry['folder']} ({entry['kind']}, tokenizer {entry['tokenizer']}, "
+            f"{entry['dtype']}, {entry['mb_on_disk']:.1f} MB)"
+        )
         documents = entry["documents"]
-        lines.append(f"  documents: {documents['all']:,} in all" if "all" in documents else
-                     "  documents: " + ", ".join(f"{s} {documents.get(s, 0):,}" for s in splits))
-        lines.append("  tokens:    " + ", ".join(f"{s} {entry['tokens'].get(s, 0):,}" for s in splits))
+        lines.append(
+            f"  documents: {documents['all']:,} in all"
+            if "all" in documents
+            else "  documents: " + ", ".join(f"{s} {documents.get(s, 0):,}" for s in splits)
+        )
+        lines.append(
+            "  tokens:    " + ", ".join(f"{s} {entry['tokens'].get(s, 0):,}" for s in splits)
+        )
         for split, files in entry["sources"].items():
-            shown = ", ".join(f["path"] for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            lines.append(f"  {split} files: {len(files)} ({shown})" if files else
-                         f"  {split}: held out of the train files ({100 * entry['held_out'].get(split, 0):g}%)")
+            shown = ", ".join(f["path"] for f in files[:3]) + (
+                f" and {len(files) - 3} more" if len(files) > 3 else ""
+            )
+            lines.append(
+                f"  {split} files: {len(files)} ({shown})"
+                if files
+                else f"  {split}: held out of the train files "
+                f"({100 * entry['held_out'].get(split, 0):g}%)"
+            )
         if entry.get("corpus"):
             lines.append(f"  corpus:    {entry['corpus']}")
         if entry.get("created"):
-            lines.append(f"  made:      {time.strftime('%Y-%m-%d %H:%M', time.localtime(entry['created']))} "
-                         f"in {entry['seconds']:.1f} s")
+            lines.append(
+                f"  made:      {time.strftime('%Y-%m-%d %H:%M', time.localtime(entry['created']))} "
+                f"in {entry['seconds']:.1f} s"
+            )
         changed = entry["changed"]
-        lines.append("  current:   " + ("yes, its files are unchanged" if not changed else
-                                        f"no: {len(changed)} file(s) changed since, e.g. {changed[0]}; "
-                                        "the next job prepares a new entry"))
+        lines.append(
+            "  current:   "
+            + (
+                "yes, its files are unchanged"
+                if not changed
+                else f"no: {len(changed)} file(s) changed since, e.g. {changed[0]}; "
+                "the next job prepares a new entry"
+            )
+        )
         lines.append("")
     return "\n".join(lines).rstrip() if lines else "no token caches here"
 
@@ -57,15 +86,27 @@ def _entry(folder: Path) -> dict[str, Any]:
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{folder / 'meta.json'}: not a readable cache description ({exc})") from None
+        raise ConfigError(
+            f"{folder / 'meta.json'}: not a readable cache description ({exc})"
+        ) from None
     sources: dict[str, list[dict[str, Any]]] = meta.get("sources", {})
     changed = [f["path"] for files in sources.values() for f in files if _changed(f)]
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-    return {"folder": str(folder), "kind": meta.get("kind", "corpus"), "tokenizer": meta.get("tokenizer"),
-            "dtype": meta.get("dtype"), "documents": _per_split(meta.get("documents")), "tokens": meta["tokens"],
-            "sources": sources, "held_out": meta.get("held_out", {}), "corpus": meta.get("corpus"),
-            "created": meta.get("created"), "seconds": meta.get("seconds", 0.0), "changed": changed,
-            "mb_on_disk": size / 1e6}
+    return {
+        "folder": str(folder),
+        "kind": meta.get("kind", "corpus"),
+        "tokenizer": meta.get("tokenizer"),
+        "dtype": meta.get("dtype"),
+        "documents": _per_split(meta.get("documents")),
+        "tokens": meta["tokens"],
+        "sources": sources,
+        "held_out": meta.get("held_out", {}),
+        "corpus": meta.get("corpus"),
+        "created": meta.get("created"),
+        "seconds": meta.get("seconds", 0.0),
+        "changed": changed,
+        "mb_on_disk": size / 1e6,
+    }
 
 
 def _per_split(documents: Any) -> dict[str, int]:

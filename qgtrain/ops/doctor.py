@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from ..config import RunConfig
 from ..errors import QgtrainError
@@ -19,8 +18,23 @@ from ..runtime import devices, precision
 from ..runtime.rendezvous import DistEnv
 from ..state.rundir import default_run_dir
 
-SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs",
-                      "fuse.glusterfs", "glusterfs", "cifs", "smb3", "9p")
+SHARED_FILESYSTEMS = (
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "cephfs",
+    "ceph",
+    "fuse.sshfs",
+    "panfs",
+    "wekafs",
+    "fuse.glusterfs",
+    "glusterfs",
+    "cifs",
+    "smb3",
+    "9p",
+)
 
 
 @dataclass(frozen=True)
@@ -31,11 +45,15 @@ class Check:
     fix: str = ""
 
 
-def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], collective: str | None = None) -> list[Check]:
-    """Every check; with `collective` (sizes in MB: '1,16,64') also the all-reduce bandwidth between the nodes."""
+def run_checks(
+    cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], collective: str | None = None
+) -> list[Check]:
+    """Every check; with `collective` (sizes in MB: '1,16,64') also the all-reduce bandwidth between
+    the nodes."""
     from .collective import parse_sizes
 
-    sizes = parse_sizes(collective) if collective else None  # a bad value stops here, before anything runs
+    # a bad value stops here, before anything runs
+    sizes = parse_sizes(collective) if collective else None
     import torch
 
     run_dir = default_run_dir(cfg).resolve()
@@ -47,8 +65,14 @@ def run_checks(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], collect
     checks += _run_directory(cfg, env, run_dir, sizes)
     checks += _huggingface(cfg, environ)
     if sizes and env.world_size == 1:
-        checks.append(Check("warning", "collective", "one process: no other rank to exchange data with",
-                            "run `srun qgtrain doctor --collective` inside the allocation"))
+        checks.append(
+            Check(
+                "warning",
+                "collective",
+                "one process: no other rank to exchange data with",
+                "run `srun qgtrain doctor --collective` inside the allocation",
+            )
+        )
     return checks
 
 
@@ -57,22 +81,38 @@ def _gpus(cfg: RunConfig, env: DistEnv, torch: ModuleType) -> list[Check]:
     wanted = cfg.train.device == "cuda" or cfg.slurm.gpus_per_node > 0
     if not cuda.is_available():
         if not wanted:
-            return [Check("ok", "GPUs", "none needed (train.device and slurm.gpus_per_node ask for none)")]
+            return [
+                Check(
+                    "ok", "GPUs", "none needed (train.device and slurm.gpus_per_node ask for none)"
+                )
+            ]
         level = "error" if env.in_slurm_job else "warning"
-        return [Check(level, "GPUs", "no CUDA device is visible to this process",
-                      "run `srun qgtrain doctor` inside the GPU allocation; check --gpus-per-node and that "
-                      "torch is a CUDA build (setup.sh installs one where nvidia-smi works)")]
+        return [
+            Check(
+                level,
+                "GPUs",
+                "no CUDA device is visible to this process",
+                "run `srun qgtrain doctor` inside the GPU allocation; check --gpus-per-node and "
+                "that torch is a CUDA build (setup.sh installs one where nvidia-smi works)",
+            )
+        ]
     try:
         choice = devices.choose(cfg.train.device, env, cuda.device_count())
-        chosen = precision.choose(cfg.train.precision, choice.type, cuda.get_device_capability(choice.index)
-                                  if choice.index is not None else None, rocm=bool(torch.version.hip))
+        chosen = precision.choose(
+            cfg.train.precision,
+            choice.type,
+            cuda.get_device_capability(choice.index) if choice.index is not None else None,
+            rocm=bool(torch.version.hip),
+        )
     except QgtrainError as exc:
         problem, _, fix = str(exc).partition(" HINT: ")
         return [Check("error", "GPUs", problem, fix)]
     nccl = ".".join(map(str, cuda.nccl.version())) if hasattr(cuda, "nccl") else "?"
     name = cuda.get_device_name(choice.index) if choice.index is not None else "no GPU"
-    facts = (f"rank {env.rank} uses {choice.name}, {name} ({choice.why}); precision {chosen.precision} "
-             f"({chosen.why}); CUDA {torch.version.cuda}, NCCL {nccl}")
+    facts = (
+        f"rank {env.rank} uses {choice.name}, {name} ({choice.why}); precision {chosen.precision} "
+        f"({chosen.why}); CUDA {torch.version.cuda}, NCCL {nccl}"
+    )
     return [Check("warning" if chosen.warning else "ok", "GPUs", facts, chosen.warning or "")]
 
 
@@ -80,118 +120,89 @@ def _shared_memory(cfg: RunConfig, env: DistEnv) -> Check:
     try:
         size_gb = shutil.disk_usage("/dev/shm").total / 1e9
     except OSError:
-        return Check("warning", "shared memory", "/dev/shm does not exist",
-                     "DataLoader workers pass batches through /dev/shm; set data.num_workers: 0 or mount one")
+        return Check(
+            "warning",
+            "shared memory",
+            "/dev/shm does not exist",
+            "DataLoader workers pass batches through /dev/shm; "
+            "set data.num_workers: 0 or mount one",
+        )
     workers = cfg.data.num_workers * env.local_world_size
     if workers and size_gb < 0.5 * workers:
-        return Check("warning" if size_gb >= 0.1 else "error", "shared memory",
-                     f"/dev/shm has {size_gb:.2f} GB for {workers} DataLoader worker(s) on this node",
-                     "lower data.num_workers, or give the job more shared memory (a container's --shm-size)")
-    return Check("ok", "shared memory", f"/dev/shm has {size_gb:.1f} GB for {workers} DataLoader worker(s)")
+        return Check(
+            "warning" if size_gb >= 0.1 else "error",
+            "shared memory",
+            f"/dev/shm has {size_gb:.2f} GB for {workers} DataLoader worker(s) on this node",
+            "lower data.num_workers, or give the job more shared memory (a container's --shm-size)",
+        )
+    return Check(
+        "ok", "shared memory", f"/dev/shm has {size_gb:.1f} GB for {workers} DataLoader worker(s)"
+    )
 
 
 def _slurm_commands() -> list[Check]:
     missing = [c for c in ("sbatch", "srun", "scontrol", "squeue") if not shutil.which(c)]
-    checks = [Check("ok", "Slurm", "sbatch, srun, scontrol and squeue are on PATH") if not missing else
-              Check("warning", "Slurm", f"not on PATH: {', '.join(missing)}",
-                    "fine for local runs; on a cluster load its Slurm module (without scontrol in a job, "
-                    "qgtrain exits 76 and train.slurm requeues from the batch shell)")]
+    checks = [
+        Check("ok", "Slurm", "sbatch, srun, scontrol and squeue are on PATH")
+        if not missing
+        else Check(
+            "warning",
+            "Slurm",
+            f"not on PATH: {', '.join(missing)}",
+            "fine for local runs; on a cluster load its Slurm module (without scontrol in a job, "
+            "qgtrain exits 76 and train.slurm requeues from the batch shell)",
+        )
+    ]
     if not missing and not shutil.which("sacct"):
-        checks.append(Check("warning", "sacct", "not on PATH", "qgtrain.submit reads job state from squeue and "
-                            "scontrol instead; nothing to do"))
+        checks.append(
+            Check(
+                "warning",
+                "sacct",
+                "not on PATH",
+                "qgtrain.submit reads job state from squeue and scontrol instead; nothing to do",
+            )
+        )
     return checks
 
 
-def _run_directory(cfg: RunConfig, env: DistEnv, run_dir: Path, collective: Sequence[float] | None) -> list[Check]:
-    probe = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("/"))
+def _run_directory(
+    cfg: RunConfig, env: DistEnv, run_dir: Path, collective: Sequence[float] | None
+) -> list[Check]:
+    probe = (
+        run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("/"))
+    )
     try:
         token = probe / f".qgtrain-doctor-{uuid.uuid4().hex[:8]}"
         token.write_text("ok")
         token.unlink()
     except OSError as exc:
-        return [Check("error", "run directory", f"{probe} is not writable ({exc.strerror})",
-                      "set logging.runs_dir to a folder this user can write, on a shared filesystem")]
+        return [
+            Check(
+                "error",
+                "run directory",
+                f"{probe} is not writable ({exc.strerror})",
+                "set logging.runs_dir to a folder this user can write, on a shared filesystem",
+            )
+        ]
     fstype = _filesystem(probe)
     shared = fstype in SHARED_FILESYSTEMS
     checks = [Check("ok", "run directory", f"{run_dir} is writable ({fstype})")]
     if cfg.slurm.nodes > 1 and not shared and env.world_size == 1:
-        checks.append(Check("warning", "shared filesystem", f"{probe} is on {fstype}, which other nodes may not see",
-                            "multi-node jobs need the run directory on a shared filesystem; `srun qgtrain doctor` "
-                            "inside the job checks it from every node"))
-    network = _network(cfg, env)
+        checks.append(
+            Check(
+                "warning",
+                "shared filesystem",
+                f"{probe} is on {fstype}, which other nodes may not see",
+                "multi-node jobs need the run directory on a shared filesystem; `srun qgtrain "
+                "doctor` inside the job checks it from every node",
+            )
+        )
+    from .doctor_nodes import across_nodes, network_check
+
+    network = network_check(cfg, env)
     if env.world_size > 1:
-        return checks + _across_nodes(cfg, env, probe, network, collective)
+        return checks + across_nodes(cfg, env, probe, network, collective)
     return checks + [network]
-
-
-def _network(cfg: RunConfig, env: DistEnv) -> Check:
-    """This node's interfaces and the one NCCL and gloo would use (train.socket_ifname, or the route to
-    MASTER_ADDR)."""
-    from ..errors import ConfigError
-    from ..runtime import comms
-
-    interfaces = comms.machine_interfaces()
-    listed = ", ".join(f"{i.name} {i.address or '(no IPv4)'}{'' if i.up else ' (down)'}" for i in interfaces)
-    try:
-        choice = comms.choose_interface(cfg.train.socket_ifname, interfaces, comms.route_source(env.master_addr), env)
-    except ConfigError as exc:
-        return Check("error", "network", f"{env.node_name}: {listed}; {exc}".split(" HINT:")[0],
-                     "set train.socket_ifname to an interface every node has, or '' to choose automatically")
-    return Check("ok", "network", f"{env.node_name}: {listed}; NCCL and gloo use "
-                 f"{choice.name or 'their own choice'} ({choice.why})")
-
-
-def _across_nodes(cfg: RunConfig, env: DistEnv, folder: Path, network: Check,
-                  collective: Sequence[float] | None) -> list[Check]:
-    """Rank 0 writes a token; the first rank on every node must find it (a real cross-node check). Each
-    node's first rank also reports its network, over the interface it names (an unusable one fails here).
-    With `collective`, on each rank's own device (GPUs: NCCL), the bandwidth between the nodes."""
-    import torch
-
-    from ..runtime import distributed
-
-    ifname = cfg.train.socket_ifname if network.level == "ok" else ""
-    device = distributed.pick_device(env, cfg.train.device) if collective else torch.device("cpu")
-    with distributed.process_group(env, device, 120, 120, ifname):
-        name = distributed.broadcast_from_main(f".qgtrain-doctor-{uuid.uuid4().hex[:8]}")
-        token = folder / name
-        if env.is_main:
-            token.write_text("ok")
-        distributed.barrier()
-        seen = token.exists() if env.local_rank == 0 else True
-        gathered = distributed.gather_to_main((env.node_name, seen, network if env.local_rank == 0 else None))
-        distributed.barrier()
-        if env.is_main:
-            token.unlink(missing_ok=True)
-        measured = _collective(env, device, collective) if collective else []
-    blind = sorted({node for node, ok, _ in gathered or [] if not ok})
-    networks = [check for _, _, check in gathered or [] if check is not None]
-    if blind:
-        return [Check("error", "shared filesystem", f"node(s) {', '.join(blind)} cannot see {folder}",
-                      "put logging.runs_dir (and data.cache_dir) on a filesystem every node mounts"), *networks,
-                *measured]
-    return [Check("ok", "shared filesystem", f"all {env.num_nodes} node(s) see {folder}"), *networks, *measured]
-
-
-def _collective(env: DistEnv, device: Any, sizes: Sequence[float]) -> list[Check]:
-    """The bandwidth checks (a collective); a rank that never answers is named from the rendezvous store."""
-    import torch.distributed as dist
-
-    from ..errors import first_line
-    from ..runtime.diagnose import missing_ranks
-    from . import collective
-
-    try:
-        result = collective.measure(env, device, sizes)
-    except (RuntimeError, dist.DistError) as exc:
-        verdict = collective.judge([], {}, [f"rank {r}" for r in missing_ranks(env) or []] or ["a rank"])
-        return [Check(verdict.level, "collective", f"{verdict.message} ({first_line(exc)})", verdict.fix)]
-    if result is None:
-        return []
-    whole, links = collective.render(result, env.world_size)
-    verdict = collective.judge(result["nodes"], result["links"])
-    return [Check("ok", "collective", whole), Check("ok", "node links", links),
-            Check(verdict.level, "slow nodes", verdict.message, verdict.fix)]
 
 
 def _filesystem(path: Path) -> str:
@@ -209,37 +220,69 @@ def _filesystem(path: Path) -> str:
 
 def _port(env: DistEnv) -> Check:
     if env.world_size == 1 or not env.is_main:
-        return Check("ok", "rendezvous port", "one process needs no port" if env.world_size == 1 else
-                     f"rank 0 listens on {env.master_addr}:{env.master_port}")
+        return Check(
+            "ok",
+            "rendezvous port",
+            "one process needs no port"
+            if env.world_size == 1
+            else f"rank 0 listens on {env.master_addr}:{env.master_port}",
+        )
     with socket.socket() as sock:
         try:
             sock.bind(("", env.master_port))
         except OSError as exc:
-            return Check("error", "rendezvous port", f"port {env.master_port} on {env.node_name} is taken "
-                         f"({exc.strerror})", "set MASTER_PORT to a free port for this job")
+            return Check(
+                "error",
+                "rendezvous port",
+                f"port {env.master_port} on {env.node_name} is taken ({exc.strerror})",
+                "set MASTER_PORT to a free port for this job",
+            )
     return Check("ok", "rendezvous port", f"{env.master_addr}:{env.master_port} is free")
 
 
 def _huggingface(cfg: RunConfig, environ: Mapping[str, str]) -> list[Check]:
     checks = []
-    offline = any(environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    checks.append(Check("ok", "Hugging Face", "offline mode is on") if offline else
-                  Check("warning", "Hugging Face", "offline mode is off",
-                        "compute nodes often have no network: export HF_HUB_OFFLINE=1 (qgtrain itself never "
-                        "downloads; model.pretrained is read from a local folder)"))
+    offline = any(
+        environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+    checks.append(
+        Check("ok", "Hugging Face", "offline mode is on")
+        if offline
+        else Check(
+            "warning",
+            "Hugging Face",
+            "offline mode is off",
+            "compute nodes often have no network: export HF_HUB_OFFLINE=1 (qgtrain itself never "
+            "downloads; model.pretrained is read from a local folder)",
+        )
+    )
     cache = Path(environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
     checks.append(Check("ok", "Hugging Face cache", str(cache)))
-    for key, folder, wanted in (("model.pretrained", cfg.model.pretrained, "config.json"),
-                                ("data.tokenizer", None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
-                                 "tokenizer.json")):
+    for key, folder, wanted in (
+        ("model.pretrained", cfg.model.pretrained, "config.json"),
+        (
+            "data.tokenizer",
+            None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
+            "tokenizer.json",
+        ),
+    ):
         if folder and not (Path(folder) / wanted).is_file():
-            checks.append(Check("error", key, f"{folder} has no {wanted}",
-                                "point it at a folder written by save_pretrained (e.g. by `qgtrain export`)"))
+            checks.append(
+                Check(
+                    "error",
+                    key,
+                    f"{folder} has no {wanted}",
+                    "point it at a folder written by save_pretrained (e.g. by `qgtrain export`)",
+                )
+            )
     return checks
 
 
 def render(checks: list[Check], env: DistEnv) -> str:
-    lines = [f"qgtrain doctor on {env.node_name}" + (f" (rank 0 of {env.world_size})" if env.world_size > 1 else "")]
+    lines = [
+        f"qgtrain doctor on {env.node_name}"
+        + (f" (rank 0 of {env.world_size})" if env.world_size > 1 else "")
+    ]
     for check in checks:
         lines.append(f"  {check.level:<8} {check.name:<18} {check.message}")
         if check.fix and check.level != "ok":

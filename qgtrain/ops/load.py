@@ -1,13 +1,14 @@
-"""`qgtrain.load_model(folder)`: the trained module back from an export, in two lines, whatever the model.
+"""`qgtrain.load_model(folder)`: the trained module back from an export, in two lines, whatever the
+model.
 
     import qgtrain
     model = qgtrain.load_model("models/molecules")
 
-An export of a transformers model or a PyTorchModelHubMixin loads through its class's own from_pretrained.
-Any other model is rebuilt by calling the run's task function with the run's config (qgtrain_model.json),
-then its weights are loaded from model.safetensors (or its shards), strictly: a folder whose weights do not
-fit the rebuilt model is refused in one line naming what differs, and nothing of qgtrain's checkpoint
-format is needed.
+An export of a transformers model or a PyTorchModelHubMixin loads through its class's own
+from_pretrained. Any other model is rebuilt by calling the run's task function with the run's config
+(qgtrain_model.json), then its weights are loaded from model.safetensors (or its shards), strictly:
+a folder whose weights do not fit the rebuilt model is refused in one line naming what differs, and
+nothing of qgtrain's checkpoint format is needed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torch import nn
 from ..configload import config_from_dict
 from ..errors import CheckpointError
 from ..trust import Named, config_code, require
-from .export_task import rebuild_model
-from .export_writer import META
+from .export.rebuild import rebuild_model
+from .export.writer import META
 
 
 def load_model(folder: str | Path, *, trust_code: bool = False) -> nn.Module:
@@ -59,9 +60,11 @@ def _exported_class(meta: dict[str, Any], folder: Path, trust_code: bool) -> Any
     except (ImportError, AttributeError, TypeError, ValueError):
         return type(_rebuild(meta, folder, trust_code))
     if not trust_code and not _transformers_model(found):
-        raise CheckpointError(f"load_model: the class {meta['class']!r} in {folder / META} is "
-                              "not a transformers model class. HINT: if you trust the folder, pass "
-                              "trust_code=True")
+        raise CheckpointError(
+            f"load_model: the class {meta['class']!r} in {folder / META} is "
+            "not a transformers model class. HINT: if you trust the folder, pass "
+            "trust_code=True"
+        )
     return found
 
 
@@ -73,40 +76,55 @@ def _transformers_model(found: Any) -> bool:
 
 def _require(named: list[Named], folder: Path, trust_code: bool) -> None:
     if not trust_code:
-        require(named, folder / META, what="load_model", fix="trust_code=True",
-                why_not="an export folder counts as yours only with trust_code=True (a copy or "
-                "download of someone's folder is owned by you)")
+        require(
+            named,
+            folder / META,
+            what="load_model",
+            fix="trust_code=True",
+            why_not="an export folder counts as yours only with trust_code=True (a copy or "
+            "download of someone's folder is owned by you)",
+        )
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
     path = folder / META
     if not path.is_file():
-        raise CheckpointError(f"load_model: {folder} has no {META}, so it is not a folder written by `qgtrain "
-                              "export`. HINT: export the run first (qgtrain export RUN_DIR --out FOLDER); a "
-                              "transformers folder loads with its class's from_pretrained")
+        raise CheckpointError(
+            f"load_model: {folder} has no {META}, so it is not a folder written by `qgtrain "
+            "export`. HINT: export the run first (qgtrain export RUN_DIR --out FOLDER); a "
+            "transformers folder loads with its class's from_pretrained"
+        )
     return dict(json.loads(path.read_text()))
 
 
 def load_weights_strictly(model: nn.Module, folder: Path, exported_class: str) -> None:
-    """Every tensor of the model from the folder, with nothing missing, extra or of another shape. A tensor
-    that shares memory with another (tied weights) is written once and filled through its partner."""
+    """Every tensor of the model from the folder, with nothing missing, extra or of another shape. A
+    tensor that shares memory with another (tied weights) is written once and filled through its
+    partner."""
     saved = read_weights(folder)
     own = model.state_dict()
     written = {_storage(own[k]) for k in saved if k in own}
     missing = [k for k in own if k not in saved and _storage(own[k]) not in written]
     extra = sorted(set(saved) - set(own))
-    shapes = [f"{k} {tuple(saved[k].shape)} in the folder, {tuple(own[k].shape)} in the model"
-              for k in own if k in saved and saved[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} in the folder, {tuple(own[k].shape)} in the model"
+        for k in own
+        if k in saved and saved[k].shape != own[k].shape
+    ]
     if missing or extra or shapes:
         cls = type(model)
         built = f"{cls.__module__}.{cls.__qualname__}"
-        differs = "; ".join([f"shapes differ: {', '.join(shapes[:3])}"] * bool(shapes) +
-                            [f"not in the folder: {', '.join(missing[:5])}"] * bool(missing) +
-                            [f"not in the model: {', '.join(extra[:5])}"] * bool(extra))
+        differs = "; ".join(
+            [f"shapes differ: {', '.join(shapes[:3])}"] * bool(shapes)
+            + [f"not in the folder: {', '.join(missing[:5])}"] * bool(missing)
+            + [f"not in the model: {', '.join(extra[:5])}"] * bool(extra)
+        )
         raise CheckpointError(
-            f"load_model: the weights in {folder} (of a {exported_class}) do not fit the {built} that its task "
-            f"builds now: {differs}. HINT: the folder holds another model's weights, or the task or its options "
-            f"changed since the export; load it with the code and {META} it was exported with")
+            f"load_model: the weights in {folder} (of a {exported_class}) do not fit the {built} "
+            f"that its task builds now: {differs}. HINT: the folder holds another model's weights, "
+            "or the task or its options changed since the export; load it with the code and "
+            f"{META} it was exported with"
+        )
     model.load_state_dict(saved, strict=False)  # strict above, tied partners included
 
 
@@ -119,7 +137,9 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise CheckpointError(f"load_model: {folder} has neither model.safetensors nor model.safetensors.index.json")
+        raise CheckpointError(
+            f"load_model: {folder} has neither model.safetensors nor model.safetensors.index.json"
+        )
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         weights.update(load_file(folder / name))

@@ -8,9 +8,16 @@ from ..errors import QgtrainError
 from ..state.rundir import RunDir
 from ..training.metrics import read_metrics
 
-LABELS = {"loss": "training loss", "val_loss": "validation loss", "lr": "learning rate",
-          "grad_norm": "gradient norm", "tokens_per_s": "tokens / s", "mem_rss_gb": "CPU memory (GB)",
-          "mem_gpu_peak_gb": "GPU memory peak (GB)", "test_loss": "test loss"}
+LABELS = {
+    "loss": "training loss",
+    "val_loss": "validation loss",
+    "lr": "learning rate",
+    "grad_norm": "gradient norm",
+    "tokens_per_s": "tokens / s",
+    "mem_rss_gb": "CPU memory (GB)",
+    "mem_gpu_peak_gb": "GPU memory peak (GB)",
+    "test_loss": "test loss",
+}
 
 
 def plot_runs(runs: list[Path], out: Path, metrics: list[str]) -> Path:
@@ -19,26 +26,45 @@ def plot_runs(runs: list[Path], out: Path, metrics: list[str]) -> Path:
     for run in runs:
         path = RunDir(run).metrics
         if not path.exists():
-            raise QgtrainError(f"plot: {run} has no metrics.jsonl; give run directories (e.g. runs/tiny-gpt2)")
+            raise QgtrainError(
+                f"plot: {run} has no metrics.jsonl; give run directories (e.g. runs/tiny-gpt2)"
+            )
         series[run.name if run.name not in series else str(run)] = read_metrics(path)
-    available = sorted({k for records in series.values() for r in records for k, v in r.items()
-                        if isinstance(v, (int, float)) and k not in ("step", "epoch", "time")})
+    available = sorted(
+        {
+            k
+            for records in series.values()
+            for r in records
+            for k, v in r.items()
+            if isinstance(v, (int, float)) and k not in ("step", "epoch", "time")
+        }
+    )
     unknown = [m for m in metrics if m not in available]
     if unknown:
-        raise QgtrainError(f"plot --metric: {', '.join(unknown)} not logged by these runs; available: "
-                           f"{', '.join(available)}")
+        raise QgtrainError(
+            f"plot --metric: {', '.join(unknown)} not logged by these runs; available: "
+            f"{', '.join(available)}"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(9, 2.8 * len(metrics) + 0.6), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(metrics), 1, figsize=(9, 2.8 * len(metrics) + 0.6), sharex=True, squeeze=False
+    )
     for ax, metric in zip(axes[:, 0], metrics):
         for name, records in series.items():
             points = [(r["step"], r[metric]) for r in records if r.get(metric) is not None]
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=name)
+                ax.plot(
+                    steps,
+                    values,
+                    marker="o" if len(points) < 30 else None,
+                    markersize=3,
+                    label=name,
+                )
         ax.set_ylabel(LABELS.get(metric, metric))
         ax.grid(True, alpha=0.3)
         if metric == "lr":

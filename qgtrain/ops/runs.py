@@ -1,13 +1,14 @@
-"""`qgtrain runs`: what every run under a folder is doing, read from its files alone (no torch, no Slurm).
+"""`qgtrain runs`: what every run under a folder is doing, read from its files alone (no torch, no
+Slurm).
 
 Every text it shows was written by whoever could write the run directory (on a shared filesystem:
 anyone allowed to), so the table shows control characters escaped (`\x1b`, `\n`, `\u202e`): a
 status.json cannot move the cursor, recolour or rewrite the terminal, or add lines of its own.
 --json escapes them too.
 
-Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run that
-says "running" while nobody holds its lock was killed before it could say anything else (interrupted),
-and resumes from its latest checkpoint when started again.
+Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run
+that says "running" while nobody holds its lock was killed before it could say anything else
+(interrupted), and resumes from its latest checkpoint when started again.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class RunSummary:
     epoch: int | None
     best_val_loss: float | None
     last_val_loss: float | None
-    last_val_metrics: dict[str, float]  # the task's own metrics at the latest validation (val_accuracy, ...)
+    # the task's own metrics at the latest validation (val_accuracy, ...)
+    last_val_metrics: dict[str, float]
     checkpoint: int | None
     restarts: int | None
-    failures: list[str]  # each failed step: which rank, where, how, and what followed (retry, requeue, end)
+    # each failed step: which rank, where, how, and what followed (retry, requeue, end)
+    failures: list[str]
     job_id: str | None
     error: str | None
     swept: dict[str, str]  # the values its sweep gave it (empty outside a sweep)
@@ -42,8 +45,10 @@ class RunSummary:
 def find_runs(root: Path) -> list[Path]:
     """Run directories under root (root itself if it is one), in name order."""
     if not root.is_dir():
-        raise QgtrainError(f"runs: {root} is not a directory; give the folder your runs are in "
-                           "(logging.runs_dir, 'runs' by default)")
+        raise QgtrainError(
+            f"runs: {root} is not a directory; give the folder your runs are in "
+            "(logging.runs_dir, 'runs' by default)"
+        )
     if rundir.is_run_dir(root):
         return [root]
     return sorted(p for p in root.iterdir() if rundir.is_run_dir(p))
@@ -56,19 +61,31 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
     trained = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     evaluated = [r for r in records if any(k.startswith("val_") for k in r)]
-    metrics = {k: v for k, v in (evaluated[-1] if evaluated else {}).items()
-               if k.startswith("val_") and k != "val_loss" and isinstance(v, (int, float))}
+    metrics = {
+        k: v
+        for k, v in (evaluated[-1] if evaluated else {}).items()
+        if k.startswith("val_") and k != "val_loss" and isinstance(v, (int, float))
+    }
     committed = checkpoint.list_committed(layout.checkpoints)
     run_id = rundir.read_run_id(run)
     ours = [c for c in committed if c.run_id == run_id]
     restart = status.get("restart")
     return RunSummary(
-        name=run.name, path=str(run), status=_status(run, status), step=trained[-1]["step"] if trained else None,
-        epoch=trained[-1]["epoch"] if trained else None, best_val_loss=min(vals) if vals else None,
-        last_val_loss=vals[-1] if vals else None, last_val_metrics=metrics, checkpoint=ours[-1].step if ours else None,
-        restarts=int(restart) if isinstance(restart, (int, float)) else None, failures=_failures(status),
+        name=run.name,
+        path=str(run),
+        status=_status(run, status),
+        step=trained[-1]["step"] if trained else None,
+        epoch=trained[-1]["epoch"] if trained else None,
+        best_val_loss=min(vals) if vals else None,
+        last_val_loss=vals[-1] if vals else None,
+        last_val_metrics=metrics,
+        checkpoint=ours[-1].step if ours else None,
+        restarts=int(restart) if isinstance(restart, (int, float)) else None,
+        failures=_failures(status),
         job_id=str(status["job_id"]) if status.get("job_id") else None,
-        error=str(status["error"]) if status.get("error") else None, swept=swept or {})
+        error=str(status["error"]) if status.get("error") else None,
+        swept=swept or {},
+    )
 
 
 def _failures(status: dict[str, object]) -> list[str]:
@@ -76,8 +93,11 @@ def _failures(status: dict[str, object]) -> list[str]:
     described = []
     for failure in recorded if isinstance(recorded, list) else []:
         if isinstance(failure, dict):
-            where = f"rank {failure['rank']} on {failure['node']}: {failure['how']}" if "rank" in failure else \
-                f"exit {failure.get('exit_code')}"
+            where = (
+                f"rank {failure['rank']} on {failure['node']}: {failure['how']}"
+                if "rank" in failure
+                else f"exit {failure.get('exit_code')}"
+            )
             described.append(f"{where} -> {failure.get('action', '?')}")
     return described
 
@@ -105,23 +125,54 @@ def as_table(rows: list[RunSummary]) -> str:
             return "-"
         return f"{value:.4f}" if isinstance(value, float) else shown(str(value))
 
-    header = ("RUN", "STATUS", "STEP", "EPOCH", "BEST VAL", "LAST VAL", "CHECKPOINT", "RESTARTS", "FAILURES", "JOB",
-              "METRICS", "SWEPT")
+    header = (
+        "RUN",
+        "STATUS",
+        "STEP",
+        "EPOCH",
+        "BEST VAL",
+        "LAST VAL",
+        "CHECKPOINT",
+        "RESTARTS",
+        "FAILURES",
+        "JOB",
+        "METRICS",
+        "SWEPT",
+    )
+
     def metrics(r: RunSummary) -> str:
         return " ".join(f"{fmt(k)} {fmt(v)}" for k, v in r.last_val_metrics.items()) or "-"
 
     def swept(r: RunSummary) -> str:
         return " ".join(f"{fmt(k)}={fmt(v)}" for k, v in r.swept.items()) or "-"
 
-    cells = [header] + [(fmt(r.name), fmt(r.status), fmt(r.step), fmt(r.epoch),
-                         fmt(r.best_val_loss), fmt(r.last_val_loss), fmt(r.checkpoint),
-                         fmt(r.restarts), str(len(r.failures)), fmt(r.job_id), metrics(r), swept(r))
-                        for r in rows]
+    cells = [header] + [
+        (
+            fmt(r.name),
+            fmt(r.status),
+            fmt(r.step),
+            fmt(r.epoch),
+            fmt(r.best_val_loss),
+            fmt(r.last_val_loss),
+            fmt(r.checkpoint),
+            fmt(r.restarts),
+            str(len(r.failures)),
+            fmt(r.job_id),
+            metrics(r),
+            swept(r),
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells
+    ]
     lines += [f"{fmt(r.name)}: {fmt(r.error)}" for r in rows if r.status == "failed" and r.error]
-    lines += [f"{fmt(r.name)}: failed step {i}: {fmt(failure)}" for r in rows
-              for i, failure in enumerate(r.failures, 1)]
+    lines += [
+        f"{fmt(r.name)}: failed step {i}: {fmt(failure)}"
+        for r in rows
+        for i, failure in enumerate(r.failures, 1)
+    ]
     return "\n".join(lines)
 
 
@@ -129,5 +180,6 @@ def shown(text: str) -> str:
     """`text` with every character a terminal would act on instead of print (C0 and C1 controls,
     DEL, line and paragraph separators, bidirectional overrides) written as its Python escape: one
     row stays one line."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )

@@ -1,11 +1,12 @@
-"""How a rank uses the CPU it trains on: its share of the node's cores, and a malloc that keeps memory.
+"""How a rank uses the CPU it trains on: its share of the node's cores, and a malloc that keeps
+memory.
 
-glibc's malloc hands large freed blocks back to the kernel (munmap, or trimming the heap), so the next
-step's activations of the same size are faulted in and zeroed again page by page, every step (thousands
-of page faults; tests/test_cpu.py counts them, bench.train_speed shows the cost); a caching allocator
-(CUDA's, jemalloc, tcmalloc) never pays it. Serving blocks up to glibc's
-largest mmap threshold from the heap, and trimming the heap only past 2 GiB free, does the same: a rank
-then holds on to its peak memory for the whole run, as it would on a GPU.
+glibc's malloc hands large freed blocks back to the kernel (munmap, or trimming the heap), so the
+next step's activations of the same size are faulted in and zeroed again page by page, every step
+(thousands of page faults; tests/test_cpu.py counts them, bench.train_speed shows the cost); a
+caching allocator (CUDA's, jemalloc, tcmalloc) never pays it. Serving blocks up to glibc's largest
+mmap threshold from the heap, and trimming the heap only past 2 GiB free, does the same: a rank then
+holds on to its peak memory for the whole run, as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt takes (a C int)
 
 
 def set_cpu_threads(env: DistEnv, configured: int) -> int:
-    """Give each rank its share of this node's CPUs, so N ranks on one node do not oversubscribe it."""
+    """Give each rank its share of this node's CPUs, so N ranks on one node do not oversubscribe
+    it."""
     if configured:
         threads = configured
     elif env.cpus_per_task:
@@ -35,9 +37,12 @@ def set_cpu_threads(env: DistEnv, configured: int) -> int:
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse. False where malloc is not glibc's (musl, macOS)."""
+    """Tell glibc's malloc to keep freed memory for reuse. False where malloc is not glibc's (musl,
+    macOS)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )

@@ -1,11 +1,12 @@
-"""Which device a rank trains on: a plain function of the rendezvous, CUDA_VISIBLE_DEVICES and how many GPUs
-the process can see. No torch here, so `qgtrain env` answers the same question on any machine.
+"""Which device a rank trains on: a plain function of the rendezvous, CUDA_VISIBLE_DEVICES and how
+many GPUs the process can see. No torch here, so `qgtrain env` answers the same question on any
+machine.
 
 Slurm shows a task its GPUs through CUDA_VISIBLE_DEVICES. Bound one per task (--gpus-per-task=1,
---gpu-bind=single:1 or closest) a task sees exactly one, index 0 inside the task, whatever its local rank;
-with --gpus-per-node=N and no binding every task sees all N and takes the one at its local rank. Anything in
-between (more than one GPU, fewer than the node's ranks) cannot be shared out without guessing, so it is
-refused with the options that fix it.
+--gpu-bind=single:1 or closest) a task sees exactly one, index 0 inside the task, whatever its local
+rank; with --gpus-per-node=N and no binding every task sees all N and takes the one at its local
+rank. Anything in between (more than one GPU, fewer than the node's ranks) cannot be shared out
+without guessing, so it is refused with the options that fix it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Literal
 from ..errors import RendezvousError
 from .rendezvous import DistEnv
 
-SLURM_BINDING = ("srun --gpus-per-task=1 (or --gpu-bind=single:1 / closest) gives each task its own GPU; "
-                 "--gpus-per-node=N with --ntasks-per-node=N shows every task all N")
+SLURM_BINDING = (
+    "srun --gpus-per-task=1 (or --gpu-bind=single:1 / closest) gives each task its own GPU; "
+    "--gpus-per-node=N with --ntasks-per-node=N shows every task all N"
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,9 @@ class DeviceChoice:
 
 
 def visible_entries(cuda_visible_devices: str | None) -> list[str] | None:
-    """The GPUs CUDA_VISIBLE_DEVICES shows, as CUDA reads it: indices or GPU-/MIG- UUIDs up to the first
-    entry that is neither ('' and Slurm's NoDevFiles show none). None: unset, every GPU shows."""
+    """The GPUs CUDA_VISIBLE_DEVICES shows, as CUDA reads it: indices or GPU-/MIG- UUIDs up to the
+    first entry that is neither ('' and Slurm's NoDevFiles show none). None: unset, every GPU
+    shows."""
     if cuda_visible_devices is None:
         return None
     entries = []
@@ -64,33 +68,52 @@ def count_without_cuda(env: DistEnv, dev: Path = Path("/dev")) -> int:
 
 
 def choose(preference: str, env: DistEnv, count: int) -> DeviceChoice:
-    """The rank's device for train.device `preference` (auto, cpu, cuda), given `count` visible GPUs."""
+    """The rank's device for train.device `preference` (auto, cpu, cuda), given `count` visible
+    GPUs."""
     shown = _shown(env)
     if preference == "cpu":
         return DeviceChoice("cpu", None, "train.device is cpu")
     if count == 0:
         if preference == "cuda":
             raise RendezvousError(
-                f"train.device is 'cuda' but no GPU is visible to rank {env.rank} on {env.node_name} ({shown}). "
-                "HINT: request GPUs (--gpus-per-node or --gpus-per-task) or set train.device: cpu")
+                f"train.device is 'cuda' but no GPU is visible to rank {env.rank} on "
+                f"{env.node_name} ({shown}). HINT: request GPUs (--gpus-per-node or "
+                "--gpus-per-task) or set train.device: cpu"
+            )
         return DeviceChoice("cpu", None, f"no GPU is visible ({shown})")
     if count == 1:
-        return DeviceChoice("cuda", 0, f"one GPU is visible to this task ({shown}): it is this rank's")
+        return DeviceChoice(
+            "cuda", 0, f"one GPU is visible to this task ({shown}): it is this rank's"
+        )
     if count >= env.local_world_size:
-        return DeviceChoice("cuda", env.local_rank, f"{count} GPUs are visible to the {env.local_world_size} "
-                            f"rank(s) on {env.node_name} ({shown}): local rank {env.local_rank} takes GPU "
-                            f"{env.local_rank}")
+        return DeviceChoice(
+            "cuda",
+            env.local_rank,
+            f"{count} GPUs are visible to the {env.local_world_size} "
+            f"rank(s) on {env.node_name} ({shown}): local rank {env.local_rank} takes GPU "
+            f"{env.local_rank}",
+        )
     raise RendezvousError(
-        f"{count} GPUs are visible to each of the {env.local_world_size} ranks on {env.node_name} ({shown}): "
-        f"more than one, but fewer than the ranks, so local rank {env.local_rank} has no GPU of its own. "
-        f"HINT: {SLURM_BINDING}; or run {count} rank(s) per node (--ntasks-per-node={count})")
+        f"{count} GPUs are visible to each of the {env.local_world_size} ranks on {env.node_name} "
+        f"({shown}): more than one, but fewer than the ranks, so local rank {env.local_rank} has "
+        f"no GPU of its own. HINT: {SLURM_BINDING}; or run {count} rank(s) per node "
+        f"(--ntasks-per-node={count})"
+    )
 
 
 def report(env: DistEnv, preference: str, dev: Path = Path("/dev")) -> str:
-    """`qgtrain env`'s JSON: the rendezvous, and the device with why, from the environment and device files."""
+    """`qgtrain env`'s JSON: the rendezvous, and the device with why, from the environment and
+    device files."""
     choice = choose(preference, env, count_without_cuda(env, dev))
-    return json.dumps({**env.describe(), "device": choice.name, "device_index": choice.index,
-                       "device_why": choice.why}, indent=1)
+    return json.dumps(
+        {
+            **env.describe(),
+            "device": choice.name,
+            "device_index": choice.index,
+            "device_why": choice.why,
+        },
+        indent=1,
+    )
 
 
 def _shown(env: DistEnv) -> str:
@@ -110,7 +133,9 @@ def shared_gpu(claims: list[tuple[str, str, str]]) -> str | None:
     if shared is None:
         return None
     node, device, uuid = claims[shared[0]]
-    return (f"ranks {shared} on {node} would all drive one GPU ({device}, {uuid}), and NCCL runs "
-            "one rank per GPU. HINT: start as many tasks per node as the node has GPUs "
-            f"({SLURM_BINDING}); under torchrun, --nproc_per_node equal to the GPUs it sees; a "
-            "CUDA_VISIBLE_DEVICES set by hand must differ between the node's ranks")
+    return (
+        f"ranks {shared} on {node} would all drive one GPU ({device}, {uuid}), and NCCL runs "
+        "one rank per GPU. HINT: start as many tasks per node as the node has GPUs "
+        f"({SLURM_BINDING}); under torchrun, --nproc_per_node equal to the GPUs it sees; a "
+        "CUDA_VISIBLE_DEVICES set by hand must differ between the node's ranks"
+    )

@@ -1,7 +1,9 @@
-"""The process group: started from a DistEnv, destroyed on every exit path, and the few collectives we use.
+"""The process group: started from a DistEnv, destroyed on every exit path, and the few collectives
+we use.
 
-One process is a world of size 1 with an in-memory store, so the trainer takes the same collective path
-for 1 and N ranks. Every helper here is a collective: all ranks must call it, in the same order.
+One process is a world of size 1 with an in-memory store, so the trainer takes the same collective
+path for 1 and N ranks. Every helper here is a collective: all ranks must call it, in the same
+order.
 """
 
 from __future__ import annotations
@@ -9,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
 import logging
-import socket
 import sys
 import time
 import traceback
@@ -21,17 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import JoinError, QgtrainError, RendezvousError, first_line
-from . import comms, devices, once, store, wire
+from ..errors import JoinError, QgtrainError, first_line
+from . import comms, devices, joining, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv
 
 
 def pick_device(env: DistEnv, preference: str, cuda: Any = torch.cuda) -> torch.device:
-    """The rank's device (devices.choose: never the global rank), made this process's current CUDA device
-    before the process group or anything else touches CUDA. FSDP places shards, DTensor moves tensors, NCCL
-    binds its communicator, the DataLoader pins and bf16 is probed on the current device, which is GPU 0
-    until set. `cuda` is torch.cuda; a test passes a recorder."""
+    """The rank's device (devices.choose: never the global rank), made this process's current CUDA
+    device before the process group or anything else touches CUDA. FSDP places shards, DTensor moves
+    tensors, NCCL binds its communicator, the DataLoader pins and bf16 is probed on the current
+    device, which is GPU 0 until set. `cuda` is torch.cuda; a test passes a recorder."""
     count = cuda.device_count() if preference != "cpu" and cuda.is_available() else 0
     choice = devices.choose(preference, env, count)
     logging.getLogger("qgtrain").info("device %s: %s", choice.name, choice.why)
@@ -42,27 +42,41 @@ def pick_device(env: DistEnv, preference: str, cuda: Any = torch.cuda) -> torch.
 
 
 def ddp_device_ids(device: torch.device) -> list[int] | None:
-    """DDP's device_ids: the rank's GPU as an int (never a torch.device, never the global rank); none on CPU."""
+    """DDP's device_ids: the rank's GPU as an int (never a torch.device, never the global rank);
+    none on CPU."""
     return [device.index] if device.type == "cuda" and device.index is not None else None
 
 
 @contextlib.contextmanager
-def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, collective_timeout_s: float,
-                  socket_ifname: str = "") -> Iterator[None]:
-    """Join the job's process group; leave it however the body exits. The first collective runs here, on the
-    rank's device: NCCL makes its communicator only then, so a network it cannot use fails inside this
-    rendezvous handling, with the interface it was given, instead of at some later step."""
+def process_group(
+    env: DistEnv,
+    device: torch.device,
+    startup_timeout_s: float,
+    collective_timeout_s: float,
+    socket_ifname: str = "",
+) -> Iterator[None]:
+    """Join the job's process group; leave it however the body exits. The first collective runs
+    here, on the rank's device: NCCL makes its communicator only then, so a network it cannot use
+    fails inside this rendezvous handling, with the interface it was given, instead of at some later
+    step."""
     nccl = device.type == "cuda"
     backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
     network = comms.configure_network(env, nccl, socket_ifname)
     try:
         if env.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,  # type: ignore[attr-defined]
-                                    timeout=datetime.timedelta(seconds=collective_timeout_s))
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),  # type: ignore[attr-defined]
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=collective_timeout_s),
+            )
         else:
             if not env.is_main:
-                _wait_for_listener(env.master_addr, env.master_port, time.monotonic() + startup_timeout_s)
-            _join(env, backend, datetime.timedelta(seconds=startup_timeout_s), device)
+                joining.wait_for_listener(
+                    env.master_addr, env.master_port, time.monotonic() + startup_timeout_s
+                )
+            joining.join(env, backend, datetime.timedelta(seconds=startup_timeout_s), device)
             joined = torch.ones(1, device=device)
             dist.all_reduce(joined)  # every rank has joined, over NCCL too on a GPU
             joined.item()  # and the collective has finished, not only started
@@ -70,10 +84,13 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
     except (RuntimeError, dist.DistError) as exc:
         _destroy()
         raise JoinError(
-            f"rank {env.rank} could not join {env.world_size} ranks at {env.master_addr}:{env.master_port} within "
-            f"{startup_timeout_s:.0f}s ({first_line(exc)}). HINT: were all tasks started together by srun "
-            "(train.slurm) or torchrun? Is the port free and the master host reachable from every node? "
-            f"{_network_hint(env, network, nccl)}`qgtrain env` inside srun prints what each rank sees") from None
+            f"rank {env.rank} could not join {env.world_size} ranks at "
+            f"{env.master_addr}:{env.master_port} within {startup_timeout_s:.0f}s "
+            f"({first_line(exc)}). HINT: were all tasks started together by srun (train.slurm) or "
+            "torchrun? Is the port free and the master host reachable from every node? "
+            f"{joining.network_hint(env, network, nccl)}`qgtrain env` inside srun prints what each "
+            "rank sees"
+        ) from None
     try:
         yield
     finally:
@@ -81,61 +98,13 @@ def process_group(env: DistEnv, device: torch.device, startup_timeout_s: float, 
         _destroy()
 
 
-def _join(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
-    """Rank 0 hosts the store on MASTER_ADDR's address where it can (store.py); the others are its
-    clients. On GPUs the ranks first make sure no two drive one GPU, then bind the group to the
-    rank's GPU (device_id): NCCL forms its communicator at once, and every later group of a subset
-    (hsdp's mesh, the doctor's pairs) splits from it (ncclCommSplit) instead of paying a full NCCL
-    init (torch/distributed/distributed_c10d.py init_process_group's device_id,
-    _new_process_group_helper's split_from)."""
-    job_store = store.job_store(env, timeout)
-    if device.type == "cuda":
-        _refuse_shared_gpus(job_store, env, device)
-    dist.init_process_group(backend, store=job_store, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout, device_id=device if device.type == "cuda" else None)
-
-
-def _refuse_shared_gpus(job_store: Any, env: DistEnv, device: torch.device) -> None:
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    claims = [json.loads(claim) for claim in
-              store.exchange(job_store, "gpu", json.dumps([env.node_name, str(device), uuid]), env)]
-    if (why := devices.shared_gpu([tuple(claim) for claim in claims])) is not None:
-        raise RendezvousError(why)
-
-
-def _network_hint(env: DistEnv, network: comms.InterfaceChoice, nccl: bool) -> str:
-    used = f"{'NCCL and gloo' if nccl else 'gloo'} used {network.name or 'interfaces of their own choosing'} " \
-           f"({network.why}); "
-    debug = ", and NCCL_DEBUG=INFO shows what NCCL tried" if nccl else ""
-    return f"{used}if that does not reach {env.master_addr}, set train.socket_ifname to one that does (`srun " \
-           f"qgtrain doctor` lists each node's interfaces){debug}. "
-
-
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
-    """Return once rank 0's store accepts connections (or at the deadline, leaving the error to the join).
-
-    A rank that reaches the store before rank 0 has opened it is refused, and torch's client then backs off
-    for about half a second, longer on each retry: many starts paid that, as every rank imports the same
-    modules at nearly the same moment. Probing with a plain connect every few milliseconds costs the store
-    one closed connection per rank.
-    """
-    for pause in once.pauses(0.005, 0.1):
-        if time.monotonic() >= deadline:
-            return
-        try:
-            socket.create_connection((host, port), timeout=max(0.01, min(1.0, deadline - time.monotonic()))).close()
-            return
-        except OSError:
-            time.sleep(pause)
-
-
 def _release_users() -> None:
     """Free what holds the group (DDP's reducer) while the group is still registered.
 
-    A reducer that outlives the group destroys it from its own deallocator, which joins gloo's worker
-    threads with the GIL held; a worker still finishing a collective needs the GIL to free its tensors,
-    and the rank hangs forever. The frames of an exception on its way out keep the model alive, so they
-    are cleared first (the traceback still prints), then cycles are collected.
+    A reducer that outlives the group destroys it from its own deallocator, which joins gloo's
+    worker threads with the GIL held; a worker still finishing a collective needs the GIL to free
+    its tensors, and the rank hangs forever. The frames of an exception on its way out keep the
+    model alive, so they are cleared first (the traceback still prints), then cycles are collected.
     """
     error = sys.exc_info()[1]
     if error is not None:
@@ -171,17 +140,23 @@ def barrier() -> None:
 
 
 def any_flags(flags: Sequence[bool | int | torch.Tensor], device: torch.device) -> list[bool]:
-    """Each flag is true on every rank if it is true on any rank: the stop decisions all ranks must share."""
+    """Each flag is true on every rank if it is true on any rank: the stop decisions all ranks must
+    share."""
     tensor = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(v) for v in tensor.tolist()]
 
 
 def any_flags_later(flags: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """any_flags on an int32 device tensor, started now and finished by the returned call, which gives the
-    agreed flags as a device tensor (no host sync): the all-reduce runs while the caller computes (a step's
-    forward and backward), so agreeing costs no round trip on the step's path. One process starts none."""
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if dist.get_world_size() > 1 else None
+    """any_flags on an int32 device tensor, started now and finished by the returned call, which
+    gives the agreed flags as a device tensor (no host sync): the all-reduce runs while the caller
+    computes (a step's forward and backward), so agreeing costs no round trip on the step's path.
+    One process starts none."""
+    work = (
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        if dist.get_world_size() > 1
+        else None
+    )
 
     def finish() -> torch.Tensor:
         if work is not None:
@@ -200,19 +175,23 @@ def flagged_ranks(flag: bool, device: torch.device) -> list[int]:
 
 
 def sum_tensors(values: torch.Tensor) -> list[float]:
-    """Sum a float64 device tensor over ranks and read it on the host: one collective, one sync (losses and
-    counts, each sample counted once)."""
+    """Sum a float64 device tensor over ranks and read it on the host: one collective, one sync
+    (losses and counts, each sample counted once)."""
     dist.all_reduce(values)
     return values.tolist()
 
 
 def diverged(named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> list[str]:
-    """Names of the tensors whose replicas differ between ranks, by a float64 sum per tensor (one pass
-    over memory, two small all-reduces): the same on every rank."""
+    """Names of the tensors whose replicas differ between ranks, by a float64 sum per tensor (one
+    pass over memory, two small all-reduces): the same on every rank."""
     if not named:
         return []
-    sums = torch.stack([t.detach().double().sum().nan_to_num(nan=0.0, posinf=1e308, neginf=-1e308).to(device)
-                        for _, t in named])
+    sums = torch.stack(
+        [
+            t.detach().double().sum().nan_to_num(nan=0.0, posinf=1e308, neginf=-1e308).to(device)
+            for _, t in named
+        ]
+    )
     high, low = sums.clone(), sums.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)

@@ -13,7 +13,8 @@ LOGGER = "qgtrain"
 
 
 def setup_console(env: DistEnv, level: str) -> logging.Logger:
-    """Rank 0 logs at `level`; other ranks only warnings, so N ranks do not print N copies of everything."""
+    """Rank 0 logs at `level`; other ranks only warnings, so N ranks do not print N copies of
+    everything."""
     logger = logging.getLogger(LOGGER)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -45,12 +46,14 @@ def close() -> None:
 
 
 def _formatter(env: DistEnv) -> logging.Formatter:
-    return logging.Formatter(f"%(asctime)s [rank {env.rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    return logging.Formatter(
+        f"%(asctime)s [rank {env.rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"
+    )
 
 
 def _quiet_libraries() -> None:
-    """transformers and torch announce things users cannot act on here (their info and warnings about
-    process groups and DDP internals): only their errors are shown."""
+    """transformers and torch announce things users cannot act on here (their info and warnings
+    about process groups and DDP internals): only their errors are shown."""
     for name in ("transformers", "torch.distributed", "torch.nn.parallel"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")

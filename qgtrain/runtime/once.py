@@ -21,8 +21,12 @@ from . import wire
 _calls = itertools.count()
 
 
-def main_works_long(work: Callable[[], Any], what: str, timeout: tuple[str, float],
-                    visible: Callable[[Any], bool] | None = None) -> Any:
+def main_works_long(
+    work: Callable[[], Any],
+    what: str,
+    timeout: tuple[str, float],
+    visible: Callable[[Any], bool] | None = None,
+) -> Any:
     """Rank 0 runs `work` and every rank gets its result, a JSON value (a tuple arrives as a list,
     on rank 0 too), however long it takes up to `timeout` (what sets the limit, and seconds).
     Waiting ranks poll the rendezvous store and say what they wait for; if rank 0 dies, the store
@@ -42,8 +46,12 @@ def main_works_long(work: Callable[[], Any], what: str, timeout: tuple[str, floa
             _publish(store, f"{key}/{host}", work)
         value = _collect(store, f"{key}/{host}", f"another rank on {host}, which {what}", timeout)
     store.set(f"{key}/done/{rank}", "1")
-    _wait_keys(store, [f"{key}/done/{r}" for r in range(dist.get_world_size())],
-               f"the ranks of other nodes, where one {what}", timeout)
+    _wait_keys(
+        store,
+        [f"{key}/done/{r}" for r in range(dist.get_world_size())],
+        f"the ranks of other nodes, where one {what}",
+        timeout,
+    )
     return value
 
 
@@ -70,9 +78,11 @@ def _wait_keys(store: Any, keys: list[str], waiting_for: str, timeout: tuple[str
             return
         waited = time.monotonic() - start
         if waited > timeout[1]:
-            raise QgtrainError(f"waited {waited:.0f} s for {waiting_for}, longer than {timeout[0]} "
-                               f"({timeout[1]:.0f} s). HINT: rank 0's log says whether it is still "
-                               "at work; if it is, allow more time or do the work before the job")
+            raise QgtrainError(
+                f"waited {waited:.0f} s for {waiting_for}, longer than {timeout[0]} "
+                f"({timeout[1]:.0f} s). HINT: rank 0's log says whether it is still "
+                "at work; if it is, allow more time or do the work before the job"
+            )
         if waited >= said:
             logging.getLogger("qgtrain").info("waiting for %s (%.0f s so far)", waiting_for, waited)
             said = waited + 60

@@ -1,7 +1,8 @@
 """Stop requests from signals: the handler only sets a flag; the training loop decides what to do.
 
-Saving or requeueing inside a handler can deadlock (a collective half-way through, a lock held by the
-interrupted frame), so the trainer reads `requested` at a step boundary and agrees on it with every rank.
+Saving or requeueing inside a handler can deadlock (a collective half-way through, a lock held by
+the interrupted frame), so the trainer reads `requested` at a step boundary and agrees on it with
+every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ class StopFlag:
     """Context manager: installs flag-setting handlers, restores the previous handlers on exit."""
 
     def __init__(self, signal_names: Iterable[str]) -> None:
-        self.signals = [getattr(signal, "SIG" + name.removeprefix("SIG")) for name in dict.fromkeys(signal_names)]
+        self.signals = [
+            getattr(signal, "SIG" + name.removeprefix("SIG"))
+            for name in dict.fromkeys(signal_names)
+        ]
         self.received: list[str] = []
         self._previous: dict[int, Any] = {}
 

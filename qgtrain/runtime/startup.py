@@ -1,8 +1,9 @@
-"""Where the time before the first step goes: process start to imports, process group, run directory,
-task, wrapping, restore and the first step, each measured once and reported with the first step.
+"""Where the time before the first step goes: process start to imports, process group, run
+directory, task, wrapping, restore and the first step, each measured once and reported with the
+first step.
 
-A requeued job pays this on every allocation, so it is worth seeing; the first metrics record carries
-it as `startup_s` and the log says it in one line.
+A requeued job pays this on every allocation, so it is worth seeing; the first metrics record
+carries it as `startup_s` and the log says it in one line.
 """
 
 from __future__ import annotations
@@ -39,4 +40,5 @@ class Timeline:
     def describe(self) -> str:
         total = sum(self.intervals.values())
         return f"{total:.2f} s from process start to the end of the first step: " + ", ".join(
-            f"{name} {seconds:.2f} s" for name, seconds in self.intervals.items())
+            f"{name} {seconds:.2f} s" for name, seconds in self.intervals.items()
+        )

@@ -35,7 +35,8 @@ def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
         store = _master_store(env, timeout)
     else:
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            env.master_addr, env.master_port, env.world_size, False, timeout)
+            env.master_addr, env.master_port, env.world_size, False, timeout
+        )
     store.set_timeout(timeout)
     return dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
 
@@ -47,11 +48,18 @@ def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
     if listener is None:
         log.info("rendezvous store: listens on every interface of %s, as %s", env.node_name, why)
         return dist.TCPStore(  # type: ignore[attr-defined]
-            env.master_addr, env.master_port, env.world_size, True, timeout, multi_tenant=True)
+            env.master_addr, env.master_port, env.world_size, True, timeout, multi_tenant=True
+        )
     log.info("rendezvous store: %s", why)
     return dist.TCPStore(  # type: ignore[attr-defined]
-        env.master_addr, env.master_port, env.world_size, True, timeout,
-        master_listen_fd=listener.detach(), use_libuv=_libuv_takes_fd())
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        True,
+        timeout,
+        master_listen_fd=listener.detach(),
+        use_libuv=_libuv_takes_fd(),
+    )
 
 
 def exchange(store: Any, name: str, mine: str, env: DistEnv) -> list[str]:
@@ -85,8 +93,10 @@ def bound_listener(host: str, port: int, num_nodes: int) -> tuple[socket.socket 
         return None, f"MASTER_ADDR {host} resolves to {len(found)} addresses ({listed})"
     family, address = found.pop()
     if ipaddress.ip_address(address.split("%")[0]).is_loopback and num_nodes > 1:
-        return None, f"MASTER_ADDR {host} is the loopback address {address}, which other nodes " \
-                     "cannot reach"
+        return (
+            None,
+            f"MASTER_ADDR {host} is the loopback address {address}, which other nodes cannot reach",
+        )
     listener = socket.socket(family, socket.SOCK_STREAM)  # not inherited by children (PEP 446)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener

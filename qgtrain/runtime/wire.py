@@ -26,9 +26,19 @@ from ..errors import (
 
 # qgtrain's own error types by name: an error from another rank becomes one of these, nothing else.
 ERRORS: dict[str, type[QgtrainError]] = {
-    cls.__name__: cls for cls in (QgtrainError, ConfigError, RendezvousError, CheckpointError,
-                                  TrainingError, PeerFailure, CheckpointWriteError, JoinError,
-                                  TaskError)}
+    cls.__name__: cls
+    for cls in (
+        QgtrainError,
+        ConfigError,
+        RendezvousError,
+        CheckpointError,
+        TrainingError,
+        PeerFailure,
+        CheckpointWriteError,
+        JoinError,
+        TaskError,
+    )
+}
 
 
 def error_name(exc: QgtrainError) -> str:
@@ -43,8 +53,10 @@ def result(value: Any) -> str:
     try:
         return json.dumps({"ok": value}, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise TypeError("a result sent between ranks must be a JSON value (str, number, bool, "
-                        f"None, lists and dicts of them): {exc}") from None
+        raise TypeError(
+            "a result sent between ranks must be a JSON value (str, number, bool, "
+            f"None, lists and dicts of them): {exc}"
+        ) from None
 
 
 def error(exc: QgtrainError) -> str:
@@ -60,18 +72,26 @@ def decode(text: str | bytes, where: str) -> Any:
         outcome = None
     if isinstance(outcome, dict) and set(outcome) == {"ok"}:
         return outcome["ok"]
-    if isinstance(outcome, dict) and set(outcome) == {"error", "message"} \
-            and isinstance(outcome["message"], str):
+    if (
+        isinstance(outcome, dict)
+        and set(outcome) == {"error", "message"}
+        and isinstance(outcome["message"], str)
+    ):
         found = ERRORS.get(outcome["error"]) if isinstance(outcome["error"], str) else None
         if found is not None:
             raise found(outcome["message"])
-        raise QgtrainError(f"{where} carries an error of an unknown type "
-                           f"{str(outcome['error'])[:60]!r}, which no qgtrain rank sends. {_HINT}")
+        raise QgtrainError(
+            f"{where} carries an error of an unknown type "
+            f"{str(outcome['error'])[:60]!r}, which no qgtrain rank sends. {_HINT}"
+        )
     shown = text[:40] if isinstance(text, str) else text[:40].decode("utf-8", "replace")
-    raise QgtrainError(f"{where} holds {shown!r}..., which is not a value a qgtrain rank "
-                       f"writes. {_HINT}")
+    raise QgtrainError(
+        f"{where} holds {shown!r}..., which is not a value a qgtrain rank writes. {_HINT}"
+    )
 
 
-_HINT = ("HINT: another process on the network wrote to this job's rendezvous port; qgtrain "
-         "refused it rather than run it. Run jobs where only their own nodes reach each other, "
-         "and report it")
+_HINT = (
+    "HINT: another process on the network wrote to this job's rendezvous port; qgtrain "
+    "refused it rather than run it. Run jobs where only their own nodes reach each other, "
+    "and report it"
+)

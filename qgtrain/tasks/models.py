@@ -1,7 +1,8 @@
-"""Models by name: a transformers causal LM built from a config, a local pretrained folder, or a user factory.
+"""Models by name: a transformers causal LM built from a config, a local pretrained folder, or a
+user factory.
 
-Whatever the source, a model maps input_ids (batch, seq) to logits (batch, seq, vocab) and the loss is
-computed here, so user factories need no Hugging Face conventions.
+Whatever the source, a model maps input_ids (batch, seq) to logits (batch, seq, vocab) and the loss
+is computed here, so user factories need no Hugging Face conventions.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from ..errors import ConfigError, TaskError
 from ..factory import load_factory
 from .pretrained import load_pretrained
 
-_DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
-                   "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout")
+_DROPOUT_FIELDS = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "attention_dropout",
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout",
+)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | None) -> nn.Module:
@@ -27,8 +36,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
     if cfg.factory:
         model = load_factory(cfg.factory, "model.factory")(vocab_size=vocab_size, seq_len=seq_len)
         if not isinstance(model, nn.Module):
-            raise TaskError(f"model.factory: {cfg.factory} returned {type(model).__name__}, not a "
-                            "torch.nn.Module")
+            raise TaskError(
+                f"model.factory: {cfg.factory} returned {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
         return model
     import transformers
 
@@ -36,19 +47,30 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
         return load_pretrained(Path(cfg.pretrained))
     try:
         config = transformers.AutoConfig.for_model(
-            cfg.arch, vocab_size=vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, max_position_embeddings=seq_len,
-            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None)
+            cfg.arch,
+            vocab_size=vocab_size,
+            hidden_size=cfg.hidden,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            max_position_embeddings=seq_len,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=None,
+        )
     except ValueError:
-        raise ConfigError(f"model.arch: {cfg.arch!r} is not a transformers model type (e.g. gpt2, llama, "
-                          "mistral, qwen2)") from None
+        raise ConfigError(
+            f"model.arch: {cfg.arch!r} is not a transformers model type (e.g. gpt2, llama, "
+            "mistral, qwen2)"
+        ) from None
     for name in _DROPOUT_FIELDS:
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, cfg.dropout)
     try:
         return transformers.AutoModelForCausalLM.from_config(config)
     except ValueError as exc:
-        raise ConfigError(f"model.arch: {cfg.arch!r} has no causal-LM head in transformers ({exc})") from None
+        raise ConfigError(
+            f"model.arch: {cfg.arch!r} has no causal-LM head in transformers ({exc})"
+        ) from None
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The decisions every rank must share before it takes a step, agreed without making any step wait.
 
-A stop signal may reach one rank, a due time-based checkpoint and the time limit are rank 0's to see, a
-checkpoint write may fail on any rank, a loss may turn non-finite on one: each is a flag that is true
-everywhere if it is true anywhere (an all-reduce with MAX). Each agreement is started before a step's
-forward and read after the backward of the next agreeing step, so its round trip between ranks runs while
-the ranks compute: the decisions land one agreement later, and no step waits for the network.
+A stop signal may reach one rank, a due time-based checkpoint and the time limit are rank 0's to
+see, a checkpoint write may fail on any rank, a loss may turn non-finite on one: each is a flag that
+is true everywhere if it is true anywhere (an all-reduce with MAX). Each agreement is started before
+a step's forward and read after the backward of the next agreeing step, so its round trip between
+ranks runs while the ranks compute: the decisions land one agreement later, and no step waits for
+the network.
 
 Nor does a step wait for the host to read them: what is read is copied to the host (pinned memory on
 a GPU) and taken at the read after, once a whole step has run. So a decision lands a step later
@@ -25,14 +26,17 @@ from ..runtime import distributed
 
 @dataclass(frozen=True)
 class Flags:
-    """One agreement's flags. Each is true on every rank if it was true on any rank when it started."""
+    """One agreement's flags. Each is true on every rank if it was true on any rank when it
+    started."""
 
     stop_requested: bool = False  # a stop signal reached some rank
     checkpoint_due: bool = False  # checkpoint.every_minutes has passed (rank 0's clock)
     save_failed: bool = False  # an asynchronous checkpoint write failed on some rank
-    out_of_time: bool = False  # the time limit no longer holds the work before the next agreement (rank 0)
+    # the time limit no longer holds the work before the next agreement (rank 0)
+    out_of_time: bool = False
     bad_loss: bool = False  # a loss since the last agreement was non-finite on some rank
-    bad_grads: bool = False  # the reduced gradients were non-finite: the same on every rank, so not agreed
+    # the reduced gradients were non-finite: the same on every rank, so not agreed
+    bad_grads: bool = False
     as_of: int = 0  # the step at whose read these flags were taken
 
     @property
@@ -46,20 +50,24 @@ FLAG_NAMES = (*HOST_FLAGS, "bad_loss", "bad_grads")
 
 
 class Agreement:
-    """One agreement in flight at a time: `start` begins the next, `read` gives the one before it."""
+    """One agreement in flight at a time: `start` begins the next, `read` gives the one before
+    it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)  # what is known before any agreement
+        # what is known before any agreement
+        nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)
         self._in_flight = self._started = lambda: nothing
         self._landing = HostCopy(AGREED + 1, device)
         self._held = Flags()
 
     def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
-        """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for all of
-        them) and `bad_loss`, a device flag read without a host sync."""
+        """Start agreeing on what this rank knows now: `host`'s flags (one copy to the device for
+        all of them) and `bad_loss`, a device flag read without a host sync."""
         on_host = torch.tensor([getattr(host, name) for name in HOST_FLAGS], dtype=torch.int32)
-        flags = torch.cat([on_host.to(self.device, non_blocking=True), bad_loss.reshape(1).to(torch.int32)])
+        flags = torch.cat(
+            [on_host.to(self.device, non_blocking=True), bad_loss.reshape(1).to(torch.int32)]
+        )
         self._started, self._in_flight = self._in_flight, distributed.any_flags_later(flags)
 
     def read(self, bad_grads: torch.Tensor, step: int) -> Flags:
@@ -69,8 +77,9 @@ class Agreement:
         flags = torch.cat([self._started(), bad_grads.reshape(1).to(torch.int32)])
         landed = _flags(*self._landing.swap(flags, step))
         held, self._held = self._held, Flags()
-        return dataclasses.replace(landed, **{name: getattr(landed, name) or getattr(held, name)
-                                              for name in FLAG_NAMES})
+        return dataclasses.replace(
+            landed, **{name: getattr(landed, name) or getattr(held, name) for name in FLAG_NAMES}
+        )
 
     def hold(self, flags: Flags) -> None:
         """Keep what a read gave for a step that is taken again (its batch was dropped, spikes.py):
@@ -87,7 +96,8 @@ class Agreement:
         return _flags(values, as_of)
 
     def finish(self) -> None:
-        """Complete the agreement in flight: the process group must outlive every collective of ours."""
+        """Complete the agreement in flight: the process group must outlive every collective of
+        ours."""
         self._in_flight()
 
 
@@ -125,8 +135,8 @@ class HostCopy:
 class Health:
     """Non-finite values this rank has seen, kept on the device so that watching costs no host sync.
 
-    A loss is this rank's own, so it is agreed (which rank began it goes in the message); reduced gradients
-    are the same on every rank, so each rank sees them without agreeing.
+    A loss is this rank's own, so it is agreed (which rank began it goes in the message); reduced
+    gradients are the same on every rank, so each rank sees them without agreeing.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -1,10 +1,11 @@
-"""Validation and test: the loss and the task's metrics, exact over the whole split on any world size.
+"""Validation and test: the loss and the task's metrics, exact over the whole split on any world
+size.
 
-Every rank evaluates its own shard (each sample exactly once, so shards may be uneven) and keeps sums
-and counts where they are: tensors on the device, Python numbers (a batch's size, a count the task
-reports as an int) in host floats, so that no batch waits for a host-to-device copy of a number. One
-all-reduce of those sums at the end gives every rank the same values. A metric is sum / count of all
-ranks together, never a mean of per-rank means.
+Every rank evaluates its own shard (each sample exactly once, so shards may be uneven) and keeps
+sums and counts where they are: tensors on the device, Python numbers (a batch's size, a count the
+task reports as an int) in host floats, so that no batch waits for a host-to-device copy of a
+number. One all-reduce of those sums at the end gives every rank the same values. A metric is sum /
+count of all ranks together, never a mean of per-rank means.
 """
 
 from __future__ import annotations
@@ -23,24 +24,27 @@ from .sharding import autocast_for
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
-             metrics_fn: Callable[[nn.Module, Any], Mapping[str, tuple[Any, Any]]] | None,
-             device: torch.device, precision_name: str, max_batches: int,
-             lockstep: bool = False) -> dict[str, float | None]:
+def evaluate(
+    model: nn.Module,
+    loader: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    metrics_fn: Callable[[nn.Module, Any], Mapping[str, tuple[Any, Any]]] | None,
+    device: torch.device,
+    precision_name: str,
+    max_batches: int,
+    lockstep: bool = False,
+) -> dict[str, float | None]:
     """{"loss": mean loss per sample, name: sum / count for each metric}, the same on every rank.
 
     `model` must be the unwrapped module: DDP's forward would start collectives that uneven shards
-    cannot match. A sharded (FSDP) model gathers its weights in every forward, so there all ranks run
-    in `lockstep`: as many batches as the largest shard, a rank whose shard has ended repeating a batch
-    whose results it drops. A collective: every rank calls it, also one whose shard is empty.
+    cannot match. A sharded (FSDP) model gathers its weights in every forward, so there all ranks
+    run in `lockstep`: as many batches as the largest shard, a rank whose shard has ended repeating
+    a batch whose results it drops. A collective: every rank calls it, also one whose shard is
+    empty.
     """
     sizes = _batch_sizes(loader)
     own = min(len(sizes), max_batches) if max_batches else len(sizes)
-    rounds = own
-    if lockstep:
-        most = torch.tensor([own], device=device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        rounds = int(most.item())
+    rounds = _most_batches(own, device) if lockstep else own
     sums: dict[str, list[torch.Tensor]] = {"loss": [_zero(device), _zero(device)]}
     host: dict[str, list[float]] = {"loss": [0.0, 0.0]}
     was_training = model.training
@@ -68,16 +72,20 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Callable[[Any, Any], Any],
     zeros = [_zero(device), _zero(device)]
     flat = torch.stack([value for name in names for value in sums.get(name, zeros)])
     # the host's part: one copy for the whole evaluation
-    flat += torch.tensor([value for name in names for value in host.get(name, [0.0, 0.0])],
-                         dtype=torch.float64).to(device)
+    flat += torch.tensor(
+        [value for name in names for value in host.get(name, [0.0, 0.0])], dtype=torch.float64
+    ).to(device)
     dist.all_reduce(flat)
     totals = flat.tolist()
-    return {name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
-            for i, name in enumerate(names)}
+    return {
+        name: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None)
+        for i, name in enumerate(names)
+    }
 
 
-def decide_early_stop(es: EarlyStoppingConfig, value: float | None, best: float | None,
-                      evals_since_best: int) -> tuple[float | None, int, bool]:
+def decide_early_stop(
+    es: EarlyStoppingConfig, value: float | None, best: float | None, evals_since_best: int
+) -> tuple[float | None, int, bool]:
     """(best so far, validations since it, whether to stop) after a validation that gave `value`."""
     sign = 1.0 if es.mode == "min" else -1.0
     improved = value is not None and (best is None or sign * value < sign * best - es.min_delta)
@@ -85,8 +93,14 @@ def decide_early_stop(es: EarlyStoppingConfig, value: float | None, best: float 
     return (value if improved else best), since, bool(es.patience) and since >= es.patience
 
 
-def _add(sums: dict[str, list[torch.Tensor]], host: dict[str, list[float]], name: str, part: int,
-         value: Any, device: torch.device) -> None:
+def _add(
+    sums: dict[str, list[torch.Tensor]],
+    host: dict[str, list[float]],
+    name: str,
+    part: int,
+    value: Any,
+    device: torch.device,
+) -> None:
     """Add a metric's sum (part 0) or count (part 1): a Python number on the host, anything else (a
     tensor, an array) on the device."""
     if isinstance(value, (int, float)):  # bool too
@@ -100,6 +114,13 @@ def _zero(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64, device=device)
 
 
+def _most_batches(own: int, device: torch.device) -> int:
+    """The largest shard's batch count: the rounds every rank of a sharded model runs."""
+    most = torch.tensor([own], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def _batch_sizes(loader: Any) -> list[int]:
     """Samples in each batch of this rank's shard, known without looking inside the batches."""
     total, size = len(loader.sampler), loader.batch_size
@@ -108,13 +129,19 @@ def _batch_sizes(loader: Any) -> list[int]:
 
 def _checked(reported: Any) -> Mapping[str, tuple[Any, Any]]:
     if not isinstance(reported, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, (tuple, list)) and len(v) == 2 for k, v in reported.items()):
+        isinstance(k, str) and isinstance(v, (tuple, list)) and len(v) == 2
+        for k, v in reported.items()
+    ):
         shown = f"{type(reported).__name__} {str(reported)[:80]}"
-        raise TaskError(f"task: metrics(model, batch) returned {shown}; expected a dict of name -> "
-                        "(sum, count), e.g. {'accuracy': (correct, samples)}")
+        raise TaskError(
+            f"task: metrics(model, batch) returned {shown}; expected a dict of name -> "
+            "(sum, count), e.g. {'accuracy': (correct, samples)}"
+        )
     if "loss" in reported:
-        raise TaskError("task: metrics(model, batch) reports 'loss', which qgtrain computes from "
-                        "Task.loss; give the metric another name")
+        raise TaskError(
+            "task: metrics(model, batch) reports 'loss', which qgtrain computes from "
+            "Task.loss; give the metric another name"
+        )
     return reported
 
 

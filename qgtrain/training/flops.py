@@ -75,8 +75,12 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def utilisation(flops_per_sample: float | None, samples_per_s: float, peak_per_rank: float | None,
-                world_size: int) -> dict[str, float]:
+def utilisation(
+    flops_per_sample: float | None,
+    samples_per_s: float,
+    peak_per_rank: float | None,
+    world_size: int,
+) -> dict[str, float]:
     """{'mfu': ...} where both the task's FLOPs per sample and the peak are known, else {}."""
     if not flops_per_sample or not peak_per_rank:
         return {}

@@ -15,8 +15,14 @@ from ..state.sharded import is_sharded_model, shard_of
 from .sharding import autocast_for
 
 
-def accumulate_gradients(model: nn.Module, loss_fn: Any, micro_batches: list[Any], precision_name: str,
-                         scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
+def accumulate_gradients(
+    model: nn.Module,
+    loss_fn: Any,
+    micro_batches: list[Any],
+    precision_name: str,
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+) -> torch.Tensor:
     """Backward over the micro-batches of one step; the gradient equals one batch k times larger.
 
     Returns the step's mean loss as a device tensor, without synchronizing.
@@ -65,9 +71,16 @@ def without_gradients(model: nn.Module) -> list[str]:
 
 
 def checked_loss(loss: Any) -> torch.Tensor:
-    """The task's loss, if it is one: a floating-point scalar tensor that backward can start from."""
+    """The task's loss, if it is one: a floating-point scalar tensor that backward can start
+    from."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TaskError(f"task: loss(model, batch) returned {shown}; it must return a "
-                        "floating-point scalar tensor (reduce it, e.g. with .mean())")
+        shown = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TaskError(
+            f"task: loss(model, batch) returned {shown}; it must return a "
+            "floating-point scalar tensor (reduce it, e.g. with .mean())"
+        )
     return loss

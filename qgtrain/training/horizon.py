@@ -29,13 +29,16 @@ log = logging.getLogger("qgtrain")
 
 
 class LearningRate:
-    def __init__(self, optim: OptimConfig, max_steps: int,
-                 optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, optim: OptimConfig, max_steps: int, optimizer: torch.optim.Optimizer
+    ) -> None:
         self.optim, self.max_steps, self.optimizer = optim, max_steps, optimizer
         self.schedule = schedule_of(optim)
         # A group built with a rate of its own (Task.optimizer) keeps its ratio to optim.lr.
-        self.scales = [float(group["lr"]) / optim.lr if optim.lr and "lr" in group else 1.0
-                       for group in optimizer.param_groups]
+        self.scales = [
+            float(group["lr"]) / optim.lr if optim.lr and "lr" in group else 1.0
+            for group in optimizer.param_groups
+        ]
 
     def at(self, state: TrainState) -> float:
         return lr_at(state.step, self.optim, self.max_steps, segment_of(state), self.schedule)
@@ -54,8 +57,10 @@ class LearningRate:
         if old is None or old == new:
             return
         if new < step:
-            raise ConfigError(f"train.max_steps: {new} is below step {step}, where the checkpoint "
-                              f"was saved; give at least {step}")
+            raise ConfigError(
+                f"train.max_steps: {new} is below step {step}, where the checkpoint "
+                f"was saved; give at least {step}"
+            )
         before = lr_at(step, self.optim, old, segment_of(state), self.schedule)
         after = lr_at(step, self.optim, new, segment_of(state), self.schedule)
         rewarm = self.optim.rewarm_steps if before != after else None
@@ -65,14 +70,23 @@ class LearningRate:
                 f"would move the learning rate of optim.schedule: {self.optim.schedule} from "
                 f"{before:.3g} to {after:.3g}. HINT: keep train.max_steps: {old}, use "
                 "optim.schedule: wsd (extendable in its flat phase), or set optim.rewarm_steps: N "
-                "for a new decay from the current learning rate (N steps up to optim.lr first)")
-        change: dict[str, Any] = {"step": step, "from": old, "to": new, "lr": before,
-                                  "rewarm_steps": rewarm}
+                "for a new decay from the current learning rate (N steps up to optim.lr first)"
+            )
+        change: dict[str, Any] = {
+            "step": step,
+            "from": old,
+            "to": new,
+            "lr": before,
+            "rewarm_steps": rewarm,
+        }
         state.horizons.append(change)
         if main:
-            how = (f"a new decay from lr {before:.3g} ({rewarm} steps up to {self.optim.lr:.3g} "
-                   f"first) to {self.optim.min_lr:.3g} at step {new}" if rewarm is not None else
-                   f"the learning rate at step {step} stays {before:.3g}; the end moves to {new}")
+            how = (
+                f"a new decay from lr {before:.3g} ({rewarm} steps up to {self.optim.lr:.3g} "
+                f"first) to {self.optim.min_lr:.3g} at step {new}"
+                if rewarm is not None
+                else f"the learning rate at step {step} stays {before:.3g}; the end moves to {new}"
+            )
             log.warning("train.max_steps changed from %d to %d at step %d: %s", old, new, step, how)
 
 

@@ -1,12 +1,12 @@
 """The initial weights of a sharded model: rank 0's full build, sent to every rank as its shards.
 
-No rank but rank 0 ever holds the whole model. Rank 0 builds the task as one process would (so the weights
-are those of a ddp run or a one-process run with the same seed, bit for bit) and keeps its full tensors
-aside; every rank shards a model whose parameters are on the meta device, gives its shards memory on its
-device, and receives them from rank 0 one tensor at a time (torch's `set_model_state_dict` with
-`broadcast_from_rank0`), a group of tensors at a time. Peak memory: rank 0 the model and a group's shards,
-every other rank its shards and
-one full tensor. A start that resumes builds no weights at all: the checkpoint fills the shards.
+No rank but rank 0 ever holds the whole model. Rank 0 builds the task as one process would (so the
+weights are those of a ddp run or a one-process run with the same seed, bit for bit) and keeps its
+full tensors aside; every rank shards a model whose parameters are on the meta device, gives its
+shards memory on its device, and receives them from rank 0 one tensor at a time (torch's
+`set_model_state_dict` with `broadcast_from_rank0`), a group of tensors at a time. Peak memory: rank
+0 the model and a group's shards, every other rank its shards and one full tensor. A start that
+resumes builds no weights at all: the checkpoint fills the shards.
 
 The alternative, every rank building on the meta device and initialising its own shards
 (`reset_parameters`, `_init_weights`), was measured too (bench/big_model.py) and not taken: random
@@ -38,14 +38,15 @@ def is_sharded_run(train: TrainConfig, world_size: int) -> bool:
 
 
 def builds_empty(train: TrainConfig, env: DistEnv, resuming: bool) -> bool:
-    """Whether this rank builds its task's model without weights: every rank of a sharded run but rank 0,
-    and rank 0 too when a checkpoint will fill the shards."""
+    """Whether this rank builds its task's model without weights: every rank of a sharded run but
+    rank 0, and rank 0 too when a checkpoint will fill the shards."""
     return is_sharded_run(train, env.world_size) and (resuming or not env.is_main)
 
 
 def set_aside_full_weights(model: nn.Module) -> dict[str, Any]:
-    """Rank 0: the built model's full state, kept; its parameters then go to the meta device like every
-    other rank's, ties kept, so all ranks shard the same empty model and no device ever holds it whole."""
+    """Rank 0: the built model's full state, kept; its parameters then go to the meta device like
+    every other rank's, ties kept, so all ranks shard the same empty model and no device ever holds
+    it whole."""
     if any(p.is_meta for p in model.parameters()):
         return {}
     full = dict(model.state_dict())
@@ -54,9 +55,10 @@ def set_aside_full_weights(model: nn.Module) -> dict[str, Any]:
 
 
 def fill(model: nn.Module, full: dict[str, Any], device: torch.device) -> None:
-    """After sharding (a collective): give the meta shards memory on `device`, then, unless rank 0 holds
-    no weights (a resume), fill them from rank 0's `full` state. It is sent in groups of tensors, each
-    group dropped from rank 0 once sent, so rank 0 never holds the whole model and all its shards at once."""
+    """After sharding (a collective): give the meta shards memory on `device`, then, unless rank 0
+    holds no weights (a resume), fill them from rank 0's `full` state. It is sent in groups of
+    tensors, each group dropped from rank 0 once sent, so rank 0 never holds the whole model and all
+    its shards at once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
@@ -65,11 +67,21 @@ def fill(model: nn.Module, full: dict[str, Any], device: torch.device) -> None:
     log.info("sending every rank its shards of the initial weights built on rank 0")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     for names in groups(model.state_dict()):  # the same groups on every rank: the same calls
-        set_model_state_dict(model, {name: full.pop(name) for name in names if name in full}, options=options)
+        set_model_state_dict(
+            model, {name: full.pop(name) for name in names if name in full}, options=options
+        )
     full.clear()
 
 
 def groups(state: dict[str, Any], budget: int = GROUP_BYTES) -> list[list[str]]:
     """State names in order, in groups of at most `budget` bytes of full tensors (or one tensor)."""
-    return within_budget(((name, tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0)
-                          for name, tensor in state.items()), budget)
+    return within_budget(
+        (
+            (
+                name,
+                tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0,
+            )
+            for name, tensor in state.items()
+        ),
+        budget,
+    )

@@ -1,8 +1,8 @@
 """What a run reports: metrics.jsonl and TensorBoard on rank 0, and each rank's memory.
 
-metrics.jsonl holds one JSON object per logged step, floats at full precision. On a start from step N
-(0 for a fresh start), records after N (written before the job died) are dropped and TensorBoard is
-purged from N + 1, so a run's history reads as if it had never stopped.
+metrics.jsonl holds one JSON object per logged step, floats at full precision. On a start from step
+N (0 for a fresh start), records after N (written before the job died) are dropped and TensorBoard
+is purged from N + 1, so a run's history reads as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # at run time torch is imported only where needed: `qgtrain runs` reads metrics without it
+# at run time torch is imported only where needed: `qgtrain runs` reads metrics without it
+if TYPE_CHECKING:
     import torch
 
     from ..runtime.startup import Timeline
@@ -25,11 +26,21 @@ from ..state.rundir import RunDir
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, is_main: bool, tensorboard: bool, resume_step: int | None,
-                 progress_bar: bool = False, max_steps: int = 0, memory_warn_gb: float = 0.0,
-                 timeline: Timeline | None = None, trackers: list[Tracker] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        is_main: bool,
+        tensorboard: bool,
+        resume_step: int | None,
+        progress_bar: bool = False,
+        max_steps: int = 0,
+        memory_warn_gb: float = 0.0,
+        timeline: Timeline | None = None,
+        trackers: list[Tracker] | None = None,
+    ) -> None:
         self.timeline = timeline  # reported with the first record, then dropped
-        self.trackers = trackers or []  # W&B, MLflow: rank 0's, each guarded against its own failures
+        # W&B, MLflow: rank 0's, each guarded against its own failures
+        self.trackers = trackers or []
         self.path = RunDir(run_dir).metrics
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
@@ -44,7 +55,9 @@ class MetricsLog:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._bar = tqdm(total=max_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=max_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True
+            )
             self._redirect = logging_redirect_tqdm([logging.getLogger("qgtrain")])
             self._redirect.__enter__()  # log lines print above the bar instead of through it
         # Records past the starting step come from an attempt that died before its next checkpoint.
@@ -53,8 +66,8 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.replay(read_metrics(self.path) if self.path.exists() else [])
         self._file = open(self.path, "a")
-        # TensorBoard's writer is opened with the first record, after the first step: its import costs a
-        # start about a third of a second that the first step does not need.
+        # TensorBoard's writer is opened with the first record, after the first step: its import
+        # costs a start about a third of a second that the first step does not need.
         self._tb_dir = (RunDir(run_dir).tensorboard, start + 1) if tensorboard else None
 
     def advance(self, step: int) -> None:
@@ -63,13 +76,20 @@ class MetricsLog:
             self._bar.update(step - self._bar.n)
 
     def warn_memory(self, rank: int, step: int, record: dict[str, Any]) -> None:
-        """Each rank warns about its own memory, once per quantity that crosses logging.memory_warn_gb."""
+        """Each rank warns about its own memory, once per quantity that crosses
+        logging.memory_warn_gb."""
         limit = self.memory_warn_gb
         for key in ("mem_rss_gb", "mem_gpu_peak_gb"):
             if limit and record.get(key, 0.0) > limit and key not in self._memory_warned:
                 self._memory_warned.add(key)
-                logging.getLogger("qgtrain").warning("rank %d: %s is %.2f GB at step %d, above "
-                                                     "logging.memory_warn_gb=%.2f", rank, key, record[key], step, limit)
+                logging.getLogger("qgtrain").warning(
+                    "rank %d: %s is %.2f GB at step %d, above logging.memory_warn_gb=%.2f",
+                    rank,
+                    key,
+                    record[key],
+                    step,
+                    limit,
+                )
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:
@@ -108,7 +128,9 @@ class MetricsLog:
 
 
 def _tb_tag(key: str) -> str:
-    group = "val" if key.startswith(("val", "test")) else "memory" if key.startswith("mem") else "train"
+    group = (
+        "val" if key.startswith(("val", "test")) else "memory" if key.startswith("mem") else "train"
+    )
     return f"{group}/{key}"
 
 
@@ -158,4 +180,7 @@ def prefixed(split: str, metrics: dict[str, float | None]) -> dict[str, float | 
 
 
 def format_metrics(metrics: dict[str, float | None]) -> str:
-    return " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items()) or "no metrics"
+    return (
+        " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items())
+        or "no metrics"
+    )

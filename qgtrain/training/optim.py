@@ -23,10 +23,10 @@ def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> t
     host sync). At 0 the gradients are left alone: clipping to infinity would still multiply every
     one by 1.0.
 
-    Sharded (FSDP) gradients give each rank the norm of its shards: the global norm is reduced over the
-    ranks before clipping, so every rank clips by the same factor as an unsharded run would. A model
-    without gradients has norm 0 on the rank's device, where the report stacks it with the loss
-    (torch's get_total_norm of no tensors is a CPU tensor).
+    Sharded (FSDP) gradients give each rank the norm of its shards: the global norm is reduced over
+    the ranks before clipping, so every rank clips by the same factor as an unsharded run would. A
+    model without gradients has norm 0 on the rank's device, where the report stacks it with the
+    loss (torch's get_total_norm of no tensors is a CPU tensor).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
@@ -39,8 +39,9 @@ def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> t
     return norm
 
 
-def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 skip: torch.Tensor) -> torch.Tensor:
+def apply_update(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: torch.Tensor
+) -> torch.Tensor:
     """Take the optimizer step unless `skip`, a device flag the same on every rank (the reduced
     gradients were non-finite), without reading it on the host where the optimizer can skip on the
     device.

@@ -26,15 +26,18 @@ Builder = Callable[[nn.Module, OptimConfig, torch.device], torch.optim.Optimizer
 ADAMW = "torch.optim.adamw.AdamW"  # what checkpoints of qgtrain before optim.name hold
 
 
-def build_optimizer(task: ReadyTask, optim: OptimConfig,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    task: ReadyTask, optim: OptimConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """The task's own optimizer if it brings one, else the one optim.name names."""
     if task.optimizer is None:
         return BUILDERS.get(optim.name, by_path)(task.model, optim, device)
     made = task.optimizer(task.model, optim)
     if not isinstance(made, torch.optim.Optimizer):
-        raise TaskError(f"task.factory: the task's optimizer returned {type(made).__name__}, not "
-                          "a torch.optim.Optimizer")
+        raise TaskError(
+            f"task.factory: the task's optimizer returned {type(made).__name__}, not "
+            "a torch.optim.Optimizer"
+        )
     return made
 
 
@@ -49,7 +52,8 @@ def check_resumed(state: TrainState, optimizer: torch.optim.Optimizer) -> None:
         raise CheckpointError(
             f"optim.name: the checkpoint at step {state.step} holds the state of {saved}, not of "
             f"{now}. HINT: resume with the optimizer it was trained with, or start afresh "
-            "(checkpoint.resume: never, or another train.run_name)")
+            "(checkpoint.resume: never, or another train.run_name)"
+        )
     state.optimizer = now
 
 
@@ -57,23 +61,34 @@ def _groups(model: nn.Module, optim: OptimConfig, decays: bool) -> list[dict[str
     params = [p for p in model.parameters() if p.requires_grad]
     if not decays:
         return [{"params": params}]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
-def _make(cls: type, model: nn.Module, optim: OptimConfig, device: torch.device,
-          passed: tuple[str, ...], takes: tuple[str, ...]) -> torch.optim.Optimizer:
+def _make(
+    cls: type,
+    model: nn.Module,
+    optim: OptimConfig,
+    device: torch.device,
+    passed: tuple[str, ...],
+    takes: tuple[str, ...],
+) -> torch.optim.Optimizer:
     given: dict[str, Any] = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
     kwargs = {key: value for key, value in given.items() if key in passed}
     # fused=False would also switch off torch's default multi-tensor (foreach) kernels: none on CPU
     if device.type == "cuda" and "fused" in takes and not {"fused", "foreach"} & set(optim.args):
         kwargs["fused"] = True
     try:
-        made: torch.optim.Optimizer = cls(_groups(model, optim, "weight_decay" in passed),
-                                          **kwargs, **optim.args)
+        made: torch.optim.Optimizer = cls(
+            _groups(model, optim, "weight_decay" in passed), **kwargs, **optim.args
+        )
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"optim.args: {cls.__qualname__} refused "
-                          f"{optim.args or 'its arguments'}: {first_line(exc)}") from None
+        raise ConfigError(
+            f"optim.args: {cls.__qualname__} refused "
+            f"{optim.args or 'its arguments'}: {first_line(exc)}"
+        ) from None
     return made
 
 
@@ -83,8 +98,9 @@ def builtin(name: str) -> Builder:
     def build(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, spec.path.rpartition(".")[2], None)
         if cls is None:
-            raise ConfigError(f"optim.name: {name} needs {spec.path}, which torch "
-                              f"{torch.__version__} lacks")
+            raise ConfigError(
+                f"optim.name: {name} needs {spec.path}, which torch {torch.__version__} lacks"
+            )
         return _make(cls, model, optim, device, spec.from_config, spec.takes)
 
     return build
@@ -92,14 +108,18 @@ def builtin(name: str) -> Builder:
 
 def muon(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """torch's Muon updates matrices only; other parameters need the task's own optimizer."""
-    others = [(name, tuple(p.shape)) for name, p in model.named_parameters()
-              if p.requires_grad and p.dim() != 2]
+    others = [
+        (name, tuple(p.shape))
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.dim() != 2
+    ]
     if others:
         shown = ", ".join(f"{name} {shape}" for name, shape in others[:3])
         raise ConfigError(
             f"optim.name: muon (torch.optim.Muon) updates matrices only, and the model has "
             f"{len(others)} trainable parameter(s) of other shapes ({shown}). HINT: give the "
-            "task an optimizer (Task.optimizer) that puts them in another one, or choose adamw")
+            "task an optimizer (Task.optimizer) that puts them in another one, or choose adamw"
+        )
     return builtin("muon")(model, optim, device)
 
 
@@ -118,6 +138,10 @@ def by_path(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch
     return _make(cls, model, optim, device, passed, takes)
 
 
-BUILDERS: dict[str, Builder] = {"adamw": builtin("adamw"), "adam": builtin("adam"),
-                                "sgd": builtin("sgd"), "adafactor": builtin("adafactor"),
-                                "muon": muon}
+BUILDERS: dict[str, Builder] = {
+    "adamw": builtin("adamw"),
+    "adam": builtin("adam"),
+    "sgd": builtin("sgd"),
+    "adafactor": builtin("adafactor"),
+    "muon": muon,
+}

@@ -1,6 +1,6 @@
-"""Wrapping the user's module for data-parallel training: DDP (a replica per rank) or FSDP2 (shards), with
-torch.compile where asked. What changes the model itself (adapters, SyncBatchNorm, activation
-checkpointing) has been applied before (transforms.py)."""
+"""Wrapping the user's module for data-parallel training: DDP (a replica per rank) or FSDP2
+(shards), with torch.compile where asked. What changes the model itself (adapters, SyncBatchNorm,
+activation checkpointing) has been applied before (transforms.py)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,20 @@ from . import initial_shards, replicas, sharding
 log = logging.getLogger("qgtrain")
 
 
-def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bool, train: TrainConfig,
-         precision: str) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    env: DistEnv,
+    device: torch.device,
+    compile_model: bool,
+    train: TrainConfig,
+    precision: str,
+) -> nn.Module:
     """What forward and backward go through; `model` is moved to `device` here.
 
-    DDP gets the local rank as an integer device id (never a torch.device, never the global rank). FSDP
-    shards `model` in place, so it is both the module and what is wrapped; its weights come as shards from
-    rank 0 (initial_shards.py). One process is not wrapped at all, so a laptop run has no DDP or FSDP
-    overhead (fsdp on one rank shards nothing).
+    DDP gets the local rank as an integer device id (never a torch.device, never the global rank).
+    FSDP shards `model` in place, so it is both the module and what is wrapped; its weights come as
+    shards from rank 0 (initial_shards.py). One process is not wrapped at all, so a laptop run has
+    no DDP or FSDP overhead (fsdp on one rank shards nothing).
     """
     sharded = initial_shards.is_sharded_run(train, env.world_size)
     if not sharded:
@@ -34,8 +40,13 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     replicas.check_start(model, train.parallel, device, env.world_size)
     if sharded:
         blocks = sharding.find_blocks(model, train.shard_modules)
-        log.info("%s: sharding %d %s blocks and the root over %d ranks", train.parallel,
-                 len(blocks), type(blocks[0]).__name__, env.world_size)
+        log.info(
+            "%s: sharding %d %s blocks and the root over %d ranks",
+            train.parallel,
+            len(blocks),
+            type(blocks[0]).__name__,
+            env.world_size,
+        )
         full = initial_shards.set_aside_full_weights(model) if env.is_main else {}
         sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
         initial_shards.fill(model, full, device)
@@ -43,5 +54,9 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device, compile_model: bo
     compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
     if env.world_size == 1:
         return compiled
-    return DDP(compiled, device_ids=distributed.ddp_device_ids(device),
-               find_unused_parameters=train.find_unused_parameters, gradient_as_bucket_view=True)
+    return DDP(
+        compiled,
+        device_ids=distributed.ddp_device_ids(device),
+        find_unused_parameters=train.find_unused_parameters,
+        gradient_as_bucket_view=True,
+    )

@@ -1,17 +1,20 @@
-"""What the ranks' copies of a model must agree on, and where qgtrain makes them agree because torch does not.
+"""What the ranks' copies of a model must agree on, and where qgtrain makes them agree because torch
+does not.
 
 DDP keeps parameters equal (one start, all-reduced gradients) and, with `broadcast_buffers` (torch's
-default, and qgtrain's), copies rank 0's buffers to every rank at the start of each training forward: all
-of the module's `named_buffers()`, persistent or not, except those named in `_ddp_params_and_buffers_to_ignore`
-(torch/nn/parallel/distributed.py, `_assign_modules_buffers`). Between two forwards those buffers differ
-legitimately (batch norm's running statistics follow each rank's own batch), so the check before a checkpoint
-compares the parameters and the buffers DDP leaves alone. The checkpoint holds rank 0's buffers: the values
-every rank takes at its next forward, so a resumed rank continues as it would have.
+default, and qgtrain's), copies rank 0's buffers to every rank at the start of each training
+forward: all of the module's `named_buffers()`, persistent or not, except those named in
+`_ddp_params_and_buffers_to_ignore` (torch/nn/parallel/distributed.py, `_assign_modules_buffers`).
+Between two forwards those buffers differ legitimately (batch norm's running statistics follow each
+rank's own batch), so the check before a checkpoint compares the parameters and the buffers DDP
+leaves alone. The checkpoint holds rank 0's buffers: the values every rank takes at its next
+forward, so a resumed rank continues as it would have.
 
-FSDP2 broadcasts nothing, and a sharded checkpoint keeps one copy of a replicated buffer: every rank takes
-rank 0's buffers before a checkpoint. Rank 0's own buffers never change by that, so batch norm's statistics
-come out as under DDP. Evaluation runs on the unwrapped module, where DDP broadcasts nothing either: every
-rank takes rank 0's buffers first, so a reported metric is the one the saved model gives.
+FSDP2 broadcasts nothing, and a sharded checkpoint keeps one copy of a replicated buffer: every rank
+takes rank 0's buffers before a checkpoint. Rank 0's own buffers never change by that, so batch
+norm's statistics come out as under DDP. Evaluation runs on the unwrapped module, where DDP
+broadcasts nothing either: every rank takes rank 0's buffers first, so a reported metric is the one
+the saved model gives.
 """
 
 from __future__ import annotations
@@ -36,58 +39,79 @@ def broadcast_by_ddp(wrapped: nn.Module) -> list[torch.Tensor]:
     """The buffers DDP copies from rank 0 at each training forward, chosen as DDP chooses them."""
     if not isinstance(wrapped, DDP) or not wrapped.broadcast_buffers:
         return []
-    return [b for name, b in wrapped.module.named_buffers() if name not in wrapped.parameters_to_ignore]
+    return [
+        b for name, b in wrapped.module.named_buffers() if name not in wrapped.parameters_to_ignore
+    ]
 
 
 def check_start(model: nn.Module, parallel: str, device: torch.device, world_size: int) -> None:
-    """Before wrapping (a collective): refuse tensors that differ across ranks and that nothing will make
-    equal. DDP copies rank 0's parameters and buffers when it wraps the model, except those it ignores;
-    under FSDP every rank gets its state_dict from rank 0 or a checkpoint, but keeps its own non-persistent
-    buffers."""
+    """Before wrapping (a collective): refuse tensors that differ across ranks and that nothing will
+    make equal. DDP copies rank 0's parameters and buffers when it wraps the model, except those it
+    ignores; under FSDP every rank gets its state_dict from rank 0 or a checkpoint, but keeps its
+    own non-persistent buffers."""
     if world_size == 1:
         return
     ignored = set(getattr(model, IGNORE_ATTRIBUTE, ()))
-    if parallel in ("fsdp", "hsdp"):  # rank 0 (or a checkpoint) gives the state_dict; the rest is each rank's
+    # rank 0 (or a checkpoint) gives the state_dict; the rest is each rank's
+    if parallel in ("fsdp", "hsdp"):
         saved = model.state_dict().keys()
         candidates = [(n, b) for n, b in model.named_buffers() if n not in saved and not b.is_meta]
     else:
-        candidates = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in ignored]
+        candidates = [
+            (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in ignored
+        ]
     differ = distributed.diverged(candidates, device)
     if not differ:
         return
-    repair = ("no rank sends them under FSDP (they are not in the state_dict): the ranks would compute with "
-              "different values" if parallel != "ddp" else f"DDP does not copy them from rank 0 (they are in the "
-              f"model's {IGNORE_ATTRIBUTE}): a checkpoint would hold one rank's values")
-    raise TaskError(f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks "
-                    f"when the task is built, and {repair}. HINT: build them the same on every "
-                    "rank (the task function runs with the same seed on each)" +
-                    ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}"))
+    repair = (
+        "no rank sends them under FSDP (they are not in the state_dict): the ranks would compute "
+        "with different values"
+        if parallel != "ddp"
+        else f"DDP does not copy them from rank 0 (they are in the "
+        f"model's {IGNORE_ATTRIBUTE}): a checkpoint would hold one rank's values"
+    )
+    raise TaskError(
+        f"task.factory: the model's {', '.join(differ[:5])} differ(s) across ranks "
+        f"when the task is built, and {repair}. HINT: build them the same on every "
+        "rank (the task function runs with the same seed on each)"
+        + ("" if parallel != "ddp" else f", or take them out of {IGNORE_ATTRIBUTE}")
+    )
 
 
-def agree_before_save(model: nn.Module, wrapped: nn.Module, step: int, device: torch.device) -> None:
-    """Every rank, before a checkpoint: under FSDP take rank 0's buffers; under DDP stop if anything that
-    no broadcast repairs differs (a frozen parameter changed on one rank, a buffer DDP ignores)."""
+def agree_before_save(
+    model: nn.Module, wrapped: nn.Module, step: int, device: torch.device
+) -> None:
+    """Every rank, before a checkpoint: under FSDP take rank 0's buffers; under DDP stop if anything
+    that no broadcast repairs differs (a frozen parameter changed on one rank, a buffer DDP
+    ignores)."""
     if dist.get_world_size() == 1:
         return
     if is_sharded_model(model):
         take_main_values(list(model.buffers()))
         return
     repaired = {id(b) for b in broadcast_by_ddp(wrapped)}
-    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if id(b) not in repaired)]
+    named = [
+        *model.named_parameters(),
+        *((n, b) for n, b in model.named_buffers() if id(b) not in repaired),
+    ]
     differ = distributed.diverged(named, device)
     if differ:
         raise diagnose.diverged_replicas(step, differ)
 
 
 def agree_before_evaluation(model: nn.Module, wrapped: nn.Module) -> None:
-    """Every rank evaluates with rank 0's buffers (those DDP would copy at the next forward; under FSDP all)."""
+    """Every rank evaluates with rank 0's buffers (those DDP would copy at the next forward; under
+    FSDP all)."""
     if dist.get_world_size() > 1:
-        take_main_values(list(model.buffers()) if is_sharded_model(model) else broadcast_by_ddp(wrapped))
+        take_main_values(
+            list(model.buffers()) if is_sharded_model(model) else broadcast_by_ddp(wrapped)
+        )
 
 
 @torch.no_grad()
 def take_main_values(tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0's values into these tensors on every rank, in place: one broadcast per dtype and device."""
+    """Rank 0's values into these tensors on every rank, in place: one broadcast per dtype and
+    device."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -99,17 +123,22 @@ def take_main_values(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def sync_batchnorm_problem(parallel: str, device_type: str, world_size: int) -> str | None:
-    """Why train.sync_batchnorm cannot run here, or None. torch 2.13's SyncBatchNorm computes on GPUs only
-    (its forward refuses CPU input, and DDP refuses CPU modules that hold one)."""
+    """Why train.sync_batchnorm cannot run here, or None. torch 2.13's SyncBatchNorm computes on
+    GPUs only (its forward refuses CPU input, and DDP refuses CPU modules that hold one)."""
     if world_size == 1:
         return None  # one rank's batch is the global batch: nothing is converted
     if parallel != "ddp":
-        return ("train.sync_batchnorm: applies to train.parallel: ddp; with fsdp each rank normalizes by its "
-                "own batch. HINT: set train.sync_batchnorm: false, or train with ddp")
+        return (
+            "train.sync_batchnorm: applies to train.parallel: ddp; with fsdp each rank normalizes "
+            "by its own batch. HINT: set train.sync_batchnorm: false, or train with ddp"
+        )
     if device_type == "cpu":
-        return (f"train.sync_batchnorm: SyncBatchNorm runs on GPUs only (torch refuses CPU tensors), and these "
-                f"{world_size} ranks train on the CPU. HINT: set train.sync_batchnorm: false (each rank then "
-                "normalizes by its own batch, and the running statistics are rank 0's), or train on GPUs")
+        return (
+            "train.sync_batchnorm: SyncBatchNorm runs on GPUs only (torch refuses CPU tensors), "
+            f"and these {world_size} ranks train on the CPU. HINT: set train.sync_batchnorm: false "
+            "(each rank then normalizes by its own batch, and the running statistics are rank "
+            "0's), or train on GPUs"
+        )
     return None
 
 
@@ -120,9 +149,15 @@ def to_sync_batchnorm(model: nn.Module, world_size: int) -> int:
         model.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
     converted = sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
     if converted:
-        log.info("sync_batchnorm: %d batch norm layer(s) normalize by the statistics of all %d ranks' batches",
-                 converted, world_size)
+        log.info(
+            "sync_batchnorm: %d batch norm layer(s) normalize by the statistics of all %d ranks' "
+            "batches",
+            converted,
+            world_size,
+        )
     else:
-        log.warning("train.sync_batchnorm is set, but %s has no batch norm layer: nothing to synchronize",
-                    type(model).__name__)
+        log.warning(
+            "train.sync_batchnorm is set, but %s has no batch norm layer: nothing to synchronize",
+            type(model).__name__,
+        )
     return converted

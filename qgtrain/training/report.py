@@ -1,5 +1,6 @@
-"""What a logged step reports: the loss, gradient norm and tokens summed over ranks in one collective,
-throughput over the training since the last report, memory, utilisation, and the latest evaluations."""
+"""What a logged step reports: the loss, gradient norm and tokens summed over ranks in one
+collective, throughput over the training since the last report, memory, utilisation, and the latest
+evaluations."""
 
 from __future__ import annotations
 
@@ -21,8 +22,16 @@ log = logging.getLogger("qgtrain")
 
 
 class Reporter:
-    def __init__(self, task: ReadyTask, metrics: MetricsLog, env: DistEnv, device: torch.device,
-                 samples_per_step: int, max_steps: int, peak_flops: float | None) -> None:
+    def __init__(
+        self,
+        task: ReadyTask,
+        metrics: MetricsLog,
+        env: DistEnv,
+        device: torch.device,
+        samples_per_step: int,
+        max_steps: int,
+        peak_flops: float | None,
+    ) -> None:
         self.task, self.metrics, self.env, self.device = task, metrics, env, device
         # of one rank's device, in the run's precision (training/flops.py)
         self.peak_flops = peak_flops
@@ -34,41 +43,86 @@ class Reporter:
             self.pending_tokens += sum(int(self.task.tokens(batch)) for batch in micro_batches)
 
     def settle_tokens(self, state: TrainState) -> None:
-        """Sum what every rank has pending into the run's count (a collective: before a checkpoint)."""
+        """Sum what every rank has pending into the run's count (a collective: before a
+        checkpoint)."""
         if self.task.tokens is not None:
-            pending = torch.tensor([float(self.pending_tokens)], dtype=torch.float64, device=self.device)
-            state.tokens_seen, self.pending_tokens = state.tokens_seen + int(distributed.sum_tensors(pending)[0]), 0
+            pending = torch.tensor(
+                [float(self.pending_tokens)], dtype=torch.float64, device=self.device
+            )
+            state.tokens_seen, self.pending_tokens = (
+                state.tokens_seen + int(distributed.sum_tensors(pending)[0]),
+                0,
+            )
 
     def report_evaluation(self, state: TrainState) -> None:
-        """The final validation and test of a run whose last step was trained by an earlier allocation."""
-        record = {"step": state.step, "epoch": state.epoch, **prefixed("val", state.val_metrics),
-                  **prefixed("test", state.test_metrics), "time": time.time()}
+        """The final validation and test of a run whose last step was trained by an earlier
+        allocation."""
+        record = {
+            "step": state.step,
+            "epoch": state.epoch,
+            **prefixed("val", state.val_metrics),
+            **prefixed("test", state.test_metrics),
+            "time": time.time(),
+        }
         self.metrics.write(record)
-        log.info("step %d/%d %s", state.step, self.max_steps, format_metrics({k: v for k, v in record.items()
-                                                                             if k.startswith(("val", "test"))}))
+        log.info(
+            "step %d/%d %s",
+            state.step,
+            self.max_steps,
+            format_metrics({k: v for k, v in record.items() if k.startswith(("val", "test"))}),
+        )
 
-    def report(self, state: TrainState, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor,
-               interval: Interval, evaluated: bool) -> None:
-        """All-reduce the step's loss, gradient norm and tokens in one collective, and write the record."""
+    def report(
+        self,
+        state: TrainState,
+        lr: float,
+        loss_sum: torch.Tensor,
+        grad_norm: torch.Tensor,
+        interval: Interval,
+        evaluated: bool,
+    ) -> None:
+        """All-reduce the step's loss, gradient norm and tokens in one collective, and write the
+        record."""
         world = self.env.world_size
         pending = torch.tensor(float(self.pending_tokens), dtype=torch.float64, device=self.device)
-        loss, norm, tokens = distributed.sum_tensors(torch.stack([loss_sum.double(), grad_norm.double(), pending]))
+        loss, norm, tokens = distributed.sum_tensors(
+            torch.stack([loss_sum.double(), grad_norm.double(), pending])
+        )
         state.tokens_seen, self.pending_tokens = state.tokens_seen + int(tokens), 0
         samples_per_s = interval.steps * self.samples_per_step / interval.busy_s
-        record: dict[str, Any] = {"step": state.step, "epoch": state.epoch, "loss": loss / world, "lr": lr,
-                                  "grad_norm": norm / world, "samples_per_s": samples_per_s}
+        record: dict[str, Any] = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": loss / world,
+            "lr": lr,
+            "grad_norm": norm / world,
+            "samples_per_s": samples_per_s,
+        }
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
         utilised = utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world)
-        record.update(data_wait_frac=interval.data_s / interval.busy_s, time=time.time(), **memory_gb(self.device),
-                      **utilised)
+        record.update(
+            data_wait_frac=interval.data_s / interval.busy_s,
+            time=time.time(),
+            **memory_gb(self.device),
+            **utilised,
+        )
         self.metrics.warn_memory(self.env.rank, state.step, record)
         if evaluated:
             record.update(prefixed("val", state.val_metrics))
         if state.outcome:
             record.update(prefixed("test", state.test_metrics))
         self.metrics.write(record)
-        speed = f"{record['tokens_per_s']:.0f} tok/s" if tokens else f"{samples_per_s:.1f} samples/s"
-        log.info("step %d/%d epoch %d loss %.4f%s lr %.2e %s", state.step, self.max_steps, state.epoch,
-                 record["loss"], f" {format_metrics(prefixed('val', state.val_metrics))}" if evaluated else "",
-                 lr, speed)
+        speed = (
+            f"{record['tokens_per_s']:.0f} tok/s" if tokens else f"{samples_per_s:.1f} samples/s"
+        )
+        log.info(
+            "step %d/%d epoch %d loss %.4f%s lr %.2e %s",
+            state.step,
+            self.max_steps,
+            state.epoch,
+            record["loss"],
+            f" {format_metrics(prefixed('val', state.val_metrics))}" if evaluated else "",
+            lr,
+            speed,
+        )

@@ -77,25 +77,45 @@ def if_due(trainer: Rewinding) -> None:
     # counted for steps now undone; the checkpoint's count stands
     trainer.reporter.pending_tokens = 0
     trainer.timer.restart(state.step)
-    log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g: rolled "
-                "back to the checkpoint of step %d and skipped the %d batch(es) drawn since, the "
-                "spiking one included (spike %d of at most train.max_skips=%d)", spike.step,
-                spike.loss, trainer.spikes.factor, spike.median, state.step, batches, spike.nth,
-                trainer.spikes.max_skips)
-    trainer.parts.metrics.write({"step": spike.step, "skipped": "rollback", "to_step": state.step,
-                                 "batches": batches, "spike_loss": spike.loss,
-                                 "spike_median": spike.median, "spikes": spike.nth,
-                                 "time": time.time()})
+    log.warning(
+        "step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g: rolled "
+        "back to the checkpoint of step %d and skipped the %d batch(es) drawn since, the "
+        "spiking one included (spike %d of at most train.max_skips=%d)",
+        spike.step,
+        spike.loss,
+        trainer.spikes.factor,
+        spike.median,
+        state.step,
+        batches,
+        spike.nth,
+        trainer.spikes.max_skips,
+    )
+    trainer.parts.metrics.write(
+        {
+            "step": spike.step,
+            "skipped": "rollback",
+            "to_step": state.step,
+            "batches": batches,
+            "spike_loss": spike.loss,
+            "spike_median": spike.median,
+            "spikes": spike.nth,
+            "time": time.time(),
+        }
+    )
 
 
 def latest_checkpoint(checkpointer: Checkpointer, step: int) -> Checkpoint | None:
     """The run's newest checkpoint at or before `step` whose files every rank finds intact, as a
     start finds the one it resumes from; damaged ones are passed over with a warning (collectives).
     """
+
     def listed() -> Candidates:
         found = resume_candidates(checkpointer.root, checkpointer.run_id, "auto", log.warning)
-        kept = [path for path in found.paths
-                if (ckpt := read_manifest(Path(path))) and ckpt.step <= step]
+        kept = [
+            path
+            for path in found.paths
+            if (ckpt := read_manifest(Path(path))) and ckpt.step <= step
+        ]
         return dataclasses.replace(found, paths=kept, problems=[])
 
     path, passed_over = verify_ranks.choose(distributed.main_decides(listed), checkpointer.root)
@@ -110,4 +130,5 @@ def nothing_to_roll_back_to(spike: Spike, root: Path) -> TrainingError:
         f"{spike.median:.6g}) and train.spike_action is rollback, but {root} holds no valid "
         "checkpoint of this run to roll back to. The step was not applied. HINT: set "
         "checkpoint.every_steps below the step of the first spike judged (from step 11 with the "
-        "default window), or use train.spike_action: skip")
+        "default window), or use train.spike_action: skip"
+    )

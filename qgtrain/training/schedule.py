@@ -29,8 +29,11 @@ def _warmup(step: int, optim: OptimConfig) -> float | None:
 def _between(top: float, optim: OptimConfig, shape: str, progress: float) -> float:
     """From `top` (progress 0) to min_lr (progress 1) along `shape`."""
     progress = min(max(progress, 0.0), 1.0)
-    left = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-            "sqrt": 1.0 - math.sqrt(progress)}[shape]
+    left = {
+        "linear": 1.0 - progress,
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+        "sqrt": 1.0 - math.sqrt(progress),
+    }[shape]
     return optim.min_lr + left * (top - optim.min_lr)
 
 
@@ -77,8 +80,13 @@ def inverse_sqrt(step: int, max_steps: int, optim: OptimConfig) -> float:
     return max(optim.min_lr, optim.lr * math.sqrt(max(optim.warmup_steps, 1) / (step + 1)))
 
 
-SCHEDULES: dict[str, Schedule] = {"cosine": cosine, "linear": linear, "constant": constant,
-                                  "wsd": wsd, "inverse_sqrt": inverse_sqrt}
+SCHEDULES: dict[str, Schedule] = {
+    "cosine": cosine,
+    "linear": linear,
+    "constant": constant,
+    "wsd": wsd,
+    "inverse_sqrt": inverse_sqrt,
+}
 
 
 def schedule_of(optim: OptimConfig) -> Schedule:
@@ -87,8 +95,10 @@ def schedule_of(optim: OptimConfig) -> Schedule:
         return SCHEDULES[optim.schedule]
     function = load_factory(optim.schedule, "optim.schedule")
     if not callable(function):
-        raise ConfigError(f"optim.schedule: {optim.schedule!r} is a {type(function).__name__}, "
-                          "not a function of (step, max_steps, optim)")
+        raise ConfigError(
+            f"optim.schedule: {optim.schedule!r} is a {type(function).__name__}, "
+            "not a function of (step, max_steps, optim)"
+        )
     return function
 
 
@@ -114,8 +124,13 @@ def segment_lr(step: int, max_steps: int, optim: OptimConfig, segment: Segment) 
     return _between(top, optim, shape, (step - begin) / max(max_steps - begin, 1))
 
 
-def lr_at(step: int, optim: OptimConfig, max_steps: int, segment: Segment | None = None,
-          schedule: Schedule | None = None) -> float:
+def lr_at(
+    step: int,
+    optim: OptimConfig,
+    max_steps: int,
+    segment: Segment | None = None,
+    schedule: Schedule | None = None,
+) -> float:
     if segment is not None and step >= segment.start:
         return segment_lr(step, max_steps, optim, segment)
     return float((schedule or schedule_of(optim))(step, max_steps, optim))

@@ -1,13 +1,14 @@
-"""FSDP2 and activation checkpointing: which blocks of a model are its units, and applying both to them.
+"""FSDP2 and activation checkpointing: which blocks of a model are its units, and applying both to
+them.
 
 Blocks are found by class name: a Hugging Face model names them in `_no_split_modules` (GPT2Block,
-LlamaDecoderLayer, ...); any other model names them with train.shard_modules. Each block is sharded on its
-own, then the root (embeddings, head, norms), as torchtitan does: a block's weights are gathered just before
-it runs and freed after, so a rank holds one block's full weights at a time.
+LlamaDecoderLayer, ...); any other model names them with train.shard_modules. Each block is sharded
+on its own, then the root (embeddings, head, norms), as torchtitan does: a block's weights are
+gathered just before it runs and freed after, so a rank holds one block's full weights at a time.
 
-Activation checkpointing replaces a block's `forward` on the instance with a non-reentrant checkpoint of the
-original, instead of wrapping the block in another module: parameter names (and so checkpoints and export)
-stay what they are without it, and it works the same under DDP and FSDP.
+Activation checkpointing replaces a block's `forward` on the instance with a non-reentrant
+checkpoint of the original, instead of wrapping the block in another module: parameter names (and so
+checkpoints and export) stay what they are without it, and it works the same under DDP and FSDP.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from ..state.sharded import is_sharded_model
 
 
 def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
-    """The model's repeated blocks, outermost first; nested matches inside a block are not blocks."""
+    """The model's repeated blocks, outermost first; nested matches inside a block are not
+    blocks."""
     wanted = set(names) or set(getattr(model, "_no_split_modules", None) or ())
     if not wanted:
-        raise ConfigError(f"train.shard_modules: {type(model).__name__} does not name its blocks (it has no "
-                          "_no_split_modules); list the class names of its repeated blocks, e.g. "
-                          "train.shard_modules: [TransformerBlock]")
+        raise ConfigError(
+            f"train.shard_modules: {type(model).__name__} does not name its blocks (it has no "
+            "_no_split_modules); list the class names of its repeated blocks, e.g. "
+            "train.shard_modules: [TransformerBlock]"
+        )
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
@@ -43,9 +47,13 @@ def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
             blocks.append(module)
             inside.update(id(m) for m in module.modules())
     if not blocks:
-        classes = sorted({type(m).__name__ for m in model.modules() if m is not model and any(m.children())})
-        raise ConfigError(f"train.shard_modules: {type(model).__name__} has no module of class "
-                          f"{', '.join(sorted(wanted))}; its composite modules are {', '.join(classes[:12])}")
+        classes = sorted(
+            {type(m).__name__ for m in model.modules() if m is not model and any(m.children())}
+        )
+        raise ConfigError(
+            f"train.shard_modules: {type(model).__name__} has no module of class "
+            f"{', '.join(sorted(wanted))}; its composite modules are {', '.join(classes[:12])}"
+        )
     return blocks
 
 
@@ -58,34 +66,49 @@ def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def shard(model: nn.Module, blocks: Sequence[nn.Module], precision: str, device: torch.device,
-          mesh: Any = None) -> nn.Module:
-    """FSDP2 over all ranks (or the given mesh: 2-D for hsdp): each block, then the root. bf16 computes in
-    bf16 and reduces gradients in fp32, keeping fp32 weights and optimizer state (FSDP's own mixed
-    precision, not autocast's).
+def shard(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    precision: str,
+    device: torch.device,
+    mesh: Any = None,
+) -> nn.Module:
+    """FSDP2 over all ranks (or the given mesh: 2-D for hsdp): each block, then the root. bf16
+    computes in bf16 and reduces gradients in fp32, keeping fp32 weights and optimizer state (FSDP's
+    own mixed precision, not autocast's).
 
-    On a GPU the shards go where torch puts them, the current device (fully_shard takes no device), which
-    the rank made its own before anything touched CUDA; init_device_mesh then leaves it as it is."""
+    On a GPU the shards go where torch puts them, the current device (fully_shard takes no device),
+    which the rank made its own before anything touched CUDA; init_device_mesh then leaves it as it
+    is."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        raise RuntimeError(f"fsdp would place this rank's shards on cuda:{torch.cuda.current_device()}, not on "
-                           f"its own {device}: distributed.pick_device makes it current first")
+        raise RuntimeError(
+            f"fsdp would place this rank's shards on cuda:{torch.cuda.current_device()}, not on "
+            f"its own {device}: distributed.pick_device makes it current first"
+        )
 
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for index, block in enumerate(blocks):
-        # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1)
+        # The last block's weights are needed again at once by backward: keeping them saves an
+        # all-gather.
+        fully_shard(
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1
+        )
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
-def autocast_for(model: nn.Module, precision: str,
-                 device: torch.device) -> contextlib.AbstractContextManager[object]:
+def autocast_for(
+    model: nn.Module, precision: str, device: torch.device
+) -> contextlib.AbstractContextManager[object]:
     """Autocast for a replicated model; none for a sharded one, which computes in its FSDP
     MixedPrecisionPolicy's param_dtype (`shard`). FSDP's documentation: autocast on top of it casts
     every weight again and keeps a second low-precision copy."""

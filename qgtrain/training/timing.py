@@ -1,5 +1,6 @@
-"""Where the loop's wall time goes: throughput for the reports, and each kind of work measured on its own
-for the deadline (a step is a step; a validation, a test evaluation and a checkpoint are not steps).
+"""Where the loop's wall time goes: throughput for the reports, and each kind of work measured on
+its own for the deadline (a step is a step; a validation, a test evaluation and a checkpoint are not
+steps).
 
 Throughput counts training alone (waiting for data included, validation and checkpoints not), so
 samples/s means the same whether or not a report falls on a validation step.
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Interval:
-    """The training since the last report: steps, their wall time, and the part spent waiting for data."""
+    """The training since the last report: steps, their wall time, and the part spent waiting for
+    data."""
 
     steps: int
     busy_s: float
@@ -25,7 +27,8 @@ class StepTimer:
     def __init__(self, step: int) -> None:
         self.recent_steps_s: collections.deque[float] = collections.deque(maxlen=20)
         self.longest_save_s = 0.0
-        self.eval_batch_s: float | None = None  # per batch, from the last validation or test evaluation
+        # per batch, from the last validation or test evaluation
+        self.eval_batch_s: float | None = None
         self.test_s: float | None = None
         self._reported_at = step
         self._busy_s = self._data_s = 0.0
@@ -42,7 +45,8 @@ class StepTimer:
         self._data_s += time.perf_counter() - self._started
 
     def training_done(self) -> None:
-        """The step's training (data, forward, backward, update): what the deadline counts as a step."""
+        """The step's training (data, forward, backward, update): what the deadline counts as a
+        step."""
         took = time.perf_counter() - self._started
         self._busy_s += took
         self.recent_steps_s.append(took)

@@ -1,5 +1,6 @@
-"""Validation and test as the loop runs them: on the user's module, timed for the deadline, and early
-stopping decided on rank 0 from the all-reduced metric and broadcast, so every rank stops together."""
+"""Validation and test as the loop runs them: on the user's module, timed for the deadline, and
+early stopping decided on rank 0 from the all-reduced metric and broadcast, so every rank stops
+together."""
 
 from __future__ import annotations
 
@@ -28,41 +29,80 @@ WeightsInUse = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class Validator:
-    def __init__(self, model: nn.Module, wrapped: nn.Module, task: ReadyTask, loaders: Loaders,
-                 early_stopping: EarlyStoppingConfig, eval_batches: int, precision: str, env: DistEnv,
-                 device: torch.device, timer: StepTimer,
-                 weights: WeightsInUse | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        wrapped: nn.Module,
+        task: ReadyTask,
+        loaders: Loaders,
+        early_stopping: EarlyStoppingConfig,
+        eval_batches: int,
+        precision: str,
+        env: DistEnv,
+        device: torch.device,
+        timer: StepTimer,
+        weights: WeightsInUse | None = None,
+    ) -> None:
         """`weights`: what puts the weights to evaluate in the model and takes them out again (the
         EMA's, train.eval_ema); none: the training weights as they are."""
-        self.model, self.wrapped, self.task, self.loaders, self.early_stopping = \
-            model, wrapped, task, loaders, early_stopping
-        self.eval_batches, self.precision, self.env, self.device, self.timer = \
-            eval_batches, precision, env, device, timer
+        self.model, self.wrapped, self.task, self.loaders, self.early_stopping = (
+            model,
+            wrapped,
+            task,
+            loaders,
+            early_stopping,
+        )
+        self.eval_batches, self.precision, self.env, self.device, self.timer = (
+            eval_batches,
+            precision,
+            env,
+            device,
+            timer,
+        )
         self.weights = weights or contextlib.nullcontext
 
     def validate(self, state: TrainState) -> bool:
-        """Evaluate the validation split; whether early stopping says stop (the same on every rank)."""
+        """Evaluate the validation split; whether early stopping says stop (the same on every
+        rank)."""
         es = self.early_stopping
         state.val_metrics = self._evaluate(self.loaders.val, self.eval_batches)
         name = es.metric.removeprefix("val_")
         if self.loaders.val is not None and name not in state.val_metrics:
-            raise ConfigError(f"early_stopping.metric: {es.metric} is not reported by the task (it reports "
-                              f"{', '.join('val_' + n for n in state.val_metrics)}); name one of those")
-        decision = decide_early_stop(es, state.val_metrics.get(name), state.best_metric, state.evals_since_best) \
-            if self.env.is_main else None
+            raise ConfigError(
+                f"early_stopping.metric: {es.metric} is not reported by the task (it reports "
+                f"{', '.join('val_' + n for n in state.val_metrics)}); name one of those"
+            )
+        decision = (
+            decide_early_stop(
+                es, state.val_metrics.get(name), state.best_metric, state.evals_since_best
+            )
+            if self.env.is_main
+            else None
+        )
         state.best_metric, state.evals_since_best, stop = distributed.broadcast_from_main(decision)
         return bool(stop)
 
     def test(self, state: TrainState) -> None:
         state.test_metrics = self._evaluate(self.loaders.test, 0, test=True)
 
-    def _evaluate(self, loader: Any, max_batches: int, test: bool = False) -> dict[str, float | None]:
+    def _evaluate(
+        self, loader: Any, max_batches: int, test: bool = False
+    ) -> dict[str, float | None]:
         if loader is None:
             return {}
         started = time.perf_counter()
-        replicas.agree_before_evaluation(self.model, self.wrapped)  # what the saved model gives, on every rank
+        # what the saved model gives, on every rank
+        replicas.agree_before_evaluation(self.model, self.wrapped)
         with self.weights():
-            metrics = evaluate(self.model, loader, self.task.loss, self.task.metrics, self.device,
-                               self.precision, max_batches, lockstep=is_sharded_model(self.model))
+            metrics = evaluate(
+                self.model,
+                loader,
+                self.task.loss,
+                self.task.metrics,
+                self.device,
+                self.precision,
+                max_batches,
+                lockstep=is_sharded_model(self.model),
+            )
         self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)
         return metrics

@@ -7,7 +7,7 @@ PeftModel around it, which writes the adapter folder in peft's own format. Adapt
 fp32 (they are small; export.dtype applies to the merged model).
 
 The merge of a pretrained folder with safetensors weights is streamed tensor by tensor, in the
-memory of one tensor and the adapters (export_merge.py). A base drawn from train.seed, a task's own
+memory of one tensor and the adapters (merging.py). A base drawn from train.seed, a task's own
 model, or a folder of pytorch_model.bin is merged in memory by peft's merge_and_unload on the CPU,
 holding the model in fp32 once and a second copy while the reloaded folder is checked: a built-in
 model is small by construction (model.* sizes it), and torch.load reads a .bin whole anyway.
@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
-from ..data import tokenizer
-from ..errors import CheckpointError, QgtrainError
-from ..state import checkpoint, layout
-from ..state.weights import describe
-from ..task import BUILTIN_LM
-from ..training.adapters import base_identity, lora_config
-from . import export_merge, export_stream, export_task
+from ...config import RunConfig
+from ...data import tokenizer
+from ...errors import CheckpointError, QgtrainError
+from ...state import checkpoint, layout
+from ...state.weights import describe
+from ...task import BUILTIN_LM
+from ...training.adapters import base_identity, lora_config
+from . import merging, rebuild, stream
 
 PREFIX = "base_model.model."  # what a PeftModel puts before the adapted model's names
 
@@ -49,9 +49,9 @@ def write(
             "the merged model with --merge (or export.merge: true)"
         )
     facts = json.loads((ckpt.path / layout.MODEL_FACTS).read_text())
-    run = export_task.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
+    run = rebuild.token_batch(cfg.data.seq_len, int(facts.get("vocab_size", 257)))
     base = Path(cfg.model.pretrained).resolve() if cfg.model.pretrained else None
-    streamed = base is not None and cfg.task.factory == BUILTIN_LM and export_merge.streamable(base)
+    streamed = base is not None and cfg.task.factory == BUILTIN_LM and merging.streamable(base)
     if merge and streamed and base is not None:
         diff = _streamed(ckpt, cfg, saved, base, staging, dtype, run)
     else:
@@ -76,18 +76,18 @@ def _streamed(
     def expected() -> list[torch.Tensor]:
         model = _adapted_base(ckpt, cfg, saved)[0]
         if dtype == torch.float32:
-            return export_task.outputs(model, run)
-        export_merge.untie_adapted(model)
+            return rebuild.outputs(model, run)
+        merging.untie_adapted(model)
         merged = model.merge_and_unload()
         with torch.no_grad():  # the weights as exported; buffers (rotary frequencies) as computed
             for param in merged.parameters():
                 param.copy_(param.to(dtype))
-        return export_task.outputs(merged, run)
+        return rebuild.outputs(merged, run)
 
     _check_base(ckpt, cfg, saved, base_identity(torch.nn.Module(), cfg))  # a folder: its files
     lora = lora_config(cfg.model, saved["lora"]["targets"], str(base))
-    adapters = export_stream.checkpoint_reader(ckpt)
-    return export_merge.write(base, adapters, lora, staging, dtype, run, expected)
+    adapters = stream.checkpoint_reader(ckpt)
+    return merging.write(base, adapters, lora, staging, dtype, run, expected)
 
 
 def _in_memory(
@@ -115,7 +115,7 @@ def _adapted_base(
     adapters."""
     from peft import get_peft_model
 
-    base = export_task.rebuild_task(cfg).model
+    base = rebuild.rebuild_task(cfg).model
     _check_base(ckpt, cfg, saved, base_identity(base, cfg))
     base_path = str(Path(cfg.model.pretrained).resolve()) if cfg.model.pretrained else ""
     model = get_peft_model(
@@ -123,7 +123,7 @@ def _adapted_base(
     )
     inner = model.base_model.model
     wanted = {name: p for name, p in inner.named_parameters() if p.requires_grad}
-    adapters = export_stream.checkpoint_reader(ckpt)(wanted)
+    adapters = stream.checkpoint_reader(ckpt)(wanted)
     with torch.no_grad():
         for name, param in wanted.items():
             param.copy_(adapters[name])
@@ -146,7 +146,7 @@ def _adapter_reloaded(model: Any, base_path: str, folder: Path, run: Any) -> flo
     from peft import PeftModel
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    return export_task.verify(model, PeftModel.from_pretrained(base, folder), run, folder)
+    return rebuild.verify(model, PeftModel.from_pretrained(base, folder), run, folder)
 
 
 def _merged(model: Any, folder: Path, dtype: torch.dtype, run: Any) -> float:
@@ -154,11 +154,11 @@ def _merged(model: Any, folder: Path, dtype: torch.dtype, run: Any) -> float:
     against the unmerged model's (in fp32), or the merged model's as exported (in bf16)."""
     import transformers
 
-    expected = export_task.outputs(model, run) if dtype == torch.float32 else None
-    export_merge.untie_adapted(model)  # a delta merged into a shared tensor changes its partner
+    expected = rebuild.outputs(model, run) if dtype == torch.float32 else None
+    merging.untie_adapted(model)  # a delta merged into a shared tensor changes its partner
     merged = model.merge_and_unload()
     merged.to(dtype).save_pretrained(folder)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if expected is None:
-        return export_task.verify(merged.float(), reloaded, run, folder)
-    return export_task.verify_against(expected, reloaded, run, folder)
+        return rebuild.verify(merged.float(), reloaded, run, folder)
+    return rebuild.verify_against(expected, reloaded, run, folder)

@@ -4,7 +4,7 @@ memory.
 The exporting process never holds the merged model: the base is built from its config.json without
 weights (names, shapes, ties), peft's layers are put into it holding the checkpoint's adapters (the
 only real tensors), and each tensor is read from the base folder's safetensors as it is written
-(export_stream.write_weights, sharded as transformers shards): an adapted weight as W plus its
+(stream.write_weights, sharded as transformers shards): an adapted weight as W plus its
 delta, computed by peft's own layer (get_delta_weight: lora_alpha / lora_rank, GPT-2's Conv1D (in,
 out) layout through fan_in_fan_out, an embedding's transposed factors), in fp32 as peft merges a
 base loaded in fp32, then in export.dtype; every other tensor as the folder holds it. Peak memory:
@@ -17,7 +17,7 @@ model (it warns), the delta would change the input embedding too: the model woul
 the trained one's outputs, and the check below would refuse it.
 
 The check: every tensor read back through safetensors equals what was written, bit for bit; a model
-up to reload_check.OUTPUTS_CHECKED_UP_TO in fp32 is also run before writing as training ran it (the
+up to reload.OUTPUTS_CHECKED_UP_TO in fp32 is also run before writing as training ran it (the
 PeftModel: base and adapters in fp32; for a bf16 export, merged by peft and rounded to bf16), its
 outputs kept and the model freed, and the folder loaded by AutoModelForCausalLM alone must give
 them: one full model in memory at a time, never two. A larger model is checked by names and shapes.
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import QgtrainError
-from ..tasks.empty_weights import building_empty
-from ..tasks.pretrained import safetensors_files
-from ..training.adapters import ADAPTER_NAME
-from . import export_stream, export_task, export_writer, reload_check
+from ...errors import QgtrainError
+from ...tasks.empty_weights import building_empty
+from ...tasks.pretrained import safetensors_files
+from ...training.adapters import ADAPTER_NAME
+from . import rebuild, reload, stream, writer
 
 Outputs = Callable[[], list[torch.Tensor]]  # the run's model's outputs, built and freed inside
 
@@ -52,7 +52,7 @@ def streamable(base: Path) -> bool:
 
 def write(
     base: Path,
-    adapters: export_stream.Reader,
+    adapters: stream.Reader,
     lora: Any,
     folder: Path,
     dtype: torch.dtype,
@@ -79,20 +79,20 @@ def write(
     }
     meta = {
         n.replace(".base_layer.", "."): t
-        for n, t in export_stream.tensors_to_write(model).items()
+        for n, t in stream.tensors_to_write(model).items()
         if ".lora_" not in n
     }
-    small = sum(4 * math.prod(t.shape) for t in meta.values()) <= reload_check.OUTPUTS_CHECKED_UP_TO
+    small = sum(4 * math.prod(t.shape) for t in meta.values()) <= reload.OUTPUTS_CHECKED_UP_TO
     outputs = expected() if small else []
     gc.collect()
     read = _merged_reader(base, aliases, layers)
     _write_folder(base, config, folder, meta, read, dtype)
-    export_stream.check_weights(folder, meta, read, dtype)
+    stream.check_weights(folder, meta, read, dtype)
     if not small:
-        reload_check.check_names(folder, meta, dtype)
+        reload.check_names(folder, meta, dtype)
         return None
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return export_task.verify_against(outputs, reloaded, run, folder)
+    return rebuild.verify_against(outputs, reloaded, run, folder)
 
 
 def untie_adapted(model: nn.Module) -> list[str]:
@@ -121,7 +121,7 @@ def _tie_groups(model: nn.Module) -> dict[str, list[str]]:
 
 def _merged_reader(
     base: Path, aliases: dict[str, list[str]], layers: dict[str, Any]
-) -> export_stream.Reader:
+) -> stream.Reader:
     """The merged model's tensors, read from the base folder a group at a time."""
     from safetensors import safe_open
 
@@ -167,7 +167,7 @@ def _write_folder(
     config: Any,
     folder: Path,
     meta: dict[str, torch.Tensor],
-    read: export_stream.Reader,
+    read: stream.Reader,
     dtype: torch.dtype,
 ) -> None:
     """config.json and generation_config.json as save_pretrained writes them, then the weights."""
@@ -177,5 +177,5 @@ def _write_folder(
     config.save_pretrained(folder)
     if (base / "generation_config.json").is_file():
         transformers.GenerationConfig.from_pretrained(base).save_pretrained(folder)
-    size = export_writer.size_in_bytes(export_writer.SHARD_SIZE)
-    export_stream.write_weights(folder, meta, read, dtype, size)
+    size = writer.size_in_bytes(writer.SHARD_SIZE)
+    stream.write_weights(folder, meta, read, dtype, size)

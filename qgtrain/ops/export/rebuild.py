@@ -1,10 +1,11 @@
 """Rebuilding a run's model as training built it, and checking a reloaded copy against it.
 
-A task's model comes back by calling the task function again with the run's config (in a one-process group
-on the CPU, unless the caller already has a group, with the run's seed and the caller's random state kept),
-so it is exactly the module that was trained, head and all. The built-in causal LM's model comes from
-model.* and the facts its checkpoint recorded. A reloaded export is run on a batch of the task's own data
-(or on tokens, for a language model): every output tensor must match the checkpoint's model.
+A task's model comes back by calling the task function again with the run's config (in a one-process
+group on the CPU, unless the caller already has a group, with the run's seed and the caller's random
+state kept), so it is exactly the module that was trained, head and all. The built-in causal LM's
+model comes from model.* and the facts its checkpoint recorded. A reloaded export is run on a batch
+of the task's own data (or on tokens, for a language model): every output tensor must match the
+checkpoint's model.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import QgtrainError
-from ..runtime import distributed, rng
-from ..runtime.rendezvous import DistEnv
-from ..state import layout
-from ..task import BUILTIN_LM, ReadyTask
-from ..tasks.build import build_task
-from ..tasks.empty_weights import building_empty, to_meta
-from ..tasks.models import build_model
+from ...errors import QgtrainError
+from ...runtime import distributed, rng
+from ...runtime.rendezvous import DistEnv
+from ...state import layout
+from ...task import BUILTIN_LM, ReadyTask
+from ...tasks.build import build_task
+from ...tasks.empty_weights import building_empty, to_meta
+from ...tasks.models import build_model
 
 log = logging.getLogger("qgtrain")
 MAX_OUTPUT_DIFF = 1e-4
@@ -35,7 +36,8 @@ MAX_OUTPUT_DIFF = 1e-4
 
 @contextlib.contextmanager
 def _group() -> Iterator[None]:
-    """A one-process group for the task function (which may ask for its rank), unless there is one."""
+    """A one-process group for the task function (which may ask for its rank), unless there is
+    one."""
     if dist.is_available() and dist.is_initialized():
         yield
         return
@@ -44,8 +46,9 @@ def _group() -> Iterator[None]:
 
 
 def rebuild_task(cfg: Any, empty: bool = False) -> ReadyTask:
-    """The task of a run's config, its model freshly built on the CPU in fp32, as training built it; `empty`:
-    without weights, as the ranks but 0 of a sharded run build it (tasks/empty_weights.py)."""
+    """The task of a run's config, its model freshly built on the CPU in fp32, as training built it;
+    `empty`: without weights, as the ranks but 0 of a sharded run build it
+    (tasks/empty_weights.py)."""
     kept = rng.capture()
     try:
         with _group():
@@ -56,14 +59,17 @@ def rebuild_task(cfg: Any, empty: bool = False) -> ReadyTask:
 
 
 def rebuild_model(cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Module:
-    """The untrained model of a run: its task's, or the built-in causal LM's from model.* and `facts`."""
+    """The untrained model of a run: its task's, or the built-in causal LM's from model.* and
+    `facts`."""
     if cfg.task.factory != BUILTIN_LM:
         return rebuild_task(cfg, empty).model
     kept = rng.capture()
     try:
         rng.seed_everything(cfg.train.seed)
         with building_empty() if empty else contextlib.nullcontext():
-            model = build_model(cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id"))
+            model = build_model(
+                cfg.model, facts.get("vocab_size", 257), cfg.data.seq_len, facts.get("eos_id")
+            )
         if empty:
             to_meta(model)
         return model
@@ -72,8 +78,8 @@ def rebuild_model(cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Mo
 
 
 def rebuild_lm(ckpt_dir: Path, cfg: Any, facts: dict[str, Any], empty: bool = False) -> nn.Module:
-    """The built-in language model: from the transformers config its checkpoint saved, or its factory;
-    `empty`: without weights."""
+    """The built-in language model: from the transformers config its checkpoint saved, or its
+    factory; `empty`: without weights."""
     if (ckpt_dir / layout.HF_CONFIG).exists():
         import transformers
 
@@ -84,24 +90,34 @@ def rebuild_lm(ckpt_dir: Path, cfg: Any, facts: dict[str, Any], empty: bool = Fa
     return rebuild_model(cfg, facts, empty)
 
 
-def verify(model: nn.Module, reloaded: nn.Module, run: Callable[[nn.Module], None], folder: Path) -> float:
+def verify(
+    model: nn.Module, reloaded: nn.Module, run: Callable[[nn.Module], None], folder: Path
+) -> float:
     """The largest difference between every tensor the two models' forwards return under `run`."""
     return verify_against(outputs(model, run), reloaded, run, folder)
 
 
-def verify_against(expected: list[torch.Tensor], reloaded: nn.Module,
-                   run: Callable[[nn.Module], None],
-                   folder: Path) -> float:
+def verify_against(
+    expected: list[torch.Tensor],
+    reloaded: nn.Module,
+    run: Callable[[nn.Module], None],
+    folder: Path,
+) -> float:
     """As `verify`, against outputs taken before (of a model since changed in place: a merge)."""
     got = outputs(reloaded, run)
     if len(expected) != len(got) or not expected:
-        raise QgtrainError(f"export: the reloaded model in {folder} returned {len(got)} tensor(s), the checkpoint's "
-                           f"{len(expected)}; the export was not kept")
+        raise QgtrainError(
+            f"export: the reloaded model in {folder} returned {len(got)} tensor(s), the "
+            f"checkpoint's {len(expected)}; the export was not kept"
+        )
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(expected, got))
     if not diff <= MAX_OUTPUT_DIFF:
-        raise QgtrainError(f"export: the reloaded model's outputs differ from the checkpoint's by {diff:.3g} (more "
-                           f"than {MAX_OUTPUT_DIFF}); the export in {folder} was not kept. HINT: a model whose "
-                           "outputs are random in eval mode cannot be checked; make its eval forward deterministic")
+        raise QgtrainError(
+            f"export: the reloaded model's outputs differ from the checkpoint's by {diff:.3g} "
+            f"(more than {MAX_OUTPUT_DIFF}); the export in {folder} was not kept. HINT: a model "
+            "whose outputs are random in eval mode cannot be checked; make its eval forward "
+            "deterministic"
+        )
     return diff
 
 
