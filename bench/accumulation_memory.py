@@ -22,7 +22,7 @@ from bench.big_model import spawn, status_bytes
 
 
 def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str, float]:
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
     from qgtrain.runtime import cpu as cpu_use
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task

@@ -89,7 +89,7 @@ MODES = {
 
 def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
     from qgtrain.config import OptimConfig
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
     from qgtrain.tasks.empty_weights import building_empty
@@ -130,7 +130,7 @@ def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
 
 
 def one_process_sums(sets: list[str]) -> torch.Tensor:
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
 

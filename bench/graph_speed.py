@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.train_speed import launch, measure
 from qgtrain.config import RunConfig
-from qgtrain.configload import load_config
+from qgtrain.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [ROOT / "config.yaml", ROOT / "jobs" / "graph.yaml"]

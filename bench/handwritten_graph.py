@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from qgtrain.factory import load_factory
+from qgtrain.foundation.factory import load_factory
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "graph.py"
 SETTINGS = {

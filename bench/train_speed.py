@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from qgtrain.configload import load_config
+from qgtrain.config.load import load_config
 from qgtrain.data import corpus
 
 ROOT = Path(__file__).resolve().parents[1]

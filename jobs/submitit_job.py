@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     if args.dry_run:
-        from qgtrain.configload import load_config
+        from qgtrain.config.load import load_config
         from qgtrain.launch.submitit_params import executor_parameters
 
         print(json.dumps(executor_parameters(load_config([args.config], args.set)), indent=1))

@@ -7,8 +7,8 @@ and `qgtrain.train` and `qgtrain.submit` load what they need when first called.
 from typing import Any
 
 from .config import RunConfig
-from .task import Task
-from .version import __version__
+from .foundation.task import Task
+from .foundation.version import __version__
 
 __all__ = [
     "RunConfig",
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
 
         return submit_sweep
     if name == "train":
-        from .api import train
+        from .interface.api import train
 
         return train
     if name == "load_model":
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
         return load_model
     if name == "load_config":
-        from .configload import load_config
+        from .config.load import load_config
 
         return load_config
     raise AttributeError(f"module 'qgtrain' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from qgtrain.cli import main
+from qgtrain.interface.cli import main
 
 raise SystemExit(main())

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig
-from .configload import config_to_dict
+from .config.load import config_to_dict
 from .data.loaders import build_loaders
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .foundation.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .foundation.task import ReadyTask
 from .ops.export import target as export_target
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
@@ -35,7 +36,6 @@ from .state.lifecycle import Lifecycle
 from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
-from .task import ReadyTask
 from .tasks.build import TaskSource, build_task, task_spec
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog

@@ -30,7 +30,7 @@ TINY = ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.l
 
 def tiny_config(*sets: str) -> Any:
     """The TINY settings with `sets` on top, as a RunConfig (the built-in defaults beneath)."""
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
 
     return load_config([], [*TINY, *sets])
 

@@ -111,7 +111,7 @@ def _rank_main(rank: int, world_size: int, port: int, env: dict[str, str], targe
 
 def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
     """One rank of `qgtrain train`, reporting what the CLI would: the exit code, or the error and its code."""
-    from qgtrain.errors import QgtrainError
+    from qgtrain.foundation.errors import QgtrainError
     from qgtrain.run import train
     from qgtrain.runtime.rendezvous import from_environ
 

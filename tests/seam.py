@@ -15,13 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from qgtrain.config import RunConfig
-from qgtrain.configload import load_config
+from qgtrain.config.load import load_config
+from qgtrain.foundation.task import ReadyTask
 from qgtrain.runtime import rng
 from qgtrain.runtime.deadline import Deadline
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.runtime.signals import StopFlag
 from qgtrain.state.checkpointer import Checkpointer
-from qgtrain.task import ReadyTask
 from qgtrain.training.metrics import MetricsLog
 from qgtrain.training.optimizers import build_optimizer
 from qgtrain.training.parts import Parts, Settings

@@ -73,7 +73,7 @@ def settings(base: Path, *sets: str) -> list[str]:
 
 
 def train(run: Path, sets: list[str]) -> None:
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
 
     cfg = load_config([ROOT / "config.yaml"], sets)
     assert [r["exit"] for r in run_ranks(2, train_rank, cfg, str(run))] == [0, 0]
@@ -267,7 +267,7 @@ def test_a_built_in_base_exports_merged_only_and_a_model_without_defaults_needs_
     alone."""
     import transformers
 
-    from qgtrain.errors import ConfigError, QgtrainError
+    from qgtrain.foundation.errors import ConfigError, QgtrainError
     from qgtrain.ops.export.pipeline import export_run
     from qgtrain.training.adapters import apply_adapter
     from tests.helpers import tiny_config
@@ -312,7 +312,7 @@ def test_merge_on_finish_of_a_gpt2_base_unties_its_adapted_lm_head(tmp_path):
     from peft import get_peft_model
     from safetensors.torch import load_file
 
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
     from qgtrain.training.adapters import lora_config
 
     torch.manual_seed(0)
@@ -364,8 +364,8 @@ def test_merge_on_finish_of_a_gpt2_base_unties_its_adapted_lm_head(tmp_path):
 
 
 def test_an_adapter_export_on_finish_of_a_seeded_base_is_refused_at_config_load(tmp_path):
-    from qgtrain.configload import load_config
-    from qgtrain.errors import ConfigError
+    from qgtrain.config.load import load_config
+    from qgtrain.foundation.errors import ConfigError
 
     sets = ["model.adapter=lora", "export.on_finish=true"]
     with pytest.raises(ConfigError, match=r"export\.merge: .*train\.seed"):

@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
-# Folders are layers; a module imports only from its own layer or below. Top-level modules are placed one
-# by one: the foundation everything reads (errors, config, the Task contract) and the interface on top.
+# Folders are layers; a module imports only from its own layer or below. The foundation everything
+# reads (errors, the Task contract, trust, files) and the config are the bottom; the interface the top.
 LAYERS: dict[int, set[str]] = {
-    0: {"errors", "config", "configload", "durations", "factory", "files", "redact", "task", "trust",
-        "version"},
+    0: {"foundation", "config"},
     1: {"runtime"},           # the process: rendezvous, its group and device, signals, logs, diagnosis
     2: {"data", "state"},     # samples and loaders; everything on disk (checkpoints, the run directory)
     3: {"tasks"},             # the built-in tasks and models
@@ -22,19 +21,21 @@ LAYERS: dict[int, set[str]] = {
     5: {"ops"},               # export, runs, plot, doctor
     6: {"run"},               # the composition root: builds the parts and trains
     7: {"launch"},            # sbatch and submitit
-    8: {"cli", "commands", "api", "__main__", "__init__"},  # __init__: the public facade, loading what it names lazily
+    8: {"interface", "__main__", "__init__"},  # __init__: the public facade, loading lazily
 }
 PLACE = {name: layer for layer, names in LAYERS.items() for name in names}
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
-NO_TORCH = ["qgtrain", "qgtrain.cli", "qgtrain.commands", "qgtrain.config", "qgtrain.configload", "qgtrain.task",
-            "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.runtime.comms",
-            "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
-            "qgtrain.state.layout", "qgtrain.runtime.slurm_values",
-            "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
-            "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
-            "qgtrain.launch.slurm_checks", "qgtrain.launch.submitit_params",
-            "qgtrain.durations", "qgtrain.files", "qgtrain.redact", "qgtrain.trust",
-            *(f"qgtrain.config.{p.stem}" for p in (PACKAGE / "config").glob("*.py") if p.stem != "__init__")]
+NO_TORCH = [
+    "qgtrain", "qgtrain.interface.cli", "qgtrain.interface.commands", "qgtrain.config",
+    "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.runtime.comms",
+    "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
+    "qgtrain.state.layout", "qgtrain.runtime.slurm_values",
+    "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
+    "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
+    "qgtrain.launch.slurm_checks", "qgtrain.launch.submitit_params",
+    *(f"qgtrain.{folder}.{p.stem}" for folder in ("config", "foundation")
+      for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"),
+]
 
 
 def dotted(path: Path) -> str:
@@ -82,7 +83,8 @@ def test_every_module_is_placed_in_a_layer():
 def test_the_import_reader_sees_every_form():
     assert internal_imports(PACKAGE / "run.py") >= {"state", "state.checkpoint", "runtime.distributed",
                                                      "training.trainer"}
-    assert "ops.export.pipeline" in internal_imports(PACKAGE / "commands.py"), "an import inside a function counts too"
+    commands = PACKAGE / "interface" / "commands.py"
+    assert "ops.export.pipeline" in internal_imports(commands), "an import inside a function counts"
     assert internal_imports(PACKAGE / "state" / "checkpointer.py") >= {"state", "state.checkpoint"}
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from qgtrain.configload import load_config
+from qgtrain.config.load import load_config
 from tests.helpers import checkpoint_state, records, small_gpt2_run
 from tests.ranks import run_ranks, train_rank
 
@@ -207,7 +207,7 @@ def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resum
 
 
 def test_hsdp_groups_the_ranks_of_each_node_whatever_their_numbers():
-    from qgtrain.errors import ConfigError
+    from qgtrain.foundation.errors import ConfigError
     from qgtrain.runtime.mesh import hsdp_layout
 
     # block distribution: one group per node

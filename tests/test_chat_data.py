@@ -21,7 +21,7 @@ import torch
 from qgtrain.config import DataConfig, ModelConfig
 from qgtrain.data import chat, prepare
 from qgtrain.data.rows import ChatRows
-from qgtrain.errors import ConfigError
+from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.models import build_model, lm_loss
 from tests.helpers import checkpoint_state, cli, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain.errors import CheckpointError
+from qgtrain.foundation.errors import CheckpointError
 from qgtrain.state import checkpoint
 from qgtrain.state.checkpointer import CpuSnapshot
 from tests.helpers import records, tiny_config

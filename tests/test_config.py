@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from qgtrain.config import SECTIONS, RunConfig
-from qgtrain.configload import config_from_dict, config_to_dict, dump_yaml, load_config
-from qgtrain.errors import ConfigError
+from qgtrain.config.load import config_from_dict, config_to_dict, dump_yaml, load_config
+from qgtrain.foundation.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_o
                                            ("2:00:00", 7200), ("1-12", 129600), ("90", 5400), ("0", None),
                                            ("x", None)])
 def test_durations_in_units_or_slurm_forms(text, seconds):
-    from qgtrain.durations import duration_s
+    from qgtrain.foundation.durations import duration_s
 
     assert duration_s(text) == seconds
 
@@ -187,7 +187,7 @@ def test_a_resolved_config_with_overrides_is_not_turned_into_text_and_back():
     used to come back as no folder at all), and the overrides are validated with them."""
     import dataclasses
 
-    from qgtrain.configload import with_overrides
+    from qgtrain.config.load import with_overrides
 
     given = dataclasses.replace(RunConfig(), model=dataclasses.replace(RunConfig().model, pretrained="None"),
                                 task=dataclasses.replace(RunConfig().task, options={"deep": {"list": [1, 2]}}))

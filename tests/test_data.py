@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from qgtrain.configload import load_config
+from qgtrain.config.load import load_config
 from qgtrain.data.loaders import EvalShard, ResumableSampler, make_loader
 from qgtrain.runtime.rendezvous import DistEnv
 from tests.ranks import run_ranks, train_rank

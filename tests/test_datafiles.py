@@ -24,7 +24,7 @@ import torch
 from qgtrain.config import DataConfig
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
-from qgtrain.errors import ConfigError, QgtrainError
+from qgtrain.foundation.errors import ConfigError, QgtrainError
 from tests.helpers import checkpoint_state, cli, records, wait_for
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 

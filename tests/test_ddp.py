@@ -193,7 +193,7 @@ def test_a_rank_that_starts_before_rank_0_opens_the_store_still_joins():
 
 
 def test_a_rank_whose_rank_0_never_comes_stops_with_the_address_and_a_hint(monkeypatch):
-    from qgtrain.errors import RendezvousError
+    from qgtrain.foundation.errors import RendezvousError
     from tests.ranks import free_port
 
     port = free_port()

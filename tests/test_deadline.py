@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from qgtrain.errors import EXIT_STOPPED
+from qgtrain.foundation.errors import EXIT_STOPPED
 from qgtrain.runtime.deadline import Deadline
 from qgtrain.training.planning import Planner, Schedule
 from qgtrain.training.timing import StepTimer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.errors import ConfigError, RendezvousError
+from qgtrain.foundation.errors import ConfigError, RendezvousError
 from qgtrain.runtime import devices, distributed, precision
 from qgtrain.runtime.devices import choose, count_without_cuda, gpu_device_files, visible_entries
 from qgtrain.runtime.rendezvous import DistEnv, from_environ

@@ -109,8 +109,8 @@ def test_a_run_that_turns_ema_on_as_it_resumes_starts_it_from_the_checkpoints_we
 def test_bad_ema_settings_and_exporting_an_ema_that_is_not_there_are_refused_in_one_line(
     one_rank, tmp_path
 ):
-    from qgtrain.configload import load_config
-    from qgtrain.errors import ConfigError, QgtrainError
+    from qgtrain.config.load import load_config
+    from qgtrain.foundation.errors import ConfigError, QgtrainError
     from qgtrain.ops.export.pipeline import export_run
 
     done = cli("config", "--set", "train.ema_decay=1.0", cwd=tmp_path)

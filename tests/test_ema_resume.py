@@ -42,7 +42,7 @@ GPT2 = [
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, str]]:
-    from qgtrain.configload import load_config
+    from qgtrain.config.load import load_config
 
     made = {}
     for layout in ("ddp", "fsdp"):

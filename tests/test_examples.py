@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qgtrain
-from qgtrain.errors import EXIT_STOPPED
+from qgtrain.foundation.errors import EXIT_STOPPED
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
 from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qgtrain.configload import load_config
-from qgtrain.errors import CheckpointError, QgtrainError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import CheckpointError, QgtrainError
 from qgtrain.ops.export import writer
 from qgtrain.ops.export.pipeline import export_run
 from qgtrain.state import checkpoint

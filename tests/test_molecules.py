@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 import qgtrain
-from qgtrain.configload import config_from_dict
-from qgtrain.errors import CheckpointError
+from qgtrain.config.load import config_from_dict
+from qgtrain.foundation.errors import CheckpointError
 from qgtrain.ops.export.pipeline import export_run
 from qgtrain.ops.export.rebuild import rebuild_task
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.errors import ConfigError
+from qgtrain.foundation.errors import ConfigError
 from qgtrain.runtime import comms
 from qgtrain.runtime.comms import Interface, choose_interface, machine_interfaces, route_source
 from qgtrain.runtime.rendezvous import DistEnv

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from qgtrain.config import OptimConfig
+from qgtrain.config.load import load_config
 from qgtrain.config.optim import OPTIMIZERS
-from qgtrain.configload import load_config
-from qgtrain.errors import ConfigError
+from qgtrain.foundation.errors import ConfigError
 from qgtrain.state.train_state import TrainState, _state_from
 from qgtrain.training.horizon import LearningRate, segment_of
 from qgtrain.training.optimizers import BUILDERS, by_path

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.configload import load_config
-from qgtrain.errors import ConfigError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import ConfigError
 from tests.helpers import checkpoint_state, rank_log, records, tiny_config
 from tests.ranks import run_ranks, train_rank
 

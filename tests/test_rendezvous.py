@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qgtrain.errors import RendezvousError
+from qgtrain.foundation.errors import RendezvousError
 from qgtrain.runtime.distributed import ddp_device_ids
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.runtime.slurm_values import (

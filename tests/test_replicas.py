@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qgtrain.configload import load_config
-from qgtrain.errors import TrainingError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import TrainingError
 from qgtrain.runtime.distributed import broadcast_from_main, diverged, process_group
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.training import replicas

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain.configload import load_config
-from qgtrain.errors import ConfigError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import ConfigError
 from qgtrain.state.checkpoint import MANIFEST, file_entry
 from tests.helpers import checkpoint_state, rank_log, records, tiny_config
 from tests.ranks import run_ranks, train_rank
@@ -159,7 +159,7 @@ def test_a_spike_before_the_first_checkpoint_stops_with_a_message_naming_checkpo
 def test_under_rollback_a_spike_is_counted_and_handed_over_not_skipped_in_place(tmp_path):
     """One process: the spike is counted against train.max_skips as under skip, but recorded by the
     rollback (rollback.py), not as a "spike" skip; past the limit it stops before any rollback."""
-    from qgtrain.errors import TrainingError
+    from qgtrain.foundation.errors import TrainingError
     from qgtrain.training.metrics import MetricsLog
     from qgtrain.training.spikes import Spike, Spikes
 

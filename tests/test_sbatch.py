@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from qgtrain.config import SlurmConfig
-from qgtrain.configload import load_config
-from qgtrain.errors import QgtrainError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import QgtrainError
 from qgtrain.launch.sbatch import parse_job_id, render
 from qgtrain.launch.slurm_checks import time_minutes
 from tests.helpers import cli
@@ -233,7 +233,7 @@ def test_job_ids_are_parsed_from_sbatch_output():
 
 def test_submit_dry_run_prints_the_script_without_importing_torch_or_submitit(tmp_path):
     code = (
-        "import sys; from qgtrain.cli import main; rc = main(['submit', '--dry-run', '--config', "
+        "import sys; from qgtrain.interface.cli import main; rc = main(['submit', '--dry-run', '--config', "
         f"{str(ROOT / 'config.yaml')!r}]); print(rc, [m for m in ('torch', 'transformers', "
         "'submitit') if m in sys.modules], file=sys.stderr)"
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
+from qgtrain.foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
 from qgtrain.runtime.deadline import Deadline
 from qgtrain.runtime.signals import StopFlag
 from qgtrain.runtime.slurm import (

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.configload import load_config
-from qgtrain.errors import ConfigError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import ConfigError
 from qgtrain.launch import codesnap, stages
 from qgtrain.launch.runfrom import job_config, snapshot
 from tests.helpers import cli

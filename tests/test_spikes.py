@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain.configload import load_config
-from qgtrain.errors import ConfigError
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import ConfigError
 from tests.helpers import checkpoint_state, rank_log, records, tiny_config
 from tests.ranks import run_ranks, train_rank
 
@@ -123,7 +123,7 @@ def test_a_spike_past_train_max_skips_stops_every_rank_with_one_message(tmp_path
 def test_the_window_judges_from_its_tenth_loss_counts_skips_and_round_trips(tmp_path):
     """One process: the window fills with applied losses only, judges by its median once it holds
     10, drops what train.skip_steps lists first, and a state stored and loaded judges the same."""
-    from qgtrain.errors import TrainingError
+    from qgtrain.foundation.errors import TrainingError
     from qgtrain.state.train_state import TrainState
     from qgtrain.training.metrics import MetricsLog
     from qgtrain.training.spikes import Spikes

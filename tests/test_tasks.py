@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from qgtrain.data.batches import to_device
-from qgtrain.errors import TaskError
+from qgtrain.foundation.errors import TaskError
 from tests.helpers import cli, records
 from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, wait_ranks
 

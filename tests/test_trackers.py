@@ -297,7 +297,7 @@ def test_an_unknown_tracker_is_refused_before_anything_runs(tmp_path):
 def test_a_tracker_whose_library_is_missing_is_refused_with_exit_2(monkeypatch):
     """check_installed runs on every rank before any step (run.py); a missing library is the user's
     to fix."""
-    from qgtrain.errors import EXIT_USAGE, ConfigError
+    from qgtrain.foundation.errors import EXIT_USAGE, ConfigError
     from qgtrain.training import trackers
 
     monkeypatch.setitem(trackers.EXTRAS, "wandb", "wandb_is_not_installed_here")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from qgtrain.errors import TrainingError
+from qgtrain.foundation.errors import TrainingError
 from qgtrain.runtime.signals import StopFlag
 from qgtrain.state.train_state import Outcome
 from tests.helpers import records

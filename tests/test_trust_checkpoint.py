@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from qgtrain.errors import CheckpointError
+from qgtrain.foundation.errors import CheckpointError
 from qgtrain.state import checkpoint, sharded
 from tests.helpers import cli, small_gpt2_run
 

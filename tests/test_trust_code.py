@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain.configload import load_config
-from qgtrain.errors import CheckpointError, QgtrainError
-from qgtrain.task import BUILTIN_LM
-from qgtrain.trust import Named, config_code
+from qgtrain.config.load import load_config
+from qgtrain.foundation.errors import CheckpointError, QgtrainError
+from qgtrain.foundation.task import BUILTIN_LM
+from qgtrain.foundation.trust import Named, config_code
 from tests.helpers import cli
 
 TASK_FILE = """from pathlib import Path

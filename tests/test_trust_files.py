@@ -14,7 +14,7 @@ import pytest
 from qgtrain import files
 from qgtrain.config import DataConfig
 from qgtrain.data import corpus, prepare
-from qgtrain.errors import QgtrainError
+from qgtrain.foundation.errors import QgtrainError
 from tests.helpers import TINY, cli, records
 
 SHORT = [*TINY, "train.eval_every=0"]

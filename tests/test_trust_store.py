@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgtrain.errors import CheckpointError, ConfigError, QgtrainError, TrainingError
+from qgtrain.foundation.errors import CheckpointError, ConfigError, QgtrainError, TrainingError
 from qgtrain.runtime import comms, store, wire
 from tests.ranks import free_port, run_ranks
 

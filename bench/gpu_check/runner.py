@@ -104,7 +104,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from qgtrain.cli import main as qgtrain_main
+    from qgtrain.interface.cli import main as qgtrain_main
 
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -1,7 +1,7 @@
 """The run configuration: one frozen dataclass per section of config.yaml, and the rules between
 fields, one module per section.
 
-Every field carries its own documentation and bounds in `metadata`, so the loader (configload.py)
+Every field carries its own documentation and bounds in `metadata`, so the loader (config/load.py)
 can validate a file and explain a mistake without a second copy of the schema, and config.yaml's
 comments are held equal to it (tests/test_config.py). World size and ranks are deliberately
 absent: the scheduler supplies them (rendezvous.py).

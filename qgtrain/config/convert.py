@@ -1,6 +1,6 @@
 """One value of a config file or a `--set` override turned into its field's type: a choice, text,
 a mapping, a list, a boolean or a number within the field's bounds, or a ConfigError that names
-where it came from, what was found and what is allowed. configload.py reads the files and calls it
+where it came from, what was found and what is allowed. load.py reads the files and calls it
 once a field.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}

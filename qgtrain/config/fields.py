@@ -1,5 +1,5 @@
 """What every section's fields are made of: a default with its documentation and bounds, read by the
-loader (configload.py) to validate a file and explain a mistake, and by tests/test_config.py to hold
+loader (load.py) to validate a file and explain a mistake, and by tests/test_config.py to hold
 config.yaml's comments to the same words."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ..redact import mask_text, uri_credentials
+from ..foundation.redact import mask_text, uri_credentials
 from .fields import Problem, setting
 
 if TYPE_CHECKING:

@@ -1,12 +1,12 @@
 """A run's whole configuration: one section per part of config.yaml, and the rules applied once
-every field has passed its own bounds (configload.py), each section's beside it."""
+every field has passed its own bounds (config/load.py), each section's beside it."""
 
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field, fields
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from .checkpoint import CheckpointConfig, checkpoint_rules
 from .data import DataConfig, data_rules
 from .early_stopping import EarlyStoppingConfig, early_stopping_rules

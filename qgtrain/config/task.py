@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..task import BUILTIN_LM
+from ..foundation.task import BUILTIN_LM
 from .fields import Problem, factory_problem, setting
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ..durations import duration_s
+from ..foundation.durations import duration_s
 from .fields import MAX_TIMEOUT_S, Problem, setting
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, TaskError
+from ..foundation.errors import ConfigError, TaskError
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 

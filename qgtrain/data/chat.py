@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from . import tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")

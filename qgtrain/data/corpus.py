@@ -19,8 +19,8 @@ import numpy as np
 import xxhash
 
 from ..config import DataConfig
-from ..errors import ConfigError
-from ..files import make_temp_dir
+from ..foundation.errors import ConfigError
+from ..foundation.files import make_temp_dir
 from . import tokenizer
 
 SPLITS = ("train", "val", "test")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from ..runtime.rendezvous import DistEnv
 from .streams import Position, StreamBatches, for_this_rank, is_stream
 

@@ -34,8 +34,8 @@ import numpy as np
 import xxhash
 
 from ..config import DataConfig
-from ..errors import ConfigError
-from ..files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
+from ..foundation.errors import ConfigError
+from ..foundation.files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
 from . import prepare_chat, sources, tokenizer
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from . import chat, sources
 from .corpus import SPLITS
 from .progress import Progress

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
             ".parquet": "parquet", ".arrow": "arrow"}

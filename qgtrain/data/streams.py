@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from ..errors import ConfigError, QgtrainError
+from ..foundation.errors import ConfigError, QgtrainError
 from ..runtime import distributed
 
 log = logging.getLogger("qgtrain")

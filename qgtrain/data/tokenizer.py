@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: describing a tokenizer needs no tokenizers library
     import tokenizers

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from ..state.rundir import create, is_run_dir
 
 KINDS_WITHOUT_GIT = (".py", ".yaml", ".yml", ".sh", ".json", ".toml")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import hostlist
 
 from ..config import SlurmConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 # sinfo's short states of nodes that take no job

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from ..configload import config_from_dict, config_to_dict, dump_yaml
-from ..files import write_atomic
+from ..config.load import config_from_dict, config_to_dict, dump_yaml
+from ..foundation.files import write_atomic
 from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code, check_size, collect, digest, take
 from .sbatch import snapshots

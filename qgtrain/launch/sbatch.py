@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
-from ..errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 from .slurm_checks import validate
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def submit_config(
     """Write the job's config and script into `job_dir` (kept for the requeued job) and submit it,
     to run from a snapshot of the working directory's code (`code`, or one taken now) unless
     slurm.snapshot is off."""
-    from ..configload import dump_yaml
+    from ..config.load import dump_yaml
     from ..state.rundir import RunDir, create
     from .nodes import check_exclusions
     from .runfrom import job_config, shell_lines, snapshot

@@ -9,8 +9,8 @@ import math
 import re
 
 from ..config import SlurmConfig
-from ..durations import slurm_time_s
-from ..errors import QgtrainError
+from ..foundation.durations import slurm_time_s
+from ..foundation.errors import QgtrainError
 
 _PATTERNS = {
     "job_name": (r"[A-Za-z0-9_.+-]+", "letters, digits and _ . + -"),

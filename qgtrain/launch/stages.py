@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import RunConfig
-from ..configload import config_to_dict, dump_yaml, load_config, with_overrides
-from ..errors import ConfigError
-from ..files import write_atomic
+from ..config.load import config_to_dict, dump_yaml, load_config, with_overrides
+from ..foundation.errors import ConfigError
+from ..foundation.files import write_atomic
 from ..state import rundir
 from ..state.rundir import RunDir, default_run_dir
 from .sbatch import Runner, SubmissionError, render, snapshots, submit, submit_config

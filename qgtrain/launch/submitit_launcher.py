@@ -25,8 +25,8 @@ import submitit
 from submitit.slurm.slurm import SlurmJob
 
 from ..config import RunConfig
-from ..configload import config_files, config_to_dict, load_config, with_overrides
-from ..errors import EXIT_STOPPED, QgtrainError
+from ..config.load import config_files, config_to_dict, load_config, with_overrides
+from ..foundation.errors import EXIT_STOPPED, QgtrainError
 from ..runtime.slurm import (
     is_time_limit,
     job_state,
@@ -49,7 +49,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.config, self.run_dir = config, run_dir
 
     def __call__(self) -> dict[str, Any]:
-        from ..configload import config_from_dict
+        from ..config.load import config_from_dict
         from ..run import train
         from ..runtime.rendezvous import from_environ
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig
-from ..configload import dump_yaml, with_overrides
-from ..errors import ConfigError, QgtrainError
+from ..config.load import dump_yaml, with_overrides
+from ..foundation.errors import ConfigError, QgtrainError
 from .sbatch import Runner, snapshots
 
 if TYPE_CHECKING:

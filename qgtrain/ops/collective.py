@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 SLOW_FACTOR = 2.0
 ITERATIONS = 5

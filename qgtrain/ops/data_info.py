@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.sources import SourceFile
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 
 def describe(path: Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..config import RunConfig
-from ..errors import QgtrainError
+from ..foundation.errors import QgtrainError
 from ..runtime import devices, precision
 from ..runtime.rendezvous import DistEnv
 from ..state.rundir import default_run_dir

@@ -18,7 +18,7 @@ from .doctor import Check
 def network_check(cfg: RunConfig, env: DistEnv) -> Check:
     """This node's interfaces and the one NCCL and gloo would use (train.socket_ifname, or the route
     to MASTER_ADDR)."""
-    from ..errors import ConfigError
+    from ..foundation.errors import ConfigError
     from ..runtime import comms
 
     interfaces = comms.machine_interfaces()
@@ -96,7 +96,7 @@ def _collective(env: DistEnv, device: Any, sizes: Sequence[float]) -> list[Check
     store."""
     import torch.distributed as dist
 
-    from ..errors import first_line
+    from ..foundation.errors import first_line
     from ..runtime.diagnose import missing_ranks
     from . import collective
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..configload import config_from_dict
-from ..errors import CheckpointError
-from ..trust import Named, config_code, require
+from ..config.load import config_from_dict
+from ..foundation.errors import CheckpointError
+from ..foundation.trust import Named, config_code, require
 from .export.rebuild import rebuild_model
 from .export.writer import META
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import QgtrainError
+from ..foundation.errors import QgtrainError
 from ..state.rundir import RunDir
 from ..training.metrics import read_metrics
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import QgtrainError
+from ..foundation.errors import QgtrainError
 from ..state import checkpoint, rundir
 from ..training.metrics import read_metrics
 

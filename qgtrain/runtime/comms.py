@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from .rendezvous import DistEnv
 
 SOCKET_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from ..config import TrainConfig
-from ..durations import duration_s
+from ..foundation.durations import duration_s
 from .rendezvous import DistEnv
 from .startup import process_age_s
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..errors import RendezvousError
+from ..foundation.errors import RendezvousError
 from .rendezvous import DistEnv
 
 SLURM_BINDING = (

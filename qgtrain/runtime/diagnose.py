@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailure, TrainingError
+from ..foundation.errors import PeerFailure, TrainingError
 from . import comms
 from .rendezvous import DistEnv
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import JoinError, QgtrainError, first_line
+from ..foundation.errors import JoinError, QgtrainError, first_line
 from . import comms, devices, joining, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv

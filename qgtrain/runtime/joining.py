@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import RendezvousError
+from ..foundation.errors import RendezvousError
 from . import comms, devices, once, store
 from .rendezvous import DistEnv
 

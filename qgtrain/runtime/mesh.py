@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")

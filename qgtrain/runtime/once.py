@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import QgtrainError
+from ..foundation.errors import QgtrainError
 from . import wire
 
 _calls = itertools.count()

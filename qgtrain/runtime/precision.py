@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NATIVE_BF16 = (8, 0)  # torch.cuda.is_bf16_supported(including_emulation=False): major >= 8, or ROCm

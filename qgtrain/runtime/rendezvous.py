@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Literal, TypedDict
 
-from ..errors import RendezvousError
+from ..foundation.errors import RendezvousError
 from .slurm_values import (
     HOOK_PORT_BASE,
     HOOK_PORT_MODULUS,

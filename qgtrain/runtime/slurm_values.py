@@ -9,7 +9,7 @@ import re
 
 import hostlist
 
-from ..errors import RendezvousError
+from ..foundation.errors import RendezvousError
 
 # Ports 20000-31999: below Linux's ephemeral range (32768-60999), so an outgoing connection never
 # holds the port we want to listen on. Each job id owns RESTART_SLOTS x STEP_SLOTS consecutive

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import (
+from ..foundation.errors import (
     CheckpointError,
     CheckpointWriteError,
     ConfigError,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, first_line
+from ..foundation.errors import CheckpointError, first_line
 from . import layout
 from . import manifest_files as listed
 from .layout import MANIFEST as MANIFEST  # where tests and older callers import it from

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointWriteError, TrainingError
+from ..foundation.errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, layout, sharded

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
-from ..configload import dump_yaml
-from ..errors import QgtrainError
+from ..config.load import dump_yaml
+from ..foundation.errors import QgtrainError
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from . import rundir, verify_ranks

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from ..errors import CheckpointError, first_line
+from ..foundation.errors import CheckpointError, first_line
 from .checkpoint import Checkpoint
 from .layout import SHARDED, SHARDED_METADATA
 from .manifest_files import name_problem, open_regular, read_regular

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, first_line
+from ..foundation.errors import CheckpointError, first_line
 from .checkpoint import Checkpoint, load_file
 from .layout import EMA, EMA_KEY
 from .sharded import FOLDER, is_sharded_checkpoint, shard_of

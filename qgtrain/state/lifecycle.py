@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import PeerFailure, QgtrainError, summary
+from ..foundation.errors import PeerFailure, QgtrainError, summary
 from ..runtime.rendezvous import DistEnv
 from . import rundir
 

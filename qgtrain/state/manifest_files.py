@@ -20,7 +20,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError
+from ..foundation.errors import CheckpointError
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),

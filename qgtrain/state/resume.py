@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..foundation.errors import CheckpointError
 from .checkpoint import (
     Checkpoint,
     list_committed,

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import RunConfig
-from ..errors import QgtrainError
-from ..files import open_lock, read_holder, try_lock, write_atomic, write_holder
+from ..foundation.errors import QgtrainError
+from ..foundation.files import open_lock, read_holder, try_lock, write_atomic, write_holder
 from . import layout
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CheckpointError, first_line
+from ..foundation.errors import CheckpointError, first_line
 from .checkpoint import Checkpoint, file_entry, load_file
 from .layout import MODEL, OPTIM, SHARDED, SHARDED_METADATA
 from .weights import adapter_of, load_weights, strip_wrapper_prefixes

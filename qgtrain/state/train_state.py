@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..foundation.errors import CheckpointError
 from ..runtime import rng
 from ..runtime.rendezvous import DistEnv
 from . import sharded
@@ -61,7 +61,7 @@ def replicated_files(model: nn.Module, optimizer: torch.optim.Optimizer, scaler:
                      state: TrainState, precision: str, world_size: int) -> dict[str, Any]:
     """The files rank 0 writes: the unwrapped model (no module. or _orig_mod. prefixes), the optimizer and
     loss scaler, and progress with the facts needed to judge a resume."""
-    from ..version import __version__
+    from ..foundation.version import __version__
 
     facts = {"trainer": saved_progress(state), "precision": precision, "world_size": world_size,
              "versions": {"qgtrain": __version__, "torch": torch.__version__},

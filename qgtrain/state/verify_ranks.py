@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, QgtrainError
+from ..foundation.errors import CheckpointError, QgtrainError
 from .checkpoint import read_manifest, verify
 from .layout import MANIFEST, OWN_FILE
 from .manifest_files import listing_problem

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import CheckpointError
+from ..foundation.errors import CheckpointError
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # set on a model with adapters: {"base": its identity, "lora": its settings}

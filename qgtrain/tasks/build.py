@@ -20,10 +20,10 @@ from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
 from ..data.streams import is_stream
-from ..errors import ConfigError, TaskError
-from ..factory import load_factory
+from ..foundation.errors import ConfigError, TaskError
+from ..foundation.factory import load_factory
+from ..foundation.task import ReadyTask, Task
 from ..runtime import distributed
-from ..task import ReadyTask, Task
 from .empty_weights import building_empty, to_meta
 
 TaskSource = Task | Callable[[RunConfig], Task]

@@ -18,10 +18,10 @@ from ..config import DataConfig, RunConfig
 from ..data import corpus, prepare
 from ..data.rows import ChatRows
 from ..data.tokens import SyntheticTokens, TokenWindows
-from ..errors import ConfigError, TaskError
-from ..factory import load_factory
+from ..foundation.errors import ConfigError, TaskError
+from ..foundation.factory import load_factory
+from ..foundation.task import Task
 from ..runtime import distributed
-from ..task import Task
 from .models import build_model, lm_loss
 
 

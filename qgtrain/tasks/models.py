@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, TaskError
-from ..factory import load_factory
+from ..foundation.errors import ConfigError, TaskError
+from ..foundation.factory import load_factory
 from .pretrained import load_pretrained
 
 _DROPOUT_FIELDS = (

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, first_line
+from ..foundation.errors import ConfigError, first_line
 from .empty_weights import building_empty, is_building_empty
 
 

@@ -18,9 +18,9 @@ from typing import Any
 from torch import nn
 
 from ..config import ModelConfig, RunConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
+from ..foundation.task import BUILTIN_LM
 from ..state.weights import ADAPTER_ATTRIBUTE
-from ..task import BUILTIN_LM
 from ..tasks.pretrained import weight_files
 
 ADAPTER_NAME = "default"

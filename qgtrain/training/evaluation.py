@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import EarlyStoppingConfig
 from ..data.batches import to_device
-from ..errors import TaskError
+from ..foundation.errors import TaskError
 from .sharding import autocast_for
 
 

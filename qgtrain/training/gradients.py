@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import TaskError
+from ..foundation.errors import TaskError
 from ..state.sharded import is_sharded_model, shard_of
 from .sharding import autocast_for
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from ..config import OptimConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from ..state import layout
 from ..state.checkpoint import Checkpoint
 from ..state.manifest_files import read_regular

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..runtime.startup import Timeline
     from .trackers import Tracker
 
-from ..errors import QgtrainError
-from ..files import write_atomic
+from ..foundation.errors import QgtrainError
+from ..foundation.files import write_atomic
 from ..state.rundir import RunDir
 
 

@@ -17,10 +17,10 @@ from torch import nn
 
 from ..config import OptimConfig
 from ..config.optim import OPTIMIZERS, Builtin, args_problem
-from ..errors import CheckpointError, ConfigError, TaskError, first_line
-from ..factory import load_factory
+from ..foundation.errors import CheckpointError, ConfigError, TaskError, first_line
+from ..foundation.factory import load_factory
+from ..foundation.task import ReadyTask
 from ..state.train_state import TrainState
-from ..task import ReadyTask
 
 Builder = Callable[[nn.Module, OptimConfig, torch.device], torch.optim.Optimizer]
 ADAMW = "torch.optim.adamw.AdamW"  # what checkpoints of qgtrain before optim.name hold

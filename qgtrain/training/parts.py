@@ -11,10 +11,10 @@ from torch import nn
 
 from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
 from ..data.loaders import Loaders
+from ..foundation.task import ReadyTask
 from ..runtime.deadline import Deadline
 from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
-from ..task import ReadyTask
 from .metrics import MetricsLog
 from .profiling import StepProfiler
 

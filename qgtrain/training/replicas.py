@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import TaskError
+from ..foundation.errors import TaskError
 from ..runtime import diagnose, distributed
 from ..state.sharded import is_sharded_model
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from ..foundation.task import ReadyTask
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state.train_state import TrainState
-from ..task import ReadyTask
 from .flops import utilisation
 from .metrics import MetricsLog, format_metrics, memory_gb, prefixed
 from .timing import Interval

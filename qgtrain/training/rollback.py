@@ -27,7 +27,7 @@ from typing import Protocol
 
 from ..data.loaders import TrainBatches
 from ..data.streams import StreamBatches
-from ..errors import TrainingError
+from ..foundation.errors import TrainingError
 from ..runtime import distributed
 from ..state import verify_ranks
 from ..state.checkpoint import Checkpoint, read_manifest

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ..config import OptimConfig
-from ..errors import ConfigError
-from ..factory import load_factory
+from ..foundation.errors import ConfigError
+from ..foundation.factory import load_factory
 
 Schedule = Callable[[int, int, OptimConfig], float]  # (step, max_steps, optim) -> learning rate
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from ..runtime import precision as precisions
 from ..runtime.precision import DTYPES
 from ..state.sharded import is_sharded_model

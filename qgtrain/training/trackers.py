@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LoggingConfig
-from ..errors import ConfigError, first_line
-from ..files import write_atomic
-from ..redact import mask_setting, mask_text
+from ..foundation.errors import ConfigError, first_line
+from ..foundation.files import write_atomic
+from ..foundation.redact import mask_setting, mask_text
 from ..state.rundir import RunDir
 
 log = logging.getLogger("qgtrain")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
 from ..runtime.rendezvous import DistEnv
 from . import replicas, sharding
 from .adapters import apply_adapter

@@ -14,12 +14,12 @@ from torch import nn
 
 from ..config import EarlyStoppingConfig
 from ..data.loaders import Loaders
-from ..errors import ConfigError
+from ..foundation.errors import ConfigError
+from ..foundation.task import ReadyTask
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state.sharded import is_sharded_model
 from ..state.train_state import TrainState
-from ..task import ReadyTask
 from . import replicas
 from .evaluation import decide_early_stop, evaluate
 from .timing import StepTimer

@@ -26,10 +26,10 @@ import torch
 
 from ...config import RunConfig
 from ...data import tokenizer
-from ...errors import CheckpointError, QgtrainError
+from ...foundation.errors import CheckpointError, QgtrainError
+from ...foundation.task import BUILTIN_LM
 from ...state import checkpoint, layout
 from ...state.weights import describe
-from ...task import BUILTIN_LM
 from ...training.adapters import base_identity, lora_config
 from . import merging, rebuild, stream
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import QgtrainError
+from ...foundation.errors import QgtrainError
 from ...tasks.empty_weights import building_empty
 from ...tasks.pretrained import safetensors_files
 from ...training.adapters import ADAPTER_NAME

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ...config import RunConfig
-from ...configload import config_from_dict
-from ...errors import CheckpointError, QgtrainError
+from ...config.load import config_from_dict
+from ...foundation.errors import CheckpointError, QgtrainError
 from ...state import checkpoint, ema_files, layout, sharded
 from ...state.rundir import RunDir
 from ...training.metrics import read_metrics

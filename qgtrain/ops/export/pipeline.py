@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from ...config import RunConfig
-from ...configload import config_to_dict
+from ...config.load import config_to_dict
 from ...data import tokenizer
-from ...errors import QgtrainError
+from ...foundation.errors import QgtrainError
+from ...foundation.task import BUILTIN_LM
+from ...foundation.trust import config_code, not_yours, require
 from ...state import checkpoint, layout
-from ...task import BUILTIN_LM
-from ...trust import config_code, not_yours, require
 from . import adapter, ema, origin, rebuild, reload, stream, target, writer
 
 log = logging.getLogger("qgtrain")

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import QgtrainError
+from ...foundation.errors import QgtrainError
+from ...foundation.task import BUILTIN_LM, ReadyTask
 from ...runtime import distributed, rng
 from ...runtime.rendezvous import DistEnv
 from ...state import layout
-from ...task import BUILTIN_LM, ReadyTask
 from ...tasks.build import build_task
 from ...tasks.empty_weights import building_empty, to_meta
 from ...tasks.models import build_model

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ...errors import QgtrainError
+from ...foundation.errors import QgtrainError
+from ...foundation.task import ReadyTask
 from ...state.checkpoint import Checkpoint
-from ...task import ReadyTask
 from ...tasks.empty_weights import building_empty
 from ..load import load_model
 from . import rebuild, stream

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import CheckpointError, QgtrainError, first_line
+from ...foundation.errors import CheckpointError, QgtrainError, first_line
 from ...state import checkpoint, layout, sharded
 from ...state.weights import strip_wrapper_prefixes, within_budget
 

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ...errors import QgtrainError
+from ...foundation.errors import QgtrainError
 from .writer import META
 
 

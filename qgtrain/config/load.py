@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from .config import SECTIONS, RunConfig, check_rules
-from .config.convert import convert, describe, did_you_mean, parse_yaml_text
-from .errors import ConfigError, first_line
+from ..foundation.errors import ConfigError, first_line
+from .convert import convert, describe, did_you_mean, parse_yaml_text
+from .run import SECTIONS, RunConfig, check_rules
 
 OPTIONS = "task.options"
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import RunConfig
-from .configload import config_files, load_config
-from .run import train as _train
-from .runtime.rendezvous import from_environ
-from .tasks.build import TaskSource
+from ..config import RunConfig
+from ..config.load import config_files, load_config
+from ..run import train as _train
+from ..runtime.rendezvous import from_environ
+from ..tasks.build import TaskSource
 
 
 def train(

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..foundation.errors import EXIT_USAGE, QgtrainError
 from . import commands
-from .errors import EXIT_USAGE, QgtrainError
 
 
 def main(argv: list[str] | None = None) -> int:

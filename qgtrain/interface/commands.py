@@ -10,27 +10,27 @@ import os
 import sys
 from pathlib import Path
 
-from .config import RunConfig
+from ..config import RunConfig
 
 
 def load_args_config(args: argparse.Namespace) -> RunConfig:
-    from .configload import config_files, load_config
+    from ..config.load import config_files, load_config
 
     return load_config(config_files(args.config), args.set)
 
 
 def train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
-    from .run import train
-    from .runtime.rendezvous import from_environ
+    from ..run import train
+    from ..runtime.rendezvous import from_environ
 
     return train(cfg, from_environ(os.environ), args.run_dir)
 
 
 def submit(args: argparse.Namespace) -> int:
-    from .launch.sbatch import render, submit_config
-    from .launch.slurm_checks import validate
-    from .state.rundir import RunDir, default_run_dir
+    from ..launch.sbatch import render, submit_config
+    from ..launch.slurm_checks import validate
+    from ..state.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
@@ -42,11 +42,11 @@ def submit(args: argparse.Namespace) -> int:
     job_dir = RunDir(run_dir).slurm
     if args.launcher == "submitit":
         if args.dry_run:
-            from .launch.submitit_params import dry_run_parameters
+            from ..launch.submitit_params import dry_run_parameters
 
             print(json.dumps(dry_run_parameters(cfg), indent=1))
             return 0
-        from .launch.submitit_launcher import submit as submit_python
+        from ..launch.submitit_launcher import submit as submit_python
 
         job = submit_python(cfg)
         print(
@@ -69,9 +69,9 @@ def submit(args: argparse.Namespace) -> int:
 
 def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
     """The lines that would move the job into its snapshot (its size checked, nothing copied)."""
-    from .launch.runfrom import planned, shell_lines
-    from .launch.sbatch import snapshots
-    from .state.rundir import RunDir
+    from ..launch.runfrom import planned, shell_lines
+    from ..launch.sbatch import snapshots
+    from ..state.rundir import RunDir
 
     if not snapshots(cfg.slurm):
         return None
@@ -79,17 +79,17 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def _code_note(run_dir: Path) -> str:
-    from .launch.sbatch import code_of
-    from .state.rundir import RunDir
+    from ..launch.sbatch import code_of
+    from ..state.rundir import RunDir
 
     code = code_of(RunDir(run_dir).slurm / "job.sbatch")
     return f"; code snapshot {code}" if code else ""
 
 
 def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from .errors import ConfigError
-    from .launch import stages
-    from .state.rundir import RunDir, default_run_dir
+    from ..foundation.errors import ConfigError
+    from ..launch import stages
+    from ..state.rundir import RunDir, default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
         raise ConfigError(
@@ -99,7 +99,7 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     planned = stages.plan(cfg, args.then)
     if args.dry_run:
         run_dir = default_run_dir(cfg).resolve()
-        from .launch.sbatch import render
+        from ..launch.sbatch import render
 
         sys.stdout.write(
             render(
@@ -126,7 +126,7 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def snapshot(args: argparse.Namespace) -> int:
-    from .launch.runfrom import for_attempt
+    from ..launch.runfrom import for_attempt
 
     found = for_attempt(load_args_config(args), args.job, Path.cwd())
     if found:
@@ -136,7 +136,7 @@ def snapshot(args: argparse.Namespace) -> int:
 
 
 def next_stage(args: argparse.Namespace) -> int:
-    from .launch.stages import next_stage as after_stage
+    from ..launch.stages import next_stage as after_stage
 
     said = after_stage(args.chain, args.after, args.exit_code, args.job, args.chain_id)
     print(f"qgtrain: {said}", file=sys.stderr)
@@ -144,8 +144,8 @@ def next_stage(args: argparse.Namespace) -> int:
 
 
 def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from .errors import ConfigError
-    from .launch import sweep
+    from ..foundation.errors import ConfigError
+    from ..launch import sweep
 
     if not args.sweep:
         raise ConfigError("--max-parallel: only with --sweep")
@@ -160,7 +160,7 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
             )
         )
         return 0
-    from .launch.submitit_launcher import submit_sweep
+    from ..launch.submitit_launcher import submit_sweep
 
     jobs = submit_sweep(cfg, planned, max_parallel=args.max_parallel)
     print(
@@ -171,7 +171,7 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from .ops.export.pipeline import export_run
+    from ..ops.export.pipeline import export_run
 
     done = export_run(
         args.source,
@@ -197,8 +197,8 @@ def export(args: argparse.Namespace) -> int:
 
 
 def recover(args: argparse.Namespace) -> int:
-    from .launch import nodes, recovery
-    from .state.rundir import default_run_dir
+    from ..launch import nodes, recovery
+    from ..state.rundir import default_run_dir
 
     cfg = load_args_config(args)
     decision = recovery.recover(
@@ -217,9 +217,9 @@ def recover(args: argparse.Namespace) -> int:
 
 
 def runs(args: argparse.Namespace) -> int:
-    from .launch.stages import chains
-    from .launch.sweep import swept_values
-    from .ops.runs import as_json, as_table, find_runs, shown, summarize
+    from ..launch.stages import chains
+    from ..launch.sweep import swept_values
+    from ..ops.runs import as_json, as_table, find_runs, shown, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
     swept = swept_values(folder)
@@ -231,7 +231,7 @@ def runs(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
-    from .ops.plot import plot_runs
+    from ..ops.plot import plot_runs
 
     out = plot_runs(args.runs, args.out, [m.strip() for m in args.metric.split(",") if m.strip()])
     print(f"wrote {out}")
@@ -239,8 +239,8 @@ def plot(args: argparse.Namespace) -> int:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from .ops.doctor import exit_code, render, run_checks
-    from .runtime.rendezvous import from_environ
+    from ..ops.doctor import exit_code, render, run_checks
+    from ..runtime.rendezvous import from_environ
 
     cfg, env = load_args_config(args), from_environ(os.environ)
     checks = run_checks(cfg, env, os.environ, collective=args.collective)
@@ -250,9 +250,9 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def data_prepare(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare_configured
-    from .runtime.log import setup_console
-    from .runtime.rendezvous import DistEnv
+    from ..data.prepare import prepare_configured
+    from ..runtime.log import setup_console
+    from ..runtime.rendezvous import DistEnv
 
     cfg = load_args_config(args)
     setup_console(DistEnv(), cfg.logging.level)
@@ -263,7 +263,7 @@ def data_prepare(args: argparse.Namespace) -> int:
 
 
 def data_info(args: argparse.Namespace) -> int:
-    from .ops.data_info import describe, render
+    from ..ops.data_info import describe, render
 
     entries = describe(args.path or Path(load_args_config(args).data.cache_dir))
     print(json.dumps(entries, indent=1) if args.json else render(entries))
@@ -271,8 +271,8 @@ def data_info(args: argparse.Namespace) -> int:
 
 
 def config(args: argparse.Namespace) -> int:
-    from .configload import config_to_dict, dump_yaml
-    from .errors import ConfigError
+    from ..config.load import config_to_dict, dump_yaml
+    from ..foundation.errors import ConfigError
 
     cfg = load_args_config(args)
     if args.get is None:
@@ -288,7 +288,7 @@ def config(args: argparse.Namespace) -> int:
 
 
 def env(args: argparse.Namespace) -> int:
-    from .runtime import devices, rendezvous
+    from ..runtime import devices, rendezvous
 
     print(devices.report(rendezvous.from_environ(os.environ), load_args_config(args).train.device))
     return 0
