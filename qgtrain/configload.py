@@ -245,16 +245,18 @@ def _to_mapping(raw: Any, where: str, from_text: bool) -> dict[str, Any]:
 
 
 def _to_list(raw: Any, item: Any, where: str, from_text: bool) -> tuple[Any, ...]:
-    """A list of text items, or of integers where the field holds integers (train.skip_steps)."""
+    """A list of text items, of integers (train.skip_steps) or of mappings (data.mix: its rules)."""
     if from_text:
         raw = _parse_yaml_text(str(raw), where)
-    numbers = item is int
+    numbers, mappings = item is int, typing.get_origin(item) is dict
     wrong = (lambda v: isinstance(v, bool) or not isinstance(v, int)) if numbers else \
+        (lambda v: not isinstance(v, dict)) if mappings else \
         (lambda v: isinstance(v, (dict, list)) or v is None)
     if not isinstance(raw, list) or any(map(wrong, raw)):
-        kind = "integers, e.g. [120, 455]" if numbers else "text items, e.g. ['--exclusive']"
+        kind = "integers, e.g. [120, 455]" if numbers else "mappings, e.g. [{name: a}]" \
+            if mappings else "text items, e.g. ['--exclusive']"
         raise ConfigError(f"{where}: expected a list of {kind}, got {_describe(raw)}")
-    return tuple(raw) if numbers else tuple(str(v) for v in raw)
+    return tuple(raw) if numbers or mappings else tuple(str(v) for v in raw)
 
 
 def _to_bool(raw: Any, where: str, from_text: bool) -> bool:
