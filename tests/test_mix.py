@@ -1,7 +1,8 @@
 """data.mix on 2 gloo ranks with 2 loader workers each (4 reading slots): the shares of the sources
 within 0.05 of their weights and reported as samples_<name>, a small source starting its next
 pass, a run SIGKILLed at a random step resumed bit for bit (losses, counts, weights), and the
-mixtures qgtrain refuses in one line."""
+mixtures qgtrain refuses in one line. data.dispatch: rank 0 reads and each rank gets its own
+batches across an epoch's end; a dispatched mixture killed and resumed bit for bit."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import random
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
 
 from qgtrain.configload import load_config
+from qgtrain.data.dispatch import DispatchedBatches
+from qgtrain.data.loaders import stream_loader
 from qgtrain.errors import ConfigError
 from tests.helpers import cli, records, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 from tests.test_streams import same_run
 
 MAX_STEPS = 16
@@ -82,16 +89,21 @@ def test_two_ranks_two_workers_draw_each_source_by_its_weight_and_restart_the_sm
     assert {(slot, 2) for slot in "0123"} <= slots, f"every slot read code again: {passes}"
 
 
-def test_a_mixture_killed_at_a_random_step_resumes_bit_for_bit(data, uninterrupted, tmp_path):
+def killed_and_resumed(args: list[str], run: Path, tmp_path: Path) -> str:
+    """The run of `args` SIGKILLed at a random step and resumed; the context for messages."""
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(4, MAX_STEPS - 2)
-    run, args = tmp_path / "killed", train(data, tmp_path / "killed")
     procs = start_cli_ranks(2, args, tmp_path, log_prefix="killed")
     wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
     kill_ranks(procs)
     codes = wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="resumed"), 240)
     assert codes == [0, 0], (tmp_path / "resumed-0.out").read_text()[-3000:]
-    context = f"(seed {seed}: killed at step {kill_at})"
+    return f"(seed {seed}: killed at step {kill_at})"
+
+
+def test_a_mixture_killed_at_a_random_step_resumes_bit_for_bit(data, uninterrupted, tmp_path):
+    run = tmp_path / "killed"
+    context = killed_and_resumed(train(data, run), run, tmp_path)
     same_run(uninterrupted, run, context)
     counts = [[(r["samples_web"], r["samples_code"]) for r in records(path)]
               for path in (uninterrupted, run)]
@@ -130,3 +142,54 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
                         r"\(data.name is synthetic\)", lines[0]), lines[0]
     assert re.fullmatch(r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
                         r"'.*nothing\*.jsonl' matches no file or folder", lines[1]), lines[1]
+
+
+class Counting(IterableDataset):
+    """0..9 whole: a stream that cannot be split over ranks."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from range(10)
+
+
+def dispatched_rank() -> tuple[list, dict, int, bool]:  # type: ignore[type-arg]
+    dist.init_process_group("gloo")
+    loader = stream_loader(Counting(), 2, 0, torch.device("cpu"), 0, None)
+    batches = DispatchedBatches(loader, 2 * 2, 0, "counting", dist.new_group(backend="gloo"))
+    position = SimpleNamespace(epoch=0, samples_in_epoch=0)
+    taken = []
+    for _ in range(4):
+        drawn = batches.step(position, 1)
+        taken.append(([batch.tolist() for batch in drawn], position.epoch,
+                      position.samples_in_epoch))
+    result = taken, batches.saved(), batches.between((0, 4), (1, 4)), loader._iterator is None
+    dist.destroy_process_group()
+    return result
+
+
+def test_dispatch_sends_each_rank_its_own_batches_and_the_position_across_an_epoch_end():
+    """Batches of 2, 2 ranks: a step takes 4 of the 10; the third finds 2 left, so epoch 1 starts
+    on every rank at once."""
+    (taken0, saved0, between0, _), (taken1, saved1, between1, idle1) = run_ranks(2, dispatched_rank)
+    positions = [(0, 4), (0, 8), (1, 4), (1, 8)]
+    assert taken0 == [([batch], *at) for batch, at in zip([[0, 1], [4, 5], [0, 1], [4, 5]],
+                                                          positions)]
+    assert taken1 == [([batch], *at) for batch, at in zip([[2, 3], [6, 7], [2, 3], [6, 7]],
+                                                          positions)]
+    assert saved0["dispatched"] and "consumed" in saved0 and saved1 == {"dispatched": True}
+    assert between0 == between1 == 2 and idle1, "rank 1 never starts its loader"
+
+
+def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_path):
+    reference, run = tmp_path / "reference", tmp_path / "killed"
+    codes = wait_ranks(start_cli_ranks(2, train(data, reference, "data.dispatch=true"), tmp_path,
+                                       log_prefix="ref"), 240)
+    assert codes == [0, 0], (tmp_path / "ref-0.out").read_text()[-3000:]
+    context = killed_and_resumed(train(data, run, "data.dispatch=true"), run, tmp_path)
+    same_run(reference, run, context)
+    got = records(run)
+    assert [(r["samples_web"], r["samples_code"]) for r in got] == \
+        [(r["samples_web"], r["samples_code"]) for r in records(reference)], context
+    assert all(r["samples_web"] + r["samples_code"] == r["step"] * 8 for r in got), got
+    assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
+    logs = [(reference / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
+    assert "ran out in reading slot 1 of 2" in logs[0] and "data.mix" not in logs[1]

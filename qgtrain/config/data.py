@@ -93,6 +93,11 @@ class DataConfig:
         "training sample is drawn from one source by weight, a source that runs out starts its "
         "next pass; validation and test: each source's held-out fractions, pooled",
     )
+    dispatch: bool = setting(
+        False,
+        "a stream (an IterableDataset train split, or data.mix) read by rank 0 alone, which "
+        "sends each rank its batches: for a stream that cannot be split over ranks",
+    )
     synthetic_samples: int = setting(4096, "samples in the synthetic set", min=1)
     factory: str | None = setting(
         None,

@@ -152,16 +152,17 @@ def choose(phase: int, draw: int, ends: Sequence[int]) -> int:
     return next(index for index, end in enumerate(ends) if point < end)
 
 
-def source_counts(loader: Any) -> Callable[[], dict[str, int]] | None:
+def source_counts(loader: Any, reads: bool) -> Callable[[], dict[str, int]] | None:
     """The samples each source has given this rank's training so far (as of the last batch taken),
-    where the loader reads a mixture; None otherwise."""
+    where the loader reads a mixture; None otherwise. A rank that `reads` nothing (data.dispatch
+    sends it rank 0's batches) counts none: asking its loader for its state would start it."""
     mixture = getattr(loader, "dataset", None)
     if not isinstance(mixture, Mixture):
         return None
 
     def counts() -> dict[str, int]:
         totals = [0] * len(mixture.names)
-        for state in dataset_states(loader.state_dict()):
+        for state in dataset_states(loader.state_dict()) if reads else []:
             for index, count in enumerate(state["counts"]):
                 totals[index] += int(count)
         return dict(zip(mixture.names, totals))

@@ -46,6 +46,8 @@ def mixture_splits(data: DataConfig, folders: list[str], seed: int
                    ) -> tuple[Mixture, Any, Any, corpus.TokenFiles]:
     """(train: the mixture, val, test: pooled, the first source's entry for the vocabulary)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if data.dispatch:  # rank 0 reads the whole mixture
+        rank, world = 0, 1
     slots = world * max(data.num_workers, 1)
     prepared = [corpus.load(Path(folder)) for folder in folders]
     mixed: list[Source] = []

@@ -65,7 +65,8 @@ class Trainer:
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
                                  settings.train.grad_accum_steps, settings.train.max_steps, peak,
-                                 source_counts(parts.loaders.train))
+                                 source_counts(parts.loaders.train,
+                                               not parts.loaders.dispatch or env.rank == 0))
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
