@@ -56,10 +56,16 @@ def train(folder: Path, run: Path, *sets: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """web: about 60 windows per slot, never exhausted; code: 4 or 5 per slot, read about 3 times."""
+    """web: about 60 windows per slot, never exhausted; code: 4 or 5 per slot, read about 3 times;
+    both prepared by `qgtrain data prepare`."""
     folder = tmp_path_factory.mktemp("mix")
     write_source(folder / "web.jsonl", 120, 1)
     write_source(folder / "code.jsonl", 9, 2)
+    prepared = cli("data", "prepare", "--set", "data.name=files", mix(folder),
+                   f"data.cache_dir={folder / 'cache'}", cwd=folder)
+    lines = prepared.stdout.splitlines()
+    assert [line.split(" (")[-1] for line in lines] == ["data.mix source web)",
+                                                         "data.mix source code)"], prepared
     return folder
 
 
@@ -82,6 +88,7 @@ def test_two_ranks_two_workers_draw_each_source_by_its_weight_and_restart_the_sm
     assert abs(share - 3 / 9) <= 0.05, last
     assert "val_loss" in last and "test_loss" in last and last["epoch"] == 0
     logs = [(uninterrupted / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
+    assert "tokeniz" not in logs[0], "`qgtrain data prepare` prepared the sources the run reads"
     passes = [re.findall(r"data.mix: source '(\w+)' ran out in reading slot (\d) of 4 after "
                          r"(\d+) of its samples: starting its pass (\d)", log) for log in logs]
     slots = {(slot, int(nth)) for found in passes for name, slot, _, nth in found}

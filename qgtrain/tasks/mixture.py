@@ -10,7 +10,6 @@ comparable between runs with other weights.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,14 @@ from ..data.tokens import TokenWindows
 from ..errors import ConfigError
 
 
-def source_data(data: DataConfig, source: dict[str, Any]) -> DataConfig:
-    """The data settings that prepare one source, as data.files would be."""
-    files = source["files"]
-    return replace(data, files=(files,) if isinstance(files, str) else tuple(files), mix=())
-
-
 def prepare_sources(data: DataConfig) -> list[str]:
     """Rank 0's work: every source's cache entry (made where missing), once every source's files
     are found (a pattern that matches nothing is named before anything is tokenized)."""
-    for index, source in enumerate(data.mix):
-        sources.find(source_data(data, source).files,
-                     f"data.mix[{index}].files (source {source['name']!r})")
-    return [str(prepare.prepare(source_data(data, source), data.prepare_workers)[0].folder)
-            for source in data.mix]
+    mixed = prepare.mixed_sources(data)
+    for index, (name, settings) in enumerate(mixed):
+        sources.find(settings.files, f"data.mix[{index}].files (source {name!r})")
+    return [str(prepare.prepare(settings, data.prepare_workers)[0].folder)
+            for _, settings in mixed]
 
 
 def mixture_splits(data: DataConfig, folders: list[str], seed: int
