@@ -14,14 +14,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from qgtrain.configload import load_config
+from qgtrain.data.cached import CachedReader
 from qgtrain.data.dispatch import DispatchedBatches
 from qgtrain.data.loaders import stream_loader
+from qgtrain.data.mix import Mixture, Source, bounds, choose
+from qgtrain.data.tokens import TokenWindows
 from qgtrain.errors import ConfigError
 from tests.helpers import cli, records, wait_for
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, wait_ranks
@@ -149,6 +153,44 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
                         r"\(data.name is synthetic\)", lines[0]), lines[0]
     assert re.fullmatch(r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
                         r"'.*nothing\*.jsonl' matches no file or folder", lines[1]), lines[1]
+
+
+def test_a_cached_source_gives_each_slot_its_share_of_every_pass_in_a_new_order(tmp_path):
+    """40 windows whose first token names them, read by 3 slots: each pass every window once, the
+    next pass in another order, and a slot put back mid-pass from its state reads on as before."""
+    path = tmp_path / "train.bin"
+    np.arange(40 * 4, dtype=np.uint16).tofile(path)
+    windows = TokenWindows(str(path), "uint16", 4)
+
+    def read(reader: CachedReader) -> list[int]:
+        return [int(window[0]) // 4 for window in reader]
+
+    readers = [CachedReader(windows, 7, slot, 3) for slot in range(3)]
+    first = [read(reader) for reader in readers]
+    for reader in readers:
+        reader.next_pass()
+    second = [read(reader) for reader in readers]
+    assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(40))
+    assert first != second and [len(share) for share in first] == [14, 13, 13]
+    reader = CachedReader(windows, 7, 1, 3)
+    reader.next_pass()
+    taken = iter(reader)
+    head = [int(next(taken)[0]) // 4 for _ in range(5)]
+    again = CachedReader(windows, 7, 1, 3)
+    again.load_state_dict(reader.state_dict())
+    assert head + read(again) == second[1]
+
+
+def test_the_choice_meets_the_weights_within_a_sample_or_two_and_a_renamed_mix_is_refused():
+    ends = bounds([1.0, 1.0, 2.0])
+    for phase in (0, 12345, 2**63 + 7):
+        drawn = [choose(phase, draw, ends) for draw in range(1000)]
+        assert all(abs(drawn.count(k) - 1000 * share) <= 2 for k, share in
+                   enumerate((0.25, 0.25, 0.5))), [drawn.count(k) for k in range(3)]
+    mixture = Mixture([Source("web", 1.0, print), Source("code", 1.0, print)], 0, 0, 1)
+    with pytest.raises(ValueError, match="the checkpoint mixes the sources web, math; data.mix "
+                                         "now names web, code"):
+        mixture.load_state_dict({**mixture.state_dict(), "names": ["web", "math"]})
 
 
 class Counting(IterableDataset):

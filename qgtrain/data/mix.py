@@ -7,11 +7,12 @@ StatefulDataLoader, its state saved per rank and per worker. A slot's state is h
 has drawn, each source's count and passes, and each source reader's own state: a source is any
 SampleReader (readers.py), a cached one (cached.py) or a streamed one, so either kind mixes.
 
-The choice is a Weyl sequence, not independent draws: draw i of a slot takes u = phase + i * 2^64/phi
-(mod 2^64, exact in integers) and the source whose interval of [0, 2^64) holds u, the intervals
-sized by weight. Its points spread evenly over [0, 1) from the start, so after n draws each source
-is within a few samples of its share, where independent draws would be about sqrt(n) off; the
-phase is seeded per slot, and the state of the choice is the one count i, so a resume is O(1).
+The choice is a Weyl sequence, not independent draws: draw i of a slot takes the point
+phase + i * 2^64/phi (mod 2^64, exact in integers) and the source whose interval of [0, 2^64)
+holds it, the intervals sized by weight. Its points spread evenly from the start, so after n
+draws each source is within a few samples of its share, where independent draws would be about
+sqrt(n) off; the phase is seeded per slot, and the state of the choice is the one count i, so a
+resume is O(1). The order is not random: a source's samples recur at near-regular intervals.
 A source that runs out starts its next pass (logged), so the mixture never ends: train.max_steps
 ends the run. The counts reach the metrics (samples_<name>) through the loader's state, which holds
 each worker's as of the last batch the rank took: exact, and resumed with the rest.

@@ -1,5 +1,5 @@
-"""The built-in task's data when data.mix names weighted sources: each source prepared into the cache
-as data.files is (rank 0 tokenizes, the others wait), then mixed (data/mix.py).
+"""The built-in task's data when data.mix names weighted sources: each source prepared into the
+cache as data.files is (rank 0 tokenizes, the others wait), then mixed (data/mix.py).
 
 Each source is its own cache entry, keyed by its own files, so adding a source or changing a weight
 tokenizes nothing again. Validation and test are each source's held-out fractions of its documents,
