@@ -182,7 +182,8 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
     loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
                             cfg.data.num_workers, device, cfg.train.seed,
-                            f"task.factory: the train split of {cfg.task.factory}")
+                            f"task.factory: the train split of {cfg.task.factory}",
+                            dispatch=cfg.data.dispatch)
     optimizer = build_optimizer(task, cfg.optim, device)
     whose = " (the task's)" if task.optimizer else ""
     logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)

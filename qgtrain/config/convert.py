@@ -90,19 +90,22 @@ def _to_mapping(raw: Any, where: str, from_text: bool) -> dict[str, Any]:
 
 
 def _to_list(raw: Any, item: Any, where: str, from_text: bool) -> tuple[Any, ...]:
-    """A list of text items, or of integers where the field holds integers (train.skip_steps)."""
+    """A list of text items, of integers (train.skip_steps) or of mappings (data.mix: its rules)."""
     if from_text:
         raw = parse_yaml_text(str(raw), where)
-    numbers = item is int
-    wrong = (
-        (lambda v: isinstance(v, bool) or not isinstance(v, int))
-        if numbers
-        else (lambda v: isinstance(v, (dict, list)) or v is None)
-    )
+    kind, wrong = _list_items(item)
     if not isinstance(raw, list) or any(map(wrong, raw)):
-        kind = "integers, e.g. [120, 455]" if numbers else "text items, e.g. ['--exclusive']"
         raise ConfigError(f"{where}: expected a list of {kind}, got {describe(raw)}")
-    return tuple(raw) if numbers else tuple(str(v) for v in raw)
+    return tuple(raw) if item is int or typing.get_origin(item) is dict else tuple(map(str, raw))
+
+
+def _list_items(item: Any) -> tuple[str, Any]:
+    """How a list field's items are described, and the test of an item that is not one."""
+    if item is int:
+        return "integers, e.g. [120, 455]", lambda v: isinstance(v, bool) or not isinstance(v, int)
+    if typing.get_origin(item) is dict:
+        return "mappings, e.g. [{name: a}]", lambda v: not isinstance(v, dict)
+    return "text items, e.g. ['--exclusive']", lambda v: isinstance(v, (dict, list)) or v is None
 
 
 def _to_bool(raw: Any, where: str, from_text: bool) -> bool:

@@ -3,8 +3,10 @@ how they are split, tokenized and loaded."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .fields import MAX_TIMEOUT_S, Problem, factory_problem, setting
 
@@ -84,6 +86,18 @@ class DataConfig:
         max=MAX_TIMEOUT_S,
     )
     num_workers: int = setting(0, "DataLoader worker processes per rank", min=0)
+    mix: tuple[dict[str, Any], ...] = setting(
+        (),
+        "with name=files, instead of data.files: weighted sources, e.g. [{name: web, files: "
+        "['web/*.jsonl'], weight: 6}, {name: code, files: ['code/*.py'], weight: 3}]; each "
+        "training sample is drawn from one source by weight, a source that runs out starts its "
+        "next pass; validation and test: each source's held-out fractions, pooled",
+    )
+    dispatch: bool = setting(
+        False,
+        "a stream (an IterableDataset train split, or data.mix) read by rank 0 alone, which "
+        "sends each rank its batches: for a stream that cannot be split over ranks",
+    )
     synthetic_samples: int = setting(4096, "samples in the synthetic set", min=1)
     factory: str | None = setting(
         None,
@@ -97,7 +111,9 @@ def data_rules(cfg: RunConfig) -> Problem:
         return "data.factory", "data.name is 'factory' but no 'package.module:function' is given"
     if problem := factory_problem("data.factory", cfg.data.factory):
         return problem
-    if cfg.data.name == "files" and not cfg.data.files:
+    if problem := mix_problem(cfg.data):
+        return problem
+    if cfg.data.name == "files" and not cfg.data.files and not cfg.data.mix:
         return "data.files", (
             "data.name is 'files' but no files are named; give globs, files or "
             "folders, e.g. ['/shared/corpus/*.jsonl.gz']"
@@ -116,5 +132,57 @@ def data_rules(cfg: RunConfig) -> Problem:
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
         return "data.test_fraction", (
             "data.val_fraction + data.test_fraction must leave most text for training"
+        )
+    return None
+
+
+MIX_KEYS = {"name", "files", "weight"}
+
+
+def mix_problem(data: DataConfig) -> Problem:
+    """data.mix's sources: each named once (the name is its metrics key, samples_<name>), with
+    files and a positive weight; their held-out splits are fractions of their own documents."""
+    if not data.mix:
+        return None
+    if data.name != "files":
+        return "data.mix", (
+            f"mixes data files; set data.name: files (data.name is {data.name})"
+        )
+    for key in ("files", "val_files", "test_files"):
+        if getattr(data, key):
+            return f"data.{key}", (
+                "with data.mix each source names its own files and holds out data.val_fraction "
+                "and data.test_fraction of them; leave it empty"
+            )
+    if data.format != "text":
+        return "data.format", f"data.mix mixes text sources; {data.format} is not mixed yet"
+    seen: set[str] = set()
+    for index, source in enumerate(data.mix):
+        if problem := _source_problem(f"data.mix[{index}]", source, seen):
+            return problem
+    return None
+
+
+def _source_problem(where: str, source: object, seen: set[str]) -> Problem:
+    if not isinstance(source, dict) or set(source) != MIX_KEYS:
+        found = sorted(source) if isinstance(source, dict) else type(source).__name__
+        return where, f"each source is {{name, files, weight}}, got {found}"
+    name, files, weight = source["name"], source["files"], source["weight"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        return f"{where}.name", f"{name!r} is not a name of letters, digits, _ . -"
+    if name in seen:
+        return f"{where}.name", f"source {name!r} is named twice; each name once"
+    seen.add(name)
+    if isinstance(files, str):
+        files = [files]
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+        return f"{where}.files", (
+            f"source {name!r}: expected a non-empty list of globs, files or folders"
+        )
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+            not math.isfinite(weight) or weight <= 0:
+        return f"{where}.weight", (
+            f"source {name!r} has weight {weight!r}; weights are positive numbers "
+            "(a source's share is its weight / the sum of the weights)"
         )
     return None

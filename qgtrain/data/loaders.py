@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..foundation.errors import ConfigError
 from ..runtime.rendezvous import DistEnv
+from .dispatch import DispatchedBatches
 from .streams import Position, StreamBatches, for_this_rank, is_stream
 
 
@@ -34,12 +35,13 @@ class Loaders:
     test: DataLoader[Any] | None
     seed: int = 0  # of the training loader
     label: str = "the task's train split"  # in messages about it
+    dispatch: bool = False  # data.dispatch: rank 0 reads the stream and sends each rank its batches
 
 
 def build_loaders(train: Any, val: Any, test: Any,
                   collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
                   device: torch.device, seed: int,
-                  label: str = "the task's train split") -> Loaders:
+                  label: str = "the task's train split", dispatch: bool = False) -> Loaders:
     """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
     number of steps); validation and test batches each sample exactly once over all ranks."""
     def evaluation(split: Any) -> DataLoader[Any] | None:
@@ -48,9 +50,14 @@ def build_loaders(train: Any, val: Any, test: Any,
         return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
 
     if is_stream(train):
-        part = for_this_rank(train, env.rank, env.world_size)
+        part = train if dispatch else for_this_rank(train, env.rank, env.world_size)
         stream = stream_loader(part, batch_size, num_workers, device, seed + env.rank, collate)
-        return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label)
+        return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label,
+                       dispatch)
+    if dispatch:
+        raise ConfigError(f"data.dispatch: {label} is map-style (len and indexing), which every "
+                          "rank reads its own shard of by index; dispatch is for a stream (an "
+                          "IterableDataset, or data.mix). HINT: set data.dispatch: false")
     sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
     if len(sampler) < batch_size:
         raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too "
@@ -60,7 +67,7 @@ def build_loaders(train: Any, val: Any, test: Any,
 
 
 def train_batches(loaders: Loaders, samples_per_micro_batch: int,
-                  timeout_s: float) -> TrainBatches | StreamBatches:
+                  timeout_s: float) -> TrainBatches | StreamBatches | DispatchedBatches:
     """The training batches of a run: by sampler for map-style data, by stream otherwise. A stream's
     ranks agree each step on a gloo group of their own (every rank calls this, in the same
     order)."""
@@ -69,7 +76,8 @@ def train_batches(loaders: Loaders, samples_per_micro_batch: int,
     group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return StreamBatches(loaders.train, samples_per_micro_batch, loaders.seed, loaders.label, group)
+    kind = DispatchedBatches if loaders.dispatch else StreamBatches
+    return kind(loaders.train, samples_per_micro_batch, loaders.seed, loaders.label, group)
 
 
 class TrainBatches:

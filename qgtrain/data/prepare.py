@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,12 @@ def prepare_configured(data: DataConfig, workers: int | None) -> tuple[TokenFile
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers: {workers} is below 1")
     return prepare(data, workers or data.prepare_workers)
+
+
+def mixed_sources(data: DataConfig) -> list[tuple[str, DataConfig]]:
+    """Each data.mix source's name and the settings that prepare it, as data.files would be."""
+    return [(source["name"], replace(data, files=(source["files"],) if isinstance(
+        source["files"], str) else tuple(source["files"]), mix=())) for source in data.mix]
 
 
 def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:

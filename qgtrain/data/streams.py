@@ -87,7 +87,8 @@ class StreamBatches:
         """The next step's micro-batches; where any rank's stream ends first, the next epoch's."""
         while True:
             if self._batches is None and self._pending is not None:
-                drawn = agreed(lambda: self._resume(position, micro_batches))
+                drawn = agreed(lambda: self._resume(position, micro_batches)) \
+                    if self.group is not None else self._resume(position, micro_batches)
             else:
                 if self._batches is None:
                     self._start(position.epoch)

@@ -250,15 +250,18 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def data_prepare(args: argparse.Namespace) -> int:
-    from ..data.prepare import prepare_configured
+    from ..data.prepare import mixed_sources, prepare_configured
     from ..runtime.log import setup_console
     from ..runtime.rendezvous import DistEnv
 
     cfg = load_args_config(args)
     setup_console(DistEnv(), cfg.logging.level)
-    files, made = prepare_configured(cfg.data, args.workers)
-    counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
-    print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens {counts}")
+    targets = [(f" (data.mix source {name})", data) for name, data in mixed_sources(cfg.data)]
+    for source, data in targets or [("", cfg.data)]:
+        files, made = prepare_configured(data, args.workers)
+        counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
+        print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens "
+              f"{counts}{source}")
     return 0
 
 

@@ -22,6 +22,7 @@ from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
 from ..foundation.task import Task
 from ..runtime import distributed
+from . import mixture
 from .models import build_model, lm_loss
 
 
@@ -37,12 +38,21 @@ def causal_lm(cfg: RunConfig) -> Task:
     """Rank 0 tokenizes the text (once per text and tokenizer); the other ranks open what it wrote, or on a
     node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes it again."""
     prepared = None
-    if cfg.data.name in ("corpus", "files"):
+    if cfg.data.mix:
+        folders = distributed.main_works_long(
+            lambda: mixture.prepare_sources(cfg.data),
+            f"is tokenizing the data.mix sources into {cfg.data.cache_dir}",
+            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s),
+            lambda folders: all(Path(folder, "meta.json").is_file() for folder in folders))
+        train, val, test, prepared = mixture.mixture_splits(cfg.data, folders, cfg.train.seed)
+        splits = Splits(train, val, test, prepared.vocab_size)
+    elif cfg.data.name in ("corpus", "files"):
         folder = distributed.main_works_long(
             lambda: str(_prepare(cfg.data)), f"is tokenizing the data into {cfg.data.cache_dir}",
             ("data.prepare_timeout_s", cfg.data.prepare_timeout_s), lambda folder: Path(folder, "meta.json").is_file())
         prepared = corpus.load(Path(folder))
-    splits = build_splits(cfg.data, prepared, cfg.train.seed)
+    if not cfg.data.mix:
+        splits = build_splits(cfg.data, prepared, cfg.train.seed)
     eos_id = prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None)
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()

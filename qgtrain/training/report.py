@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,11 @@ class Reporter:
         samples_per_step: int,
         max_steps: int,
         peak_flops: float | None,
+        source_counts: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.task, self.metrics, self.env, self.device = task, metrics, env, device
+        # data.mix: this rank's samples of each source so far, summed over ranks as samples_<name>
+        self.source_counts = source_counts
         # of one rank's device, in the run's precision (training/flops.py)
         self.peak_flops = peak_flops
         self.samples_per_step, self.max_steps = samples_per_step, max_steps
@@ -85,9 +89,11 @@ class Reporter:
         record."""
         world = self.env.world_size
         pending = torch.tensor(float(self.pending_tokens), dtype=torch.float64, device=self.device)
-        loss, norm, tokens = distributed.sum_tensors(
-            torch.stack([loss_sum.double(), grad_norm.double(), pending])
-        )
+        counts = self.source_counts() if self.source_counts is not None else {}
+        sources = torch.tensor(list(counts.values()), dtype=torch.float64, device=self.device)
+        own = torch.stack([loss_sum.double(), grad_norm.double(), pending])
+        summed = distributed.sum_tensors(torch.cat([own, sources]))
+        loss, norm, tokens = summed[:3]
         state.tokens_seen, self.pending_tokens = state.tokens_seen + int(tokens), 0
         samples_per_s = interval.steps * self.samples_per_step / interval.busy_s
         record: dict[str, Any] = {
@@ -98,6 +104,7 @@ class Reporter:
             "grad_norm": norm / world,
             "samples_per_s": samples_per_s,
         }
+        record.update({f"samples_{name}": int(n) for name, n in zip(counts, summed[3:], strict=True)})
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
         utilised = utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from ..data.dispatch import DispatchedBatches
 from ..data.loaders import TrainBatches
 from ..data.streams import StreamBatches
 from ..foundation.errors import TrainingError
@@ -47,7 +48,7 @@ class Rewinding(Protocol):
 
     state: TrainState
     parts: Parts
-    batches: TrainBatches | StreamBatches
+    batches: TrainBatches | StreamBatches | DispatchedBatches
     spikes: Spikes
     reporter: Reporter
     timer: StepTimer

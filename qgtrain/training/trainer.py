@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import to_device
 from ..data.loaders import Loaders, train_batches
+from ..data.mix import source_counts
 from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import train_state
@@ -63,7 +64,9 @@ class Trainer:
         self.spikes = Spikes(settings.train, parts.metrics, device)
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
         self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
-                                 settings.train.grad_accum_steps, settings.train.max_steps, peak)
+                                 settings.train.grad_accum_steps, settings.train.max_steps, peak,
+                                 source_counts(parts.loaders.train,
+                                               not parts.loaders.dispatch or env.rank == 0))
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
