@@ -105,7 +105,6 @@ def test_the_window_judges_from_its_tenth_loss_counts_skips_and_round_trips(tmp_
     """One process: the window fills with applied losses only, judges by its median once it holds 10,
     drops what train.skip_steps lists first, and a state stored and loaded judges the same."""
     from qgtrain.errors import TrainingError
-    from qgtrain.state.train_state import TrainState
     from qgtrain.training.metrics import MetricsLog
     from qgtrain.training.spikes import Spikes
 
@@ -123,15 +122,16 @@ def test_the_window_judges_from_its_tenth_loss_counts_skips_and_round_trips(tmp_
     assert [take(spikes, step, 1.0 + step) for step in range(3, 11)] == [False] * 8
     assert take(spikes, 11, 3 * 7.0 + 0.5) is True, "above 3 x 7, the lower median of 100, 1, 4, ..., 11"
     assert take(spikes, 11, 12.0) is False
-    state = TrainState()
-    spikes.store(state)
-    assert state.loss_window == [100.0, 1.0, *[1.0 + s for s in range(3, 11)], 12.0] and state.spikes_skipped == 1
+    state = spikes.state_dict()  # the checkpoint's "spikes"
+    assert state == {"loss_window": [100.0, 1.0, *[1.0 + s for s in range(3, 11)], 12.0],
+                     "spikes_skipped": 1}
     for step in (12, 13):
         take(spikes, step, 13.0)
-    spikes.store(state)
-    assert state.loss_window == [1.0, *[1.0 + s for s in range(3, 11)], 12.0, 13.0, 13.0], "a ring of 12"
+    state = spikes.state_dict()
+    assert state["loss_window"] == [1.0, *[1.0 + s for s in range(3, 11)], 12.0, 13.0, 13.0], \
+        "a ring of 12"
     loaded = Spikes(cfg.train, metrics, torch.device("cpu"))
-    loaded.load(state)
+    loaded.load_state_dict(state)
     assert loaded.skips == 1 and torch.equal(loaded.window.sort().values, spikes.window.sort().values)
     with pytest.raises(TrainingError, match=r"spiked at step 14 .*spike 2 of the run, more than "
                                             r"train.max_skips=1"):

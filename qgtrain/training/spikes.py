@@ -26,14 +26,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..runtime import diagnose
-from ..state.train_state import TrainState
 from .metrics import MetricsLog
 
 log = logging.getLogger("qgtrain")
@@ -134,21 +133,22 @@ class Spikes:
         self.metrics.write({"step": step, "skipped": "spike", "spike_loss": loss,
                             "spike_median": median, "spikes": self.skips, "time": time.time()})
 
-    def store(self, state: TrainState) -> None:
-        """Into the state a checkpoint saves: the window, oldest loss first, and the spikes so far.
-        """
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's "spikes": the window, oldest loss first, and the spikes so far."""
         values = self.window.tolist()
-        state.loss_window = values[:self.known] if self.known < len(values) else \
+        window = values[:self.known] if self.known < len(values) else \
             values[self._next:] + values[:self._next]
-        state.spikes_skipped = self.skips
+        return {"loss_window": window, "spikes_skipped": self.skips}
 
-    def load(self, state: TrainState) -> None:
-        """From a restored state; a window made shorter since keeps its newest losses."""
-        values = state.loss_window[-len(self.window):] if state.loss_window else []
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A window made shorter since keeps its newest losses; a checkpoint from before spikes
+        were judged holds none."""
+        saved = state_dict.get("loss_window") or []
+        values = saved[-len(self.window):]
         self.window.zero_()
         self.window[:len(values)] = torch.tensor(values, dtype=torch.float64)
         self.known, self._next = len(values), len(values) % len(self.window)
-        self.skips = state.spikes_skipped
+        self.skips = int(state_dict.get("spikes_skipped", 0))
         # the step taken next is state.step + 1, from its start
         self._planned_done, self._verdict = 0, None
 
