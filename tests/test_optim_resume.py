@@ -105,7 +105,8 @@ def test_a_longer_run_is_refused_by_the_cli_unless_wsd_is_flat_or_rewarm_steps_s
 
     sets = ["train.max_steps=16", *every, "optim.rewarm_steps=2"]
     assert run_ranks(1, train_rank, tiny_config(*sets), str(run))[0]["exit"] == 0
-    horizons = json.loads((run / "checkpoints/step-16/state.json").read_text())["trainer"]["horizons"]
+    saved = json.loads((run / "checkpoints/step-16/state.json").read_text())
+    horizons = saved["trainer"]["horizons"]
     assert horizons == [
         {"step": 8, "from": 8, "to": 16, "lr": pytest.approx(2e-4), "rewarm_steps": 2}
     ]

@@ -58,7 +58,8 @@ REPLACED_BY_SHARDS = frozenset({MODEL, OPTIM, EMA})
 class Place:
     """Where a named part's state lives: its entries are those of `file` (key None: the file's own
     top-level entries, beside those of the other parts placed there) or of the entry `key` in it.
-    `sharded`: its entry in sharded/ under fsdp, where DCP writes it instead; None: not saved then."""
+    `sharded`: its entry in sharded/ under fsdp, where DCP writes it instead (None: not saved
+    then)."""
 
     file: str
     key: str | None = None

@@ -35,7 +35,8 @@ _SOURCE: contextvars.ContextVar[Checkpoint] = contextvars.ContextVar("qgtrain_ch
 
 @runtime_checkable
 class Stateful(Protocol):
-    """torch.distributed.checkpoint.stateful.Stateful, as a type of our own (its module imports DCP)."""
+    """torch.distributed.checkpoint.stateful.Stateful, as a type of our own: importing that
+    module imports DCP, which most starts never need."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

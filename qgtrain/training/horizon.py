@@ -1,12 +1,12 @@
 """The learning rate of each step, and the guard on a changed train.max_steps when a run resumes.
 
-A checkpoint records the horizon it was trained toward (its "horizon" part: this class's state). A resume toward
-another one must not change the rate it continues with: a cosine recomputed over a longer run
-jumps from min_lr back up, silently. A change that leaves the rate at the saved step as it was (wsd
-in its flat phase, a warmup not yet over, a constant rate) moves the end; anything else is refused
-on every rank alike (all read the same state), unless optim.rewarm_steps asks for a new decay from
-the current rate (schedule.Segment), kept in every later checkpoint. `horizons` keeps each
-change, and rank 0 logs it. A checkpoint older than the record is read with its config.yaml's
+A checkpoint records the horizon it was trained toward (its "horizon" part: this class's state).
+A resume toward another one must not change the rate it continues with: a cosine recomputed over a
+longer run jumps from min_lr back up, silently. A change that leaves the rate at the saved step as
+it was (wsd in its flat phase, a warmup not yet over, a constant rate) moves the end; anything else
+is refused on every rank alike (all read the same state), unless optim.rewarm_steps asks for a new
+decay from the current rate (schedule.Segment), kept in every later checkpoint. `horizons` keeps
+each change, and rank 0 logs it. A checkpoint older than the record is read with its config.yaml's
 train.max_steps (state/named.py).
 """
 

@@ -255,9 +255,9 @@ class Trainer:
         state, es = self.state, self.settings.early_stopping
         replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
-        self.parts.checkpointer.save_parts(
-            state.step, self.saved, train_state.manifest_facts(state, evaluated, es.metric, es.mode),
-            blocking=blocking, again=again)
+        facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
+        self.parts.checkpointer.save_parts(state.step, self.saved, facts, blocking=blocking,
+                                           again=again)
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.parts.checkpointer.restore(ckpt, self.saved)
