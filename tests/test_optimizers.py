@@ -17,7 +17,7 @@ from qgtrain.config import OptimConfig
 from qgtrain.config.load import load_config
 from qgtrain.config.optim import OPTIMIZERS
 from qgtrain.foundation.errors import ConfigError
-from qgtrain.state.train_state import TrainState, _state_from
+from qgtrain.state.train_state import TrainState
 from qgtrain.training.horizon import LearningRate, segment_of
 from qgtrain.training.optimizers import BUILDERS, by_path
 from qgtrain.training.schedule import lr_at
@@ -93,9 +93,10 @@ def resumed(
     schedule: str, step: int, old: int, new: int, **extra: object
 ) -> tuple[TrainState, LearningRate]:
     optim = dataclasses.replace(BASE, schedule=schedule, **extra)
-    rate = LearningRate(optim, new, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=optim.lr))
-    state = TrainState(step=step, max_steps=old)
-    rate.resumed(state, old, main=True)
+    state = TrainState(step=step)
+    rate = LearningRate(optim, new, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=optim.lr),
+                        state)
+    rate.load_state_dict({"max_steps": old, "horizons": []})  # the checkpoint's "horizon"
     return state, rate
 
 
@@ -106,9 +107,9 @@ def resumed(
 def test_a_longer_run_that_keeps_the_learning_rate_moves_the_end(schedule, step):
     state, rate = resumed(schedule, step, 100, 200)
     assert rate.at(state) == lr_at(step, rate.optim, 100)
-    assert state.max_steps == 200 and state.horizons == [
+    assert rate.state_dict() == {"max_steps": 200, "horizons": [
         {"step": step, "from": 100, "to": 200, "lr": rate.at(state), "rewarm_steps": None}
-    ]
+    ]}
 
 
 @pytest.mark.parametrize(
@@ -126,16 +127,18 @@ def test_a_longer_run_that_would_jump_the_learning_rate_is_refused(schedule, ste
 
 def test_rewarm_steps_start_a_new_decay_from_the_current_rate_kept_across_checkpoints():
     state, rate = resumed("cosine", 100, 100, 200, rewarm_steps=10)
-    at = {s: lr_at(s, rate.optim, 200, segment_of(state)) for s in range(100, 201)}
+    at = {s: lr_at(s, rate.optim, 200, segment_of(rate.horizons)) for s in range(100, 201)}
     assert at[100] == pytest.approx(1e-4) and at[105] == pytest.approx(5.5e-4) and at[110] == 1e-3
     assert at[155] == pytest.approx(5.5e-4) and at[200] == pytest.approx(1e-4)
     assert all(at[s] >= at[s + 1] for s in range(110, 200))
-    again = _state_from(dataclasses.asdict(state))  # as a checkpoint's state.json restores it
-    assert segment_of(again) == segment_of(state) and again.horizons == state.horizons
+    again = LearningRate(rate.optim, 200, rate.optimizer, state)
+    again.load_state_dict(rate.state_dict())  # as a checkpoint's "horizon" restores it
+    assert segment_of(again.horizons) == segment_of(rate.horizons)
+    assert again.horizons == rate.horizons
     # Without a rewarm the new decay goes on from where the rate was, to min_lr at the new end.
     state, rate = resumed("cosine", 50, 100, 200, rewarm_steps=0)
-    assert lr_at(50, rate.optim, 200, segment_of(state)) == lr_at(50, rate.optim, 100)
-    assert lr_at(200, rate.optim, 200, segment_of(state)) == pytest.approx(1e-4)
+    assert lr_at(50, rate.optim, 200, segment_of(rate.horizons)) == lr_at(50, rate.optim, 100)
+    assert lr_at(200, rate.optim, 200, segment_of(rate.horizons)) == pytest.approx(1e-4)
 
 
 def test_a_group_built_with_its_own_rate_keeps_its_ratio_to_optim_lr():
@@ -144,7 +147,7 @@ def test_a_group_built_with_its_own_rate_keeps_its_ratio_to_optim_lr():
         [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": BASE.lr / 10}],
         lr=BASE.lr,
     )
-    rate = LearningRate(BASE, 100, optimizer)
+    rate = LearningRate(BASE, 100, optimizer, TrainState(step=50))
     lr = rate.set(TrainState(step=50))
     assert [g["lr"] for g in optimizer.param_groups] == [lr, pytest.approx(lr / 10)]
 

@@ -7,7 +7,8 @@ asynchronous save runs these collectives in a background thread without interlea
 
 Restore: rank 0 lists the checkpoints before anything of the run is written (resume.resume_candidates), the
 ranks check their shares of the files and agree on one (verify_ranks.py); each rank then reads the
-replicated files and its own.
+replicated files and its own. The trainer's state comes and goes as a table of named parts
+(save_parts, restore; named.py turns it into these files and back).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from ..foundation.errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint, layout, sharded
+from . import checkpoint, layout, named, sharded
 from .layout import rank_file
 from .snapshot import CpuSnapshot, saved_layouts
 
@@ -94,6 +95,17 @@ class Checkpointer:
             else:
                 self._background(self._settle, ckpt, names)
         self.last_step = step
+
+    def save_parts(self, step: int, parts: named.Parts, meta: dict[str, Any], *,
+                   blocking: bool = False, again: bool = False) -> None:
+        """`save` of a table of named parts, each where layout.PLACES puts it (named.py)."""
+        self.save(step, lambda: named.replicated_files(parts), named.rank_entries(parts), meta,
+                  blocking=blocking, shards=named.shards(parts), again=again)
+
+    def restore(self, ckpt: checkpoint.Checkpoint, parts: named.Parts) -> None:
+        """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py)."""
+        named.load(ckpt, parts, self.env.rank)
+        self.last_step = ckpt.step
 
     @property
     def failed(self) -> bool:

@@ -10,6 +10,7 @@ on every rank."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,15 +51,19 @@ def load(ckpt: Checkpoint, averages: dict[str, torch.Tensor]) -> bool:
     if is_sharded_checkpoint(ckpt):
         _load_sharded(ckpt, {KEY: averages}, no_dist=False)
         return True
-    full = load_file(ckpt, FILE)
+    fill(averages, load_file(ckpt, FILE), ckpt.path / FILE)
+    return True
+
+
+def fill(averages: dict[str, torch.Tensor], full: dict[str, Any], source: Path) -> None:
+    """Full saved averages (ema.pt's) into `averages` in place, each checked against its shape."""
     for name, average in averages.items():
         if name not in full or tuple(full[name].shape) != tuple(average.shape):
             found = tuple(full[name].shape) if name in full else "nothing"
-            raise CheckpointError(f"{ckpt.path / FILE} holds {found} for {name}, the model "
+            raise CheckpointError(f"{source} holds {found} for {name}, the model "
                                   f"{tuple(average.shape)}. HINT: resume with the model settings "
                                   "it was trained with, or set checkpoint.resume: never")
         _fill(average, full[name])
-    return True
 
 
 def reader(ckpt: Checkpoint) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:

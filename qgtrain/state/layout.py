@@ -19,12 +19,15 @@ directory's).
         .deleting-step-<N>/          being removed by rotation; no longer a checkpoint
 
 The names are the on-disk format: checkpoints written by earlier versions are found by them, so a
-name changes only with checkpoint.FORMAT.
+name changes only with checkpoint.FORMAT. PLACES says where each named part of the training state
+(named.py) lives in these files: a new part takes a place here, in a file of its own or as a new
+entry of one above, and the files written before it are read as they were.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
@@ -44,6 +47,42 @@ DELETING_PREFIX = ".deleting-"
 REPLACED_PREFIX = ".replaced-"
 # The files one rank writes itself, and so checks first on resume: its rank file and its shards
 OWN_FILE = re.compile(r"rank-(\d+)\.pt|sharded/__(\d+)_\d+\.distcp")
+
+
+RANK_FILE = "rank-<N>.pt"  # a place's file: each rank's own, rank_file(rank)
+# What a sharded model's checkpoint holds in sharded/ instead (its parts with a `sharded` entry)
+REPLACED_BY_SHARDS = frozenset({MODEL, OPTIM, EMA})
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a named part's state lives: its entries are those of `file` (key None: the file's own
+    top-level entries, beside those of the other parts placed there) or of the entry `key` in it.
+    `sharded`: its entry in sharded/ under fsdp, where DCP writes it instead (None: not saved
+    then)."""
+
+    file: str
+    key: str | None = None
+    sharded: str | None = None
+
+    @property
+    def per_rank(self) -> bool:
+        return self.file == RANK_FILE
+
+
+PLACES = {
+    "facts": Place(STATE),  # precision, world size, versions, adapter: what judges a resume
+    "train_state": Place(STATE, "trainer"),
+    "spikes": Place(STATE, "trainer"),
+    "horizon": Place(STATE, "trainer"),
+    "model": Place(MODEL, sharded="model"),
+    "optimizer": Place(OPTIM, "optimizer", sharded="optim"),
+    "scaler": Place(OPTIM, "scaler"),
+    "ema": Place(EMA, sharded=EMA_KEY),
+    "rng": Place(RANK_FILE, "rng"),
+    "data": Place(RANK_FILE),
+    "stream": Place(RANK_FILE, "stream"),
+}
 
 
 def step_folder(step: int) -> str:

@@ -44,11 +44,17 @@ def shard_of(tensor: Any) -> Any:
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and optimizer's state keyed by parameter name: this rank's shards (DTensors) under FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    adapted = StateDictOptions(ignore_frozen_params=adapter_of(model) is not None)
-    model_state, optim_state = get_state_dict(model, optimizer, options=adapted)
+    model_state, optim_state = get_state_dict(model, optimizer, options=shard_options(model))
     return {"model": model_state, "optim": optim_state}
+
+
+def shard_options(model: nn.Module) -> Any:
+    """DCP's options for a model's state: an adapted model's frozen base is not saved."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=adapter_of(model) is not None)
 
 
 def write(staging: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup) -> dict[str, Any]:

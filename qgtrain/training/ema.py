@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ..state import ema_files
-from ..state.checkpoint import Checkpoint
 from ..state.sharded import is_sharded_model, shard_of
+from ..state.stateful import source, source_step
 
 log = logging.getLogger("qgtrain")
 
@@ -50,9 +50,8 @@ class Ema:
         weight = torch.where(skipped, self._stays, self._moves)
         averages = [_local(a) for a in self.averages.values()]
         # the parameters' local tensors are looked up each time: FSDP may replace them (lazy init)
-        torch._foreach_lerp_(
-            averages, [_local(p).float() for p in self._params], [weight] * len(averages)
-        )
+        torch._foreach_lerp_(averages, [_local(p).float() for p in self._params],
+                             [weight] * len(averages))
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -99,36 +98,27 @@ class Ema:
                 if isinstance(module, fsdp.FSDPModule):
                     module.reshard()
 
-    def restore(self, ckpt: Checkpoint) -> None:
-        """The checkpoint's average (a collective for a sharded one). A checkpoint without one, of a
-        run that turns EMA on as it resumes, starts it from the weights it holds: said, not refused.
-        """
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's "ema": the average by parameter name, under fsdp this rank's shards
+        (none with train.ema_decay 0)."""
+        return dict(self.averages) if self._params else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved average. A checkpoint without one, of a run that turns EMA on as it resumes,
+        starts it from the weights it holds: said, not refused."""
         if not self._params:
-            if ema_files.saved(ckpt):
-                log.warning(
-                    "train.ema_decay is 0: the EMA of the weights in %s is not used, and "
-                    "the checkpoints from now on hold none",
-                    ckpt.path,
-                )
+            if state_dict:
+                log.warning("train.ema_decay is 0: the EMA of the weights in %s is not used, and "
+                            "the checkpoints from now on hold none", source())
             return
-        if not ema_files.load(ckpt, self.averages):
-            log.warning(
-                "%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA "
-                "starts from its weights, those of step %d",
-                ckpt.path,
-                ckpt.step,
-            )
-            with torch.no_grad():
-                for param, average in zip(self._params, self.averages.values()):
-                    _local(average).copy_(_local(param))
-
-    def replicated_files(self) -> dict[str, Any]:
-        """What rank 0 writes beside model.pt: the full average (none when sharded: `shards`)."""
-        return {ema_files.FILE: dict(self.averages)} if self._params and not self.sharded else {}
-
-    def shards(self) -> dict[str, Any]:
-        """What every rank writes of a sharded model's average, beside its weights' shards."""
-        return {ema_files.KEY: dict(self.averages)} if self._params else {}
+        if state_dict:
+            ema_files.fill(self.averages, state_dict, source() / ema_files.FILE)
+            return
+        log.warning("%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA "
+                    "starts from its weights, those of step %d", source(), source_step())
+        with torch.no_grad():
+            for param, average in zip(self._params, self.averages.values()):
+                _local(average).copy_(_local(param))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

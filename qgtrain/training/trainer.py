@@ -23,20 +23,20 @@ from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
-from ..state.sharded import is_sharded_model, sharded_state
 from ..state.train_state import Outcome, TrainState
 from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .ema import Ema
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
-from .horizon import LearningRate, saved_max_steps
+from .horizon import LearningRate
 from .metrics import format_metrics, prefixed
 from .optim import apply_update, clip_gradients
 from .optimizers import check_resumed, name_of
 from .parts import Parts, Settings, StepResult
 from .planning import Planner, Schedule
 from .report import Reporter
+from .saved_parts import saved_parts
 from .spikes import Spikes
 from .timing import StepTimer
 from .validation import Validator
@@ -48,9 +48,9 @@ class Trainer:
     def __init__(self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device) -> None:
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
-        self.state = TrainState(max_steps=settings.train.max_steps,
-                                optimizer=name_of(parts.optimizer))
-        self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer)
+        self.state = TrainState(optimizer=name_of(parts.optimizer))
+        self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer,
+                               self.state, env.is_main)
         self.batches = train_batches(parts.loaders, settings.train.batch_size * env.world_size,
                                      settings.train.collective_timeout_s)
         self.timer = StepTimer(0)
@@ -67,6 +67,9 @@ class Trainer:
                                  settings.train.grad_accum_steps, settings.train.max_steps, peak,
                                  source_counts(parts.loaders.train,
                                                not parts.loaders.dispatch or env.rank == 0))
+        # what a checkpoint saves, each part under its name; restored into these same objects
+        self.saved = saved_parts(parts, settings, env, self.state, self.batches, self.lr, self.ema,
+                                 self.spikes)
         self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
         self._last_save = time.monotonic()
 
@@ -252,36 +255,17 @@ class Trainer:
         raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
 
     def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
-        state, es, parts = self.state, self.settings.early_stopping, self.parts
-        self.spikes.store(state)
-        replicas.agree_before_save(self.model, parts.wrapped, state.step, self.device)
+        state, es = self.state, self.settings.early_stopping
+        replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
-        shards = None
-        if is_sharded_model(self.model):
-            shards = {**sharded_state(self.model, parts.optimizer), **self.ema.shards()}
-        parts.checkpointer.save(
-            state.step, lambda: self._replicated_files(state),
-            train_state.rank_state(state, self.batches.saved()),
-            train_state.manifest_facts(state, evaluated, es.metric, es.mode), blocking=blocking,
-            shards=shards, again=again)
-
-    def _replicated_files(self, state: TrainState) -> dict[str, Any]:
-        """What rank 0 writes, asked for by the checkpointer when it writes."""
-        parts = self.parts
-        return {**train_state.replicated_files(self.model, parts.optimizer, parts.scaler, state,
-                                               self.settings.precision, self.env.world_size),
-                **self.ema.replicated_files()}
+        facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
+        self.parts.checkpointer.save_parts(state.step, self.saved, facts, blocking=blocking,
+                                           again=again)
 
     def restore(self, ckpt: Checkpoint) -> None:
-        if self.parts.loaders.sampler is None:  # a stream: its own position (streams.py)
-            self.batches.restore(train_state.stream_position(ckpt, self.env), ckpt.path)
-        self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
-                                         self.settings.train.seed)
+        self.parts.checkpointer.restore(ckpt, self.saved)
         check_resumed(self.state, self.parts.optimizer)
-        self.lr.resumed(self.state, saved_max_steps(ckpt, self.state), self.env.is_main)
-        self.ema.restore(ckpt)
-        self.spikes.load(self.state)
-        self.parts.checkpointer.last_step = ckpt.step
+        log.info("resumed from %s: step %d, epoch %d", ckpt.path, self.state.step, self.state.epoch)
 
 
 def _schedule(loaders: Loaders, settings: Settings) -> Schedule:

@@ -1,0 +1,96 @@
+"""The table of what a checkpoint of the loop saves: each stateful part under its name.
+
+The trainer builds this once from its own objects; the checkpointer saves and restores the table
+(state/named.py puts each part where state/layout.py PLACES says). Adding a part (a data mixture's
+state, say) is an object with state_dict()/load_state_dict() registered here under a name with a
+place in PLACES; neither the loop nor the format changes. The order is the order of loading: the
+progress and the facts of the save first, since the data position and the random streams are
+judged by the world size they were saved with, and the horizon by the step. It is also the order
+of entries in a file that parts share (rank-<N>.pt: the streams, then the position), as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..data.loaders import TrainBatches
+from ..data.streams import StreamBatches
+from ..foundation.errors import CheckpointError
+from ..runtime.rendezvous import DistEnv
+from ..state.stateful import (
+    ModelState,
+    OptimizerState,
+    RngState,
+    RunFacts,
+    ScalerState,
+    Stateful,
+    source,
+)
+from ..state.train_state import Progress, TrainState
+from .ema import Ema
+from .horizon import LearningRate
+from .parts import Parts, Settings
+from .spikes import Spikes
+
+
+class DataPosition:
+    """"data": where this rank is in the training data. The run's position (epoch, samples of all
+    ranks in it) is the train state's; each rank's file keeps it beside its own. On resume it says
+    whether this world size can take the position over."""
+
+    def __init__(self, state: TrainState, facts: RunFacts, env: DistEnv, stream: bool) -> None:
+        self.state, self.facts, self.env, self.stream = state, facts, env, stream
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.state.epoch, "samples_in_epoch": self.state.samples_in_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, now, state = self.facts.saved_world_size, self.env.world_size, self.state
+        if self.stream and saved != now:  # each rank's part of a stream depends on the world size
+            raise CheckpointError(
+                f"{source()} was saved by {saved} rank(s) reading a stream (the task's train split "
+                f"is an IterableDataset), whose parts {now} ranks cannot take over. HINT: resume "
+                f"with {saved} ranks, or set checkpoint.resume: never")
+        if state.samples_in_epoch % now:
+            raise CheckpointError(
+                f"{source()} was saved by {saved} rank(s) after {state.samples_in_epoch} samples "
+                f"of epoch {state.epoch}, which {now} ranks cannot split evenly. HINT: resume "
+                f"with {saved} ranks, or from a checkpoint at an epoch boundary")
+
+
+class StreamState:
+    """"stream": this rank's position in its part of a stream (data/streams.py)."""
+
+    def __init__(self, batches: StreamBatches) -> None:
+        self.batches = batches
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.batches.saved()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches.restore(state_dict, source())
+
+
+def saved_parts(parts: Parts, settings: Settings, env: DistEnv, state: TrainState,
+                batches: TrainBatches | StreamBatches, lr: LearningRate, ema: Ema,
+                spikes: Spikes) -> dict[str, Stateful]:
+    model = parts.task.model
+    facts = RunFacts(model, settings.precision, env)
+    stream = isinstance(batches, StreamBatches)
+    table: dict[str, Stateful] = {
+        "train_state": Progress(state),
+        "facts": facts,
+        "rng": RngState(facts, env, settings.train.seed, lambda: state.step),
+        "data": DataPosition(state, facts, env, stream),
+    }
+    if isinstance(batches, StreamBatches):
+        table["stream"] = StreamState(batches)
+    table.update({
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, parts.optimizer),
+        "scaler": ScalerState(parts.scaler),
+        "ema": ema,
+        "spikes": spikes,
+        "horizon": lr,
+    })
+    return table
