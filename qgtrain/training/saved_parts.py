@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..data.dispatch import DispatchedBatches
 from ..data.loaders import TrainBatches
 from ..data.streams import StreamBatches
 from ..foundation.errors import CheckpointError
@@ -59,9 +60,10 @@ class DataPosition:
 
 
 class StreamState:
-    """"stream": this rank's position in its part of a stream (data/streams.py)."""
+    """"stream": this rank's position in its part of a stream (data/streams.py), or under
+    data.dispatch the whole stream's on rank 0 and a mark on the others (data/dispatch.py)."""
 
-    def __init__(self, batches: StreamBatches) -> None:
+    def __init__(self, batches: StreamBatches | DispatchedBatches) -> None:
         self.batches = batches
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,18 +74,18 @@ class StreamState:
 
 
 def saved_parts(parts: Parts, settings: Settings, env: DistEnv, state: TrainState,
-                batches: TrainBatches | StreamBatches, lr: LearningRate, ema: Ema,
+                batches: TrainBatches | StreamBatches | DispatchedBatches, lr: LearningRate, ema: Ema,
                 spikes: Spikes) -> dict[str, Stateful]:
     model = parts.task.model
     facts = RunFacts(model, settings.precision, env)
-    stream = isinstance(batches, StreamBatches)
+    stream = not isinstance(batches, TrainBatches)
     table: dict[str, Stateful] = {
         "train_state": Progress(state),
         "facts": facts,
         "rng": RngState(facts, env, settings.train.seed, lambda: state.step),
         "data": DataPosition(state, facts, env, stream),
     }
-    if isinstance(batches, StreamBatches):
+    if not isinstance(batches, TrainBatches):
         table["stream"] = StreamState(batches)
     table.update({
         "model": ModelState(model),
