@@ -91,13 +91,13 @@ def rank_state(state: TrainState, stream: dict[str, Any] | None = None) -> dict[
 
 def stream_position(ckpt: Checkpoint, env: DistEnv) -> dict[str, Any] | None:
     """This rank's saved position in its part of a stream. Each rank's part depends on the world
-    size, so a stream resumes on the world size it was saved with."""
+    size: saved by another, it is every rank's, as {"ranks": [...]}, for a stream that can deal
+    them again (data/streams.py refuses one that cannot)."""
     saved = load_json(ckpt, STATE)
     if saved["world_size"] != env.world_size:
-        raise CheckpointError(
-            f"{ckpt.path} was saved by {saved['world_size']} rank(s) reading a stream (the task's "
-            f"train split is an IterableDataset), whose parts {env.world_size} ranks cannot take "
-            f"over. HINT: resume with {saved['world_size']} ranks, or set checkpoint.resume: never")
+        ranks = [load_file(ckpt, rank_file(rank)).get("stream")
+                 for rank in range(saved["world_size"])]
+        return {"ranks": ranks}
     position = load_file(ckpt, rank_file(env.rank)).get("stream")
     return position if isinstance(position, dict) else None
 
