@@ -31,8 +31,9 @@ FIRST, ONE, THREE = 6, 10, 14  # the last step on 2 ranks, then on 1, then on 3
 def sets(data: Path, *more: str) -> list[str]:
     return ["--set", "data.name=files", f"data.files=[{data}/part-*.jsonl]", "data.stream=true",
             "data.seq_len=16", "data.val_fraction=0.1", "data.test_fraction=0",
-            "train.batch_size=3", "data.num_workers=2", "model.factory=tests.stream_tasks:recording_lm",
-            "train.log_every=1", "checkpoint.every_steps=2", "checkpoint.keep_last=8", "logging.tensorboard=false",
+            "train.batch_size=3", "data.num_workers=2",
+            "model.factory=tests.stream_tasks:recording_lm", "train.log_every=1",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=8", "logging.tensorboard=false",
             "optim.warmup_steps=0", "optim.schedule=constant", "train.eval_every=100", *more]
 
 
@@ -163,8 +164,9 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, monkeypatch):
     out = cli("train", "--run-dir", str(tmp_path / "run"), "--set", "data.stream=true",
               cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("qgtrain: error: --set: data.stream: streams "
-                                                           "data files; set data.name: files")
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("qgtrain: error: --set: data.stream: streams data files; set "
+                           "data.name: files"), last
     config = DataConfig(name="files", files=(f"{tmp_path}/none-*.jsonl",), stream=True)
     with pytest.raises(ConfigError, match=r"data.files: '.*none-\*.jsonl' matches no file"):
         filestream.plan(config, 0)

@@ -16,7 +16,9 @@ changed file fails the resume instead of continuing somewhere else.
 
 Held-out documents (data.val_fraction, data.test_fraction) are drawn by a hash of the split seed,
 the file and the document's place in it (its byte offset where the file is seekable, else its
-index), and left out of the train stream; heldout.py reads them for evaluation.
+index), and left out of the train stream; heldout.py reads them for evaluation. An empty document
+adds nothing to the stream (the cache gives it an end-of-text token), so files of empty documents
+are refused at the start (check) rather than trained on as end-of-text tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..config import DataConfig
 from ..errors import ConfigError
 from . import shards, sources, tokenizer
+from .readers import SampleReader
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class StreamPlan:
     digest: str
 
     def split_of(self, path: str, key: int) -> str:
-        """As prepare.py draws it for the cache, so a document held out is the same either way."""
+        """prepare.py's draw for the cache, but keyed by a document's byte offset where the file
+        is seekable (a shard that starts mid-file cannot count the documents before it)."""
         val, test = self.held_out
         if val + test == 0:
             return "train"
@@ -82,6 +86,11 @@ def deal(plan: StreamPlan, epoch: int, slot: int, slots: int) -> list[list[int]]
     return [[shard, 0, -1, 0] for shard in order[slot::slots]]
 
 
+def slot_reader(plan: StreamPlan, slot: int, slots: int, epoch: int = 0) -> SampleReader:
+    """The reader of one slot of `slots`, for what composes readers (a mixture of sources)."""
+    return FileReader(plan, slot, slots, epoch)
+
+
 class FileReader:
     """One reading slot's samples (the SampleReader of readers.py). A queue entry is [shard, unit
     index, unit byte (-1: not seekable), tokens of that unit already taken]."""
@@ -104,7 +113,7 @@ class FileReader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"digest": self.plan.digest, "epoch": self.epoch, "slot": self.slot,
-                "slots": self.slots, "queue": copy.deepcopy(self.queue)}
+                "slots": self.slots, "queue": [list(entry) for entry in self.queue]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(self.plan, state)
@@ -115,20 +124,23 @@ class FileReader:
                  taken: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
         """Windows of the shard's train documents, each with the position just past it."""
         seq_len, plan = self.plan.seq_len, self.plan
-        buffer, start = np.zeros(0, dtype=np.uint32), 0
+        buffer = np.zeros(0, dtype=np.uint32)
         for unit in shards.units(shard, plan.text_field, index, byte):
             if not unit.text and not (unit.ends and shard.source.kind == "text"):
                 continue  # an empty document adds nothing, not even an end-of-text token
             if plan.split_of(shard.source.path, unit.key) != "train":
                 continue
             ids = tokenizer.encode_pieces(plan.tokenizer, plan.eos_id, [unit.text], [unit.ends])
-            buffer = np.concatenate([buffer[start:], ids[taken if unit.index == index else 0:]])
-            start = 0
-            while len(buffer) - start >= seq_len:
-                window, start = buffer[start:start + seq_len], start + seq_len
-                # a window ends in the unit just read: the tokens left are its last ones
-                position = [unit.index, unit.byte, len(ids) - (len(buffer) - start)]
-                yield torch.from_numpy(window.astype(np.int64)), position
+            buffer = np.concatenate([buffer, ids[taken if unit.index == index else 0:]])
+            count = len(buffer) // seq_len
+            if not count:
+                continue
+            # every window the unit completes, converted at once; the last ones end in this unit
+            windows = torch.from_numpy(buffer[:count * seq_len].astype(np.int64))
+            buffer, left = buffer[count * seq_len:], len(buffer) - seq_len
+            for row in windows.view(count, seq_len):
+                yield row, [unit.index, unit.byte, len(ids) - left]
+                left -= seq_len
 
 
 def check_state(plan: StreamPlan, state: Any) -> None:

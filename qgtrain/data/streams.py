@@ -6,7 +6,9 @@ part (the dataset shards itself by torch.distributed's rank and get_worker_info(
 StatefulDataLoader, whose state holds every worker's. A dataset with state_dict/load_state_dict
 is put back from that state, saved in the rank's own checkpoint file; one without is read again
 from the start of its epoch past the samples this rank had consumed (timed in the log), never
-started over.
+started over. A checkpoint of another world size hands every rank's state to a dataset with
+load_merged (streamed data files: filestream.py), which deals the positions again; any other
+stream resumes on the world size it was saved with.
 
 Streams end unevenly across ranks and workers, and a rank that stepped alone would wait forever in
 DDP's all-reduce. So every step the ranks agree (one small all-reduce on a gloo group of their own,
