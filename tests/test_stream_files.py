@@ -2,7 +2,9 @@
 SIGKILLed at a random step and resumed bit for bit; then resumed on 1 rank and again on 3, with
 every document one sample whose first bytes are its id, so the ids a recording model trained on
 show that no sample was repeated or skipped; held-out documents never trained on; and the bad
-input refused in one line (a changed file at a resume, with the checkpoint left alone)."""
+input refused in one line (a changed file at a resume, with the checkpoint left alone). In one
+process: every file kind streams the windows the cache holds, and files cut into many shards
+resume from any saved state."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +182,67 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, monkeypatch):
         plan = filestream.plan(config, 0)
         filestream.check_state(plan, {"digest": plan.digest, "epoch": 0, "slot": 0, "slots": 1,
                                       "queue": [[len(plan.shards), 0, -1, 0]]})
+
+
+def write_formats(folder: Path) -> list[Path]:
+    """One file of each kind, documents of random lengths (some longer than a window)."""
+    import gzip
+
+    import pyarrow
+    from pyarrow import ipc, parquet
+
+    rng = random.Random(7)
+    docs = [" ".join(rng.choices(["shard", "token", "über", "東京", "x"], k=rng.randint(1, 40)))
+            for _ in range(60)]
+    lines = "".join(json.dumps({"text": doc}) + "\n" for doc in docs)
+    folder.mkdir()
+    (folder / "a.txt").write_text("\n".join(docs))
+    (folder / "b.jsonl").write_text(lines)
+    (folder / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (folder / "d.json").write_text(json.dumps([{"text": doc} for doc in docs]))
+    table = pyarrow.table({"text": docs})
+    parquet.write_table(table, folder / "e.parquet", row_group_size=16)
+    with ipc.new_stream(str(folder / "f.arrow"), table.schema) as out:
+        out.write_table(table, max_chunksize=16)
+    return sorted(folder.iterdir())
+
+
+def test_each_file_kind_streams_the_windows_the_cache_holds(tmp_path):
+    """One file at a time (one shard), nothing held out: the stream's samples are the cache's
+    windows of the same file, so streaming changes how text is read, not what is trained on."""
+    from qgtrain.data import prepare
+
+    for path in write_formats(tmp_path / "files"):
+        config = DataConfig(name="files", files=(str(path),), seq_len=7, val_fraction=0.0,
+                            test_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+        cached = prepare.prepare(config)[0]
+        tokens = np.fromfile(cached.path("train"), dtype=cached.dtype).astype(np.int64)
+        windows = tokens[:len(tokens) // 7 * 7].reshape(-1, 7)
+        streamed = torch.stack(list(filestream.FileReader(filestream.plan(config, 0), 0, 1)))
+        assert torch.equal(streamed, torch.from_numpy(windows)), path.name
+
+
+def test_a_position_anywhere_in_cut_files_resumes_the_same_samples(tmp_path, monkeypatch):
+    """Plain-text and JSON Lines files cut into many shards at byte offsets: every line read once,
+    and a reader put back at any saved state continues exactly as the uninterrupted one."""
+    monkeypatch.setattr(shards, "SHARD_BYTES", 300)
+    monkeypatch.setattr(shards, "UNIT_BYTES", 50)
+    paths = write_formats(tmp_path / "files")
+    for path in paths[:2]:
+        config = DataConfig(name="files", files=(str(path),), seq_len=5, val_fraction=0.2,
+                            test_fraction=0.0)
+        plan = filestream.plan(config, 3)
+        assert len(plan.shards) > 5
+        read = [unit.text for shard in plan.shards for unit in shards.units(shard, "text")]
+        if path.suffix == ".txt":
+            assert "".join(read) == path.read_text()
+        else:
+            assert read == [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        whole = list(filestream.FileReader(plan, 0, 1))
+        for stop in range(0, len(whole), 37):
+            reader = filestream.FileReader(plan, 0, 1)
+            samples = iter(reader)
+            head = [next(samples) for _ in range(stop)]
+            again = filestream.FileReader(plan, 0, 1)
+            again.load_state_dict(reader.state_dict())
+            assert torch.equal(torch.stack(head + list(again)), torch.stack(whole)), stop
