@@ -1,9 +1,10 @@
 """Data files streamed (data.stream: true): read, tokenized and packed in loader workers, no cache.
 
 Why this shape: the unit of work is a shard (shards.py: a file, a byte range or row groups of
-one), and a sample depends only on its shard: each shard's documents are tokenized into one token stream cut
-into windows of data.seq_len (the tail shorter than a window is dropped). A position is then per
-shard (the unit it is in and the token offset in it), exact, and the same whoever reads it. Each
+one), and a sample depends only on its shard: each shard's documents are tokenized into one
+token stream cut into windows of data.seq_len (the tail shorter than a window is dropped). A
+position is then per shard (the unit it is in and the token offset in it), exact, and the same
+whoever reads it. Each
 pass (epoch) orders the shards by a permutation of the run's seed and the pass, and deals them to
 the reading slots (rank x loader worker) round-robin; a slot reads its shards one after another.
 
