@@ -103,7 +103,9 @@ def stream_position(ckpt: Checkpoint, env: DistEnv) -> dict[str, Any] | None:
 
 
 def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-            env: DistEnv, seed: int) -> TrainState:
+            env: DistEnv, seed: int, stream: bool = False) -> TrainState:
+    """`stream`: the data position is the stream's own (data/streams.py), so a count of samples
+    that the new world size does not divide is no obstacle."""
     saved = load_json(ckpt, STATE)
     check_base(saved.get("adapter"), model, ckpt.path)  # before any weight is read
     if is_sharded_checkpoint(ckpt) or is_sharded_model(model):
@@ -112,7 +114,7 @@ def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
         load_weights(model, strip_wrapper_prefixes(load_file(ckpt, MODEL)), ckpt.path)
         load_optimizer(ckpt, optimizer, scaler)
     state = _state_from(saved["trainer"])
-    if state.samples_in_epoch % env.world_size:
+    if state.samples_in_epoch % env.world_size and not stream:
         raise CheckpointError(
             f"{ckpt.path} was saved by {saved['world_size']} rank(s) after {state.samples_in_epoch} samples of "
             f"epoch {state.epoch}, which {env.world_size} ranks cannot split evenly. HINT: resume with "

@@ -273,7 +273,8 @@ class Trainer:
         if self.parts.loaders.sampler is None:  # a stream: its own position (streams.py)
             self.batches.restore(train_state.stream_position(ckpt, self.env), ckpt.path)
         self.state = train_state.restore(ckpt, self.model, self.parts.optimizer, self.parts.scaler, self.env,
-                                         self.settings.train.seed)
+                                         self.settings.train.seed,
+                                         stream=self.parts.loaders.sampler is None)
         check_resumed(self.state, self.parts.optimizer)
         self.lr.resumed(self.state, saved_max_steps(ckpt, self.state), self.env.is_main)
         self.ema.restore(ckpt)
