@@ -34,7 +34,8 @@ CLUSTER_TESTS = "tests/test_slurm"
 SHARED_FIXTURE_MODULES = ("tests/test_export.py", "tests/test_molecules.py", "tests/test_resume.py",
                           "tests/test_trust_checkpoint.py", "tests/test_spikes.py", "tests/test_rollback.py",
                           "tests/test_ema.py", "tests/test_ema_resume.py", "tests/test_adapters.py",
-                          "tests/test_streams.py", "tests/test_mix.py")
+                          "tests/test_streams.py", "tests/test_mix.py",
+                          "tests/test_stream_files.py")
 
 
 def work_unit(nodeid: str) -> str:

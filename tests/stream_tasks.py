@@ -5,6 +5,7 @@ that fails to load)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, get_worker_info
 
 import qgtrain
+from tests.factories import TinyLM
 from tests.tasks import Points, classify_loss
 
 
@@ -83,3 +85,18 @@ def hub_parquet(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     files = sorted(str(cfg.task.options["files"]).split(","))
     stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
     return _task(stream.with_format("torch"))
+
+
+class RecordingLM(TinyLM):
+    """tests.factories' tiny LM that appends the first 6 bytes of every row it trains on (a sample's
+    id, in test_stream_files.py's documents) to $QGTRAIN_TEST_IDS-<pid>."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.training and os.environ.get("QGTRAIN_TEST_IDS"):
+            with open(f"{os.environ['QGTRAIN_TEST_IDS']}-{os.getpid()}", "a") as out:
+                out.writelines(bytes(row[:6].tolist()).decode() + "\n" for row in input_ids)
+        return super().forward(input_ids)
+
+
+def recording_lm(vocab_size: int, seq_len: int) -> nn.Module:
+    return RecordingLM(vocab_size)

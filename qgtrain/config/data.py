@@ -51,6 +51,11 @@ class DataConfig:
     test_files: tuple[str, ...] = setting(
         (), "the test split's files ([] = hold out data.test_fraction)"
     )
+    stream: bool = setting(
+        False,
+        "with name=files: read, tokenize and pack the files while training, no cache first "
+        "(resumes exactly, also on another world size)",
+    )
     text_field: str = setting(
         "text", "the JSON field or parquet/arrow column that holds each document's text"
     )
@@ -117,6 +122,15 @@ def data_rules(cfg: RunConfig) -> Problem:
         return "data.files", (
             "data.name is 'files' but no files are named; give globs, files or "
             "folders, e.g. ['/shared/corpus/*.jsonl.gz']"
+        )
+    if cfg.data.stream and cfg.data.name != "files":
+        return "data.stream", (
+            f"streams data files; set data.name: files (data.name is {cfg.data.name})"
+        )
+    if cfg.data.stream and cfg.data.format != "text":
+        return "data.stream", (
+            f"streams documents of text; data.format {cfg.data.format} is read from the "
+            "cache (data.stream: false)"
         )
     if cfg.data.format != "text" and cfg.data.name != "files":
         return "data.format", (

@@ -66,6 +66,12 @@ class DispatchedBatches:
         return {"dispatched": True, **own}
 
     def restore(self, saved: dict[str, Any] | None, checkpoint: Path) -> None:
+        if saved is not None and "ranks" in saved:
+            raise ConfigError(
+                f"data.dispatch: {checkpoint} was saved by {len(saved['ranks'])} rank(s); a "
+                "dispatched stream resumes on the world size it was saved with. HINT: resume with "
+                f"{len(saved['ranks'])} ranks, or set checkpoint.resume: never"
+            )
         if saved is None or not saved.get("dispatched"):
             raise ConfigError(
                 f"data.dispatch: {checkpoint} was saved by a run whose ranks each read their own "

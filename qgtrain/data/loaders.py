@@ -52,6 +52,7 @@ def build_loaders(train: Any, val: Any, test: Any,
     if is_stream(train):
         part = train if dispatch else for_this_rank(train, env.rank, env.world_size)
         stream = stream_loader(part, batch_size, num_workers, device, seed + env.rank, collate)
+        label = getattr(train, "stream_label", label)  # a stream of qgtrain's names its source
         return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label,
                        dispatch)
     if dispatch:

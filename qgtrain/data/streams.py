@@ -6,7 +6,9 @@ part (the dataset shards itself by torch.distributed's rank and get_worker_info(
 StatefulDataLoader, whose state holds every worker's. A dataset with state_dict/load_state_dict
 is put back from that state, saved in the rank's own checkpoint file; one without is read again
 from the start of its epoch past the samples this rank had consumed (timed in the log), never
-started over.
+started over. A checkpoint of another world size hands every rank's state to a dataset with
+load_merged (streamed data files: filestream.py), which deals the positions again; any other
+stream resumes on the world size it was saved with.
 
 Streams end unevenly across ranks and workers, and a rank that stepped alone would wait forever in
 DDP's all-reduce. So every step the ranks agree (one small all-reduce on a gloo group of their own,
@@ -125,7 +127,16 @@ class StreamBatches:
         iterator is running: it simply goes on, past the batches drawn since (rollback.py)."""
         if self._batches is not None:
             return
-        if saved is None or ("loader" if self.stateful else "consumed") not in saved:
+        if saved is not None and "ranks" in saved and not callable(
+                getattr(self.loader.dataset, "load_merged", None)):
+            raise ConfigError(
+                f"{self.label}: {checkpoint} was saved by {len(saved['ranks'])} rank(s) reading "
+                "a stream whose parts the ranks of this run cannot take over (it has no "
+                "load_merged). HINT: resume with "
+                f"{len(saved['ranks'])} ranks, or set checkpoint.resume: never")
+        wanted = "ranks" if saved is not None and "ranks" in saved else \
+            "loader" if self.stateful else "consumed"
+        if saved is None or wanted not in saved:
             kind = "a stateful" if self.stateful else "a"
             raise ConfigError(
                 f"{self.label}: {checkpoint} holds no position of {kind} stream "
@@ -160,13 +171,26 @@ class StreamBatches:
                 drawn.append(next(self._batches))
             except StopIteration:
                 return None
+            except ConfigError as exc:  # from a worker, with its traceback: its last line says it
+                raise ConfigError(str(exc).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) \
+                    from None
         return drawn
 
     def _resume(self, position: Position, micro_batches: int) -> list[Any] | None:
         pending, where = self._pending or {}, f"{self._resumed_from}"
         self._pending = None
         try:
-            if self.stateful:
+            if "ranks" in pending:
+                # saved by another world size: every rank's positions, dealt again (filestream.py)
+                self.loader.dataset.set_epoch(position.epoch)
+                states = [found for rank in pending["ranks"]
+                          for found in dataset_states((rank or {}).get("loader"))]
+                self.loader.dataset.load_merged(states)
+                self.loader.generator.manual_seed(self.seed * 1_000_003 + position.epoch)
+                self._batches = iter(self.loader)
+                log.info("the stream's positions saved by %d rank(s) dealt again to this run's",
+                         len(pending["ranks"]))
+            elif self.stateful:
                 set_epoch = getattr(self.loader.dataset, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(position.epoch)

@@ -79,7 +79,9 @@ def render(entries: list[dict[str, Any]]) -> str:
             )
         )
         lines.append("")
-    return "\n".join(lines).rstrip() if lines else "no token caches here"
+    streamed = ("no token caches here (a run with data.stream: true reads its data files while "
+                "training, without one)")
+    return "\n".join(lines).rstrip() if lines else streamed
 
 
 def _entry(folder: Path) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from torch import nn
 from ..foundation.errors import CheckpointError
 from ..runtime import rng
 from ..runtime.rendezvous import DistEnv
-from .checkpoint import Checkpoint
-from .layout import OPTIM
+from .checkpoint import Checkpoint, load_file
+from .layout import OPTIM, PLACES, rank_file
 from .sharded import is_sharded_model, shard_options
 from .weights import adapter_of, check_base, load_weights, saved_state, strip_wrapper_prefixes
 
@@ -59,6 +59,14 @@ def source() -> Path:
 
 def source_step() -> int:
     return _SOURCE.get().step
+
+
+def every_rank(name: str, world_size: int) -> list[Any]:
+    """The per-rank part `name` as each of the `world_size` ranks that saved the checkpoint being
+    loaded wrote it: for a part whose ranks' states a new world size can deal again (a stream of
+    data files), which needs them all where each rank would otherwise read its own."""
+    ckpt, key = _SOURCE.get(), PLACES[name].key
+    return [load_file(ckpt, rank_file(rank)).get(key) for rank in range(world_size)]
 
 
 class ModelState:

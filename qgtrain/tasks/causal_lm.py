@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import DataConfig, RunConfig
-from ..data import corpus, prepare
+from ..data import corpus, filestream, heldout, prepare, tokenizer
 from ..data.rows import ChatRows
 from ..data.tokens import SyntheticTokens, TokenWindows
 from ..foundation.errors import ConfigError, TaskError
@@ -46,14 +46,15 @@ def causal_lm(cfg: RunConfig) -> Task:
             lambda folders: all(Path(folder, "meta.json").is_file() for folder in folders))
         train, val, test, prepared = mixture.mixture_splits(cfg.data, folders, cfg.train.seed)
         splits = Splits(train, val, test, prepared.vocab_size)
-    elif cfg.data.name in ("corpus", "files"):
+    elif cfg.data.name in ("corpus", "files") and not cfg.data.stream:
         folder = distributed.main_works_long(
             lambda: str(_prepare(cfg.data)), f"is tokenizing the data into {cfg.data.cache_dir}",
             ("data.prepare_timeout_s", cfg.data.prepare_timeout_s), lambda folder: Path(folder, "meta.json").is_file())
         prepared = corpus.load(Path(folder))
     if not cfg.data.mix:
         splits = build_splits(cfg.data, prepared, cfg.train.seed)
-    eos_id = prepared.eos_id if prepared else (256 if cfg.data.name == "synthetic" else None)
+    eos_id = prepared.eos_id if prepared else 256 if cfg.data.name == "synthetic" else \
+        tokenizer.describe(cfg.data.tokenizer).eos_id if cfg.data.stream else None
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
@@ -118,6 +119,25 @@ def _prepared_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed:
     return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
 
 
+def _files_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
+    """The cached files' windows, or with data.stream the files read while training: held-out
+    splits in memory (heldout.py), the train split a stream (filestream.py)."""
+    if not data.stream:
+        return _prepared_splits(data, prepared, seed)
+    plan = filestream.plan(data, seed)
+    filestream.check(plan)
+    held = heldout.held_out(data, plan)
+    for split, dataset in held.items():
+        if (getattr(data, f"{split}_files") or getattr(data, f"{split}_fraction")) and \
+                len(dataset) == 0:
+            raise ConfigError(f"{_source_key(data, split)}: the {split} split has fewer than "
+                              f"data.seq_len={data.seq_len} tokens in the first "
+                              f"{heldout.HELD_OUT_BYTES >> 20} MB read for it (data.stream); use "
+                              "more text, a larger fraction or a shorter seq_len")
+    vocab = tokenizer.describe(data.tokenizer).vocab_size
+    return Splits(filestream.FileStream(plan), held["val"], held["test"], vocab)
+
+
 def _source_key(data: DataConfig, split: str) -> str:
     """The setting that decides how much text a split of the corpus or the data files gets."""
     if data.name == "corpus":
@@ -146,6 +166,6 @@ def _factory_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: 
 
 # data.name -> the splits it gives: a new source is a function here and a name in config/data.py
 SOURCES: dict[str, Callable[[DataConfig, corpus.TokenFiles | None, int], Splits]] = {
-    "corpus": _prepared_splits, "files": _prepared_splits, "synthetic": _synthetic_splits,
+    "corpus": _prepared_splits, "files": _files_splits, "synthetic": _synthetic_splits,
     "factory": _factory_splits,
 }

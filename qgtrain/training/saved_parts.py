@@ -25,6 +25,7 @@ from ..state.stateful import (
     RunFacts,
     ScalerState,
     Stateful,
+    every_rank,
     source,
 )
 from ..state.train_state import Progress, TrainState
@@ -37,7 +38,8 @@ from .spikes import Spikes
 class DataPosition:
     """"data": where this rank is in the training data. The run's position (epoch, samples of all
     ranks in it) is the train state's; each rank's file keeps it beside its own. On resume it says
-    whether this world size can take the position over."""
+    whether this world size can take the position over: a stream's position is its own (data/
+    streams.py), which a new world size takes over only where the stream can deal it again."""
 
     def __init__(self, state: TrainState, facts: RunFacts, env: DistEnv, stream: bool) -> None:
         self.state, self.facts, self.env, self.stream = state, facts, env, stream
@@ -47,12 +49,7 @@ class DataPosition:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, now, state = self.facts.saved_world_size, self.env.world_size, self.state
-        if self.stream and saved != now:  # each rank's part of a stream depends on the world size
-            raise CheckpointError(
-                f"{source()} was saved by {saved} rank(s) reading a stream (the task's train split "
-                f"is an IterableDataset), whose parts {now} ranks cannot take over. HINT: resume "
-                f"with {saved} ranks, or set checkpoint.resume: never")
-        if state.samples_in_epoch % now:
+        if state.samples_in_epoch % now and not self.stream:
             raise CheckpointError(
                 f"{source()} was saved by {saved} rank(s) after {state.samples_in_epoch} samples "
                 f"of epoch {state.epoch}, which {now} ranks cannot split evenly. HINT: resume "
@@ -63,13 +60,19 @@ class StreamState:
     """"stream": this rank's position in its part of a stream (data/streams.py), or under
     data.dispatch the whole stream's on rank 0 and a mark on the others (data/dispatch.py)."""
 
-    def __init__(self, batches: StreamBatches | DispatchedBatches) -> None:
-        self.batches = batches
+    def __init__(self, batches: StreamBatches | DispatchedBatches, facts: RunFacts,
+                 env: DistEnv) -> None:
+        self.batches, self.facts, self.env = batches, facts, env
 
     def state_dict(self) -> dict[str, Any]:
         return self.batches.saved()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Saved by another world size, each rank's part is every rank's: {"ranks": [...]}, for
+        a stream that deals them again (data/streams.py refuses one that cannot)."""
+        saved = self.facts.saved_world_size
+        if saved != self.env.world_size:
+            state_dict = {"ranks": every_rank("stream", saved)}
         self.batches.restore(state_dict, source())
 
 
@@ -86,7 +89,7 @@ def saved_parts(parts: Parts, settings: Settings, env: DistEnv, state: TrainStat
         "data": DataPosition(state, facts, env, stream),
     }
     if not isinstance(batches, TrainBatches):
-        table["stream"] = StreamState(batches)
+        table["stream"] = StreamState(batches, facts, env)
     table.update({
         "model": ModelState(model),
         "optimizer": OptimizerState(model, parts.optimizer),

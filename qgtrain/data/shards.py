@@ -1,0 +1,173 @@
+"""Data files cut into shards, the unit of work of a stream (data.stream), each read from any point.
+
+A shard is a whole file, or a byte range of a large plain-text or JSON Lines file: those can be
+entered at any byte (the range starts at the first line that begins in it, as Hadoop splits text),
+so a 150 MB file is several shards read in parallel and a position in one is a byte offset, sought
+in O(1). A parquet file is cut at its row groups (a position is a row: the row groups before it
+are skipped by their counts, unread). A compressed file, a JSON array or arrow is one shard, read
+through sources.py; a position in it is a count of documents, read past again on resume (parsed,
+not tokenized).
+
+The cut depends only on the files (SHARD_BYTES is fixed), never on the ranks or workers, so a
+position saved by one world size names the same shard in another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from ..foundation.errors import ConfigError
+from . import sources
+
+SHARD_BYTES = 16 << 20
+UNIT_BYTES = 1 << 20  # a plain-text file is read in units of about this many bytes of whole lines
+
+
+@dataclass(frozen=True)
+class Shard:
+    source: sources.SourceFile
+    start: int  # [start, end): bytes of a seekable file, row groups of a parquet file
+    end: int  # (a whole file otherwise: 0 and its size)
+    seekable: bool
+
+    @property
+    def last(self) -> bool:
+        """This shard ends its file: a plain-text file's one document ends here."""
+        return self.end >= self.source.size
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A document, or a part of a plain-text file's one document, and where it starts."""
+
+    text: str
+    ends: bool  # ends a document: the end-of-text token follows it
+    key: int  # the document's identity in its file, for the held-out draw
+    index: int  # its number in the shard
+    byte: int  # its first byte in the file (-1: not seekable)
+
+
+def cut(files: list[sources.SourceFile]) -> list[Shard]:
+    shards = []
+    for file in files:
+        if file.kind == "parquet":
+            shards += _row_groups(file)
+            continue
+        if not _seekable(file):
+            shards.append(Shard(file, 0, file.size, False))
+            continue
+        starts = range(0, max(file.size, 1), SHARD_BYTES)
+        shards += [Shard(file, s, min(s + SHARD_BYTES, file.size), True) for s in starts]
+    return shards
+
+
+def units(shard: Shard, text_field: str, index: int = 0, byte: int = -1) -> Iterator[Unit]:
+    """The shard's units from unit `index` on, which starts at `byte` where the file is seekable."""
+    if shard.source.kind == "parquet":
+        yield from _rows(shard, text_field, index)
+        return
+    if not shard.seekable:
+        for number, (piece, _) in enumerate(sources.pieces(shard.source, text_field)):
+            if number >= index:
+                yield Unit(piece.text, piece.ends_document, piece.document, number, -1)
+        return
+    with open(shard.source.path, "rb") as file:
+        if byte >= 0:
+            file.seek(byte)
+        elif shard.start > 0:  # the line that starts at `start` or after it is the first
+            file.seek(shard.start - 1)
+            file.readline()
+        reader = _lines if shard.source.kind == "jsonl" else _text_units
+        yield from reader(shard, file, text_field, index)
+
+
+def _seekable(file: sources.SourceFile) -> bool:
+    if file.kind not in ("text", "jsonl") or file.path.lower().endswith(".gz"):
+        return False
+    if file.kind == "text":
+        return True
+    with open(file.path, "rb") as handle:  # a JSON array is read whole, by sources.py
+        return handle.read(64).lstrip()[:1] != b"["
+
+
+def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterator[Unit]:
+    position = file.tell()
+    while position < shard.end:
+        line = file.readline()
+        if not line:
+            return
+        start, position = position, position + len(line)
+        if not line.strip():
+            continue
+        where = f"{shard.source.path}: the line at byte {start}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON "
+                              "object") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: not UTF-8 text") from None
+        yield Unit(sources._field(row, text_field, where), True, start, index, start)
+        index += 1
+
+
+def _text_units(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterator[Unit]:
+    """Whole lines, about UNIT_BYTES at a time; the file's last unit ends its one document (a unit
+    is held back until the next is read, to know whether it is the last)."""
+    position = held_start = file.tell()
+    held: list[bytes] = []
+    size = 0
+    while position < shard.end:
+        line = file.readline()
+        if not line:
+            break
+        held.append(line)
+        position, size = position + len(line), size + len(line)
+        if size >= UNIT_BYTES:
+            yield Unit(b"".join(held).decode("utf-8", "replace"), False, 0, index, held_start)
+            held, size, held_start, index = [], 0, position, index + 1
+    ends = shard.last
+    if held or ends:
+        yield Unit(b"".join(held).decode("utf-8", "replace"), ends, 0, index, held_start)
+
+
+def _parquet(file: sources.SourceFile) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"{file.path}: not a readable parquet file ({exc})") from None
+
+
+def _row_groups(file: sources.SourceFile) -> list[Shard]:
+    """Consecutive row groups of about SHARD_BYTES (as the footer counts them) per shard."""
+    meta, cut, size, first = _parquet(file).metadata, [], 0, 0
+    for group in range(meta.num_row_groups):
+        size += meta.row_group(group).total_byte_size
+        if size >= SHARD_BYTES or group == meta.num_row_groups - 1:
+            cut.append(Shard(file, first, group + 1, False))
+            first, size = group + 1, 0
+    return cut or [Shard(file, 0, 0, False)]
+
+
+def _rows(shard: Shard, text_field: str, index: int) -> Iterator[Unit]:
+    """The text column's rows from row `index` of the shard on; a document's key is its row in
+    the file, as sources.py numbers documents for the cache."""
+    file = _parquet(shard.source)
+    sources._check_column(file.schema_arrow.names, text_field, shard.source.path)
+    row = sum(file.metadata.row_group(g).num_rows for g in range(shard.start))
+    number, skip = index, index
+    for group in range(shard.start, shard.end):
+        rows = file.metadata.row_group(group).num_rows
+        if skip < rows:
+            values = file.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            texts = sources._column_texts(values[skip:], text_field, shard.source.path, row + skip)
+            for offset, text in enumerate(texts, start=row + skip):
+                yield Unit(text, True, offset, number, -1)
+                number += 1
+        skip, row = max(skip - rows, 0), row + rows
