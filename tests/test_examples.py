@@ -2,7 +2,7 @@
 `qgtrain train` processes on jobs/graph.yaml (plain-torch message passing) and jobs/classifier.yaml
 (a transformers sequence classifier), SIGKILLed at random steps and resumed, signalled on one rank,
 and exported for transformers' own pipeline() and for qgtrain.load_model. jobs/molecules.yaml is
-tested in test_molecules.py."""
+tested in test_molecules.py; jobs/mix.yaml streams the text its generator writes."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import qgtrain
+from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import EXIT_STOPPED
+from qgtrain.tasks.mixture import streamed_splits
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
 from tests.helpers import checkpoint_state, example, records, wait_for
 from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks
@@ -182,3 +185,21 @@ def test_an_export_on_finish_that_fails_ends_every_rank_with_its_outcome(tmp_pat
         )
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
     assert (run / "checkpoints" / "step-8").is_dir() and not (run / "export").exists()
+
+
+def test_the_streamed_mix_job_reads_what_its_generator_writes_on_up_to_8_reading_slots(
+    tmp_path, monkeypatch
+):
+    """jobs/mix.yaml run from where jobs/examples/mix_data.py wrote its files (the repository root
+    for a user): both sources found, each with a file per slot of 4 ranks x 2 loader workers."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "examples" / "mix_data.py"), "--mb", "0.2"],
+        cwd=tmp_path, check=True, capture_output=True, timeout=120,
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config([ROOT / "config.yaml", ROOT / "jobs" / "mix.yaml"])
+    assert cfg.data.stream and cfg.data.num_workers == 2
+    mixture, val, test, vocab = streamed_splits(replace(cfg.data, num_workers=8), cfg.train.seed)
+    assert [(s.name, s.weight) for s in mixture.sources] == [("docs", 2.0), ("code", 1.0)]
+    assert len(val) > 0 and len(test) > 0 and vocab == 257
+    assert next(iter(mixture)).shape == (cfg.data.seq_len,)

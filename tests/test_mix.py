@@ -2,7 +2,9 @@
 within 0.05 of their weights and reported as samples_<name>, a small source starting its next
 pass, a run SIGKILLed at a random step resumed bit for bit (losses, counts, weights), and the
 mixtures qgtrain refuses in one line. data.dispatch: rank 0 reads and each rank gets its own
-batches across an epoch's end; a dispatched mixture killed and resumed bit for bit."""
+batches across an epoch's end; a dispatched mixture killed and resumed bit for bit. With
+data.stream the same mixture of streamed sources (4 files each, no cache written): its shares, a
+source's next pass, a SIGKILL resumed bit for bit, another world size refused in one line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from qgtrain.config import DataConfig
 from qgtrain.config.load import load_config
 from qgtrain.data.cached import CachedReader
 from qgtrain.data.dispatch import DispatchedBatches
@@ -27,6 +30,7 @@ from qgtrain.data.loaders import stream_loader
 from qgtrain.data.mix import Mixture, Source, bounds, choose
 from qgtrain.data.tokens import TokenWindows
 from qgtrain.foundation.errors import ConfigError
+from qgtrain.tasks.mixture import streamed_splits
 from tests.helpers import cli, records, wait_for
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 from tests.test_streams import same_run
@@ -35,17 +39,18 @@ MAX_STEPS = 16
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
 
 
-def write_source(path: Path, count: int, seed: int) -> None:
+def write_source(path: Path, count: int, seed: int, length: tuple[int, int] = (20, 40)) -> None:
     rng = random.Random(seed)
     with open(path, "w") as out:
         for index in range(count):
-            words = " ".join(rng.choices(WORDS, k=rng.randint(20, 40)))
+            words = " ".join(rng.choices(WORDS, k=rng.randint(*length)))
             out.write(json.dumps({"text": f"{path.stem} {index}: {words}"}) + "\n")
 
 
-def mix(folder: Path, code: str | None = None) -> str:
+def mix(folder: Path, code: str | None = None, web: str | None = None) -> str:
     code = code or str(folder / "code.jsonl")
-    return (f"data.mix=[{{name: web, files: ['{folder}/web.jsonl'], weight: 6}}, "
+    web = web or str(folder / "web.jsonl")
+    return (f"data.mix=[{{name: web, files: ['{web}'], weight: 6}}, "
             f"{{name: code, files: ['{code}'], weight: 3}}]")
 
 
@@ -145,14 +150,17 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
                     mix(data), cwd=tmp_path)
     missing = cli(*train(data, tmp_path / "b", "data.num_workers=0"), "--set",
                   mix(data, code=str(tmp_path / "nothing*.jsonl")), cwd=tmp_path)
+    streamed = cli(*train(data, tmp_path / "c", "data.num_workers=0", "data.stream=true"),
+                   "--set", mix(data, code=str(tmp_path / "nothing*.jsonl")), cwd=tmp_path)
     lines = []
-    for out in (synthetic, missing):
+    for out in (synthetic, missing, streamed):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
         lines.append(out.stderr.strip().splitlines()[-1])
     assert re.fullmatch(r"qgtrain: error: .*data.mix: mixes data files; set data.name: files "
                         r"\(data.name is synthetic\)", lines[0]), lines[0]
-    assert re.fullmatch(r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
-                        r"'.*nothing\*.jsonl' matches no file or folder", lines[1]), lines[1]
+    for line in lines[1:]:  # cached and streamed
+        assert re.fullmatch(r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
+                            r"'.*nothing\*.jsonl' matches no file or folder", line), line
 
 
 def test_a_cached_source_gives_each_slot_its_share_of_every_pass_in_a_new_order(tmp_path):
@@ -242,3 +250,64 @@ def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_
     assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
     logs = [(reference / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
     assert "ran out in reading slot 1 of 2" in logs[0] and "data.mix" not in logs[1]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The mixture streamed: web in 4 files of 30 documents, code in 4 of 3 short ones (6 to 8
+    windows a slot: each slot reads it twice); the `qgtrain train` arguments, and their run."""
+    folder = tmp_path_factory.mktemp("streamed")
+    for part in range(4):
+        write_source(folder / f"web-{part}.jsonl", 30, 10 + part)
+        write_source(folder / f"code-{part}.jsonl", 3, 20 + part, length=(8, 14))
+    sources = mix(folder, code=f"{folder}/code-*.jsonl", web=f"{folder}/web-*.jsonl")
+    args = train(folder, folder / "run", "data.stream=true", "data.test_fraction=0", sources)
+    codes = wait_ranks(start_cli_ranks(2, args, folder, log_prefix="ref"), 240)
+    assert codes == [0, 0], (folder / "ref-0.out").read_text()[-3000:]
+    return folder, args
+
+
+def test_a_streamed_mixture_draws_by_weight_restarts_a_source_and_caches_nothing(streamed):
+    folder, _ = streamed
+    got = records(folder / "run")
+    assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1))
+    assert all(r["samples_web"] + r["samples_code"] == r["step"] * 8 for r in got), got
+    assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
+    assert "val_loss" in got[-1]
+    assert not list(folder.rglob("meta.json")), "a streamed source is tokenized into no cache"
+    logs = [(folder / "run" / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
+    passes = {(slot, int(nth)) for log in logs for slot, nth in re.findall(
+        r"data.mix: source 'code' ran out in reading slot (\d) of 4 after \d+ of its samples: "
+        r"starting its pass (\d)", log)}
+    assert {(slot, 2) for slot in "0123"} <= passes, passes
+    assert "source 'web' ran out" not in "".join(logs)
+
+
+def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit_on_its_world_size(
+        streamed, tmp_path):
+    folder, args = streamed
+    run = tmp_path / "killed"
+    killed = [str(run) if arg == str(folder / "run") else arg for arg in args]
+    context = killed_and_resumed(killed, run, tmp_path)
+    same_run(folder / "run", run, context)
+    assert [(r["samples_web"], r["samples_code"]) for r in records(run)] == \
+        [(r["samples_web"], r["samples_code"]) for r in records(folder / "run")], context
+    assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
+    alone = cli(*killed, "--set", f"train.max_steps={MAX_STEPS + 2}", cwd=tmp_path)
+    line = alone.stderr.strip().splitlines()[-1]
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
+    assert re.fullmatch(r"qgtrain: error: data.mix: .*step-\d+ was saved by 2 rank\(s\) reading a "
+                        r"stream .* HINT: resume with 2 ranks.*", line), line
+
+
+def test_a_streamed_source_with_fewer_files_than_reading_slots_is_refused_naming_it(tmp_path):
+    write_source(tmp_path / "web.jsonl", 30, 1)
+    write_source(tmp_path / "code.jsonl", 30, 2)
+    for part in range(2):
+        write_source(tmp_path / f"web-{part}.jsonl", 30, part)
+    data = DataConfig(name="files", stream=True, num_workers=2, seq_len=32, mix=(
+        {"name": "web", "files": [f"{tmp_path}/web-*.jsonl"], "weight": 1},
+        {"name": "code", "files": [f"{tmp_path}/code.jsonl"], "weight": 1}))
+    with pytest.raises(ConfigError, match=r"^data.mix\[1\].files \(source 'code'\): 1 shard\(s\) "
+                                          r"for 2 reading slots \(1 rank\(s\) x 2 loader worker"):
+        streamed_splits(data, 0)

@@ -54,7 +54,7 @@ class DataConfig:
     stream: bool = setting(
         False,
         "with name=files: read, tokenize and pack the files while training, no cache first "
-        "(resumes exactly, also on another world size)",
+        "(resumes exactly, also on another world size; with data.mix on the same one)",
     )
     text_field: str = setting(
         "text", "the JSON field or parquet/arrow column that holds each document's text"
@@ -96,7 +96,8 @@ class DataConfig:
         "with name=files, instead of data.files: weighted sources, e.g. [{name: web, files: "
         "['web/*.jsonl'], weight: 6}, {name: code, files: ['code/*.py'], weight: 3}]; each "
         "training sample is drawn from one source by weight, a source that runs out starts its "
-        "next pass; validation and test: each source's held-out fractions, pooled",
+        "next pass; validation and test: each source's held-out fractions, pooled; with "
+        "data.stream each source is streamed and needs a file (or 16 MB) per reading slot",
     )
     dispatch: bool = setting(
         False,

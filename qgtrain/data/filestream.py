@@ -67,8 +67,9 @@ class StreamPlan:
         return "val" if draw < val else "test" if draw < val + test else "train"
 
 
-def plan(data: DataConfig, seed: int) -> StreamPlan:
-    files = sources.find(data.files, "data.files")
+def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
+    """The plan of data.files (of a data.mix source: `key` names it in messages)."""
+    files = sources.find(data.files, key)
     held_out = tuple(0.0 if getattr(data, f"{s}_files") else getattr(data, f"{s}_fraction")
                      for s in ("val", "test"))
     info = tokenizer.describe(data.tokenizer)

@@ -28,6 +28,7 @@ from typing import Any
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..foundation.errors import ConfigError
 from .readers import SampleReader
 from .streams import dataset_states
 
@@ -57,7 +58,11 @@ class _Slot:
 
 
 class Mixture(IterableDataset[Any]):
-    """This rank's part of the mixture (rank and world size taken where the task is built)."""
+    """This rank's part of the mixture (rank and world size taken where the task is built). It
+    has no load_merged: a slot's sources are at different passes and offsets, so the positions of
+    another world size are not dealt again, and streams.py refuses that resume in one line."""
+
+    stream_label = "data.mix"
 
     def __init__(self, sources: Sequence[Source], seed: int, rank: int, world_size: int) -> None:
         self.sources, self.seed = list(sources), seed
@@ -95,9 +100,11 @@ class Mixture(IterableDataset[Any]):
                 samples[chosen] = self._next_pass(state, chosen, slot, slots)
                 sample = next(samples[chosen], _END)
                 if sample is _END:
-                    raise RuntimeError(
+                    raise ConfigError(
                         f"data.mix: source {self.names[chosen]!r} yields no sample in a whole "
-                        f"pass of reading slot {slot} of {slots}"
+                        f"pass of reading slot {slot} of {slots} (its part for that slot holds "
+                        f"no window of training text); give the source more text, use fewer "
+                        "data.num_workers, or set data.stream: false"
                     )
             state.draws += 1
             state.counts[chosen] += 1

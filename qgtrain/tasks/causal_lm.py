@@ -38,7 +38,9 @@ def causal_lm(cfg: RunConfig) -> Task:
     """Rank 0 tokenizes the text (once per text and tokenizer); the other ranks open what it wrote, or on a
     node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes it again."""
     prepared = None
-    if cfg.data.mix:
+    if cfg.data.mix and cfg.data.stream:  # each source read while training, nothing cached
+        splits = Splits(*mixture.streamed_splits(cfg.data, cfg.train.seed))
+    elif cfg.data.mix:
         folders = distributed.main_works_long(
             lambda: mixture.prepare_sources(cfg.data),
             f"is tokenizing the data.mix sources into {cfg.data.cache_dir}",

@@ -1,10 +1,16 @@
 """The built-in task's data when data.mix names weighted sources: each source prepared into the
-cache as data.files is (rank 0 tokenizes, the others wait), then mixed (data/mix.py).
+cache as data.files is (rank 0 tokenizes, the others wait), or with data.stream each source read
+while training as streamed data.files are (data/filestream.py), then mixed (data/mix.py).
 
 Each source is its own cache entry, keyed by its own files, so adding a source or changing a weight
 tokenizes nothing again. Validation and test are each source's held-out fractions of its documents,
 pooled into one split (every source's held-out windows, each evaluated once), so val_loss stays
-comparable between runs with other weights.
+comparable between runs with other weights. A streamed source holds out the same fractions of its
+documents (data/heldout.py reads them into memory), pooled the same way.
+
+A streamed source is read in whole shards (a file, or 16 MB of a plain-text or JSON Lines file) and
+every reading slot draws from every source, so each source needs a shard per slot: fewer is refused
+at the start, naming the source, rather than a slot finding its part of a source empty mid-run.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 import xxhash
-from torch.utils.data import ConcatDataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from ..config import DataConfig
-from ..data import corpus, prepare, sources
+from ..data import corpus, filestream, heldout, prepare, shards, sources, tokenizer
 from ..data.cached import CachedReader
 from ..data.mix import Mixture, Source
 from ..data.tokens import TokenWindows
@@ -30,7 +36,7 @@ def prepare_sources(data: DataConfig) -> list[str]:
     are found (a pattern that matches nothing is named before anything is tokenized)."""
     mixed = prepare.mixed_sources(data)
     for index, (name, settings) in enumerate(mixed):
-        sources.find(settings.files, f"data.mix[{index}].files (source {name!r})")
+        sources.find(settings.files, _key(index, name))
     return [str(prepare.prepare(settings, data.prepare_workers)[0].folder)
             for _, settings in mixed]
 
@@ -38,13 +44,10 @@ def prepare_sources(data: DataConfig) -> list[str]:
 def mixture_splits(data: DataConfig, folders: list[str], seed: int
                    ) -> tuple[Mixture, Any, Any, corpus.TokenFiles]:
     """(train: the mixture, val, test: pooled, the first source's entry for the vocabulary)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if data.dispatch:  # rank 0 reads the whole mixture
-        rank, world = 0, 1
-    slots = world * max(data.num_workers, 1)
+    rank, world, slots = reading(data)
     prepared = [corpus.load(Path(folder)) for folder in folders]
     mixed: list[Source] = []
-    held_out: dict[str, list[TokenWindows]] = {"val": [], "test": []}
+    held_out: dict[str, list[Dataset[Any]]] = {"val": [], "test": []}
     for entry, files in zip(data.mix, prepared):
         name = entry["name"]
         windows = TokenWindows(str(files.path("train")), files.dtype, data.seq_len)
@@ -55,20 +58,79 @@ def mixture_splits(data: DataConfig, folders: list[str], seed: int
                 f"({world} rank(s) x {max(data.num_workers, 1)} loader worker(s)); give it more "
                 "text or use fewer data.num_workers"
             )
-        own_seed = xxhash.xxh3_64_intdigest(f"{seed}/{name}".encode()) % (1 << 31)
-        reader = functools.partial(CachedReader, windows, own_seed)
+        reader = functools.partial(CachedReader, windows, source_seed(seed, name))
         mixed.append(Source(name, float(entry["weight"]), reader))
         for split in held_out:
             if files.tokens[split] >= data.seq_len:  # a small source may hold out nothing
                 held_out[split].append(
                     TokenWindows(str(files.path(split)), files.dtype, data.seq_len))
+    val, test = pooled(data, held_out)
+    return Mixture(mixed, seed, rank, world), val, test, prepared[0]
+
+
+def streamed_splits(data: DataConfig, seed: int) -> tuple[Mixture, Any, Any, int]:
+    """(train: the mixture of streamed sources, val, test: pooled, the vocabulary's size). Every
+    source's files are found and cut before any is read for its held-out documents."""
+    rank, world, slots = reading(data)
+    plans = [filestream.plan(settings, source_seed(seed, name), _key(index, name))
+             for index, (name, settings) in enumerate(prepare.mixed_sources(data))]
+    mixed: list[Source] = []
+    held_out: dict[str, list[Dataset[Any]]] = {"val": [], "test": []}
+    for index, (entry, plan) in enumerate(zip(data.mix, plans)):
+        name = entry["name"]
+        check_source(plan, _key(index, name), world, slots)
+        reader = functools.partial(filestream.slot_reader, plan)
+        mixed.append(Source(name, float(entry["weight"]), reader))
+        for split, windows in heldout.held_out(data, plan).items():
+            if len(windows):  # a small source may hold out nothing
+                held_out[split].append(windows)
+    val, test = pooled(data, held_out)
+    vocab = tokenizer.describe(data.tokenizer).vocab_size
+    return Mixture(mixed, seed, rank, world), val, test, vocab
+
+
+def check_source(plan: filestream.StreamPlan, key: str, world: int, slots: int) -> None:
+    """A streamed source every reading slot can draw from, or one line saying why not."""
+    if len(plan.shards) < slots:
+        raise ConfigError(
+            f"{key}: {len(plan.shards)} shard(s) for {slots} reading slots ({world} rank(s) x "
+            f"{slots // world} loader worker(s)), and each slot reads whole shards of every "
+            f"source (a file, or {shards.SHARD_BYTES >> 20} MB of a plain-text or JSON Lines "
+            f"file); give the source at least {slots} files, use fewer data.num_workers, or set "
+            "data.stream: false")
+    if next(iter(filestream.FileReader(plan, 0, 1)), None) is None:
+        raise ConfigError(
+            f"{key}: the stream yields nothing: no file holds data.seq_len={plan.seq_len} tokens "
+            "of training documents (every document empty, or held out); check its files and "
+            "data.text_field")
+
+
+def reading(data: DataConfig) -> tuple[int, int, int]:
+    """(this rank, the ranks that read, their reading slots: ranks x loader workers)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if data.dispatch:  # rank 0 reads the whole mixture
+        rank, world = 0, 1
+    return rank, world, world * max(data.num_workers, 1)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """A source's own seed: its order of samples does not change when another source is added."""
+    return xxhash.xxh3_64_intdigest(f"{seed}/{name}".encode()) % (1 << 31)
+
+
+def pooled(data: DataConfig, held_out: dict[str, list[Dataset[Any]]]
+           ) -> tuple[ConcatDataset[Any] | None, ConcatDataset[Any] | None]:
+    """(val, test): every source's held-out windows together."""
     if not held_out["val"] and data.val_fraction > 0:
         raise ConfigError(f"data.mix: no source holds out data.seq_len={data.seq_len} tokens for "
                           "validation; use more text, a larger data.val_fraction or a shorter "
                           "seq_len")
-    val, test = (pooled(held_out[split]) for split in ("val", "test"))
-    return Mixture(mixed, seed, rank, world), val, test, prepared[0]
+    return _joined(held_out["val"]), _joined(held_out["test"])
 
 
-def pooled(windows: list[TokenWindows]) -> ConcatDataset[Any] | None:
+def _joined(windows: list[Dataset[Any]]) -> ConcatDataset[Any] | None:
     return ConcatDataset(windows) if windows else None
+
+
+def _key(index: int, name: str) -> str:
+    return f"data.mix[{index}].files (source {name!r})"
