@@ -163,6 +163,23 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
                             r"'.*nothing\*.jsonl' matches no file or folder", line), line
 
 
+def test_data_info_shows_each_source_its_weight_and_files_then_the_caches(data, tmp_path):
+    shown = cli("data", "info", "--set", "data.name=files", mix(data),
+                f"data.cache_dir={data / 'cache'}", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[:3] == ["data.mix: 2 sources, tokenized into the cache",
+                         "  web: weight 6 (67%), 1 file(s) (web.jsonl)",
+                         "  code: weight 3 (33%), 1 file(s) (code.jsonl)"]
+    assert sum(line.startswith(str(data / "cache")) for line in lines) == 2  # both prepared
+    streamed = cli("data", "info", "--set", "data.name=files", "data.stream=true",
+                   mix(data, code=str(tmp_path / "none*.jsonl")),
+                   f"data.cache_dir={tmp_path / 'never'}", cwd=tmp_path)
+    assert streamed.returncode == 2 and streamed.stderr.strip().splitlines() == [
+        f"qgtrain: error: data.mix[1].files (source 'code'): '{tmp_path}/none*.jsonl' matches no "
+        "file or folder"]
+
+
 def test_a_cached_source_gives_each_slot_its_share_of_every_pass_in_a_new_order(tmp_path):
     """40 windows whose first token names them, read by 3 slots: each pass every window once, the
     next pass in another order, and a slot put back mid-pass from its state reads on as before."""

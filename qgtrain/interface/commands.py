@@ -266,10 +266,15 @@ def data_prepare(args: argparse.Namespace) -> int:
 
 
 def data_info(args: argparse.Namespace) -> int:
-    from ..ops.data_info import describe, render
+    from ..ops.data_info import configured, describe, render
 
-    entries = describe(args.path or Path(load_args_config(args).data.cache_dir))
-    print(json.dumps(entries, indent=1) if args.json else render(entries))
+    data = None if args.path else load_args_config(args).data
+    folder = args.path or Path(data.cache_dir if data else ".")
+    entries = describe(folder) if args.path or folder.exists() else []  # none made yet
+    if args.json:
+        print(json.dumps(entries, indent=1))
+        return 0
+    print("\n".join([*(configured(data) if data else []), render(entries)]))
     return 0
 
 

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..data.sources import SourceFile
+from ..config import DataConfig
+from ..data.sources import SourceFile, find
 from ..foundation.errors import ConfigError
 
 
@@ -82,6 +83,31 @@ def render(entries: list[dict[str, Any]]) -> str:
     streamed = ("no token caches here (a run with data.stream: true reads its data files while "
                 "training, without one)")
     return "\n".join(lines).rstrip() if lines else streamed
+
+
+def configured(data: DataConfig) -> list[str]:
+    """What the configured data files are read as, above the caches: for data.mix each source's
+    weight, share and files, so a mixture is checked before a job spends an allocation on it."""
+    if data.name != "files":
+        return []
+    how = "streamed while training (data.stream)" if data.stream else "tokenized into the cache"
+    if not data.mix:
+        return [f"data.files: {_shown(find(data.files, 'data.files'))}, {how}", ""]
+    total = sum(float(source["weight"]) for source in data.mix)
+    lines = [f"data.mix: {len(data.mix)} sources, {how}"]
+    for index, source in enumerate(data.mix):
+        patterns = [source["files"]] if isinstance(source["files"], str) else source["files"]
+        files = find(patterns, f"data.mix[{index}].files (source {source['name']!r})")
+        share = 100 * float(source["weight"]) / total
+        lines.append(f"  {source['name']}: weight {source['weight']:g} ({share:.0f}%), "
+                     f"{_shown(files)}")
+    return [*lines, ""]
+
+
+def _shown(files: list[SourceFile]) -> str:
+    names = ", ".join(Path(f.path).name for f in files[:3])
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    return f"{len(files)} file(s) ({names}{more})"
 
 
 def _entry(folder: Path) -> dict[str, Any]:
