@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import EXIT_USAGE, QgtrainError
-from . import commands
+from . import commands, submitting
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def _training_commands(sub: Any) -> None:
         help="a next stage: the first stage's config with FILE on top, "
         "submitted when the stage before finishes (repeat for more stages)",
     )
-    submit.set_defaults(func=commands.submit)
+    submit.set_defaults(func=submitting.submit)
     _export_command(sub)
     _recover_command(sub)
 
@@ -166,7 +166,7 @@ def _job_commands(sub: Any) -> None:
     )
     _config_args(snap)
     snap.add_argument("--job", default="", help="the Slurm job id (array jobs: <id>_<task>)")
-    snap.set_defaults(func=commands.snapshot)
+    snap.set_defaults(func=submitting.snapshot)
 
     after = sub.add_parser(
         "next-stage",
@@ -184,7 +184,7 @@ def _job_commands(sub: Any) -> None:
         default="",
         help="the chain the job belongs to (a chain submitted again replaces it)",
     )
-    after.set_defaults(func=commands.next_stage)
+    after.set_defaults(func=submitting.next_stage)
 
 
 def _operations_commands(sub: Any) -> None:
