@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qgtrain.foundation.errors import CheckpointError
-from qgtrain.state import checkpoint
+from qgtrain.state import checkpoint, rotation
 from qgtrain.state.checkpointer import CpuSnapshot
 from tests.helpers import records, tiny_config
 from tests.ranks import run_ranks, train_rank
@@ -62,7 +62,7 @@ def test_rotation_keeps_the_last_k_and_the_best_and_never_touches_another_run(tm
     stale = commit_step(tmp_path, 999_999, "other-run", 0.01)
     for step in range(10, 210, 10):
         commit_step(tmp_path, step, "run-a", val_loss=1.0 if step == 50 else 2.0 + step / 1000)
-        checkpoint.rotate(tmp_path, "run-a", keep_last=2)
+        rotation.rotate(tmp_path, "run-a", keep_last=2)
     ours = [c.step for c in checkpoint.list_committed(tmp_path) if c.run_id == "run-a"]
     assert ours == [50, 190, 200], "newest two by step number (not by name: 90 < 100), plus the best"
     assert checkpoint.verify(checkpoint.read_manifest(stale.path)) is None, "another run's folder is untouched"
