@@ -78,7 +78,9 @@ def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(
 
 def test_runs_answers_without_importing_torch(tmp_path):
     code = (
-        "import sys; from qgtrain.interface.cli import main; main(['runs', " + repr(str(tmp_path)) + "]); "
+        "import sys; from qgtrain.interface.cli import main; main(['runs', "
+        + repr(str(tmp_path))
+        + "]); "
         "print([m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
