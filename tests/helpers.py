@@ -74,7 +74,9 @@ def cli(
     )
 
 
-def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
+def wait_for(  # type: ignore[no-untyped-def]
+    condition, procs, what: str, timeout: float = 180
+) -> None:
     """Poll `condition` until it holds; fail at once if a rank exits first, or after `timeout`
     seconds."""
     deadline = time.monotonic() + timeout

@@ -150,7 +150,9 @@ def test_prompt_completion_with_and_without_a_chat_template(tmp_path):
     assert trained.tolist() == [False] * 16 + [True] * 9
 
 
-def prepared_rows(tmp_path: Path, rows: list, **changes) -> tuple[ChatRows, DataConfig]:  # type: ignore[no-untyped-def]
+def prepared_rows(  # type: ignore[no-untyped-def]
+    tmp_path: Path, rows: list, **changes
+) -> tuple[ChatRows, DataConfig]:
     cfg = data(
         tmp_path,
         write_jsonl(tmp_path / "talk.jsonl", rows),

@@ -63,7 +63,9 @@ def decoded(files: TokenFiles, split: str) -> list[str]:
     return [bytes(ids[s:e].astype(np.uint8)).decode() for s, e in zip(starts, ends)]
 
 
-def data(tmp_path: Path, *files: str | Path, **changes) -> DataConfig:  # type: ignore[no-untyped-def]
+def data(  # type: ignore[no-untyped-def]
+    tmp_path: Path, *files: str | Path, **changes
+) -> DataConfig:
     return replace(
         DataConfig(name="files", files=tuple(map(str, files)), cache_dir=str(tmp_path / "cache")),
         **changes,

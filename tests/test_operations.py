@@ -20,7 +20,9 @@ from tests.helpers import TINY, cli, records, tiny_config
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 
-def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+def wait_for_step(  # type: ignore[no-untyped-def]
+    run: Path, step: int, procs, timeout: float = 120
+) -> None:
     deadline = time.monotonic() + timeout
     metrics = run / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= step):
