@@ -276,9 +276,13 @@ model = rebuild.rebuild_lm(ckpt.path, yaml_config(ckpt), {})
 sharded.load_model(ckpt, model)
 model.save_pretrained(sys.argv[2], max_shard_size='2GB')
 """
-NOW = "import sys\nfrom qgtrain.ops.export.pipeline import export_run\nexport_run(sys.argv[1], sys.argv[2])\n"
+NOW = (
+    "import sys\nfrom qgtrain.ops.export.pipeline import export_run\n"
+    "export_run(sys.argv[1], sys.argv[2])\n"
+)
 MEASURED = """
-import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint, qgtrain.ops.export.pipeline
+import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint
+import qgtrain.ops.export.pipeline
 def status(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
 before = status('VmRSS:')

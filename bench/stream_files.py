@@ -33,8 +33,10 @@ from qgtrain.data.loaders import ResumableSampler, make_loader, stream_loader
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.tasks.causal_lm import build_splits
 
-WORDS = ("rank node slurm batch token model epoch shard cache resume signal queue gradient "
-         "optimizer loss stream file worker sample position").split()
+WORDS = (
+    "rank node slurm batch token model epoch shard cache resume signal queue gradient "
+    "optimizer loss stream file worker sample position"
+).split()
 SEQ, BATCH, WORKERS = 512, 16, 2
 CPU = torch.device("cpu")
 
@@ -50,8 +52,9 @@ def make_file(path: Path, megabytes: float) -> None:
 
 def first_batch(data: DataConfig, stream: bool) -> float:
     start = time.perf_counter()
-    splits = build_splits(replace(data, stream=stream),
-                          None if stream else prepare.prepare(data)[0], 0)
+    splits = build_splits(
+        replace(data, stream=stream), None if stream else prepare.prepare(data)[0], 0
+    )
     next(iter(loader(splits.train, stream)))
     return time.perf_counter() - start
 
@@ -64,8 +67,9 @@ def loader(train: object, stream: bool) -> torch.utils.data.DataLoader:  # type:
 
 
 def throughput(data: DataConfig, stream: bool, batches: int) -> float:
-    splits = build_splits(replace(data, stream=stream),
-                          None if stream else prepare.prepare(data)[0], 0)
+    splits = build_splits(
+        replace(data, stream=stream), None if stream else prepare.prepare(data)[0], 0
+    )
     drawn = iter(loader(splits.train, stream))
     next(drawn)
     start = time.perf_counter()
@@ -98,8 +102,13 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     try:
         make_file(folder / "big.jsonl", args.mb)
-        data = DataConfig(name="files", files=(str(folder / "big.jsonl"),), seq_len=SEQ,
-                          cache_dir=str(folder / "cache"), prepare_workers=1)
+        data = DataConfig(
+            name="files",
+            files=(str(folder / "big.jsonl"),),
+            seq_len=SEQ,
+            cache_dir=str(folder / "cache"),
+            prepare_workers=1,
+        )
         print(f"{args.mb:g} MB of JSON Lines, seq_len {SEQ}, batch {BATCH}, {WORKERS} workers")
         starts: dict[str, list[float]] = {"stream": [], "cache": []}
         for _ in range(args.rounds):
@@ -112,8 +121,10 @@ def main() -> None:
             rates["cache"].append(1 / throughput(data, False, args.batches))
             rates["stream"].append(1 / throughput(data, True, args.batches))
         ratio = report("seconds per sample", rates, "stream", "cache", "<= 1/0.9 = 1.11")
-        print(f"samples/s: stream {1 / statistics.median(rates['stream']):,.0f}, cache "
-              f"{1 / statistics.median(rates['cache']):,.0f}, ratio {1 / ratio:.3f} (goal >= 0.9)")
+        print(
+            f"samples/s: stream {1 / statistics.median(rates['stream']):,.0f}, cache "
+            f"{1 / statistics.median(rates['cache']):,.0f}, ratio {1 / ratio:.3f} (goal >= 0.9)"
+        )
         plan = filestream.plan(replace(data, stream=True), 0)
         for name, fraction in (("early", 0.02), ("late", 0.9)):
             reader, skip = filestream.FileReader(plan, 0, 1), 0
@@ -122,12 +133,16 @@ def main() -> None:
                 if skip + 1 >= target:
                     break
             state = reader.state_dict()
-            times = {"state": [resume(plan, state, 0) for _ in range(args.rounds)],
-                     "replay": [resume(plan, state, skip + 1)]}
-            print(f"resume {name} (after {skip + 1:,} samples, "
-                  f"{100 * fraction:g}% of the file): state "
-                  f"{statistics.median(times['state']) * 1e3:.1f} ms, reading past "
-                  f"{statistics.median(times['replay']) * 1e3:.0f} ms")
+            times = {
+                "state": [resume(plan, state, 0) for _ in range(args.rounds)],
+                "replay": [resume(plan, state, skip + 1)],
+            }
+            print(
+                f"resume {name} (after {skip + 1:,} samples, "
+                f"{100 * fraction:g}% of the file): state "
+                f"{statistics.median(times['state']) * 1e3:.1f} ms, reading past "
+                f"{statistics.median(times['replay']) * 1e3:.0f} ms"
+            )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

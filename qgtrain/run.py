@@ -1,8 +1,9 @@
 """The composition root of `qgtrain train`: the one place where the parts are built and connected.
 
 environment -> device and process group -> run directory (rank 0 decides) -> task -> model, data,
-checkpointer, metrics -> resume -> train -> on a stop: requeue and the documented exit code; on finish:
-export if asked -> process group destroyed. Policy lives in the modules named here; this file composes.
+checkpointer, metrics -> resume -> train -> on a stop: requeue and the documented exit code; on
+finish: export if asked -> process group destroyed. Policy lives in the modules named here; this
+file composes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +21,9 @@ import torch
 from .config import RunConfig
 from .config.load import config_to_dict
 from .data.loaders import build_loaders
-from .foundation.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .foundation.task import ReadyTask
-from .ops.export import target as export_target
+from .ops.export.on_finish import export_on_finish
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
@@ -36,7 +36,8 @@ from .state.lifecycle import Lifecycle
 from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
-from .tasks.build import TaskSource, build_task, task_spec
+from .tasks.build import TaskSource, build_task, naming_the_task
+from .tasks.pretrained import with_pretrained_tokenizer
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
@@ -46,9 +47,11 @@ from .training.trainer import Trainer
 from .training.transforms import transformed
 
 logger = logging.getLogger("qgtrain")
-EXPORT_TIMEOUT_S = 6 * 3600.0
-STATUS = {Outcome.FINISHED: "finished", Outcome.EARLY_STOPPED: "stopped early",
-          Outcome.STOPPED_TO_RESUME: "preempted"}
+STATUS = {
+    Outcome.FINISHED: "finished",
+    Outcome.EARLY_STOPPED: "stopped early",
+    Outcome.STOPPED_TO_RESUME: "preempted",
+}
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,16 @@ class RunContext:
     task: TaskSource | None
 
 
-def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, requeue_on_stop: bool = True,
-          task: TaskSource | None = None) -> int:
-    """Train to the end, to an early stop, or to an agreed stop on a signal or before the time limit.
-    Returns the exit code."""
+def train(
+    cfg: RunConfig,
+    env: DistEnv,
+    run_dir: str | Path | None = None,
+    *,
+    requeue_on_stop: bool = True,
+    task: TaskSource | None = None,
+) -> int:
+    """Train to the end, to an early stop, or to an agreed stop on a signal or before the time
+    limit. Returns the exit code."""
     deadline = deadline_for(cfg.train, env, lambda: slurm.seconds_left(str(env.job_id)))
     timeline = Timeline()
     log.setup_console(env, cfg.logging.level)
@@ -75,18 +84,27 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: str | Path | None = None, *, re
     if device.type == "cpu":
         cpu.set_cpu_threads(env, cfg.train.cpu_threads)
         cpu.keep_freed_memory()
-    cfg = _naming_the_task(_with_pretrained_tokenizer(cfg), task)
+    cfg = naming_the_task(with_pretrained_tokenizer(cfg), task)
     try:
-        # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own tasks.
-        with StopFlag([cfg.slurm.signal, "TERM"]) as stop, distributed.process_group(
-                env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s, cfg.train.socket_ifname):
+        # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own
+        # tasks.
+        with (
+            StopFlag([cfg.slurm.signal, "TERM"]) as stop,
+            distributed.process_group(
+                env,
+                device,
+                cfg.train.startup_timeout_s,
+                cfg.train.collective_timeout_s,
+                cfg.train.socket_ifname,
+            ),
+        ):
             timeline.mark("process group")
             ctx = RunContext(cfg, env, device, stop, deadline, timeline, task)
             outcome, path = _train_in_group(ctx, Path(run_dir) if run_dir else None)
             if outcome is Outcome.STOPPED_TO_RESUME:
                 return _after_stop(ctx, path, requeue_on_stop)
             if cfg.export.on_finish:
-                return _export_on_finish(cfg, path)
+                return export_on_finish(cfg, path)
             distributed.barrier()
             return EXIT_OK
     finally:
@@ -100,7 +118,9 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
-            log.add_rank_file(ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level)
+            log.add_rank_file(
+                ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level
+            )
             comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
             lifecycle.started()
             with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
@@ -121,17 +141,26 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, holds_all))
     # adapters and the other transforms, drawn with the same seed on every rank
     task = dataclasses.replace(task, model=transformed(task.model, cfg, env, ctx.device))
-    rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))  # dropout differs per rank, reproducibly
+    # dropout differs per rank, reproducibly
+    rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
         logger.warning("%s", changed)
     ctx.timeline.mark("task")
-    logger.info("task %s: model %s with %.2fM parameters (%.3gM trained)", cfg.task.factory,
-                type(task.model).__name__, sum(p.numel() for p in task.model.parameters()) / 1e6,
-                sum(p.numel() for p in task.model.parameters() if p.requires_grad) / 1e6)
+    logger.info(
+        "task %s: model %s with %.2fM parameters (%.3gM trained)",
+        cfg.task.factory,
+        type(task.model).__name__,
+        sum(p.numel() for p in task.model.parameters()) / 1e6,
+        sum(p.numel() for p in task.model.parameters() if p.requires_grad) / 1e6,
+    )
     metrics = _metrics_log(ctx, claim, ckpt)
     outcome = None
     try:
-        with compile_cache.in_run_dir(claim.path, env.rank) if cfg.model.compile else contextlib.nullcontext():
+        with (
+            compile_cache.in_run_dir(claim.path, env.rank)
+            if cfg.model.compile
+            else contextlib.nullcontext()
+        ):
             trainer = _trainer(ctx, claim, task, metrics)
             ctx.timeline.mark("wrapping and loaders")
             if ckpt is not None:
@@ -148,22 +177,46 @@ def _log_start(ctx: RunContext, claim: Claim) -> None:
     cfg, env = ctx.cfg, ctx.env
     if cfg.model.pretrained and cfg.data.tokenizer == cfg.model.pretrained:
         logger.info("using the tokenizer of model.pretrained (%s)", cfg.model.pretrained)
-    logger.info("run directory %s (run id %s), %d rank(s) on %d node(s), device %s", claim.path, claim.run_id,
-                env.world_size, env.num_nodes, ctx.device)
-    logger.info("rank %d on node %s (local rank %d), rendezvous %s:%d (port %s)%s", env.rank, env.node_name,
-                env.local_rank, env.master_addr, env.master_port, env.port_source,
-                f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "")
+    logger.info(
+        "run directory %s (run id %s), %d rank(s) on %d node(s), device %s",
+        claim.path,
+        claim.run_id,
+        env.world_size,
+        env.num_nodes,
+        ctx.device,
+    )
+    logger.info(
+        "rank %d on node %s (local rank %d), rendezvous %s:%d (port %s)%s",
+        env.rank,
+        env.node_name,
+        env.local_rank,
+        env.master_addr,
+        env.master_port,
+        env.port_source,
+        f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "",
+    )
 
 
 def _metrics_log(ctx: RunContext, claim: Claim, ckpt: checkpoint.Checkpoint | None) -> MetricsLog:
     cfg, env = ctx.cfg, ctx.env
     trackers.check_installed(cfg.logging.trackers)
     bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
-    opened = trackers.open_trackers(cfg.logging, claim.path, claim.path.name, config_to_dict(cfg)) \
-        if env.is_main else []
-    return MetricsLog(claim.path, env.is_main, cfg.logging.tensorboard or "tensorboard" in cfg.logging.trackers,
-                      ckpt.step if ckpt else None, progress_bar=bar, max_steps=cfg.train.max_steps,
-                      memory_warn_gb=cfg.logging.memory_warn_gb, timeline=ctx.timeline, trackers=opened)
+    opened = (
+        trackers.open_trackers(cfg.logging, claim.path, claim.path.name, config_to_dict(cfg))
+        if env.is_main
+        else []
+    )
+    return MetricsLog(
+        claim.path,
+        env.is_main,
+        cfg.logging.tensorboard or "tensorboard" in cfg.logging.trackers,
+        ckpt.step if ckpt else None,
+        progress_bar=bar,
+        max_steps=cfg.train.max_steps,
+        memory_warn_gb=cfg.logging.memory_warn_gb,
+        timeline=ctx.timeline,
+        trackers=opened,
+    )
 
 
 def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog) -> Trainer:
@@ -172,92 +225,73 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     run = RunDir(claim.path)
     facts = {"class": type(model).__name__, **task.facts}
     # rank 0's record: the ranks' copies cannot differ
-    run_files = {layout.CONFIG: run.config.read_bytes(),
-                 layout.MODEL_FACTS: json.dumps(facts).encode()}
+    run_files = {
+        layout.CONFIG: run.config.read_bytes(),
+        layout.MODEL_FACTS: json.dumps(facts).encode(),
+    }
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         run_files[layout.HF_CONFIG] = model.config.to_json_string().encode()
-    checkpointer = Checkpointer(run.checkpoints, claim.run_id, env, cfg.checkpoint.keep_last,
-                                cfg.checkpoint.async_save, run_files, cfg.train.collective_timeout_s)
+    checkpointer = Checkpointer(
+        run.checkpoints,
+        claim.run_id,
+        env,
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.async_save,
+        run_files,
+        cfg.train.collective_timeout_s,
+    )
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
-    loaders = build_loaders(task.train, task.val, task.test, task.collate, env, cfg.train.batch_size,
-                            cfg.data.num_workers, device, cfg.train.seed,
-                            f"task.factory: the train split of {cfg.task.factory}",
-                            dispatch=cfg.data.dispatch)
+    loaders = build_loaders(
+        task.train,
+        task.val,
+        task.test,
+        task.collate,
+        env,
+        cfg.train.batch_size,
+        cfg.data.num_workers,
+        device,
+        cfg.train.seed,
+        f"task.factory: the train split of {cfg.task.factory}",
+        dispatch=cfg.data.dispatch,
+    )
     optimizer = build_optimizer(task, cfg.optim, device)
     whose = " (the task's)" if task.optimizer else ""
     logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)
-    profiler = StepProfiler(cfg.train.profile_steps, run.profiles, env.rank, device,
-                            cfg.train.memory_snapshot)
-    parts = Parts(task, wrapped, optimizer, precision.grad_scaler(resolved, device), loaders,
-                  checkpointer, metrics, ctx.stop, ctx.deadline, profiler)
+    profiler = StepProfiler(
+        cfg.train.profile_steps, run.profiles, env.rank, device, cfg.train.memory_snapshot
+    )
+    parts = Parts(
+        task,
+        wrapped,
+        optimizer,
+        precision.grad_scaler(resolved, device),
+        loaders,
+        checkpointer,
+        metrics,
+        ctx.stop,
+        ctx.deadline,
+        profiler,
+    )
     # pins an async save's host buffers in the background
     checkpointer.prepare(model, parts.optimizer)
-    settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish)
+    settings = Settings(
+        cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish
+    )
     return Trainer(parts, settings, env, device)
 
 
-def _with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
-    """model.pretrained brings its own tokenizer unless data.tokenizer names one: fine-tuning on a
-    different tokenization would silently feed the model the wrong ids."""
-    pretrained = cfg.model.pretrained
-    if pretrained and cfg.data.tokenizer == "byte" and Path(pretrained, "tokenizer.json").is_file():
-        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=pretrained))
-    return cfg
-
-
-def _naming_the_task(cfg: RunConfig, task: TaskSource | None) -> RunConfig:
-    """The config names a task given in Python, so a requeued job and `qgtrain export` rebuild it (done
-    before the config is recorded: the run's copies must agree)."""
-    if task is not None and (spec := task_spec(task)):
-        return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, factory=spec))
-    if task is not None:
-        logger.warning("the task was given as an object, so the run's config cannot name it: a requeued job, "
-                       "`qgtrain train` and `qgtrain export` would build %s instead. HINT: pass the function that "
-                       "makes the Task (task=my_task), defined at the top level of a module", cfg.task.factory)
-    return cfg
-
-
 def _after_stop(ctx: RunContext, path: Path, requeue_on_stop: bool) -> int:
-    """After the agreed checkpoint: rank 0 requeues the Slurm job; every rank returns the same code."""
+    """After the agreed checkpoint: rank 0 requeues the Slurm job; every rank returns the same
+    code."""
     result = None
     if ctx.env.is_main:
-        requeued, said = slurm.decide_requeue(ctx.cfg.slurm, ctx.env) if requeue_on_stop else \
-            (False, "the launcher decides about requeueing")
+        requeued, said = (
+            slurm.decide_requeue(ctx.cfg.slurm, ctx.env)
+            if requeue_on_stop
+            else (False, "the launcher decides about requeueing")
+        )
         logger.warning("stopped at a checkpoint; %s", said)
         result = EXIT_REQUEUE_ME if requeued is None else EXIT_STOPPED
         rundir.write_status(path, "preempted", requeued=requeued)
     return int(distributed.broadcast_from_main(result))
-
-
-def _export_on_finish(cfg: RunConfig, run_dir: Path) -> int:
-    """Rank 0 runs `qgtrain export` in a child process (a fresh one-process group on the CPU, and memory
-    of its own); every rank returns its outcome. Training is finished and checkpointed either way."""
-    out = Path(cfg.export.dir) if cfg.export.dir else RunDir(run_dir).export
-
-    def export() -> tuple[int, str, bool]:
-        refused = export_target.refusal(out, force=True)  # never over the user's other files
-        if refused is not None:
-            return EXIT_FAILED, refused, True
-        logger.info("exporting the final checkpoint to %s", out)
-        done = subprocess.run([sys.executable, "-m", "qgtrain", "export", str(run_dir), "--out",
-                               str(out), "--force",
-                               "--trust-code"],  # the code this job itself imported
-                              capture_output=True, text=True)
-        said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
-        return done.returncode, said, False
-
-    returncode, said, refused = distributed.main_works_long(export, f"is exporting to {out}",
-                                                            ("its limit", EXPORT_TIMEOUT_S))
-    if refused:
-        logger.error("training finished, but nothing was exported: %s. HINT: the checkpoints are "
-                     "intact; export by hand into another folder with "
-                     "`qgtrain export %s --out OTHER`, or set export.dir to a new or empty folder",
-                     said, run_dir)
-        return EXIT_FAILED
-    if returncode != 0:
-        logger.error("training finished, but the export failed (exit %d): %s. HINT: the checkpoints are intact; "
-                     "fix the cause and run `qgtrain export %s --out %s`", returncode, said, run_dir, out)
-        return EXIT_FAILED
-    logger.info("%s", said)
-    return EXIT_OK

@@ -1,7 +1,7 @@
-"""Shared fixtures. The Slurm test cluster (tests/cluster/start.sh) is started once per session by the
-first test that needs it and stopped by PID at the end. It needs root; where root is there, a failure to
-start it fails those tests rather than skipping them. In CI (CI set) a missing prerequisite fails too:
-a suite that silently skipped its cluster tests must not pass there."""
+"""Shared fixtures. The Slurm test cluster (tests/cluster/start.sh) is started once per session by
+the first test that needs it and stopped by PID at the end. It needs root; where root is there, a
+failure to start it fails those tests rather than skipping them. In CI (CI set) a missing
+prerequisite fails too: a suite that silently skipped its cluster tests must not pass there."""
 
 from __future__ import annotations
 
@@ -16,26 +16,37 @@ from typing import Any
 
 import pytest
 
-# Two xdist workers share two cores, and each starts processes with OpenMP thread pools: threads that
-# spin while they wait take the cores the other worker's ranks need (two 2-thread runs side by side took
-# 4x as long as with passive waiting). Set before torch is first imported here, and inherited by every
-# rank, CLI run and Slurm job the suite starts; results do not depend on it, only time does.
+# Two xdist workers share two cores, and each starts processes with OpenMP thread pools: threads
+# that spin while they wait take the cores the other worker's ranks need (two 2-thread runs side by
+# side took 4x as long as with passive waiting). Set before torch is first imported here, and
+# inherited by every rank, CLI run and Slurm job the suite starts; results do not depend on it, only
+# time does.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 CLUSTER = Path(__file__).resolve().parent / "cluster"
 LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 
 
-# pytest-xdist's units of work: a unit runs whole on one worker. The tests that use the Slurm cluster, and only
-# they, live in files named so, and are one unit: the cluster and the session fixtures built on it exist once, and
-# its tests take turns on its nodes. A module whose tests share a module-scoped fixture (a reference run trained
-# once) is one unit, or each worker would build the fixture again. Every other test is a unit of its own.
+# pytest-xdist's units of work: a unit runs whole on one worker. The tests that use the Slurm
+# cluster, and only they, live in files named so, and are one unit: the cluster and the session
+# fixtures built on it exist once, and its tests take turns on its nodes. A module whose tests share
+# a module-scoped fixture (a reference run trained once) is one unit, or each worker would build the
+# fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
-SHARED_FIXTURE_MODULES = ("tests/test_export.py", "tests/test_molecules.py", "tests/test_resume.py",
-                          "tests/test_trust_checkpoint.py", "tests/test_spikes.py", "tests/test_rollback.py",
-                          "tests/test_ema.py", "tests/test_ema_resume.py", "tests/test_adapters.py",
-                          "tests/test_streams.py", "tests/test_mix.py",
-                          "tests/test_stream_files.py")
+SHARED_FIXTURE_MODULES = (
+    "tests/test_export.py",
+    "tests/test_molecules.py",
+    "tests/test_resume.py",
+    "tests/test_trust_checkpoint.py",
+    "tests/test_spikes.py",
+    "tests/test_rollback.py",
+    "tests/test_ema.py",
+    "tests/test_ema_resume.py",
+    "tests/test_adapters.py",
+    "tests/test_streams.py",
+    "tests/test_mix.py",
+    "tests/test_stream_files.py",
+)
 
 
 def work_unit(nodeid: str) -> str:
@@ -49,23 +60,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Keeps the units above true as tests are added."""
     for item in items:
         module = item.nodeid.split("::")[0]
-        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not module.startswith(CLUSTER_TESTS):
-            raise pytest.UsageError(f"{item.nodeid} uses the Slurm cluster: tests on it belong in "
-                                    f"{CLUSTER_TESTS}*.py, which one pytest-xdist worker runs")
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not module.startswith(
+            CLUSTER_TESTS
+        ):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the Slurm cluster: tests on it belong in "
+                f"{CLUSTER_TESTS}*.py, which one pytest-xdist worker runs"
+            )
         if work_unit(item.nodeid) == item.nodeid and _uses_a_module_fixture(item):
-            raise pytest.UsageError(f"{item.nodeid} uses a module-scoped fixture: add {module} to "
-                                    "SHARED_FIXTURE_MODULES in tests/conftest.py, so that one worker builds it once")
+            raise pytest.UsageError(
+                f"{item.nodeid} uses a module-scoped fixture: add {module} to "
+                "SHARED_FIXTURE_MODULES in tests/conftest.py, so that one worker builds it once"
+            )
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)  # pytest's record of the fixtures a test function uses
-    return info is not None and any(definition.scope == "module"
-                                    for definitions in info.name2fixturedefs.values() for definition in definitions)
+    # pytest's record of the fixtures a test function uses
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        definition.scope == "module"
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under --dist loadgroup, xdist schedules the units of work_unit, largest first. (xdist's own xdist_group
-    marker groups by rewriting node ids, which pytest 9 no longer lets it do.)"""
+    """Under --dist loadgroup, xdist schedules the units of work_unit, largest first. (xdist's own
+    xdist_group marker groups by rewriting node ids, which pytest 9 no longer lets it do.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByWorkUnit(LoadScopeScheduling):
@@ -77,16 +98,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Path]:
-    """A running three-node Slurm cluster; yields its slurm.conf. Clients find it through SLURM_CONF."""
+    """A running three-node Slurm cluster; yields its slurm.conf. Clients find it through
+    SLURM_CONF."""
     if os.geteuid() != 0:
         _cannot_start("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         _cannot_start("Slurm is not installed and there is no apt-get to install it")
-    # One cluster per machine: a second test session waits for the first to stop it instead of sharing it.
+    # One cluster per machine: a second test session waits for the first to stop it instead of
+    # sharing it.
     lock = open("/tmp/qgtrain-slurm.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    started = subprocess.run(["bash", str(CLUSTER / "start.sh"), "--nodes", "3"], capture_output=True, text=True,
-                             timeout=600)
+    started = subprocess.run(
+        ["bash", str(CLUSTER / "start.sh"), "--nodes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if started.returncode != 0:
         pytest.fail(f"could not start the Slurm test cluster:\n{started.stdout}\n{started.stderr}")
     saved = {key: os.environ.get(key) for key in ("SLURM_CONF", "QGTRAIN_PYTHON")}
@@ -104,33 +131,51 @@ def slurm_cluster() -> Iterator[Path]:
         lock.close()
 
 
-# Set by pytest for each phase of a test, and by torch on first use of inductor: harmless to inherit.
+# Set by pytest for each phase of a test, and by torch on first use of inductor: harmless to
+# inherit.
 LIBRARIES_OWN = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 @pytest.fixture(autouse=True)
 def environment_left_as_found() -> Iterator[None]:
-    """A test that changes os.environ without monkeypatch changes every later test's and every Slurm job's
-    environment (sbatch exports it): a leaked GLOO_SOCKET_IFNAME once failed every multi-node test. Such a
-    test fails, and the environment is put back."""
+    """A test that changes os.environ without monkeypatch changes every later test's and every Slurm
+    job's environment (sbatch exports it): a leaked GLOO_SOCKET_IFNAME once failed every multi-node
+    test. Such a test fails, and the environment is put back."""
     before = dict(os.environ)
     yield
-    changed = sorted(key for key in before.keys() | os.environ.keys()
-                     if before.get(key) != os.environ.get(key) and key not in LIBRARIES_OWN)
+    changed = sorted(
+        key
+        for key in before.keys() | os.environ.keys()
+        if before.get(key) != os.environ.get(key) and key not in LIBRARIES_OWN
+    )
     os.environ.clear()
     os.environ.update(before)
     if changed:
-        pytest.fail(f"the test left the environment changed ({', '.join(changed)}): use monkeypatch")
+        pytest.fail(
+            f"the test left the environment changed ({', '.join(changed)}): use monkeypatch"
+        )
 
 
 @pytest.fixture(scope="session")
-def two_node_reference(slurm_cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The final weights of the uninterrupted two-node run (helpers.two_node_configs), trained once for
-    every test whose interrupted run must end equal to it."""
-    from tests.helpers import TWO_NODE_STEPS, TWO_NODES, final_weights, sbatch, two_node_configs, wait_finished
+def two_node_reference(
+    slurm_cluster: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The final weights of the uninterrupted two-node run (helpers.two_node_configs), trained once
+    for every test whose interrupted run must end equal to it."""
+    from tests.helpers import (
+        TWO_NODE_STEPS,
+        TWO_NODES,
+        final_weights,
+        sbatch,
+        two_node_configs,
+        wait_finished,
+    )
 
     tmp = tmp_path_factory.mktemp("two-node-reference")
-    assert wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=two_node_configs(tmp))) == "COMPLETED"
+    assert (
+        wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=two_node_configs(tmp)))
+        == "COMPLETED"
+    )
     return final_weights(tmp / "runs" / "cpu", TWO_NODE_STEPS)
 
 
@@ -143,8 +188,8 @@ def root() -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path, root: None) -> Iterator[Path]:
-    """A real 1 MB tmpfs mounted for the test (root only): a disk that fills up, and can be made read-only
-    with `mount -o remount,ro`."""
+    """A real 1 MB tmpfs mounted for the test (root only): a disk that fills up, and can be made
+    read-only with `mount -o remount,ro`."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)

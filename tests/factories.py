@@ -12,7 +12,8 @@ from torch import nn
 
 
 class TinyLM(nn.Module):
-    """Embedding, one hidden layer, vocabulary head: enough to learn, cheap enough for many processes."""
+    """Embedding, one hidden layer, vocabulary head: enough to learn, cheap enough for many
+    processes."""
 
     def __init__(self, vocab_size: int, width: int = 32) -> None:
         super().__init__()
@@ -59,7 +60,8 @@ def nan_on_rank_one_at_step_three(vocab_size: int, seq_len: int) -> nn.Module:
 
 
 class TinyHubLM(TinyLM, PyTorchModelHubMixin):
-    """A user model made exportable the huggingface_hub way: its init arguments are saved with it."""
+    """A user model made exportable the huggingface_hub way: its init arguments are saved with
+    it."""
 
     def __init__(self, vocab_size: int = 257, width: int = 32) -> None:
         super().__init__(vocab_size, width)
@@ -108,8 +110,8 @@ def out_of_memory_at_step_two(vocab_size: int, seq_len: int) -> nn.Module:
 
 
 class WorkerDies(torch.utils.data.Dataset):
-    """Random tokens; the DataLoader worker that loads sample 40 is killed, as the OOM killer or a bus
-    error on a full /dev/shm would kill it."""
+    """Random tokens; the DataLoader worker that loads sample 40 is killed, as the OOM killer or a
+    bus error on a full /dev/shm would kill it."""
 
     def __len__(self) -> int:
         return 256
@@ -143,8 +145,9 @@ def drifts_apart(vocab_size: int, seq_len: int) -> nn.Module:
 
 
 # A poisoned sample for the loss-spike tests (test_spikes.py): with 2 ranks, train.batch_size 4 and
-# train.seed's shuffle of epoch 0, the sample at position POISON_AT of the permutation is the second of
-# rank 1's batch at step 13 (rank r takes positions r, r + 2, ...; DistributedSampler's permutation).
+# train.seed's shuffle of epoch 0, the sample at position POISON_AT of the permutation is the second
+# of rank 1's batch at step 13 (rank r takes positions r, r + 2, ...; DistributedSampler's
+# permutation).
 POISON_AT, POISON_TOKEN = 2 * (12 * 4 + 1) + 1, 256
 
 
@@ -154,24 +157,36 @@ class Poisoned(torch.utils.data.Dataset):
     def __init__(self, samples: int, seq_len: int, seed: int, poisoned: int | None) -> None:
         from qgtrain.data.tokens import SyntheticTokens
 
-        self.clean, self.seq_len, self.poisoned = SyntheticTokens(samples, seq_len, 256, seed), seq_len, poisoned
+        self.clean, self.seq_len, self.poisoned = (
+            SyntheticTokens(samples, seq_len, 256, seed),
+            seq_len,
+            poisoned,
+        )
 
     def __len__(self) -> int:
         return len(self.clean)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.full((self.seq_len,), POISON_TOKEN) if index == self.poisoned else self.clean[index]
+        return (
+            torch.full((self.seq_len,), POISON_TOKEN)
+            if index == self.poisoned
+            else self.clean[index]
+        )
 
 
 def poisoned_data(seq_len: int, seed: int) -> tuple:
     order = torch.randperm(256, generator=torch.Generator().manual_seed(seed)).tolist()
-    return (Poisoned(256, seq_len, seed, order[POISON_AT]), Poisoned(16, seq_len, seed + 1, None),
-            Poisoned(16, seq_len, seed + 2, None), 257)
+    return (
+        Poisoned(256, seq_len, seed, order[POISON_AT]),
+        Poisoned(16, seq_len, seed + 1, None),
+        Poisoned(16, seq_len, seed + 2, None),
+        257,
+    )
 
 
 class SpikesOnPoison(TinyLM):
-    """With dropout (a forward draws random numbers); a training batch that holds the poison token gets a
-    loss some thousand times its usual size, finite, as a corrupt sample might."""
+    """With dropout (a forward draws random numbers); a training batch that holds the poison token
+    gets a loss some thousand times its usual size, finite, as a corrupt sample might."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__(vocab_size)

@@ -1,5 +1,6 @@
-"""What many tests need, written once: a small config, running the CLI, reading a run's metrics, logs and
-checkpoints, waiting for a run to get somewhere, and submitting to and waiting on the Slurm test cluster."""
+"""What many tests need, written once: a small config, running the CLI, reading a run's metrics,
+logs and checkpoints, waiting for a run to get somewhere, and submitting to and waiting on the Slurm
+test cluster."""
 
 from __future__ import annotations
 
@@ -16,16 +17,34 @@ import torch
 
 from tests.ranks import ROOT
 
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-# Two nodes of the test cluster, one rank each; the first two, so a test that cuts node2 cuts this job.
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+# Two nodes of the test cluster, one rank each; the first two, so a test that cuts node2 cuts this
+# job.
 TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--nodelist=node[1-2]")
 
 
-# A run that costs almost nothing: synthetic tokens, a one-layer model of tests/factories.py, no TensorBoard.
-# A constant learning rate: tests raise train.max_steps on resume, which would move a cosine (refused).
-TINY = ["data.name=synthetic", "data.seq_len=16", "train.batch_size=4", "train.log_every=1",
-        "logging.tensorboard=false", "model.factory=tests.factories:tiny", "optim.warmup_steps=0",
-        "optim.schedule=constant"]
+# A run that costs almost nothing: synthetic tokens, a one-layer model of tests/factories.py, no
+# TensorBoard. A constant learning rate: tests raise train.max_steps on resume, which would move a
+# cosine (refused).
+TINY = [
+    "data.name=synthetic",
+    "data.seq_len=16",
+    "train.batch_size=4",
+    "train.log_every=1",
+    "logging.tensorboard=false",
+    "model.factory=tests.factories:tiny",
+    "optim.warmup_steps=0",
+    "optim.schedule=constant",
+]
 
 
 def tiny_config(*sets: str) -> Any:
@@ -35,17 +54,31 @@ def tiny_config(*sets: str) -> Any:
     return load_config([], [*TINY, *sets])
 
 
-def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
-        launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """`python -m qgtrain ARGS` (or under `launcher`, e.g. torchrun) as a user runs it, in `cwd`, with this
-    repository importable (tests.tasks, tests.factories) like a user's own modules."""
+def cli(
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    launcher: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """`python -m qgtrain ARGS` (or under `launcher`, e.g. torchrun) as a user runs it, in `cwd`,
+    with this repository importable (tests.tasks, tests.factories) like a user's own modules."""
     command = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
-    return subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run(
+        [*command, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
-def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
-    """Poll `condition` until it holds; fail at once if a rank exits first, or after `timeout` seconds."""
+def wait_for(  # type: ignore[no-untyped-def]
+    condition, procs, what: str, timeout: float = 180
+) -> None:
+    """Poll `condition` until it holds; fail at once if a rank exits first, or after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         if any(p.poll() is not None for p in procs):
@@ -61,9 +94,9 @@ def wait_for(condition, procs, what: str, timeout: float = 180) -> None:  # type
 
 
 def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
-    """A committed checkpoint's model and optimizer tensors, flat (`model.<name>`, `optim.<param>.<key>`,
-    and `ema.<name>` where it holds an EMA of the weights), of either kind: rank 0's model.pt, optim.pt
-    and ema.pt, or every rank's shards (read whole through DCP)."""
+    """A committed checkpoint's model and optimizer tensors, flat (`model.<name>`,
+    `optim.<param>.<key>`, and `ema.<name>` where it holds an EMA of the weights), of either kind:
+    rank 0's model.pt, optim.pt and ema.pt, or every rank's shards (read whole through DCP)."""
     if (folder / "sharded").exists():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -74,7 +107,9 @@ def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
     else:
         model = torch.load(folder / "model.pt", weights_only=True)
         optim = torch.load(folder / "optim.pt", weights_only=True)["optimizer"]["state"]
-        ema = torch.load(folder / "ema.pt", weights_only=True) if (folder / "ema.pt").exists() else {}
+        ema = (
+            torch.load(folder / "ema.pt", weights_only=True) if (folder / "ema.pt").exists() else {}
+        )
     flat = {f"model.{k}": v for k, v in model.items()}
     flat.update({f"ema.{k}": v for k, v in ema.items()})
     for param, state in optim.items():
@@ -86,27 +121,67 @@ def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
 EXAMPLE_STEPS = 24
 EXAMPLES = {
     "graph": ["task.options={graphs: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
-    "classifier": ["task.options={per_module: 60, max_length: 64, hidden: 32, layers: 1}", "train.batch_size=8"],
+    "classifier": [
+        "task.options={per_module: 60, max_length: 64, hidden: 32, layers: 1}",
+        "train.batch_size=8",
+    ],
     "molecules": ["task.options={molecules: 512, hidden: 32, layers: 2}", "train.batch_size=16"],
 }
 
 
 def example(name: str, run: Path, *sets: str) -> list[str]:
     """`qgtrain train` arguments for jobs/<name>.yaml: EXAMPLE_STEPS steps, a checkpoint every 4."""
-    return ["train", "--config", str(ROOT / "config.yaml"), "--config", str(ROOT / "jobs" / f"{name}.yaml"),
-            "--run-dir", str(run), "--set", *EXAMPLES[name], f"train.max_steps={EXAMPLE_STEPS}", "train.log_every=1",
-            "train.eval_every=8", "checkpoint.every_steps=4", "early_stopping.patience=0", "optim.warmup_steps=4",
-            "logging.tensorboard=false", *sets]
+    return [
+        "train",
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--config",
+        str(ROOT / "jobs" / f"{name}.yaml"),
+        "--run-dir",
+        str(run),
+        "--set",
+        *EXAMPLES[name],
+        f"train.max_steps={EXAMPLE_STEPS}",
+        "train.log_every=1",
+        "train.eval_every=8",
+        "checkpoint.every_steps=4",
+        "early_stopping.patience=0",
+        "optim.warmup_steps=4",
+        "logging.tensorboard=false",
+        *sets,
+    ]
 
 
-# A small GPT-2 that fsdp can shard (two blocks), for the sharded runs (test_fsdp.py, test_big_models.py).
-SMALL_GPT2 = ["data.name=synthetic", "data.synthetic_samples=2048", "data.seq_len=32", "model.hidden=64",
-              "model.layers=2", "model.heads=2", "train.batch_size=6", "train.log_every=1", "train.eval_every=8",
-              "train.eval_batches=2", "checkpoint.every_steps=4", "optim.warmup_steps=4", "logging.tensorboard=false"]
+# A small GPT-2 that fsdp can shard (two blocks), for the sharded runs (test_fsdp.py,
+# test_big_models.py).
+SMALL_GPT2 = [
+    "data.name=synthetic",
+    "data.synthetic_samples=2048",
+    "data.seq_len=32",
+    "model.hidden=64",
+    "model.layers=2",
+    "model.heads=2",
+    "train.batch_size=6",
+    "train.log_every=1",
+    "train.eval_every=8",
+    "train.eval_batches=2",
+    "checkpoint.every_steps=4",
+    "optim.warmup_steps=4",
+    "logging.tensorboard=false",
+]
 
 
 def small_gpt2_run(run: Path, *sets: str) -> list[str]:
-    return ["train", "--config", str(ROOT / "config.yaml"), "--run-dir", str(run), "--set", *SMALL_GPT2, *sets]
+    return [
+        "train",
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--run-dir",
+        str(run),
+        "--set",
+        *SMALL_GPT2,
+        *sets,
+    ]
 
 
 def tiny_gpt2() -> torch.nn.Module:
@@ -121,7 +196,8 @@ def tiny_gpt2() -> torch.nn.Module:
 
 def kill_rank(job_id: str, rank: int) -> None:
     """SIGKILL the training process of one rank of a running Slurm job (it shows in /proc: the test
-    cluster's nodes are network namespaces of this machine), started by train.slurm or by submitit."""
+    cluster's nodes are network namespaces of this machine), started by train.slurm or by
+    submitit."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -129,7 +205,11 @@ def kill_rank(job_id: str, rank: int) -> None:
         except OSError:
             continue
         training = b"qgtrain\0train" in cmdline or b"submitit.core._submit" in cmdline
-        if training and f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
+        if (
+            training
+            and f"SLURM_JOB_ID={job_id}".encode() in environ
+            and f"SLURM_PROCID={rank}".encode() in environ
+        ):
             os.kill(int(pid), signal.SIGKILL)
             return
     raise AssertionError(f"no training process of rank {rank} in job {job_id}")
@@ -147,52 +227,79 @@ def records(run_dir: Path) -> list[dict]:
     return out
 
 
-def overlay(tmp_path: Path, max_steps: int, every_steps: int = 0,
-            task_options: dict[str, object] | None = None) -> Path:
-    """A small run under tmp_path: the built-in LM, or with task_options the task of a job file laid under
-    it (its own options, its validations kept, early stopping off so the step count is fixed)."""
+def overlay(
+    tmp_path: Path,
+    max_steps: int,
+    every_steps: int = 0,
+    task_options: dict[str, object] | None = None,
+) -> Path:
+    """A small run under tmp_path: the built-in LM, or with task_options the task of a job file laid
+    under it (its own options, its validations kept, early stopping off so the step count is
+    fixed)."""
     path = tmp_path / "small.yaml"
-    path.write_text((f"""
+    path.write_text(
+        (
+            f"""
 data: {{name: synthetic, seq_len: 32, synthetic_samples: 2048}}
 model: {{layers: 1, hidden: 32, heads: 2}}
 train: {{max_steps: {max_steps}, batch_size: 8, log_every: 50, eval_every: 0}}
-""" if task_options is None else f"""
+"""
+            if task_options is None
+            else f"""
 task: {{options: {json.dumps(task_options)}}}
 train: {{max_steps: {max_steps}, log_every: 10}}
 early_stopping: {{patience: 0}}
-""") + f"""checkpoint: {{every_steps: {every_steps}}}
-logging: {{tensorboard: false, runs_dir: {tmp_path / 'runs'}}}
-""")
+"""
+        )
+        + f"""checkpoint: {{every_steps: {every_steps}}}
+logging: {{tensorboard: false, runs_dir: {tmp_path / "runs"}}}
+"""
+    )
     (tmp_path / "jobs" / "out").mkdir(parents=True, exist_ok=True)
     return path
 
 
 def sleep_paced(tmp_path: Path, step_s: float = 0.05) -> Path:
-    """Training steps that are a sleep of step_s (tests/tasks.py slow_evaluation), validations off: for a test
-    that waits out a real time limit, so that its minutes leave the CPUs to the tests running beside it."""
+    """Training steps that are a sleep of step_s (tests/tasks.py slow_evaluation), validations off:
+    for a test that waits out a real time limit, so that its minutes leave the CPUs to the tests
+    running beside it."""
     path = tmp_path / "paced.yaml"
-    path.write_text(f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', "
-                    f"options: {{size: 4096, step_s: {step_s}}}}}\ntrain: {{eval_every: 0, cpu_threads: 1}}\n")
+    path.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', "
+        f"options: {{size: 4096, step_s: {step_s}}}}}\ntrain: {{eval_every: 0, cpu_threads: 1}}\n"
+    )
     return path
 
 
 # The two-node run that interrupted, requeued and retried runs must end equal to (conftest's
-# two_node_reference): the same settings whatever their checkpoint interval, which does not change training.
+# two_node_reference): the same settings whatever their checkpoint interval, which does not change
+# training.
 TWO_NODE_STEPS = 600
 
 
 def two_node_configs(tmp_path: Path, every_steps: int = 100) -> list[Path]:
-    return [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, TWO_NODE_STEPS, every_steps)]
+    return [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        overlay(tmp_path, TWO_NODE_STEPS, every_steps),
+    ]
 
 
 def sbatch(tmp_path: Path, *options: str, configs: list[Path]) -> str:
-    result = subprocess.run(["sbatch", "--parsable", *options, str(ROOT / "train.slurm"), *map(str, configs)],
-                            cwd=tmp_path, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["sbatch", "--parsable", *options, str(ROOT / "train.slurm"), *map(str, configs)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return result.stdout.strip().split(";")[0]
 
 
 def job(job_id: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+    ).stdout
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
@@ -228,8 +335,8 @@ def rank_log(run_dir: Path, rank: int) -> str:
         return ""
 
 
-# Hostlists in the forms Slurm writes and accepts, and their hosts: checked against expand_nodelist and against
-# the test cluster's own `scontrol show hostnames`.
+# Hostlists in the forms Slurm writes and accepts, and their hosts: checked against expand_nodelist
+# and against the test cluster's own `scontrol show hostnames`.
 NODELISTS = [
     ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
     ("nid[00010-00012]", ["nid00010", "nid00011", "nid00012"]),
@@ -241,7 +348,8 @@ NODELISTS = [
     ("node[9-11]", ["node9", "node10", "node11"]),
     ("x[3,1]", ["x3", "x1"]),
     ("n[1-2]-ib[0-1]", ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]),
-    ("a1 b[2-3]", ["a1", "b2", "b3"]),  # Slurm separates on spaces and tabs too; python-hostlist does not
+    # Slurm separates on spaces and tabs too; python-hostlist does not
+    ("a1 b[2-3]", ["a1", "b2", "b3"]),
     ("gpu[01-02]\tgpu07", ["gpu01", "gpu02", "gpu07"]),
     ("x1, x[2,4] ", ["x1", "x2", "x4"]),
 ]

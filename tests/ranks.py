@@ -1,6 +1,7 @@
-"""Run a function as N real ranks: separate processes that form a real gloo group through torchrun-style
-variables, as torchrun would set them. Processes come from a forkserver that has imported torch and
-transformers once, so each rank starts in milliseconds and never inherits a parent's OpenMP threads."""
+"""Run a function as N real ranks: separate processes that form a real gloo group through
+torchrun-style variables, as torchrun would set them. Processes come from a forkserver that has
+imported torch and transformers once, so each rank starts in milliseconds and never inherits a
+parent's OpenMP threads."""
 
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]  # so ranks can import tests.factories like a user's own module
+# so ranks can import tests.factories like a user's own module
+ROOT = Path(__file__).resolve().parents[1]
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "transformers",
-                             "transformers.models.gpt2.modeling_gpt2", "qgtrain.run", "tests.ranks"])
+_CTX.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "transformers",
+        "transformers.models.gpt2.modeling_gpt2",
+        "qgtrain.run",
+        "tests.ranks",
+    ]
+)
 
 
 def free_port() -> int:
@@ -32,17 +42,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(world_size: int, target: Callable[..., Any], *args: Any,
-              env: dict[str, str] | Callable[[int], dict[str, str]] | None = None, timeout: float = 180.0) -> list[Any]:
-    """target(*args) on every rank; returns each rank's result, or raises if a rank failed or hung. `env`:
-    variables for every rank, or a function of the rank giving each its own."""
+def run_ranks(
+    world_size: int,
+    target: Callable[..., Any],
+    *args: Any,
+    env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
+    timeout: float = 180.0,
+) -> list[Any]:
+    """target(*args) on every rank; returns each rank's result, or raises if a rank failed or hung.
+    `env`: variables for every rank, or a function of the rank giving each its own."""
     port = free_port()
     results: Any = _CTX.Queue()
     stacks = tempfile.mkdtemp(prefix="qgtrain-ranks-")
     envs = [env(rank) if callable(env) else env or {} for rank in range(world_size)]
-    procs = [_CTX.Process(target=_rank_main, args=(rank, world_size, port, envs[rank], target, args, results,
-                                                   stacks, timeout - 5))
-             for rank in range(world_size)]
+    procs = [
+        _CTX.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, envs[rank], target, args, results, stacks, timeout - 5),
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     collected: dict[int, Any] = {}
@@ -52,15 +71,24 @@ def run_ranks(world_size: int, target: Callable[..., Any], *args: Any,
             try:
                 rank, ok, value = pickle.loads(results.get(timeout=1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in collected]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in collected
+                ]
                 if dead and results.empty():
-                    raise AssertionError(f"rank(s) {dead} exited ({[procs[r].exitcode for r in dead]}) "
-                                         "without a result") from None
+                    raise AssertionError(
+                        f"rank(s) {dead} exited ({[procs[r].exitcode for r in dead]}) "
+                        "without a result"
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(collected))
-                    dumps = "".join(f"\n--- rank {r} stacks ---\n" + _read(os.path.join(stacks, f"rank-{r}.txt"))
-                                    for r in missing)
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout}s{dumps}") from None
+                    dumps = "".join(
+                        f"\n--- rank {r} stacks ---\n"
+                        + _read(os.path.join(stacks, f"rank-{r}.txt"))
+                        for r in missing
+                    )
+                    raise AssertionError(
+                        f"ranks {missing} did not finish within {timeout}s{dumps}"
+                    ) from None
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
@@ -74,12 +102,17 @@ def run_ranks(world_size: int, target: Callable[..., Any], *args: Any,
 
 
 def start_ranks(world_size: int, target: Callable[..., Any], *args: Any) -> list[Any]:
-    """target(*args) on every rank as run_ranks starts them, not waited for: for a test that SIGKILLs
-    ranks at work (Process.kill) without the seconds each `qgtrain` process spends importing."""
+    """target(*args) on every rank as run_ranks starts them, not waited for: for a test that
+    SIGKILLs ranks at work (Process.kill) without the seconds each `qgtrain` process spends
+    importing."""
     port, results, stacks = free_port(), _CTX.Queue(), tempfile.mkdtemp(prefix="qgtrain-ranks-")
-    procs = [_CTX.Process(target=_rank_main, args=(rank, world_size, port, {}, target, args, results, stacks,
-                                                   600.0))
-             for rank in range(world_size)]
+    procs = [
+        _CTX.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, {}, target, args, results, stacks, 600.0),
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.results = results  # the queue lives as long as its ranks: they open it as they start
         proc.start()
@@ -94,15 +127,33 @@ def _read(path: str) -> str:
         return "(no stack dump: the process never started or was killed)"
 
 
-def _rank_main(rank: int, world_size: int, port: int, env: dict[str, str], target: Callable[..., Any],
-               args: tuple[Any, ...], results: Any, stacks: str, dump_after: float) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    stacks: str,
+    dump_after: float,
+) -> None:
     dump = open(os.path.join(stacks, f"rank-{rank}.txt"), "w")
     faulthandler.dump_traceback_later(max(dump_after, 1.0), file=dump)  # where a hung rank is stuck
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", **env})
-    # Plain pickled bytes: torch's queue reductions would share tensors through file descriptors that
-    # vanish with this process.
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    # Plain pickled bytes: torch's queue reductions would share tensors through file descriptors
+    # that vanish with this process.
     try:
         results.put(pickle.dumps((rank, True, target(*args))))
     except BaseException:  # report everything, including SystemExit, to the test
@@ -110,7 +161,8 @@ def _rank_main(rank: int, world_size: int, port: int, env: dict[str, str], targe
 
 
 def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """One rank of `qgtrain train`, reporting what the CLI would: the exit code, or the error and its code."""
+    """One rank of `qgtrain train`, reporting what the CLI would: the exit code, or the error and
+    its code."""
     from qgtrain.foundation.errors import QgtrainError
     from qgtrain.run import train
     from qgtrain.runtime.rendezvous import from_environ
@@ -121,22 +173,44 @@ def train_rank(cfg: Any, run_dir: str) -> dict[str, Any]:
         return {"exit": exc.exit_code, "error": str(exc)}
 
 
-def start_cli_ranks(world_size: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
-                    log_prefix: str = "rank",
-                    wrap: dict[int, list[str]] | None = None) -> list[subprocess.Popen[bytes]]:
-    """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each rank
-    leads its own process group, so a SIGKILL to the group takes its DataLoader workers too. `wrap` puts
-    a command in front of some ranks' (e.g. unshare, to give one rank a filesystem of its own)."""
+def start_cli_ranks(
+    world_size: int,
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    log_prefix: str = "rank",
+    wrap: dict[int, list[str]] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each
+    rank leads its own process group, so a SIGKILL to the group takes its DataLoader workers too.
+    `wrap` puts a command in front of some ranks' (e.g. unshare, to give one rank a filesystem of
+    its own)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
-        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+        rank_env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
         output = open(cwd / f"{log_prefix}-{rank}.out", "ab")
-        procs.append(subprocess.Popen([*(wrap or {}).get(rank, []), sys.executable, "-m", "qgtrain", *args], cwd=cwd,
-                                      env=rank_env,
-                                      stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [*(wrap or {}).get(rank, []), sys.executable, "-m", "qgtrain", *args],
+                cwd=cwd,
+                env=rank_env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     return procs
 
 

@@ -42,13 +42,24 @@ def one_rank_group() -> Iterator[None]:
 
 
 def config(*sets: str) -> RunConfig:
-    return load_config([], ["train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=0",
-                            "logging.tensorboard=false", "optim.warmup_steps=0",
-                            "optim.schedule=constant", "early_stopping.patience=0", *sets])
+    return load_config(
+        [],
+        [
+            "train.log_every=1",
+            "train.eval_every=0",
+            "checkpoint.every_steps=0",
+            "logging.tensorboard=false",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            "early_stopping.patience=0",
+            *sets,
+        ],
+    )
 
 
-def linear_task(samples: int = 16, loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
-                ) -> ReadyTask:
+def linear_task(
+    samples: int = 16, loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
+) -> ReadyTask:
     """y = x @ w on fixed random samples: a model whose gradients are easy to reason about."""
     rng.seed_everything(0)
     data = [(torch.randn(4), torch.randn(2)) for _ in range(samples)]
@@ -57,23 +68,48 @@ def linear_task(samples: int = 16, loss: Callable[[nn.Module, Any], torch.Tensor
         x, y = batch
         return ((model(x) - y) ** 2).mean()
 
-    return ReadyTask(model=nn.Linear(4, 2), train=data, val=data[:4], collate=torch.utils.data
-                     .default_collate, loss=loss or mse)
+    return ReadyTask(
+        model=nn.Linear(4, 2),
+        train=data,
+        val=data[:4],
+        collate=torch.utils.data.default_collate,
+        loss=loss or mse,
+    )
 
 
-def build_trainer(run: Path, task: ReadyTask, cfg: RunConfig, stop: StopFlag | None = None
-                  ) -> Trainer:
+def build_trainer(
+    run: Path, task: ReadyTask, cfg: RunConfig, stop: StopFlag | None = None
+) -> Trainer:
     """What run.py's _trainer builds, with the task's model unwrapped (one rank: no DDP)."""
     from qgtrain.data.loaders import build_loaders
 
     run.mkdir(parents=True, exist_ok=True)
-    loaders = build_loaders(task.train, task.val, task.test, task.collate, ONE_RANK,
-                            cfg.train.batch_size, 0, CPU, cfg.train.seed)
-    checkpointer = Checkpointer(run / "checkpoints", "seam", ONE_RANK, cfg.checkpoint.keep_last,
-                                async_save=False)
+    loaders = build_loaders(
+        task.train,
+        task.val,
+        task.test,
+        task.collate,
+        ONE_RANK,
+        cfg.train.batch_size,
+        0,
+        CPU,
+        cfg.train.seed,
+    )
+    checkpointer = Checkpointer(
+        run / "checkpoints", "seam", ONE_RANK, cfg.checkpoint.keep_last, async_save=False
+    )
     metrics = MetricsLog(run, True, False, None)
-    parts = Parts(task, task.model, build_optimizer(task, cfg.optim, CPU),
-                  torch.amp.GradScaler("cpu", enabled=False), loaders, checkpointer, metrics,
-                  stop or StopFlag([]), Deadline(None, None, 0.0), StepProfiler((), run, 0, CPU, False))
+    parts = Parts(
+        task,
+        task.model,
+        build_optimizer(task, cfg.optim, CPU),
+        torch.amp.GradScaler("cpu", enabled=False),
+        loaders,
+        checkpointer,
+        metrics,
+        stop or StopFlag([]),
+        Deadline(None, None, 0.0),
+        StepProfiler((), run, 0, CPU, False),
+    )
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, "fp32")
     return Trainer(parts, settings, ONE_RANK, CPU)

@@ -1,5 +1,6 @@
-"""Tasks for tests, named in configs as 'tests.tasks:<function>' like a user's own: a tiny regression
-and classification problem, and variants that break one rule of the Task contract each."""
+"""Tasks for tests, named in configs as 'tests.tasks:<function>' like a user's own: a tiny
+regression and classification problem, and variants that break one rule of the Task contract
+each."""
 
 from __future__ import annotations
 
@@ -35,15 +36,25 @@ def classify_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return F.cross_entropy(model(batch["x"]), batch["label"])
 
 
-def accuracy(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
-    return {"accuracy": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(batch["label"]))}
+def accuracy(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, int]]:
+    return {
+        "accuracy": ((model(batch["x"]).argmax(1) == batch["label"]).sum(), len(batch["label"]))
+    }
 
 
 def points(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     size = int(cfg.task.options.get("size", 512))
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
-    return qgtrain.Task(model=model, train=Points(size, 1), val=Points(size // 4 + 3, 2), test=Points(37, 3),
-                        loss=classify_loss, metrics=accuracy)
+    return qgtrain.Task(
+        model=model,
+        train=Points(size, 1),
+        val=Points(size // 4 + 3, 2),
+        test=Points(37, 3),
+        loss=classify_loss,
+        metrics=accuracy,
+    )
 
 
 def not_a_task(cfg: qgtrain.RunConfig) -> int:
@@ -58,7 +69,9 @@ def model_is_not_a_module(cfg: qgtrain.RunConfig) -> qgtrain.Task:
 
 def loss_is_not_a_scalar(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     task = points(cfg)
-    task.loss = lambda model, batch: F.cross_entropy(model(batch["x"]), batch["label"], reduction="none")
+    task.loss = lambda model, batch: F.cross_entropy(
+        model(batch["x"]), batch["label"], reduction="none"
+    )
     return task
 
 
@@ -124,8 +137,8 @@ def raises_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
 
 
 def vanishes_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
-    """Rank 1's process ends while the model is being built, as on a node that is lost: no exception, no
-    note, only a peer that is gone."""
+    """Rank 1's process ends while the model is being built, as on a node that is lost: no
+    exception, no note, only a peer that is gone."""
     if dist.get_rank() == 1:
         os._exit(137)
     return points(cfg)
@@ -141,18 +154,20 @@ class Pair:
 
 def as_dataclass(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     task = points(cfg)
-    task.collate = lambda samples: Pair(torch.stack([s["x"] for s in samples]),
-                                        torch.stack([s["label"] for s in samples]))
+    task.collate = lambda samples: Pair(
+        torch.stack([s["x"] for s in samples]), torch.stack([s["label"] for s in samples])
+    )
     task.loss = lambda model, batch: F.cross_entropy(model(batch.x), batch.label)
-    task.metrics = lambda model, batch: {"accuracy": ((model(batch.x).argmax(1) == batch.label).sum(),
-                                                      len(batch.label))}
+    task.metrics = lambda model, batch: {
+        "accuracy": ((model(batch.x).argmax(1) == batch.label).sum(), len(batch.label))
+    }
     return task
 
 
 def slow_evaluation(cfg: qgtrain.RunConfig) -> qgtrain.Task:
-    """Points whose evaluation batches take task.options.eval_batch_s each (a sleep, so the time is the same
-    on a busy machine) and whose training steps take task.options.step_s: validations longer than many
-    steps, as a large validation split makes them."""
+    """Points whose evaluation batches take task.options.eval_batch_s each (a sleep, so the time is
+    the same on a busy machine) and whose training steps take task.options.step_s: validations
+    longer than many steps, as a large validation split makes them."""
     task, options = points(cfg), cfg.task.options
     eval_batch_s, step_s = float(options.get("eval_batch_s", 0.5)), float(options.get("step_s", 0))
     task.test = Points(int(options.get("test_size", 37)), 3)
@@ -174,7 +189,8 @@ def rank_local_buffer(cfg: qgtrain.RunConfig) -> qgtrain.Task:
 
 
 class Endless(Points):
-    """Samples made on the fly without end, as generator datasets report it: len() is sys.maxsize."""
+    """Samples made on the fly without end, as generator datasets report it: len() is
+    sys.maxsize."""
 
     def __len__(self) -> int:
         return sys.maxsize
@@ -219,7 +235,8 @@ def noisy_in_eval(cfg: qgtrain.RunConfig) -> qgtrain.Task:
 
 
 class Mixer(nn.Module):
-    """A block with its own initialisation (truncated normal, orthogonal) and a non-persistent sine table."""
+    """A block with its own initialisation (truncated normal, orthogonal) and a non-persistent sine
+    table."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -227,7 +244,9 @@ class Mixer(nn.Module):
         self.gate = nn.Parameter(torch.empty(width, width))
         nn.init.trunc_normal_(self.inner.weight, std=0.02)
         nn.init.orthogonal_(self.gate)
-        self.register_buffer("phase", torch.sin(torch.arange(width, dtype=torch.float32)), persistent=False)
+        self.register_buffer(
+            "phase", torch.sin(torch.arange(width, dtype=torch.float32)), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.inner(x) @ self.gate + self.phase)
@@ -245,12 +264,14 @@ class MixerNet(nn.Module):
 
 
 def drawn_after_model(cfg: qgtrain.RunConfig) -> qgtrain.Task:
-    """A task's own model with its own initialisation, and a split of the data drawn from the global random
-    generator after the model is built: every rank must draw the same split."""
+    """A task's own model with its own initialisation, and a split of the data drawn from the global
+    random generator after the model is built: every rank must draw the same split."""
     model = MixerNet(int(cfg.task.options.get("width", 16)))
     order = torch.randperm(600).tolist()
     data = [Points(600, 1)[i] for i in order]
-    return qgtrain.Task(model=model, train=data[:500], val=data[500:], loss=classify_loss, metrics=accuracy)
+    return qgtrain.Task(
+        model=model, train=data[:500], val=data[500:], loss=classify_loss, metrics=accuracy
+    )
 
 
 def slow_on_rank_zero(cfg: qgtrain.RunConfig) -> qgtrain.Task:

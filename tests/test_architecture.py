@@ -11,30 +11,52 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
 # Folders are layers; a module imports only from its own layer or below. The foundation everything
-# reads (errors, the Task contract, trust, files) and the config are the bottom; the interface the top.
+# reads (errors, the Task contract, trust, files) and the config are the bottom; the interface the
+# top.
 LAYERS: dict[int, set[str]] = {
     0: {"foundation", "config"},
-    1: {"runtime"},           # the process: rendezvous, its group and device, signals, logs, diagnosis
-    2: {"data", "state"},     # samples and loaders; everything on disk (checkpoints, the run directory)
-    3: {"tasks"},             # the built-in tasks and models
-    4: {"training"},          # the loop, evaluation, optimizer, schedule, reported metrics
-    5: {"ops"},               # export, runs, plot, doctor
-    6: {"run"},               # the composition root: builds the parts and trains
-    7: {"launch"},            # sbatch and submitit
+    # the process: rendezvous, its group and device, signals, logs, diagnosis
+    1: {"runtime"},
+    # samples and loaders; everything on disk (checkpoints, the run directory)
+    2: {"data", "state"},
+    3: {"tasks"},  # the built-in tasks and models
+    4: {"training"},  # the loop, evaluation, optimizer, schedule, reported metrics
+    5: {"ops"},  # export, runs, plot, doctor
+    6: {"run"},  # the composition root: builds the parts and trains
+    7: {"launch"},  # sbatch and submitit
     8: {"interface", "__main__", "__init__"},  # __init__: the public facade, loading lazily
 }
 PLACE = {name: layer for layer, names in LAYERS.items() for name in names}
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 NO_TORCH = [
-    "qgtrain", "qgtrain.interface.cli", "qgtrain.interface.commands", "qgtrain.config",
-    "qgtrain.runtime.rendezvous", "qgtrain.runtime.devices", "qgtrain.runtime.comms",
-    "qgtrain.ops.collective", "qgtrain.launch.sbatch", "qgtrain.ops.runs", "qgtrain.state.rundir",
-    "qgtrain.state.layout", "qgtrain.runtime.slurm_values",
-    "qgtrain.state.checkpoint", "qgtrain.training.metrics", "qgtrain.data.sources",
-    "qgtrain.ops.data_info", "qgtrain.launch.sweep", "qgtrain.runtime.slurm", "qgtrain.state.lifecycle",
-    "qgtrain.launch.slurm_checks", "qgtrain.launch.submitit_params",
-    *(f"qgtrain.{folder}.{p.stem}" for folder in ("config", "foundation")
-      for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"),
+    "qgtrain",
+    "qgtrain.interface.cli",
+    "qgtrain.interface.commands",
+    "qgtrain.config",
+    "qgtrain.runtime.rendezvous",
+    "qgtrain.runtime.devices",
+    "qgtrain.runtime.comms",
+    "qgtrain.ops.collective",
+    "qgtrain.launch.sbatch",
+    "qgtrain.ops.runs",
+    "qgtrain.state.rundir",
+    "qgtrain.state.layout",
+    "qgtrain.runtime.slurm_values",
+    "qgtrain.state.checkpoint",
+    "qgtrain.training.metrics",
+    "qgtrain.data.sources",
+    "qgtrain.ops.data_info",
+    "qgtrain.launch.sweep",
+    "qgtrain.runtime.slurm",
+    "qgtrain.state.lifecycle",
+    "qgtrain.launch.slurm_checks",
+    "qgtrain.launch.submitit_params",
+    *(
+        f"qgtrain.{folder}.{p.stem}"
+        for folder in ("config", "foundation")
+        for p in (PACKAGE / folder).glob("*.py")
+        if p.stem != "__init__"
+    ),
 ]
 
 
@@ -50,8 +72,9 @@ def layer_of(name: str) -> int:
 
 
 def internal_imports(path: Path) -> set[str]:
-    """Every qgtrain module this file imports, in any form, as dotted names under qgtrain. `from . import x`
-    imports the package and then x; `from .pkg import name` imports pkg, and pkg.name if that is a module."""
+    """Every qgtrain module this file imports, in any form, as dotted names under qgtrain. `from .
+    import x` imports the package and then x; `from .pkg import name` imports pkg, and pkg.name if
+    that is a module."""
     own = dotted(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
     found = set()
@@ -59,12 +82,18 @@ def internal_imports(path: Path) -> set[str]:
         bases: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.level:
             parts = package.split(".") if package else []
-            parts = parts[:len(parts) - (node.level - 1)]
+            parts = parts[: len(parts) - (node.level - 1)]
             bases = [".".join([*parts, *([node.module] if node.module else [])]).strip(".")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "qgtrain":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "qgtrain"
+        ):
             bases = [node.module.partition(".")[2]]
         elif isinstance(node, ast.Import):
-            bases = [a.name.partition(".")[2] for a in node.names if a.name.split(".")[0] == "qgtrain"]
+            bases = [
+                a.name.partition(".")[2] for a in node.names if a.name.split(".")[0] == "qgtrain"
+            ]
         for base in bases:
             found.add(base)
             if isinstance(node, ast.ImportFrom):
@@ -81,61 +110,89 @@ def test_every_module_is_placed_in_a_layer():
 
 
 def test_the_import_reader_sees_every_form():
-    assert internal_imports(PACKAGE / "run.py") >= {"state", "state.checkpoint", "runtime.distributed",
-                                                     "training.trainer"}
+    assert internal_imports(PACKAGE / "run.py") >= {
+        "state",
+        "state.checkpoint",
+        "runtime.distributed",
+        "training.trainer",
+    }
     commands = PACKAGE / "interface" / "commands.py"
     assert "ops.export.pipeline" in internal_imports(commands), "an import inside a function counts"
     assert internal_imports(PACKAGE / "state" / "checkpointer.py") >= {"state", "state.checkpoint"}
 
 
 def test_imports_point_down_the_layers():
-    upward = {f"{dotted(path)} (layer {layer_of(dotted(path))})": sorted(m for m in internal_imports(path)
-                                                                         if layer_of(m) > layer_of(dotted(path)))
-              for path in MODULES}
-    assert not {name: found for name, found in upward.items() if found}, "modules that import from above"
+    upward = {
+        f"{dotted(path)} (layer {layer_of(dotted(path))})": sorted(
+            m for m in internal_imports(path) if layer_of(m) > layer_of(dotted(path))
+        )
+        for path in MODULES
+    }
+    assert not {name: found for name, found in upward.items() if found}, (
+        "modules that import from above"
+    )
 
 
 def test_modules_stay_readable_in_one_sitting():
-    """At most 300 lines a module and 60 a function: a module is one concern, a function one thing."""
+    """At most 300 lines a module and 60 a function: a module is one concern, a function one
+    thing."""
     long_modules = {dotted(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > 300}
-    long_functions = {f"{dotted(p)}.{node.name}": node.end_lineno - node.lineno + 1
-                      for p in MODULES for node in ast.walk(ast.parse(p.read_text()))
-                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.end_lineno - node.lineno + 1 > 60}
+    long_functions = {
+        f"{dotted(p)}.{node.name}": node.end_lineno - node.lineno + 1
+        for p in MODULES
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > 60
+    }
     assert not long_modules and not long_functions, (long_modules, long_functions)
 
 
 def test_the_code_passes_the_linter():
-    """ruff with the settings in pyproject.toml: import order, line length, unused names, complexity."""
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=PACKAGE.parent,
-                            capture_output=True, text=True)
+    """ruff with the settings in pyproject.toml: import order, line length, unused names,
+    complexity."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout[-4000:]
 
 
 def test_login_node_paths_import_neither_torch_nor_transformers():
-    code = (f"import importlib, sys\nfor m in {NO_TORCH!r}: importlib.import_module(m)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'submitit', 'numpy') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = (
+        f"import importlib, sys\nfor m in {NO_TORCH!r}: importlib.import_module(m)\nprint(sorted(m "
+        "for m in ('torch', 'transformers', 'submitit', 'numpy') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 
 def test_only_rendezvous_reads_the_environment_and_edges_pass_it_in():
-    """Launch and device decisions are functions of a mapping the edges pass in. The one other reader is
-    the trackers' setup, which honours the tracker libraries' own variables (as the libraries would) by
-    a default argument that tests replace."""
+    """Launch and device decisions are functions of a mapping the edges pass in. The one other
+    reader is the trackers' setup, which honours the tracker libraries' own variables (as the
+    libraries would) by a default argument that tests replace."""
     for path in MODULES:
         text = path.read_text()
         if path.stem == "rendezvous":
-            assert "import os" not in text, "rendezvous takes a mapping; the caller passes os.environ"
+            assert "import os" not in text, (
+                "rendezvous takes a mapping; the caller passes os.environ"
+            )
             continue
         for line in text.splitlines():
             if "os.environ" in line or "getenv(" in line:
-                # comms.apply writes what NCCL and gloo read (they read nothing else); it reads nothing
-                assert path.stem in ("commands", "api", "submitit_launcher") and "from_environ(os.environ)" in line or \
-                    "checks = run_checks(cfg, env, os.environ" in line or \
-                    path.stem == "trackers" and "environ: Mapping[str, str] = os.environ" in line or \
-                    (path.stem == "comms" and line.strip() == "os.environ.update(settings)"), \
-                    f"{path.name}: {line.strip()}"
+                # comms.apply writes what NCCL and gloo read (they read nothing else); it reads
+                # nothing
+                assert (
+                    path.stem in ("commands", "api", "submitit_launcher")
+                    and "from_environ(os.environ)" in line
+                    or "checks = run_checks(cfg, env, os.environ" in line
+                    or path.stem == "trackers"
+                    and "environ: Mapping[str, str] = os.environ" in line
+                    or (path.stem == "comms" and line.strip() == "os.environ.update(settings)")
+                ), f"{path.name}: {line.strip()}"
 
 
 def test_what_the_seeds_got_wrong_stays_out():
@@ -143,12 +200,17 @@ def test_what_the_seeds_got_wrong_stays_out():
     assert "empty_cache" not in text and "CUDA_LAUNCH_BLOCKING" not in text
     from qgtrain.config import TrainConfig
 
-    assert TrainConfig().find_unused_parameters is False, "DDP looks for unused parameters only on request"
+    assert TrainConfig().find_unused_parameters is False, (
+        "DDP looks for unused parameters only on request"
+    )
     broad = [line for line in text.splitlines() if "except Exception" in line]
     assert all("raises bare Exceptions" in line for line in broad), broad
 
 
 def test_the_package_type_checks_strictly():
-    """mypy with the settings in pyproject.toml (strict, less what untyped libraries make impractical)."""
-    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    """mypy with the settings in pyproject.toml (strict, less what untyped libraries make
+    impractical)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy"], cwd=PACKAGE.parent, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout[-4000:]

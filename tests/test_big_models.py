@@ -176,7 +176,7 @@ def test_each_rank_checks_the_files_it_reads_next_and_one_rank_each_of_the_rest(
 
 
 @pytest.mark.slow
-def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resumes_the_checkpoint_before(
+def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resumes_the_checkpoint_before(  # noqa: E501 (the test's name, which says what it proves)
     tmp_path,
 ):
     run = tmp_path / "run"
@@ -316,14 +316,16 @@ def test_hsdp_layouts_and_pretrained_folders_that_cannot_work_are_refused_on_eve
 EXPORT_RSS = """
 import json, sys
 from qgtrain.ops.export.pipeline import export_run
-import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint  # code, before the baseline
+# code, before the baseline
+import transformers.models.gpt2.modeling_gpt2, torch.distributed.checkpoint
 
 def status(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
 
 before = status('VmRSS:')
 done = export_run(sys.argv[1], sys.argv[2], dtype='bf16')
-print(json.dumps({'grown': status('VmHWM:') - before, 'diff': done.max_logit_diff, 'checked': done.tensors_checked}))
+print(json.dumps({'grown': status('VmHWM:') - before, 'diff': done.max_logit_diff,
+                  'checked': done.tensors_checked}))
 """
 
 

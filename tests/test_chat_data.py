@@ -37,7 +37,9 @@ PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", ""
 BROKEN = PLAIN.replace(
     "{{ '<|im_start|>assistant\\n' }}{% endif %}", "{{ '<|im_start|>bot\\n' }}{% endif %}"
 )
-WORDS = "the rank writes a checkpoint what is shard piece of weights and node resumes loss falls".split()
+WORDS = (
+    "the rank writes a checkpoint what is shard piece of weights and node resumes loss falls"
+).split()
 TALK = [
     {"role": "system", "content": "be short"},
     {"role": "user", "content": "what is a shard?"},
@@ -148,7 +150,9 @@ def test_prompt_completion_with_and_without_a_chat_template(tmp_path):
     assert trained.tolist() == [False] * 16 + [True] * 9
 
 
-def prepared_rows(tmp_path: Path, rows: list, **changes) -> tuple[ChatRows, DataConfig]:  # type: ignore[no-untyped-def]
+def prepared_rows(  # type: ignore[no-untyped-def]
+    tmp_path: Path, rows: list, **changes
+) -> tuple[ChatRows, DataConfig]:
     cfg = data(
         tmp_path,
         write_jsonl(tmp_path / "talk.jsonl", rows),
@@ -236,7 +240,8 @@ def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path
         logger.setLevel(level)
     assert any(
         re.match(
-            r"data: 1 of 5 samples truncated to data.seq_len=64 \(from the prompt side\); 1 dropped",
+            r"data: 1 of 5 samples truncated to data.seq_len=64 \(from the prompt side\); "
+            r"1 dropped",
             line,
         )
         for line in lines
@@ -259,7 +264,8 @@ def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path
         ),
         (
             {"messages": [{"role": "robot", "content": "hi"}]},
-            r"talk.jsonl:2: message 0 has the unknown role 'robot'; allowed: system, user, assistant, tool",
+            r"talk.jsonl:2: message 0 has the unknown role 'robot'; allowed: system, user, "
+            r"assistant, tool",
         ),
     ],
 )

@@ -1,5 +1,5 @@
-"""Checkpoint format and resume selection. Runs against: real files on disk, and real single-rank training
-runs (tests/ranks.py) that save, get damaged, and resume."""
+"""Checkpoint format and resume selection. Runs against: real files on disk, and real single-rank
+training runs (tests/ranks.py) that save, get damaged, and resume."""
 
 from __future__ import annotations
 
@@ -12,18 +12,24 @@ import pytest
 import torch
 
 from qgtrain.foundation.errors import CheckpointError
-from qgtrain.state import checkpoint
+from qgtrain.state import checkpoint, rotation
 from qgtrain.state.checkpointer import CpuSnapshot
 from tests.helpers import records, tiny_config
 from tests.ranks import run_ranks, train_rank
 
 
-def commit_step(root: Path, step: int, run_id: str, val_loss: float | None = None) -> checkpoint.Checkpoint:
+def commit_step(
+    root: Path, step: int, run_id: str, val_loss: float | None = None
+) -> checkpoint.Checkpoint:
     staging = checkpoint.staging_dir(root, step, run_id)
     staging.mkdir(parents=True)
     files = checkpoint.write_files(staging, {"model.pt": {"w": torch.full((4,), float(step))}})
-    return checkpoint.commit(staging, root / f"step-{step}", files, {"step": step, "run_id": run_id,
-                                                                   "val_loss": val_loss})
+    return checkpoint.commit(
+        staging,
+        root / f"step-{step}",
+        files,
+        {"step": step, "run_id": run_id, "val_loss": val_loss},
+    )
 
 
 def test_a_committed_checkpoint_verifies_and_loads(tmp_path):
@@ -34,11 +40,17 @@ def test_a_committed_checkpoint_verifies_and_loads(tmp_path):
     assert not list(tmp_path.glob(".tmp-*")), "the staging folder is renamed, not copied"
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: p.write_bytes(p.read_bytes()[:-10]), "has {n} bytes, the manifest says"),
-    (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "does not match its checksum"),
-    (lambda p: p.unlink(), "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:-10]), "has {n} bytes, the manifest says"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])),
+            "does not match its checksum",
+        ),
+        (lambda p: p.unlink(), "cannot be read"),
+    ],
+)
 def test_damaged_files_are_named_by_verify(tmp_path, damage, message):
     ckpt = commit_step(tmp_path, 3, "run-a")
     path = ckpt.path / "model.pt"
@@ -53,7 +65,9 @@ def test_folders_without_a_valid_manifest_never_count(tmp_path):
     commit_step(tmp_path, 2, "run-a")
     (tmp_path / "step-9").mkdir()  # a folder someone made by hand
     (tmp_path / "step-10").mkdir()
-    (tmp_path / "step-10" / checkpoint.MANIFEST).write_text('{"format": "qgtrain-checkpoint-1", "step"')
+    (tmp_path / "step-10" / checkpoint.MANIFEST).write_text(
+        '{"format": "qgtrain-checkpoint-1", "step"'
+    )
     checkpoint.staging_dir(tmp_path, 12, "run-a").mkdir()  # half-written
     assert [c.step for c in checkpoint.list_committed(tmp_path)] == [2]
 
@@ -62,10 +76,14 @@ def test_rotation_keeps_the_last_k_and_the_best_and_never_touches_another_run(tm
     stale = commit_step(tmp_path, 999_999, "other-run", 0.01)
     for step in range(10, 210, 10):
         commit_step(tmp_path, step, "run-a", val_loss=1.0 if step == 50 else 2.0 + step / 1000)
-        checkpoint.rotate(tmp_path, "run-a", keep_last=2)
+        rotation.rotate(tmp_path, "run-a", keep_last=2)
     ours = [c.step for c in checkpoint.list_committed(tmp_path) if c.run_id == "run-a"]
-    assert ours == [50, 190, 200], "newest two by step number (not by name: 90 < 100), plus the best"
-    assert checkpoint.verify(checkpoint.read_manifest(stale.path)) is None, "another run's folder is untouched"
+    assert ours == [50, 190, 200], (
+        "newest two by step number (not by name: 90 < 100), plus the best"
+    )
+    assert checkpoint.verify(checkpoint.read_manifest(stale.path)) is None, (
+        "another run's folder is untouched"
+    )
 
 
 def test_a_step_folder_of_another_run_is_set_aside_not_overwritten(tmp_path):
@@ -91,7 +109,9 @@ def test_a_file_that_would_run_code_is_refused(tmp_path):
 
 def synthetic(*sets: str):  # type: ignore[no-untyped-def]
     """TINY with 64 samples and a checkpoint every 2 steps."""
-    return tiny_config("data.synthetic_samples=64", "train.eval_every=0", "checkpoint.every_steps=2", *sets)
+    return tiny_config(
+        "data.synthetic_samples=64", "train.eval_every=0", "checkpoint.every_steps=2", *sets
+    )
 
 
 def train_once(cfg, run_dir: Path) -> dict:  # type: ignore[no-untyped-def]
@@ -109,7 +129,9 @@ def test_a_corrupted_or_truncated_newest_checkpoint_is_skipped_with_a_warning(tm
     assert f"skipping checkpoint step-6: {newest} has 100 bytes" in log
     assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4" in log
     steps = [record["step"] for record in records(run)]
-    assert steps == [1, 2, 3, 4, 5, 6, 7, 8], "records after the resumed step are replaced, not duplicated"
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8], (
+        "records after the resumed step are replaced, not duplicated"
+    )
 
 
 def test_a_half_written_checkpoint_of_this_run_is_removed_and_the_last_committed_one_used(tmp_path):
@@ -132,32 +154,68 @@ def test_resume_from_an_explicit_corrupt_path_fails_clearly(tmp_path):
     target = run / "checkpoints" / "step-2"
     (target / "optim.pt").write_bytes(b"garbage")
     result = train_once(synthetic("train.max_steps=4", f"checkpoint.resume={target}"), run)
-    assert result["exit"] == 2 and f"checkpoint.resume: {target / 'optim.pt'} has 7 bytes" in result["error"]
-    missing = train_once(synthetic("train.max_steps=4", f"checkpoint.resume={tmp_path / 'nope'}"), run)
+    assert (
+        result["exit"] == 2
+        and f"checkpoint.resume: {target / 'optim.pt'} has 7 bytes" in result["error"]
+    )
+    missing = train_once(
+        synthetic("train.max_steps=4", f"checkpoint.resume={tmp_path / 'nope'}"), run
+    )
     assert missing["exit"] == 2 and "is not a committed checkpoint" in missing["error"]
 
 
 def test_a_checkpoint_of_another_model_shape_says_what_differs(tmp_path):
     run = tmp_path / "run"
-    assert train_once(synthetic("train.max_steps=2", "model.factory=null", "model.hidden=32",
-                            "model.heads=2", "model.layers=1"), run)["exit"] == 0
-    result = train_once(synthetic("train.max_steps=4", "model.factory=null", "model.hidden=64",
-                              "model.heads=2", "model.layers=1"), run)
+    assert (
+        train_once(
+            synthetic(
+                "train.max_steps=2",
+                "model.factory=null",
+                "model.hidden=32",
+                "model.heads=2",
+                "model.layers=1",
+            ),
+            run,
+        )["exit"]
+        == 0
+    )
+    result = train_once(
+        synthetic(
+            "train.max_steps=4",
+            "model.factory=null",
+            "model.hidden=64",
+            "model.heads=2",
+            "model.layers=1",
+        ),
+        run,
+    )
     assert result["exit"] == 2
-    assert "does not fit the configured model: shapes differ (transformer.wte.weight: checkpoint (257, 32) vs " \
-           "model (257, 64)" in result["error"]
+    assert (
+        "does not fit the configured model: shapes differ (transformer.wte.weight: checkpoint "
+        "(257, 32) vs "
+        "model (257, 64)" in result["error"]
+    )
 
 
 def test_an_async_snapshot_is_a_private_copy_that_keeps_tied_weights_tied_and_reuses_its_buffers():
     tied = torch.nn.Linear(4, 4)
-    state = {"model.pt": {"wte": tied.weight.detach(), "lm_head": tied.weight.detach(), "b": tied.bias.detach()},
-             "optim.pt": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1}]}, "config": b"x: 1"}
+    state = {
+        "model.pt": {
+            "wte": tied.weight.detach(),
+            "lm_head": tied.weight.detach(),
+            "b": tied.bias.detach(),
+        },
+        "optim.pt": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1}]},
+        "config": b"x: 1",
+    }
     snapshots = CpuSnapshot()
     first = snapshots.copy(state)
     with torch.no_grad():
         tied.weight.add_(1.0)  # training goes on while the snapshot is written
     assert not torch.equal(first["model.pt"]["wte"], tied.weight)
-    assert first["model.pt"]["wte"] is first["model.pt"]["lm_head"], "one tensor saved once, as torch.save would"
+    assert first["model.pt"]["wte"] is first["model.pt"]["lm_head"], (
+        "one tensor saved once, as torch.save would"
+    )
     assert first["optim.pt"]["groups"] == [{"lr": 0.1}] and first["config"] == b"x: 1"
     second = snapshots.copy(state)
     assert second["model.pt"]["wte"] is first["model.pt"]["wte"], "the next save reuses the buffers"
@@ -166,9 +224,13 @@ def test_an_async_snapshot_is_a_private_copy_that_keeps_tied_weights_tied_and_re
 
 
 def tree(folder: Path) -> dict[str, bytes]:
-    """Every file under folder with its bytes, except the lock (its owner line changes with every start)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    """Every file under folder with its bytes, except the lock (its owner line changes with every
+    start)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def test_a_run_whose_checkpoints_are_all_corrupt_is_refused_and_left_untouched(tmp_path):
@@ -184,8 +246,10 @@ def test_a_run_whose_checkpoints_are_all_corrupt_is_refused_and_left_untouched(t
     assert result["exit"] == 2
     assert "holds 2 checkpoint(s) of this run and none can be resumed" in result["error"]
     for step in (2, 4):
-        assert f"step-{step}: {run / 'checkpoints' / f'step-{step}' / 'optim.pt'} does not match its checksum" \
-            in result["error"]
+        assert (
+            f"step-{step}: {run / 'checkpoints' / f'step-{step}' / 'optim.pt'} does not match its "
+            "checksum" in result["error"]
+        )
     assert "checkpoint.resume: never" in result["error"]
     assert tree(run) == before, "neither checkpoints, metrics, config nor status may change"
 
@@ -197,13 +261,17 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_and_the_run_marked_fai
     saved = torch.load(folder / "optim.pt", weights_only=True)
     saved["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
     torch.save(saved, folder / "optim.pt")
-    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())  # a consistent file, checksum and all
+    # a consistent file, checksum and all
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
     manifest["files"]["optim.pt"] = checkpoint.file_entry(folder / "optim.pt")
     (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     result = train_once(synthetic("train.max_steps=4"), run)
     assert result["exit"] == 2
-    assert f"{folder / 'optim.pt'} does not fit the configured model and optimizer (state 'exp_avg' of " \
-           "parameter 0 has shape (3, 3)" in result["error"]
+    assert (
+        f"{folder / 'optim.pt'} does not fit the configured model and optimizer (state 'exp_avg' "
+        "of "
+        "parameter 0 has shape (3, 3)" in result["error"]
+    )
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and "does not fit" in status["error"]
 
@@ -247,20 +315,30 @@ def save_while_rank_0_stays_away(root: str) -> float | None:
 
 
 def test_a_save_whose_peer_never_comes_fails_within_the_collective_timeout(tmp_path):
-    """A rank cut off in the middle of a save must not outlive the others by gloo's default half hour: the
-    saver's collectives are bounded like training's (run against a real 2-rank gloo group)."""
+    """A rank cut off in the middle of a save must not outlive the others by gloo's default half
+    hour: the saver's collectives are bounded like training's (run against a real 2-rank gloo
+    group)."""
     _, failed_after = run_ranks(2, save_while_rank_0_stays_away, str(tmp_path))
-    assert failed_after is not None and failed_after < 60, "the save's collective waited for its peer unbounded"
+    assert failed_after is not None and failed_after < 60, (
+        "the save's collective waited for its peer unbounded"
+    )
 
 
 def test_a_checkpoint_holds_exactly_the_names_layout_declares(tmp_path):
-    """layout.py is the one owner of a checkpoint's names: a name written elsewhere, or one it declares
-    that nothing writes, shows here. A built-in GPT-2 (hf_config.json) with an EMA (ema.pt), one rank."""
+    """layout.py is the one owner of a checkpoint's names: a name written elsewhere, or one it
+    declares that nothing writes, shows here. A built-in GPT-2 (hf_config.json) with an EMA
+    (ema.pt), one rank."""
     from qgtrain.state import layout
 
     run = tmp_path / "run"
-    cfg = synthetic("train.max_steps=2", "train.ema_decay=0.9", "model.factory=", "model.hidden=32",
-                    "model.layers=2", "model.heads=2")
+    cfg = synthetic(
+        "train.max_steps=2",
+        "train.ema_decay=0.9",
+        "model.factory=",
+        "model.hidden=32",
+        "model.layers=2",
+        "model.heads=2",
+    )
     assert train_once(cfg, run)["exit"] == 0
     folder = run / "checkpoints" / layout.step_folder(2)
     assert layout.STEP_PATTERN.fullmatch(folder.name)

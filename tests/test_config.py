@@ -1,5 +1,6 @@
-"""Config loading, validation and --set conversion. Runs against: pure values and real YAML files; the
-CLI battery runs `python -m qgtrain` as a subprocess (fast: config errors come before torch is imported)."""
+"""Config loading, validation and --set conversion. Runs against: pure values and real YAML files;
+the CLI battery runs `python -m qgtrain` as a subprocess (fast: config errors come before torch is
+imported)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def test_shipped_config_yaml_equals_the_schema_defaults_and_comments_every_key()
             line = re.search(rf"^  {f.name}: .*?  # (.+)$", blocks.get(section, ""), re.MULTILINE)
             assert line, f"{section}.{f.name} is missing or uncommented in config.yaml"
             assert line.group(1) == f.metadata["doc"], (
-                f"{section}.{f.name}: config.yaml's comment is not the field's doc in qgtrain/config/")
+                f"{section}.{f.name}: config.yaml's comment is not the field's doc in "
+                "qgtrain/config/"
+            )
 
 
 def test_overlays_merge_key_by_key_and_set_wins(tmp_path):
@@ -44,18 +47,25 @@ def test_overlays_merge_key_by_key_and_set_wins(tmp_path):
     assert (cfg.train.max_steps, cfg.train.seed, cfg.optim.lr) == (20, 3, 3e-4)
 
 
-@pytest.mark.parametrize("assignment, key, expected", [
-    ("train.max_steps=1_000", "train.max_steps", 1000),
-    ("optim.lr=3e-4", "optim.lr", 3e-4),
-    ("optim.lr=1", "optim.lr", 1.0),
-    ("train.find_unused_parameters=yes", "train.find_unused_parameters", True),
-    ("train.find_unused_parameters=False", "train.find_unused_parameters", False),
-    ("model.pretrained=null", "model.pretrained", None),
-    ("model.pretrained=/models/gpt2", "model.pretrained", "/models/gpt2"),
-    ("slurm.setup=['module load cuda', 'echo hi']", "slurm.setup", ("module load cuda", "echo hi")),
-    ("slurm.time=90", "slurm.time", "90"),
-    ("train.precision=bf16", "train.precision", "bf16"),
-])
+@pytest.mark.parametrize(
+    "assignment, key, expected",
+    [
+        ("train.max_steps=1_000", "train.max_steps", 1000),
+        ("optim.lr=3e-4", "optim.lr", 3e-4),
+        ("optim.lr=1", "optim.lr", 1.0),
+        ("train.find_unused_parameters=yes", "train.find_unused_parameters", True),
+        ("train.find_unused_parameters=False", "train.find_unused_parameters", False),
+        ("model.pretrained=null", "model.pretrained", None),
+        ("model.pretrained=/models/gpt2", "model.pretrained", "/models/gpt2"),
+        (
+            "slurm.setup=['module load cuda', 'echo hi']",
+            "slurm.setup",
+            ("module load cuda", "echo hi"),
+        ),
+        ("slurm.time=90", "slurm.time", "90"),
+        ("train.precision=bf16", "train.precision", "bf16"),
+    ],
+)
 def test_set_converts_text_to_the_field_type(assignment, key, expected):
     section, name = key.split(".")
     value = getattr(getattr(load_config([], [assignment]), section), name)
@@ -66,71 +76,157 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
     assert load_config([write(tmp_path, "optim:\n  lr: 3e-4\n")]).optim.lr == 3e-4
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("train:\n  max_step: 5\n", r"c.yaml: unknown key 'train.max_step'. Did you mean 'train.max_steps'\? Valid keys"),
-    ("trian:\n  seed: 1\n", r"unknown section 'trian'. Did you mean 'train'\?"),
-    ("train:\n  lr: 0.1\n", r"unknown key 'train.lr'. 'lr' is a key of optim."),
-    ("train:\n  batch_size: -4\n", r"train.batch_size: -4 is out of range; expected an integer >= 1"),
-    ("train:\n  batch_size: 2.5\n", r"train.batch_size: expected an integer >= 1, got float \(2.5\)"),
-    ("train:\n  batch_size: many\n", r"train.batch_size: expected an integer >= 1, got text \('many'\)"),
-    ("train:\n  precision: half\n", r"train.precision: 'half' is not allowed; choose one of auto, fp32, bf16, fp16"),
-    ("train:\n  find_unused_parameters: 1\n", r"expected true or false, got int \(1\)"),
-    ("optim:\n  beta2: 1.5\n", r"optim.beta2: 1.5 is out of range; expected a number between 0.0 and 1.0"),
-    ("optim:\n  lr: .nan\n", r"optim.lr: nan is out of range"),
-    ("slurm:\n  setup: module load cuda\n", r"slurm.setup: expected a list of text items"),
-    ("train: 5\n", r"train: expected a mapping of keys, got int \(5\)"),
-    ("- a\n- b\n", r"the top level must be a mapping of sections"),
-    ("train: {batch_size: 8\n", r"not valid YAML at line 2"),
-    ("checkpoint:\n  keep_last: 1\n", r"checkpoint.keep_last: 1 is below 2: the newest checkpoint may be half-written"),
-    ("optim:\n  lr: 0.001\n  min_lr: 0.01\n", r"optim.min_lr: 0.01 is above optim.lr=0.001"),
-    ("model:\n  hidden: 100\n  heads: 3\n", r"model.hidden: 100 is not divisible by model.heads=3"),
-    ("model:\n  factory: mymodels.make\n",
-     r"model.factory: 'mymodels.make' is not of the form 'package.module:function'"),
-    ("model:\n  factory: a:b\n  pretrained: /x\n", r"set either model.pretrained or model.factory, not both"),
-    ("data:\n  name: factory\n", r"data.factory: data.name is 'factory' but no"),
-    ("train:\n  run_name: a/b\n", r"train.run_name: 'a/b' must be a plain directory name"),
-    ("train:\n  shard_group_size: 4\n", r"train.shard_group_size: applies to train.parallel: hsdp, not ddp"),
-    ("train:\n  parallel: hsdp\n  precision: fp16\n", r"use bf16 with train.parallel: hsdp"),
-    ("early_stopping:\n  patience: 3\ntrain:\n  eval_every: 0\n", r"early stopping needs validations"),
-    ("train:\n  seed: 99999999999999999999\n", r"train.seed: 99999999999999999999 is out of range; expected an "
-                                               r"integer between 0 and 2147483647"),
-    ("train:\n  collective_timeout_s: 1.0e+12\n", r"train.collective_timeout_s: 1000000000000.0 is out of range"),
-    ("train:\n  run_name: ' '\n", r"train.run_name: ' ' must be a plain directory name: not empty"),
-    ("train:\n  run_name: ' x'\n", r"no leading or trailing spaces"),
-    ("early_stopping:\n  metric: test_accuracy\n", r"early_stopping.metric: 'test_accuracy' is not a validation"),
-    ("early_stopping:\n  mode: biggest\n", r"'biggest' is not allowed; choose one of min, max"),
-    ("task: mytasks.make\n", r"task.factory: 'mytasks.make' is not of the form 'package.module:function' or "
-                             r"'path/to/file.py:function'"),
-    ("task:\n  options: [1, 2]\n", r"task.options: expected a mapping of names to values"),
-    ("slurm:\n  job_name: null\n", r"slurm.job_name: expected text, got NoneType"),
-    ("train:\n  max_time: soon\n", r"train.max_time: 'soon' is not a duration; use e.g. 45m, 3h30m"),
-    ("train:\n  precision: bf61\n", r"train.precision: 'bf61' is not allowed; choose one of auto, fp32, bf16, fp16. "
-                                    r"Did you mean 'bf16'\?"),
-    ("train:\n  parallel: fsdp\n  precision: fp16\n", r"train.precision: fp16 needs loss scaling, which qgtrain "
-                                                      r"does not do on sharded gradients; use bf16"),
-    ("train:\n  parallel: fsdp\nmodel:\n  compile: true\n", r"model.compile: torch.compile with train.parallel: "
-                                                           r"fsdp is not supported yet"),
-    ("slurm:\n  step_retries: -1\n", r"slurm.step_retries: -1 is out of range; expected an integer between 0 and 10"),
-    ("slurm:\n  step_retries: 1000\n", r"slurm.step_retries: 1000 is out of range; expected an integer between 0 "
-                                        r"and 10"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "train:\n  max_step: 5\n",
+            r"c.yaml: unknown key 'train.max_step'. Did you mean 'train.max_steps'\? Valid keys",
+        ),
+        ("trian:\n  seed: 1\n", r"unknown section 'trian'. Did you mean 'train'\?"),
+        ("train:\n  lr: 0.1\n", r"unknown key 'train.lr'. 'lr' is a key of optim."),
+        (
+            "train:\n  batch_size: -4\n",
+            r"train.batch_size: -4 is out of range; expected an integer >= 1",
+        ),
+        (
+            "train:\n  batch_size: 2.5\n",
+            r"train.batch_size: expected an integer >= 1, got float \(2.5\)",
+        ),
+        (
+            "train:\n  batch_size: many\n",
+            r"train.batch_size: expected an integer >= 1, got text \('many'\)",
+        ),
+        (
+            "train:\n  precision: half\n",
+            r"train.precision: 'half' is not allowed; choose one of auto, fp32, bf16, fp16",
+        ),
+        ("train:\n  find_unused_parameters: 1\n", r"expected true or false, got int \(1\)"),
+        (
+            "optim:\n  beta2: 1.5\n",
+            r"optim.beta2: 1.5 is out of range; expected a number between 0.0 and 1.0",
+        ),
+        ("optim:\n  lr: .nan\n", r"optim.lr: nan is out of range"),
+        ("slurm:\n  setup: module load cuda\n", r"slurm.setup: expected a list of text items"),
+        ("train: 5\n", r"train: expected a mapping of keys, got int \(5\)"),
+        ("- a\n- b\n", r"the top level must be a mapping of sections"),
+        ("train: {batch_size: 8\n", r"not valid YAML at line 2"),
+        (
+            "checkpoint:\n  keep_last: 1\n",
+            r"checkpoint.keep_last: 1 is below 2: the newest checkpoint may be half-written",
+        ),
+        ("optim:\n  lr: 0.001\n  min_lr: 0.01\n", r"optim.min_lr: 0.01 is above optim.lr=0.001"),
+        (
+            "model:\n  hidden: 100\n  heads: 3\n",
+            r"model.hidden: 100 is not divisible by model.heads=3",
+        ),
+        (
+            "model:\n  factory: mymodels.make\n",
+            r"model.factory: 'mymodels.make' is not of the form 'package.module:function'",
+        ),
+        (
+            "model:\n  factory: a:b\n  pretrained: /x\n",
+            r"set either model.pretrained or model.factory, not both",
+        ),
+        ("data:\n  name: factory\n", r"data.factory: data.name is 'factory' but no"),
+        ("train:\n  run_name: a/b\n", r"train.run_name: 'a/b' must be a plain directory name"),
+        (
+            "train:\n  shard_group_size: 4\n",
+            r"train.shard_group_size: applies to train.parallel: hsdp, not ddp",
+        ),
+        ("train:\n  parallel: hsdp\n  precision: fp16\n", r"use bf16 with train.parallel: hsdp"),
+        (
+            "early_stopping:\n  patience: 3\ntrain:\n  eval_every: 0\n",
+            r"early stopping needs validations",
+        ),
+        (
+            "train:\n  seed: 99999999999999999999\n",
+            r"train.seed: 99999999999999999999 is out of range; expected an "
+            r"integer between 0 and 2147483647",
+        ),
+        (
+            "train:\n  collective_timeout_s: 1.0e+12\n",
+            r"train.collective_timeout_s: 1000000000000.0 is out of range",
+        ),
+        (
+            "train:\n  run_name: ' '\n",
+            r"train.run_name: ' ' must be a plain directory name: not empty",
+        ),
+        ("train:\n  run_name: ' x'\n", r"no leading or trailing spaces"),
+        (
+            "early_stopping:\n  metric: test_accuracy\n",
+            r"early_stopping.metric: 'test_accuracy' is not a validation",
+        ),
+        ("early_stopping:\n  mode: biggest\n", r"'biggest' is not allowed; choose one of min, max"),
+        (
+            "task: mytasks.make\n",
+            r"task.factory: 'mytasks.make' is not of the form 'package.module:function' or "
+            r"'path/to/file.py:function'",
+        ),
+        ("task:\n  options: [1, 2]\n", r"task.options: expected a mapping of names to values"),
+        ("slurm:\n  job_name: null\n", r"slurm.job_name: expected text, got NoneType"),
+        (
+            "train:\n  max_time: soon\n",
+            r"train.max_time: 'soon' is not a duration; use e.g. 45m, 3h30m",
+        ),
+        (
+            "train:\n  precision: bf61\n",
+            r"train.precision: 'bf61' is not allowed; choose one of auto, fp32, bf16, fp16. "
+            r"Did you mean 'bf16'\?",
+        ),
+        (
+            "train:\n  parallel: fsdp\n  precision: fp16\n",
+            r"train.precision: fp16 needs loss scaling, which qgtrain "
+            r"does not do on sharded gradients; use bf16",
+        ),
+        (
+            "train:\n  parallel: fsdp\nmodel:\n  compile: true\n",
+            r"model.compile: torch.compile with train.parallel: "
+            r"fsdp is not supported yet",
+        ),
+        (
+            "slurm:\n  step_retries: -1\n",
+            r"slurm.step_retries: -1 is out of range; expected an integer between 0 and 10",
+        ),
+        (
+            "slurm:\n  step_retries: 1000\n",
+            r"slurm.step_retries: 1000 is out of range; expected an integer between 0 "
+            r"and 10",
+        ),
+    ],
+)
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config([write(tmp_path, text)])
 
 
 def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_one_line(tmp_path):
-    cfg = load_config([write(tmp_path, "slurm:\n  partition: null\n  account: ~\ntask: jobs/t.py:make\n")],
-                      ["task.options.hidden=64", "task.options.name=tiny"])
+    cfg = load_config(
+        [write(tmp_path, "slurm:\n  partition: null\n  account: ~\ntask: jobs/t.py:make\n")],
+        ["task.options.hidden=64", "task.options.name=tiny"],
+    )
     assert cfg.slurm.partition == "" and cfg.slurm.account == ""
-    assert cfg.task.factory == f"{(tmp_path / 'jobs' / 't.py').resolve()}:make", "relative to the file naming it"
+    assert cfg.task.factory == f"{(tmp_path / 'jobs' / 't.py').resolve()}:make", (
+        "relative to the file naming it"
+    )
     assert cfg.task.options == {"hidden": 64, "name": "tiny"}
     assert load_config([], ["task=my.mod:build"]).task.factory == "my.mod:build"
 
 
-@pytest.mark.parametrize("text, seconds", [("3h30m", 12600), ("45m", 2700), ("90s", 90), ("1d2h", 93600),
-                                           ("2:00:00", 7200), ("1-12", 129600), ("90", 5400), ("0", None),
-                                           ("x", None)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("3h30m", 12600),
+        ("45m", 2700),
+        ("90s", 90),
+        ("1d2h", 93600),
+        ("2:00:00", 7200),
+        ("1-12", 129600),
+        ("90", 5400),
+        ("0", None),
+        ("x", None),
+    ],
+)
 def test_durations_in_units_or_slurm_forms(text, seconds):
     from qgtrain.foundation.durations import duration_s
 
@@ -143,13 +239,18 @@ def test_missing_file_is_named(tmp_path):
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    cfg = load_config([], ["slurm.extra_sbatch=['--exclusive']", "model.dropout=0.1", "train.seed=7"])
+    cfg = load_config(
+        [], ["slurm.extra_sbatch=['--exclusive']", "model.dropout=0.1", "train.seed=7"]
+    )
     assert config_from_dict(yaml.safe_load(dump_yaml(cfg)), "run dir") == cfg
     assert config_to_dict(cfg)["slurm"]["extra_sbatch"] == ["--exclusive"]
 
 
 BAD_CLI = [
-    (["--set", "train.max_step=5"], "unknown key 'train.max_step'. Did you mean 'train.max_steps'?"),
+    (
+        ["--set", "train.max_step=5"],
+        "unknown key 'train.max_step'. Did you mean 'train.max_steps'?",
+    ),
     (["--set", "train.batch_size=0"], "train.batch_size: 0 is out of range"),
     (["--set", "optim.lr=fast"], "optim.lr: expected a number >= 0.0, got text ('fast')"),
     (["--set", "train.precision=fp8"], "train.precision: 'fp8' is not allowed"),
@@ -162,8 +263,13 @@ BAD_CLI = [
 
 @pytest.mark.parametrize("args, message", BAD_CLI)
 def test_cli_reports_bad_config_in_one_line_with_exit_code_2(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "train", *args], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "train", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("qgtrain: error: ") and message in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
@@ -171,26 +277,49 @@ def test_cli_reports_bad_config_in_one_line_with_exit_code_2(tmp_path, args, mes
 
 
 def test_cli_debug_shows_the_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "--debug", "config", "--set", "train.x=1"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "--debug", "config", "--set", "train.x=1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+    )
 
 
 def test_config_get_prints_one_value(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "qgtrain", "config", "--get", "data.cache_dir",
-                             "--set", "data.cache_dir=/tmp/x"], cwd=tmp_path, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qgtrain",
+            "config",
+            "--get",
+            "data.cache_dir",
+            "--set",
+            "data.cache_dir=/tmp/x",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0 and result.stdout == "/tmp/x\n"
 
 
 def test_a_resolved_config_with_overrides_is_not_turned_into_text_and_back():
-    """qgtrain.submit(RunConfig, **overrides): the given values stay what they are (a folder named 'None'
-    used to come back as no folder at all), and the overrides are validated with them."""
+    """qgtrain.submit(RunConfig, **overrides): the given values stay what they are (a folder named
+    'None' used to come back as no folder at all), and the overrides are validated with them."""
     import dataclasses
 
     from qgtrain.config.load import with_overrides
 
-    given = dataclasses.replace(RunConfig(), model=dataclasses.replace(RunConfig().model, pretrained="None"),
-                                task=dataclasses.replace(RunConfig().task, options={"deep": {"list": [1, 2]}}))
+    given = dataclasses.replace(
+        RunConfig(),
+        model=dataclasses.replace(RunConfig().model, pretrained="None"),
+        task=dataclasses.replace(RunConfig().task, options={"deep": {"list": [1, 2]}}),
+    )
     cfg = with_overrides(given, ["train.max_steps=5", "task.options.extra=3"])
     assert cfg.model.pretrained == "None" and cfg.train.max_steps == 5
     assert cfg.task.options == {"deep": {"list": [1, 2]}, "extra": 3}

@@ -26,7 +26,9 @@ class Indices(Dataset):
         return torch.tensor([index])
 
 
-def loader(dataset: Dataset, rank: int, world: int, workers: int, batch: int = 4):  # type: ignore[no-untyped-def]
+def loader(  # type: ignore[no-untyped-def]
+    dataset: Dataset, rank: int, world: int, workers: int, batch: int = 4
+):
     env = DistEnv(rank=rank, world_size=world)
     sampler = ResumableSampler(dataset, env, seed=5, shuffle=True, drop_last=True)
     return sampler, make_loader(

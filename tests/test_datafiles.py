@@ -1,8 +1,8 @@
-"""A user's data files, tokenized once into a cache. Runs against: real files of every format written here
-(gzip, parquet by pyarrow, a save_to_disk folder by Hugging Face datasets), a real BPE tokenizer trained here
-and saved by transformers, real `qgtrain` processes SIGKILLed mid-way or racing for one cache, and real
-2-rank gloo groups. With the byte tokenizer a token file decodes back to the exact documents, so each
-test checks what was written, not only that something was."""
+"""A user's data files, tokenized once into a cache. Runs against: real files of every format
+written here (gzip, parquet by pyarrow, a save_to_disk folder by Hugging Face datasets), a real BPE
+tokenizer trained here and saved by transformers, real `qgtrain` processes SIGKILLed mid-way or
+racing for one cache, and real 2-rank gloo groups. With the byte tokenizer a token file decodes back
+to the exact documents, so each test checks what was written, not only that something was."""
 
 from __future__ import annotations
 
@@ -28,14 +28,18 @@ from qgtrain.foundation.errors import ConfigError, QgtrainError
 from tests.helpers import checkpoint_state, cli, records, wait_for
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 
-WORDS = ("rank node slurm batch token model epoch shard cache resume signal queue gradient optimizer loss "
-         "données über naïve 東京").split()
+WORDS = (
+    "rank node slurm batch token model epoch shard cache resume signal queue gradient optimizer "
+    "loss données über naïve 東京"
+).split()
 
 
 def documents(count: int, seed: int, words: int = 40) -> list[str]:
     rng = random.Random(seed)
-    return [f"doc {seed}-{i}: " + " ".join(rng.choices(WORDS, k=rng.randint(1, words))) + "\nend."
-            for i in range(count)]
+    return [
+        f"doc {seed}-{i}: " + " ".join(rng.choices(WORDS, k=rng.randint(1, words))) + "\nend."
+        for i in range(count)
+    ]
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
@@ -48,17 +52,24 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 
 
 def decoded(files: TokenFiles, split: str) -> list[str]:
-    """The documents of a split cache made with the byte tokenizer (id == byte, 256 ends a document)."""
+    """The documents of a split cache made with the byte tokenizer (id == byte, 256 ends a
+    document)."""
     ids = np.fromfile(files.path(split), dtype=files.dtype)
     ends = np.flatnonzero(ids == files.eos_id)
-    assert len(ids) == 0 or ends[-1] == len(ids) - 1, "every document must end with the end-of-text token"
+    assert len(ids) == 0 or ends[-1] == len(ids) - 1, (
+        "every document must end with the end-of-text token"
+    )
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [bytes(ids[s:e].astype(np.uint8)).decode() for s, e in zip(starts, ends)]
 
 
-def data(tmp_path: Path, *files: str | Path, **changes) -> DataConfig:  # type: ignore[no-untyped-def]
-    return replace(DataConfig(name="files", files=tuple(map(str, files)), cache_dir=str(tmp_path / "cache")),
-                   **changes)
+def data(  # type: ignore[no-untyped-def]
+    tmp_path: Path, *files: str | Path, **changes
+) -> DataConfig:
+    return replace(
+        DataConfig(name="files", files=tuple(map(str, files)), cache_dir=str(tmp_path / "cache")),
+        **changes,
+    )
 
 
 def all_documents(files: TokenFiles) -> list[str]:
@@ -66,15 +77,19 @@ def all_documents(files: TokenFiles) -> list[str]:
 
 
 def bpe_tokenizer(folder: Path) -> Path:
-    """A real byte-level BPE tokenizer trained on our words, saved the way transformers saves one."""
+    """A real byte-level BPE tokenizer trained on our words, saved the way transformers saves
+    one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(documents(300, 99), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
     return folder
@@ -85,8 +100,12 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
     import pyarrow.parquet as pq
     from datasets import Dataset
 
-    sets = {name: documents(30, seed) for seed, name in enumerate(["jsonl", "gz", "array", "parquet", "saved",
-                                                                     "txt", "txtgz", "ndjson", "md"])}
+    sets = {
+        name: documents(30, seed)
+        for seed, name in enumerate(
+            ["jsonl", "gz", "array", "parquet", "saved", "txt", "txtgz", "ndjson", "md"]
+        )
+    }
     write_jsonl(tmp_path / "a.jsonl", sets["jsonl"])
     write_jsonl(tmp_path / "e.ndjson", sets["ndjson"])
     (tmp_path / "notes").mkdir()
@@ -94,19 +113,32 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
         (tmp_path / "notes" / f"{i:02}.md").write_text(doc)
     write_jsonl(tmp_path / "b.jsonl.gz", sets["gz"])
     (tmp_path / "c.json").write_text(json.dumps([{"text": doc} for doc in sets["array"]]))
-    pq.write_table(pa.table({"text": sets["parquet"], "n": list(range(30))}), tmp_path / "d.parquet",
-                   row_group_size=7)
+    pq.write_table(
+        pa.table({"text": sets["parquet"], "n": list(range(30))}),
+        tmp_path / "d.parquet",
+        row_group_size=7,
+    )
     Dataset.from_dict({"text": sets["saved"]}).save_to_disk(str(tmp_path / "saved"))
     (tmp_path / "texts").mkdir()
     for i, doc in enumerate(sets["txt"]):
         (tmp_path / "texts" / f"{i:02}.txt").write_text(doc)
-    (tmp_path / "texts" / "notes.bin").write_bytes(b"\0\1")  # not a data file: passed over in a folder
+    # not a data file: passed over in a folder
+    (tmp_path / "texts" / "notes.bin").write_bytes(b"\0\1")
     for i, doc in enumerate(sets["txtgz"]):
         (tmp_path / f"z{i:02}.txt.gz").write_bytes(gzip.compress(doc.encode()))
 
-    cfg = data(tmp_path, tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz", tmp_path / "c.json", tmp_path / "d.parquet",
-               tmp_path / "saved", tmp_path / "texts", tmp_path / "z*.txt.gz", tmp_path / "e.ndjson",
-               tmp_path / "notes")
+    cfg = data(
+        tmp_path,
+        tmp_path / "a.jsonl",
+        tmp_path / "b.jsonl.gz",
+        tmp_path / "c.json",
+        tmp_path / "d.parquet",
+        tmp_path / "saved",
+        tmp_path / "texts",
+        tmp_path / "z*.txt.gz",
+        tmp_path / "e.ndjson",
+        tmp_path / "notes",
+    )
     files, made = preparing.prepare(cfg)
     assert made
     assert all_documents(files) == sorted(doc for docs in sets.values() for doc in docs)
@@ -116,18 +148,33 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
 
 def test_a_long_text_file_is_read_in_pieces_but_stays_one_document(tmp_path, monkeypatch):
     monkeypatch.setattr("qgtrain.data.sources.TEXT_PIECE_BYTES", 64)
-    text = "".join(f"line {i} " + "x" * (i % 90) + "\n" for i in range(200)) + "no newline at the end"
+    text = (
+        "".join(f"line {i} " + "x" * (i % 90) + "\n" for i in range(200)) + "no newline at the end"
+    )
     (tmp_path / "long.txt").write_text(text)
-    files, _ = preparing.prepare(data(tmp_path, tmp_path / "long.txt", val_fraction=0.0, test_fraction=0.0))
+    files, _ = preparing.prepare(
+        data(tmp_path, tmp_path / "long.txt", val_fraction=0.0, test_fraction=0.0)
+    )
     assert decoded(files, "train") == [text]
 
 
 def test_held_out_fractions_are_deterministic_for_a_seed_and_change_with_it(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", documents(2000, 1))
-    first, _ = preparing.prepare(data(tmp_path / "one", tmp_path / "all.jsonl", val_fraction=0.1, test_fraction=0.2))
-    again, _ = preparing.prepare(data(tmp_path / "two", tmp_path / "all.jsonl", val_fraction=0.1, test_fraction=0.2))
-    other, _ = preparing.prepare(data(tmp_path / "one", tmp_path / "all.jsonl", val_fraction=0.1, test_fraction=0.2,
-                                      split_seed=7))
+    first, _ = preparing.prepare(
+        data(tmp_path / "one", tmp_path / "all.jsonl", val_fraction=0.1, test_fraction=0.2)
+    )
+    again, _ = preparing.prepare(
+        data(tmp_path / "two", tmp_path / "all.jsonl", val_fraction=0.1, test_fraction=0.2)
+    )
+    other, _ = preparing.prepare(
+        data(
+            tmp_path / "one",
+            tmp_path / "all.jsonl",
+            val_fraction=0.1,
+            test_fraction=0.2,
+            split_seed=7,
+        )
+    )
     for split in ("train", "val", "test"):
         assert first.path(split).read_bytes() == again.path(split).read_bytes()
     assert decoded(first, "val") != decoded(other, "val") and other.folder != first.folder
@@ -141,9 +188,19 @@ def test_splits_from_their_own_files(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", train)
     write_jsonl(tmp_path / "val.jsonl", val)
     write_jsonl(tmp_path / "test.jsonl.gz", test)
-    files, _ = preparing.prepare(data(tmp_path, tmp_path / "train.jsonl", val_files=(str(tmp_path / "val.jsonl"),),
-                                      test_files=(str(tmp_path / "test.jsonl.gz"),)))
-    assert (decoded(files, "train"), decoded(files, "val"), decoded(files, "test")) == (train, val, test)
+    files, _ = preparing.prepare(
+        data(
+            tmp_path,
+            tmp_path / "train.jsonl",
+            val_files=(str(tmp_path / "val.jsonl"),),
+            test_files=(str(tmp_path / "test.jsonl.gz"),),
+        )
+    )
+    assert (decoded(files, "train"), decoded(files, "val"), decoded(files, "test")) == (
+        train,
+        val,
+        test,
+    )
 
 
 def test_a_hugging_face_tokenizer_in_worker_processes_matches_a_plain_loop(tmp_path):
@@ -152,7 +209,9 @@ def test_a_hugging_face_tokenizer_in_worker_processes_matches_a_plain_loop(tmp_p
     folder = bpe_tokenizer(tmp_path / "tok")
     for shard in range(3):
         write_jsonl(tmp_path / f"s{shard}.jsonl", documents(400, shard + 10))
-    cfg = data(tmp_path, tmp_path / "s*.jsonl", tokenizer=str(folder), val_fraction=0.0, test_fraction=0.0)
+    cfg = data(
+        tmp_path, tmp_path / "s*.jsonl", tokenizer=str(folder), val_fraction=0.0, test_fraction=0.0
+    )
     monkey_batch = preparing.BATCH_BYTES
     preparing.BATCH_BYTES = 4096  # many batches in flight across the two workers
     try:
@@ -162,7 +221,12 @@ def test_a_hugging_face_tokenizer_in_worker_processes_matches_a_plain_loop(tmp_p
         preparing.BATCH_BYTES = monkey_batch
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
-    expected = [i for shard in range(3) for doc in documents(400, shard + 10) for i in tok.encode(doc).ids + [eos]]
+    expected = [
+        i
+        for shard in range(3)
+        for doc in documents(400, shard + 10)
+        for i in tok.encode(doc).ids + [eos]
+    ]
     assert alone.path("train").read_bytes() == pooled.path("train").read_bytes()
     assert np.fromfile(pooled.path("train"), dtype=pooled.dtype).tolist() == expected
     assert pooled.vocab_size == tok.get_vocab_size() and pooled.eos_id == eos
@@ -170,13 +234,20 @@ def test_a_hugging_face_tokenizer_in_worker_processes_matches_a_plain_loop(tmp_p
 
 def test_a_prepared_cache_is_reused_and_a_changed_file_is_prepared_again(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", documents(50, 1))
-    sets = ["--set", "data.name=files", f"data.files=[{path}]", f"data.cache_dir={tmp_path / 'cache'}"]
+    sets = [
+        "--set",
+        "data.name=files",
+        f"data.files=[{path}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
     first = cli("data", "prepare", *sets, cwd=tmp_path)
     assert first.returncode == 0 and first.stdout.startswith("prepared "), first.stderr
     entry = Path(first.stdout.split()[1].rstrip(":"))
     stamp = (entry / "train.bin").stat()
     second = cli("data", "prepare", *sets, cwd=tmp_path)
-    assert second.stdout.startswith("already prepared, reused ") and "tokenizing" not in second.stderr
+    assert (
+        second.stdout.startswith("already prepared, reused ") and "tokenizing" not in second.stderr
+    )
     assert (entry / "train.bin").stat().st_mtime_ns == stamp.st_mtime_ns
 
     write_jsonl(path, documents(60, 2))
@@ -184,7 +255,9 @@ def test_a_prepared_cache_is_reused_and_a_changed_file_is_prepared_again(tmp_pat
     assert f"no: 1 file(s) changed since, e.g. {path}" in info.stdout
     third = cli("data", "prepare", *sets, cwd=tmp_path)
     assert third.stdout.startswith("prepared ") and str(entry) not in third.stdout
-    listing = json.loads(cli("data", "info", "--json", str(tmp_path / "cache"), cwd=tmp_path).stdout)
+    listing = json.loads(
+        cli("data", "info", "--json", str(tmp_path / "cache"), cwd=tmp_path).stdout
+    )
     assert sorted(len(e["changed"]) for e in listing) == [0, 1]
     assert sorted(sum(e["documents"].values()) for e in listing) == [50, 60]
 
@@ -193,14 +266,26 @@ def slow_corpus(tmp_path: Path) -> list[str]:
     folder = bpe_tokenizer(tmp_path / "tok")
     for shard in range(4):
         write_jsonl(tmp_path / f"big{shard}.jsonl", documents(6000, shard, words=200))
-    return ["--set", "data.name=files", f"data.files=[{tmp_path}/big*.jsonl]", f"data.tokenizer={folder}",
-            f"data.cache_dir={tmp_path / 'cache'}", "data.prepare_workers=1"]
+    return [
+        "--set",
+        "data.name=files",
+        f"data.files=[{tmp_path}/big*.jsonl]",
+        f"data.tokenizer={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.prepare_workers=1",
+    ]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "qgtrain", *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "qgtrain", *args],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -236,17 +321,48 @@ def test_two_jobs_preparing_one_cache_at_once_tokenize_it_once(tmp_path):
     assert len(entries) == 1 and (entries[0] / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("setup, sets, expected", [
-    (None, ["data.files=[nothing/*.jsonl]"], r"data.files: 'nothing/\*.jsonl' matches no file or folder"),
-    ("empty.jsonl", [], r"empty.jsonl: the file holds no documents; remove it from data.files"),
-    ("bad.jsonl", [], r"bad.jsonl:3: not valid JSON \(Expecting .*\); each line must be one JSON object"),
-    ("other.jsonl", [], r"other.jsonl:1: no field 'text' \(fields there: id, body\); set data.text_field"),
-    ("other.jsonl", ["data.text_field=id"], r"other.jsonl:1: field 'id' holds int, not text"),
-    ("cols.parquet", [], r"cols.parquet: no column 'text' \(columns there: body\); set data.text_field"),
-    ("notes.csv", [], r"notes.csv is not a data file qgtrain reads; allowed: .txt, .md, .jsonl"),
-    ("ok.jsonl", ["data.tokenizer=tokfolder"], r"data.tokenizer: .*tokfolder/tokenizer.json could not be read"),
-    ("ok.jsonl", ["data.val_files=[empty-folder]"], r"data.val_files: the folder .*empty-folder holds no data"),
-])
+@pytest.mark.parametrize(
+    "setup, sets, expected",
+    [
+        (
+            None,
+            ["data.files=[nothing/*.jsonl]"],
+            r"data.files: 'nothing/\*.jsonl' matches no file or folder",
+        ),
+        ("empty.jsonl", [], r"empty.jsonl: the file holds no documents; remove it from data.files"),
+        (
+            "bad.jsonl",
+            [],
+            r"bad.jsonl:3: not valid JSON \(Expecting .*\); each line must be one JSON object",
+        ),
+        (
+            "other.jsonl",
+            [],
+            r"other.jsonl:1: no field 'text' \(fields there: id, body\); set data.text_field",
+        ),
+        ("other.jsonl", ["data.text_field=id"], r"other.jsonl:1: field 'id' holds int, not text"),
+        (
+            "cols.parquet",
+            [],
+            r"cols.parquet: no column 'text' \(columns there: body\); set data.text_field",
+        ),
+        (
+            "notes.csv",
+            [],
+            r"notes.csv is not a data file qgtrain reads; allowed: .txt, .md, .jsonl",
+        ),
+        (
+            "ok.jsonl",
+            ["data.tokenizer=tokfolder"],
+            r"data.tokenizer: .*tokfolder/tokenizer.json could not be read",
+        ),
+        (
+            "ok.jsonl",
+            ["data.val_files=[empty-folder]"],
+            r"data.val_files: the folder .*empty-folder holds no data",
+        ),
+    ],
+)
 def test_bad_data_gets_one_line_exit_2_and_leaves_nothing_behind(tmp_path, setup, sets, expected):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -261,34 +377,59 @@ def test_bad_data_gets_one_line_exit_2_and_leaves_nothing_behind(tmp_path, setup
     (tmp_path / "tokfolder" / "tokenizer.json").write_text("{not json")
     (tmp_path / "empty-folder").mkdir()
     files = [f"data.files=[{setup}]"] if setup else []
-    out = cli("data", "prepare", "--set", "data.name=files", "data.cache_dir=cache", *files, *sets, cwd=tmp_path)
+    out = cli(
+        "data",
+        "prepare",
+        "--set",
+        "data.name=files",
+        "data.cache_dir=cache",
+        *files,
+        *sets,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and out.stdout == "", out
     error = [line for line in out.stderr.splitlines() if line.startswith("qgtrain: error: ")]
     assert len(error) == 1 and "Traceback" not in out.stderr, out.stderr
     import re
+
     assert re.search(expected, error[0]), error[0]
     cache = tmp_path / "cache"
-    assert not (cache.exists() and [p for p in cache.glob("*") if p.is_dir()]), "nothing was prepared"
+    assert not (cache.exists() and [p for p in cache.glob("*") if p.is_dir()]), (
+        "nothing was prepared"
+    )
 
 
 def test_a_dataset_dict_folder_asks_for_its_split_folders(tmp_path):
     from datasets import Dataset, DatasetDict
 
-    DatasetDict({"train": Dataset.from_dict({"text": ["a"]}), "validation": Dataset.from_dict({"text": ["b"]})}) \
-        .save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(ConfigError, match=r"holds a DatasetDict with splits train, validation; name the split "
-                                          r"folders, e.g. data.files: \['.*dd/train'\]"):
+    DatasetDict(
+        {
+            "train": Dataset.from_dict({"text": ["a"]}),
+            "validation": Dataset.from_dict({"text": ["b"]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a DatasetDict with splits train, validation; name the split "
+        r"folders, e.g. data.files: \['.*dd/train'\]",
+    ):
         preparing.prepare(data(tmp_path, tmp_path / "dd"))
-    # No test fraction: held-out documents are drawn by a hash of their path, which holds pytest's numbered
-    # temporary folder, and "a" went to the test split in about one run in twenty.
-    files, _ = preparing.prepare(data(tmp_path, tmp_path / "dd" / "train", test_fraction=0.0,
-                                      val_files=(str(tmp_path / "dd/validation"),)))
+    # No test fraction: held-out documents are drawn by a hash of their path, which holds pytest's
+    # numbered temporary folder, and "a" went to the test split in about one run in twenty.
+    files, _ = preparing.prepare(
+        data(
+            tmp_path,
+            tmp_path / "dd" / "train",
+            test_fraction=0.0,
+            val_files=(str(tmp_path / "dd/validation"),),
+        )
+    )
     assert (decoded(files, "train"), decoded(files, "val")) == (["a"], ["b"])
 
 
 def run_main_works_long(tmp: str, hidden_on_rank_1: bool, limit_s: float = 60.0) -> object:
-    """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's folder.
-    A rank that gives up waiting returns its error's text."""
+    """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's
+    folder. A rank that gives up waiting returns its error's text."""
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
 
@@ -302,8 +443,12 @@ def run_main_works_long(tmp: str, hidden_on_rank_1: bool, limit_s: float = 60.0)
 
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
         try:
-            return distributed.main_works_long(work, "works", ("data.prepare_timeout_s", limit_s),
-                                               lambda value: not (hidden_on_rank_1 and env.rank == 1))
+            return distributed.main_works_long(
+                work,
+                "works",
+                ("data.prepare_timeout_s", limit_s),
+                lambda value: not (hidden_on_rank_1 and env.rank == 1),
+            )
         except QgtrainError as exc:
             return str(exc)
 
@@ -313,23 +458,46 @@ def test_one_rank_works_and_a_node_that_cannot_see_the_result_works_once_itself(
     results = run_ranks(2, run_main_works_long, str(tmp_path), hidden)
     workers = sorted(p.name for p in tmp_path.glob("worked-*"))
     if hidden:
-        assert workers == ["worked-0", "worked-1"] and results == [f"{tmp_path}/result-by-0", f"{tmp_path}/result-by-1"]
+        assert workers == ["worked-0", "worked-1"] and results == [
+            f"{tmp_path}/result-by-0",
+            f"{tmp_path}/result-by-1",
+        ]
     else:
         assert workers == ["worked-0"] and results == [f"{tmp_path}/result-by-0"] * 2
 
 
 def test_ranks_that_wait_past_the_limit_stop_naming_the_setting_with_a_hint(tmp_path):
     results = run_ranks(2, run_main_works_long, str(tmp_path), False, 0.3)
-    assert results[1].startswith("waited 0 s for rank 0, which works, longer than data.prepare_timeout_s (0 s)")
+    assert results[1].startswith(
+        "waited 0 s for rank 0, which works, longer than data.prepare_timeout_s (0 s)"
+    )
     assert "HINT: rank 0's log says whether it is still at work" in results[1]
-    assert "longer than data.prepare_timeout_s" in results[0], "rank 0 then waits for rank 1 in vain"
+    assert "longer than data.prepare_timeout_s" in results[0], (
+        "rank 0 then waits for rank 1 in vain"
+    )
 
 
 def train_args(tmp_path: Path, run: Path) -> list[str]:
-    return ["train", "--run-dir", str(run), "--set", "data.name=files", f"data.files=[{tmp_path}/shard*.jsonl.gz]",
-            f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=24", "train.log_every=1", "train.eval_every=8",
-            "train.eval_batches=2", "checkpoint.every_steps=4", "model.hidden=64", "model.layers=2",
-            "data.seq_len=64", "train.batch_size=8", "logging.tensorboard=false", "optim.warmup_steps=4"]
+    return [
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        "data.name=files",
+        f"data.files=[{tmp_path}/shard*.jsonl.gz]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=24",
+        "train.log_every=1",
+        "train.eval_every=8",
+        "train.eval_batches=2",
+        "checkpoint.every_steps=4",
+        "model.hidden=64",
+        "model.layers=2",
+        "data.seq_len=64",
+        "train.batch_size=8",
+        "logging.tensorboard=false",
+        "optim.warmup_steps=4",
+    ]
 
 
 @pytest.mark.slow
@@ -339,7 +507,9 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(6, 20)
     reference, run = tmp_path / "reference", tmp_path / "killed"
-    assert wait_ranks(start_cli_ranks(2, train_args(tmp_path, reference), tmp_path, log_prefix="ref"), 300) == [0, 0]
+    assert wait_ranks(
+        start_cli_ranks(2, train_args(tmp_path, reference), tmp_path, log_prefix="ref"), 300
+    ) == [0, 0]
     logs = [(reference / "logs" / f"rank_{rank}.log").read_text() for rank in range(2)]
     assert "data: tokenized" in logs[0] and "data: tokeniz" not in logs[1]
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1
@@ -347,11 +517,15 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     procs = start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed")
     wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
     kill_ranks(procs)
-    assert wait_ranks(start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300) == [0, 0]
+    assert wait_ranks(
+        start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300
+    ) == [0, 0]
     context = f"(seed {seed}: killed at step {kill_at})"
     expected, got = records(reference), records(run)
     assert [r["step"] for r in got] == list(range(1, 25)), context
-    assert [(r["loss"], r.get("val_loss")) for r in got] == [(r["loss"], r.get("val_loss")) for r in expected], context
+    assert [(r["loss"], r.get("val_loss")) for r in got] == [
+        (r["loss"], r.get("val_loss")) for r in expected
+    ], context
     step = reference / "checkpoints" / "step-24", run / "checkpoints" / "step-24"
     want, have = checkpoint_state(step[0]), checkpoint_state(step[1])
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
@@ -361,11 +535,25 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
 def test_a_run_resumed_after_its_data_changed_says_so(tmp_path):
     write_jsonl(tmp_path / "shard0.jsonl.gz", documents(200, 0))
     run = tmp_path / "run"
-    args = [*train_args(tmp_path, run), "train.max_steps=4", "train.eval_every=0", "checkpoint.every_steps=2"]
+    args = [
+        *train_args(tmp_path, run),
+        "train.max_steps=4",
+        "train.eval_every=0",
+        "checkpoint.every_steps=2",
+    ]
     assert cli(*args, cwd=tmp_path).returncode == 0
     write_jsonl(tmp_path / "shard0.jsonl.gz", documents(220, 5))
-    resumed = cli(*args[:-3], "train.max_steps=6", "train.eval_every=0", "checkpoint.every_steps=2", cwd=tmp_path)
+    resumed = cli(
+        *args[:-3],
+        "train.max_steps=6",
+        "train.eval_every=0",
+        "checkpoint.every_steps=2",
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr
     log = (run / "logs" / "rank_0.log").read_text()
-    assert "resumed from" in log and "the data changed since checkpoint step 4: it was trained on " in log
+    assert (
+        "resumed from" in log
+        and "the data changed since checkpoint step 4: it was trained on " in log
+    )
     assert log.count("the data changed") == 1

@@ -94,7 +94,7 @@ def test_evaluations_longer_than_a_whole_allocation_are_no_reason_to_stop(caplog
     )
 
 
-def test_a_final_evaluation_that_cannot_fit_is_done_by_the_next_start_and_equals_an_uninterrupted_run(
+def test_a_final_evaluation_that_cannot_fit_is_done_by_the_next_start_and_equals_an_uninterrupted_run(  # noqa: E501 (the test's name, which says what it proves)
     tmp_path,
 ):
     """Training takes about 17 s of a 34 s train.max_time (counted from process start), the final

@@ -66,7 +66,9 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
     with process_group(env, cpu, 60, 60):
         torch.manual_seed(0)
         model = tiny_gpt2()
-        wrapped = wrap(model, env, cpu, False, TrainConfig(parallel=parallel), "fp32")  # type: ignore[arg-type]
+        wrapped = wrap(  # type: ignore[arg-type]
+            model, env, cpu, False, TrainConfig(parallel=parallel), "fp32"
+        )
         optimizer = adamw(model, OptimConfig(), cpu)
         ids = torch.randint(0, 200, (2, 16))
         wrapped(input_ids=ids, labels=ids).loss.backward()

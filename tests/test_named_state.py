@@ -30,15 +30,29 @@ def test_every_part_is_saved_under_its_name_in_todays_files_and_restored_by_it(t
         assert ckpt is not None
         fresh.restore(ckpt)
 
-    assert list(trained.saved) == ["train_state", "facts", "rng", "data", "model", "optimizer",
-                                   "scaler", "ema", "spikes", "horizon"]
+    assert list(trained.saved) == [
+        "train_state",
+        "facts",
+        "rng",
+        "data",
+        "model",
+        "optimizer",
+        "scaler",
+        "ema",
+        "spikes",
+        "horizon",
+    ]
     # the seam's checkpointer has no run files (config.yaml, model.json)
     expected = layout.top_level(1, sharded=False, ema=True, hf_config=False)
     assert {p.name for p in folder.iterdir()} == expected - {layout.CONFIG, layout.MODEL_FACTS}
     saved = json.loads((folder / layout.STATE).read_text())
     assert list(saved) == ["trainer", "precision", "world_size", "versions", "adapter"]
     assert set(saved["trainer"]) == set(TrainState.__dataclass_fields__) | {
-        "loss_window", "spikes_skipped", "max_steps", "horizons"}
+        "loss_window",
+        "spikes_skipped",
+        "max_steps",
+        "horizons",
+    }
     assert len(saved["trainer"]["loss_window"]) == 3
     own = torch.load(folder / "rank-0.pt", weights_only=True)
     assert list(own) == ["rng", "epoch", "samples_in_epoch"]

@@ -19,12 +19,26 @@ from tests.ranks import start_cli_ranks, wait_ranks
 
 OLD = Path(__file__).parent / "data" / "checkpoint-26ab7a7"
 # The settings the old run was made with (README.md there), minus its run directory
-SETS = ["train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=3",
-        "train.eval_every=4", "train.eval_batches=2", "model.layers=1", "model.heads=2",
-        "model.hidden=16", "model.dropout=0.1", "data.name=synthetic", "data.seq_len=16",
-        "data.synthetic_samples=256", "train.batch_size=4", "train.grad_accum_steps=2",
-        "optim.warmup_steps=2", "train.log_every=1", "logging.tensorboard=false",
-        "data.num_workers=0"]
+SETS = [
+    "train.max_steps=8",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=3",
+    "train.eval_every=4",
+    "train.eval_batches=2",
+    "model.layers=1",
+    "model.heads=2",
+    "model.hidden=16",
+    "model.dropout=0.1",
+    "data.name=synthetic",
+    "data.seq_len=16",
+    "data.synthetic_samples=256",
+    "train.batch_size=4",
+    "train.grad_accum_steps=2",
+    "optim.warmup_steps=2",
+    "train.log_every=1",
+    "logging.tensorboard=false",
+    "data.num_workers=0",
+]
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -66,13 +80,16 @@ def test_a_checkpoint_written_by_26ab7a7_resumes_bit_for_bit_from_a_copy(tmp_pat
     run = tmp_path / "moved" / "run"
     shutil.copytree(OLD / "run", run)
     args = ["train", "--set", *SETS, "--run-dir", str(run)]
-    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 300) == [0, 0], \
-        (tmp_path / "rank-0.out").read_text()[-3000:]
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 300) == [0, 0], (
+        tmp_path / "rank-0.out"
+    ).read_text()[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4, epoch 0" in rank_log(run, 0)
 
     logged = {r["step"]: r for r in records(run) if "loss" in r}
-    assert {str(step): {key: logged[step][key] for key in ("loss", "lr", "grad_norm")}
-            for step in range(5, 9)} == reference["steps"]
+    assert {
+        str(step): {key: logged[step][key] for key in ("loss", "lr", "grad_norm")}
+        for step in range(5, 9)
+    } == reference["steps"]
     final = [r for r in records(run) if "test_loss" in r][-1]
     assert final["test_loss"] == reference["test_loss"]
     # The weights it is computed from are equal (below); today's evaluation reduces its sums in

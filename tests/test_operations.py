@@ -20,7 +20,9 @@ from tests.helpers import TINY, cli, records, tiny_config
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 
-def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+def wait_for_step(  # type: ignore[no-untyped-def]
+    run: Path, step: int, procs, timeout: float = 120
+) -> None:
     deadline = time.monotonic() + timeout
     metrics = run / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= step):
@@ -78,7 +80,9 @@ def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(
 
 def test_runs_answers_without_importing_torch(tmp_path):
     code = (
-        "import sys; from qgtrain.interface.cli import main; main(['runs', " + repr(str(tmp_path)) + "]); "
+        "import sys; from qgtrain.interface.cli import main; main(['runs', "
+        + repr(str(tmp_path))
+        + "]); "
         "print([m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -94,8 +94,9 @@ def resumed(
 ) -> tuple[TrainState, LearningRate]:
     optim = dataclasses.replace(BASE, schedule=schedule, **extra)
     state = TrainState(step=step)
-    rate = LearningRate(optim, new, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=optim.lr),
-                        state)
+    rate = LearningRate(
+        optim, new, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=optim.lr), state
+    )
     rate.load_state_dict({"max_steps": old, "horizons": []})  # the checkpoint's "horizon"
     return state, rate
 
@@ -107,9 +108,12 @@ def resumed(
 def test_a_longer_run_that_keeps_the_learning_rate_moves_the_end(schedule, step):
     state, rate = resumed(schedule, step, 100, 200)
     assert rate.at(state) == lr_at(step, rate.optim, 100)
-    assert rate.state_dict() == {"max_steps": 200, "horizons": [
-        {"step": step, "from": 100, "to": 200, "lr": rate.at(state), "rewarm_steps": None}
-    ]}
+    assert rate.state_dict() == {
+        "max_steps": 200,
+        "horizons": [
+            {"step": step, "from": 100, "to": 200, "lr": rate.at(state), "rewarm_steps": None}
+        ],
+    }
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def batchnorm_under_ddp() -> dict[str, object]:
     return out
 
 
-def test_batchnorm_buffers_are_rank_0s_in_checkpoints_evaluation_and_resume_while_real_divergence_stops():
+def test_batchnorm_buffers_are_rank_0s_in_checkpoints_evaluation_and_resume_while_real_divergence_stops():  # noqa: E501 (the test's name, which says what it proves)
     results = run_ranks(2, batchnorm_under_ddp)
     for rank, result in enumerate(results):
         assert result["broadcast"] == [

@@ -148,9 +148,9 @@ def test_a_spike_before_the_first_checkpoint_stops_with_a_message_naming_checkpo
     ):
         assert result["exit"] == 1
         assert re.search(
-            rf"the loss spiked at step {SPIKE_STEP} .* train.spike_action is rollback, but .* holds "
-            r"no valid checkpoint of this run to roll back to\. The step was not applied\. HINT: set "
-            r"checkpoint.every_steps",
+            rf"the loss spiked at step {SPIKE_STEP} .* train.spike_action is rollback, but .* "
+            r"holds no valid checkpoint of this run to roll back to\. The step was not applied\. "
+            r"HINT: set checkpoint.every_steps",
             result["error"],
         )
     assert saved(tmp_path / "run") == []

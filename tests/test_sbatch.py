@@ -99,7 +99,10 @@ def test_submitit_job_script_dry_run_prints_the_same_resources():
     assert "export SUBMITIT_PREEMPT_SIGNAL=USR2" in params["slurm_setup"]
 
 
-NASTY = "x$(touch {m}/dollar)`touch {m}/tick`;touch {m}/semi|touch {m}/pipe&&touch {m}/and'\"\n#SBATCH --x"
+NASTY = (
+    "x$(touch {m}/dollar)`touch {m}/tick`;touch {m}/semi|touch {m}/pipe&&touch {m}/and'\"\n"
+    "#SBATCH --x"
+)
 
 
 @pytest.mark.parametrize(
@@ -233,9 +236,9 @@ def test_job_ids_are_parsed_from_sbatch_output():
 
 def test_submit_dry_run_prints_the_script_without_importing_torch_or_submitit(tmp_path):
     code = (
-        "import sys; from qgtrain.interface.cli import main; rc = main(['submit', '--dry-run', '--config', "
-        f"{str(ROOT / 'config.yaml')!r}]); print(rc, [m for m in ('torch', 'transformers', "
-        "'submitit') if m in sys.modules], file=sys.stderr)"
+        "import sys; from qgtrain.interface.cli import main; rc = main(['submit', '--dry-run', "
+        f"'--config', {str(ROOT / 'config.yaml')!r}]); print(rc, [m for m in ('torch', "
+        "'transformers', 'submitit') if m in sys.modules], file=sys.stderr)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path

@@ -223,7 +223,9 @@ def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_end
         assert key == "loss" or by_step[0] == by_step[1], key
 
 
-def submit_small(tmp_path: Path, max_steps: int) -> qgtrain.launch.submitit_launcher.TrainJob:  # type: ignore[name-defined]
+def submit_small(  # type: ignore[name-defined]
+    tmp_path: Path, max_steps: int
+) -> qgtrain.launch.submitit_launcher.TrainJob:
     return qgtrain.submit(
         overlay(tmp_path, max_steps),
         folder=tmp_path / "submitit",

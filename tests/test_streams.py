@@ -24,15 +24,29 @@ from tests.helpers import checkpoint_state, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 MAX_STEPS = 16
-SETTINGS = [f"train.max_steps={MAX_STEPS}", "train.batch_size=4", "data.num_workers=2",
-            "train.log_every=1", "train.eval_every=8", "checkpoint.every_steps=3",
-            "logging.tensorboard=false",
-            "optim.warmup_steps=0", "optim.schedule=constant"]
+SETTINGS = [
+    f"train.max_steps={MAX_STEPS}",
+    "train.batch_size=4",
+    "data.num_workers=2",
+    "train.log_every=1",
+    "train.eval_every=8",
+    "checkpoint.every_steps=3",
+    "logging.tensorboard=false",
+    "optim.warmup_steps=0",
+    "optim.schedule=constant",
+]
 
 
 def train(task: str, run: Path, *sets: str) -> list[str]:
-    return ["train", "--run-dir", str(run), "--set", f"task=tests.stream_tasks:{task}", *SETTINGS,
-            *sets]
+    return [
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        f"task=tests.stream_tasks:{task}",
+        *SETTINGS,
+        *sets,
+    ]
 
 
 def two_ranks(args: list[str], cwd: Path, prefix: str) -> list[int]:
@@ -44,8 +58,9 @@ def same_run(reference: Path, run: Path, context: str) -> None:
     expected, got = records(reference), records(run)
     assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1)), context
     for want, have in zip(expected, got):
-        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), \
+        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), (
             f"step {want['step']} {context}"
+        )
     final = f"step-{MAX_STEPS}"
     want_state, have_state = (checkpoint_state(r / "checkpoints" / final) for r in (reference, run))
     assert want_state.keys() == have_state.keys()
@@ -61,8 +76,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
     def run_for(task: str) -> Path:
         if task not in made:
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{task}")
-            assert two_ranks(train(task, tmp / "run"), tmp, "ref") == [0, 0], \
-                (tmp / "ref-0.out").read_text()
+            assert two_ranks(train(task, tmp / "run"), tmp, "ref") == [0, 0], (
+                tmp / "ref-0.out"
+            ).read_text()
             made[task] = tmp / "run"
         return made[task]
 
@@ -84,8 +100,9 @@ def test_a_stream_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, uninterr
     context = f"(seed {seed}: killed at step {kill_at})"
     same_run(reference, run, context)
     logs = [(run / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
-    skipped = [re.findall(r"skipped (\d+) samples of the stream in ([\d.]+) s", log)
-               for log in logs]
+    skipped = [
+        re.findall(r"skipped (\d+) samples of the stream in ([\d.]+) s", log) for log in logs
+    ]
     if task == "stateless":  # rank 1's part is longer, but both consumed the same count in lockstep
         assert skipped[0] and skipped[0][-1][0] == skipped[1][-1][0], f"{skipped} {context}"
     else:
@@ -107,8 +124,9 @@ def test_a_hugging_face_stream_of_parquet_files_trains_on_two_ranks_and_resumes(
     hub = ["task.options.files=" + ",".join(map(str, files)), "checkpoint.keep_last=8"]
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     args = train("hub_parquet", tmp_path / "run", *hub)
-    assert wait_ranks(start_cli_ranks(2, args, tmp_path, env, "ref"), 180) == [0, 0], \
-        (tmp_path / "ref-0.out").read_text()[-3000:]
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path, env, "ref"), 180) == [0, 0], (
+        tmp_path / "ref-0.out"
+    ).read_text()[-3000:]
     run = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", run)
     for later in (run / "checkpoints").glob("step-*"):
@@ -124,28 +142,36 @@ def test_a_hugging_face_stream_of_parquet_files_trains_on_two_ranks_and_resumes(
 def test_an_empty_stream_is_one_line_naming_the_train_split(tmp_path):
     assert two_ranks(train("empty", tmp_path / "run"), tmp_path, "empty") == [2, 2]
     last = (tmp_path / "empty-0.out").read_text().strip().splitlines()[-1]
-    assert last.startswith("qgtrain: error: task.factory: the train split of "
-                           "tests.stream_tasks:empty: the stream ended before the first step of "
-                           "epoch 0"), last
+    assert last.startswith(
+        "qgtrain: error: task.factory: the train split of "
+        "tests.stream_tasks:empty: the stream ended before the first step of "
+        "epoch 0"
+    ), last
 
 
-def test_a_state_that_fails_to_load_is_one_line_and_leaves_the_checkpoint_alone(tmp_path,
-                                                                                uninterrupted):
+def test_a_state_that_fails_to_load_is_one_line_and_leaves_the_checkpoint_alone(
+    tmp_path, uninterrupted
+):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted("stateful"), run)
 
     def digests() -> dict[str, str]:
-        return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in (run / "checkpoints").rglob("*") if p.is_file()}
+        return {
+            str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (run / "checkpoints").rglob("*")
+            if p.is_file()
+        }
 
     before = digests()
     args = train("broken_state", run, f"train.max_steps={MAX_STEPS + 4}")
     assert two_ranks(args, tmp_path, "broken") == [2, 2]
     last = (tmp_path / "broken-1.out").read_text().strip().splitlines()[-1]
     saved = run / "checkpoints" / f"step-{MAX_STEPS}"
-    assert last.startswith("qgtrain: error: task.factory: the train split of "
-                           "tests.stream_tasks:broken_state: resuming the stream from "
-                           f"{saved} failed: "
-                           "ValueError: no shard for position"), last
+    assert last.startswith(
+        "qgtrain: error: task.factory: the train split of "
+        "tests.stream_tasks:broken_state: resuming the stream from "
+        f"{saved} failed: "
+        "ValueError: no shard for position"
+    ), last
     assert "The checkpoint is unchanged" in last
     assert digests() == before

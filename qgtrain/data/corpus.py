@@ -1,8 +1,10 @@
-"""The built-in text corpus: collected once, tokenized once into memory-mapped files that later runs reuse.
+"""The built-in text corpus: collected once, tokenized once into memory-mapped files that later runs
+reuse.
 
-The default text is Python's own standard library, which every Python install carries, so the main job
-needs no network and no download. A cache entry is keyed by a hash of the text and the tokenizer, written
-to a temporary folder and renamed into place, so concurrent jobs never see half a file.
+The default text is Python's own standard library, which every Python install carries, so the main
+job needs no network and no download. A cache entry is keyed by a hash of the text and the
+tokenizer, written to a temporary folder and renamed into place, so concurrent jobs never see half a
+file.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ from ..foundation.files import make_temp_dir
 from . import tokenizer
 
 SPLITS = ("train", "val", "test")
-_SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3",
-              "ensurepip", "pydoc_data", "turtledemo", "encodings"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "idlelib",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "turtledemo",
+    "encodings",
+}
 
 
 @dataclass(frozen=True)
@@ -56,20 +69,31 @@ def prepare(data: DataConfig) -> TokenFiles:
     folder = Path(data.cache_dir) / f"corpus-{digest.hexdigest()}"
     if (folder / "meta.json").is_file():
         return load(folder)
-    # A fixed, content-independent order that still mixes files from different modules into every split.
+    # A fixed, content-independent order that still mixes files from different modules into every
+    # split.
     docs.sort(key=lambda doc: xxhash.xxh3_64_intdigest(doc[0].encode()))
     ids = tokenizer.encode(data.tokenizer, (text for _, text in docs))
     dtype = np.uint16 if info.vocab_size <= 65535 else np.uint32
     n_val, n_test = int(len(ids) * data.val_fraction), int(len(ids) * data.test_fraction)
     n_train = len(ids) - n_val - n_test
-    parts = {"train": ids[:n_train], "val": ids[n_train:n_train + n_val], "test": ids[n_train + n_val:]}
+    parts = {
+        "train": ids[:n_train],
+        "val": ids[n_train : n_train + n_val],
+        "test": ids[n_train + n_val :],
+    }
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(folder)  # its own new folder, never one planted (or linked) at a known name
     for split, tokens in parts.items():
         tokens.astype(dtype).tofile(tmp / f"{split}.bin")
-    meta = {"dtype": np.dtype(dtype).name, "vocab_size": info.vocab_size, "eos_id": info.eos_id,
-            "tokens": {split: int(len(t)) for split, t in parts.items()}, "tokenizer": data.tokenizer,
-            "corpus": data.corpus, "documents": len(docs)}
+    meta = {
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": info.vocab_size,
+        "eos_id": info.eos_id,
+        "tokens": {split: int(len(t)) for split, t in parts.items()},
+        "tokenizer": data.tokenizer,
+        "corpus": data.corpus,
+        "documents": len(docs),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     try:
         tmp.rename(folder)
@@ -80,8 +104,15 @@ def prepare(data: DataConfig) -> TokenFiles:
 
 def load(folder: Path) -> TokenFiles:
     meta = json.loads((folder / "meta.json").read_text())
-    return TokenFiles(folder, meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["tokens"],
-                      meta.get("format", "text"), meta.get("packing", True))
+    return TokenFiles(
+        folder,
+        meta["dtype"],
+        meta["vocab_size"],
+        meta["eos_id"],
+        meta["tokens"],
+        meta.get("format", "text"),
+        meta.get("packing", True),
+    )
 
 
 def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:
@@ -96,7 +127,9 @@ def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:
         elif root.is_dir():
             files = _walk(root, (".txt", ".md", ".rst", ".py"))
         else:
-            raise ConfigError(f"data.corpus: {source!r} is neither 'stdlib' nor an existing file or folder")
+            raise ConfigError(
+                f"data.corpus: {source!r} is neither 'stdlib' nor an existing file or folder"
+            )
         if not files:
             raise ConfigError(f"data.corpus: {source} holds no .txt, .md, .rst or .py files")
     taken = 0

@@ -1,10 +1,11 @@
-"""Datasets and loaders: sharded across ranks, resumable at any sample position without replaying batches.
+"""Datasets and loaders: sharded across ranks, resumable at any sample position without replaying
+batches.
 
-The data position of a run is one number per epoch: how many samples all ranks together have consumed.
-The sampler is torch's DistributedSampler (rank r takes every world_size-th index of the epoch's
-permutation), so after k samples per rank exactly the first k * world_size indices are used, whatever the
-world size: a position can be resumed directly, and re-sharded when it divides by the new world size.
-A training split that is a stream (an IterableDataset) is read through torchdata's
+The data position of a run is one number per epoch: how many samples all ranks together have
+consumed. The sampler is torch's DistributedSampler (rank r takes every world_size-th index of the
+epoch's permutation), so after k samples per rank exactly the first k * world_size indices are used,
+whatever the world size: a position can be resumed directly, and re-sharded when it divides by the
+new world size. A training split that is a stream (an IterableDataset) is read through torchdata's
 StatefulDataLoader instead and resumed by its state (streams.py).
 """
 
@@ -38,37 +39,61 @@ class Loaders:
     dispatch: bool = False  # data.dispatch: rank 0 reads the stream and sends each rank its batches
 
 
-def build_loaders(train: Any, val: Any, test: Any,
-                  collate: Callable[[list[Any]], Any], env: DistEnv, batch_size: int, num_workers: int,
-                  device: torch.device, seed: int,
-                  label: str = "the task's train split", dispatch: bool = False) -> Loaders:
-    """Training batches in a resumable shuffled order (full batches only, so every rank takes the same
-    number of steps); validation and test batches each sample exactly once over all ranks."""
+def build_loaders(
+    train: Any,
+    val: Any,
+    test: Any,
+    collate: Callable[[list[Any]], Any],
+    env: DistEnv,
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+    seed: int,
+    label: str = "the task's train split",
+    dispatch: bool = False,
+) -> Loaders:
+    """Training batches in a resumable shuffled order (full batches only, so every rank takes the
+    same number of steps); validation and test batches each sample exactly once over all ranks."""
+
     def evaluation(split: Any) -> DataLoader[Any] | None:
         if split is None:
             return None
-        return make_loader(split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate)
+        return make_loader(
+            split, EvalShard(split, env), batch_size, num_workers, device, seed, False, collate
+        )
 
     if is_stream(train):
         part = train if dispatch else for_this_rank(train, env.rank, env.world_size)
         stream = stream_loader(part, batch_size, num_workers, device, seed + env.rank, collate)
         label = getattr(train, "stream_label", label)  # a stream of qgtrain's names its source
-        return Loaders(None, stream, evaluation(val), evaluation(test), seed + env.rank, label,
-                       dispatch)
+        return Loaders(
+            None, stream, evaluation(val), evaluation(test), seed + env.rank, label, dispatch
+        )
     if dispatch:
-        raise ConfigError(f"data.dispatch: {label} is map-style (len and indexing), which every "
-                          "rank reads its own shard of by index; dispatch is for a stream (an "
-                          "IterableDataset, or data.mix). HINT: set data.dispatch: false")
+        raise ConfigError(
+            f"data.dispatch: {label} is map-style (len and indexing), which every "
+            "rank reads its own shard of by index; dispatch is for a stream (an "
+            "IterableDataset, or data.mix). HINT: set data.dispatch: false"
+        )
     sampler = ResumableSampler(train, env, seed, shuffle=True, drop_last=True)
     if len(sampler) < batch_size:
-        raise ConfigError(f"train.batch_size: the training split has {len(train)} samples: too "
-                          f"few for {env.world_size} rank(s) x train.batch_size={batch_size}")
-    return Loaders(sampler, make_loader(train, sampler, batch_size, num_workers, device, seed + env.rank, True,
-                                        collate), evaluation(val), evaluation(test))
+        raise ConfigError(
+            f"train.batch_size: the training split has {len(train)} samples: too "
+            f"few for {env.world_size} rank(s) x train.batch_size={batch_size}"
+        )
+    return Loaders(
+        sampler,
+        make_loader(
+            train, sampler, batch_size, num_workers, device, seed + env.rank, True, collate
+        ),
+        evaluation(val),
+        evaluation(test),
+    )
 
 
-def train_batches(loaders: Loaders, samples_per_micro_batch: int,
-                  timeout_s: float) -> TrainBatches | StreamBatches | DispatchedBatches:
+def train_batches(
+    loaders: Loaders, samples_per_micro_batch: int, timeout_s: float
+) -> TrainBatches | StreamBatches | DispatchedBatches:
     """The training batches of a run: by sampler for map-style data, by stream otherwise. A stream's
     ranks agree each step on a gloo group of their own (every rank calls this, in the same
     order)."""
@@ -91,7 +116,11 @@ class TrainBatches:
 
     def __init__(self, loaders: Loaders, samples_per_micro_batch: int) -> None:
         assert loaders.sampler is not None
-        self.loader, self.sampler, self.samples = loaders.train, loaders.sampler, samples_per_micro_batch
+        self.loader, self.sampler, self.samples = (
+            loaders.train,
+            loaders.sampler,
+            samples_per_micro_batch,
+        )
         self._batches: Iterator[Any] | None = None
 
     def step(self, position: Position, micro_batches: int) -> list[Any]:
@@ -125,11 +154,20 @@ class TrainBatches:
 
 
 class ResumableSampler(DistributedSampler[Any]):
-    """DistributedSampler that can begin part-way through an epoch by slicing, not by replaying batches."""
+    """DistributedSampler that can begin part-way through an epoch by slicing, not by replaying
+    batches."""
 
-    def __init__(self, dataset: Dataset[Any], env: DistEnv, seed: int, shuffle: bool, drop_last: bool) -> None:
-        super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+    def __init__(
+        self, dataset: Dataset[Any], env: DistEnv, seed: int, shuffle: bool, drop_last: bool
+    ) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=env.world_size,
+            rank=env.rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -137,21 +175,22 @@ class ResumableSampler(DistributedSampler[Any]):
         self.start = 0
 
     def set_position(self, epoch: int, samples_consumed: int) -> None:
-        """Continue epoch `epoch` after `samples_consumed` samples of all ranks together, a multiple of the
-        world size (train_state.restore refuses a checkpoint whose position is not)."""
+        """Continue epoch `epoch` after `samples_consumed` samples of all ranks together, a multiple
+        of the world size (train_state.restore refuses a checkpoint whose position is not)."""
         super().set_epoch(epoch)
         self.start = samples_consumed // self.num_replicas
 
     def __iter__(self) -> Iterator[Any]:
         indices = list(super().__iter__())
-        return iter(indices[self.start:])
+        return iter(indices[self.start :])
 
     def __len__(self) -> int:
         return max(self.num_samples - self.start, 0)
 
 
 class EvalShard(Sampler[int]):
-    """Rank r evaluates samples r, r + W, r + 2W, ...: every sample exactly once, so shards may be uneven."""
+    """Rank r evaluates samples r, r + W, r + 2W, ...: every sample exactly once, so shards may be
+    uneven."""
 
     def __init__(self, dataset: Sized, env: DistEnv) -> None:
         self.indices = range(env.rank, len(dataset), env.world_size)
@@ -163,18 +202,40 @@ class EvalShard(Sampler[int]):
         return len(self.indices)
 
 
-def make_loader(dataset: Dataset[Any], sampler: Sampler[Any], batch_size: int, num_workers: int,
-                device: torch.device, seed: int, drop_last: bool,
-                collate: Callable[[list[Any]], Any] | None = None) -> DataLoader[Any]:
-    """A loader whose iterator never draws from the global RNG, so resuming leaves the RNG stream intact."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
-                      pin_memory=device.type == "cuda", drop_last=drop_last,
-                      persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
-                      generator=torch.Generator().manual_seed(seed))
+def make_loader(
+    dataset: Dataset[Any],
+    sampler: Sampler[Any],
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+    seed: int,
+    drop_last: bool,
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader[Any]:
+    """A loader whose iterator never draws from the global RNG, so resuming leaves the RNG stream
+    intact."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate,
+        pin_memory=device.type == "cuda",
+        drop_last=drop_last,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_stop_signals,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
-def stream_loader(dataset: Any, batch_size: int, num_workers: int, device: torch.device, seed: int,
-                  collate: Callable[[list[Any]], Any] | None) -> DataLoader[Any]:
+def stream_loader(
+    dataset: Any,
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+    seed: int,
+    collate: Callable[[list[Any]], Any] | None,
+) -> DataLoader[Any]:
     """torchdata's StatefulDataLoader over a stream: full batches only (a rank's count of samples is
     its count of batches), and workers started afresh each epoch, so that each takes the dataset as
     set_epoch left it (persistent workers keep the copy they were started with)."""
@@ -183,18 +244,26 @@ def stream_loader(dataset: Any, batch_size: int, num_workers: int, device: torch
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch deprecates
         warnings.filterwarnings("ignore", "'set_vital' is deprecated")
         loader: DataLoader[Any] = StatefulDataLoader(
-            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate,
-            pin_memory=device.type == "cuda", drop_last=True, persistent_workers=False,
-            worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(seed))
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate,
+            pin_memory=device.type == "cuda",
+            drop_last=True,
+            persistent_workers=False,
+            worker_init_fn=ignore_stop_signals,
+            generator=torch.Generator().manual_seed(seed),
+        )
     return loader
 
 
 def ignore_stop_signals(worker_id: int) -> None:
     """DataLoader workers leave stopping to their rank.
 
-    Slurm signals every process of a step when it preempts, cancels or warns of the time limit, workers
-    included, and torch's workers die of SIGTERM; the rank would then see a crashed worker instead of
-    taking the agreed checkpoint. A worker still ends when its rank shuts it down or dies.
+    Slurm signals every process of a step when it preempts, cancels or warns of the time limit,
+    workers included, and torch's workers die of SIGTERM; the rank would then see a crashed worker
+    instead of taking the agreed checkpoint. A worker still ends when its rank shuts it down or
+    dies.
     """
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)

@@ -1,26 +1,23 @@
 """Data files tokenized once into a cache that every later job, rank and requeue reuses.
 
-A cache entry is named by a key of everything that decides its bytes: each file's path, size and modification
-time, the tokenizer, the text field and the split settings. A changed file gives a new key, so a stale cache is
-never trained on; it is prepared again. The entry is written to a temporary folder and renamed into place
-(a job killed mid-way leaves no entry a later job would trust), under a lock file so that concurrent jobs wait
-for one another instead of doing the work twice (where the filesystem has no locks, the rename alone keeps
-them from corrupting each other).
+A cache entry is named by a key of everything that decides its bytes: each file's path, size and
+modification time, the tokenizer, the text field and the split settings. A changed file gives a new
+key, so a stale cache is never trained on; it is prepared again. The entry is written to a temporary
+folder and renamed into place (a job killed mid-way leaves no entry a later job would trust), under
+a lock file so that concurrent jobs wait for one another instead of doing the work twice (where the
+filesystem has no locks, the rename alone keeps them from corrupting each other).
 
-Documents stream through: the main process reads them and groups about a megabyte of text per batch, worker
-processes tokenize the batches, and the results are written in order, so the output does not depend on the
-number of workers and memory stays bounded by the batches in flight.
+Documents stream through: the main process reads them and groups about a megabyte of text per batch,
+worker processes tokenize the batches, and the results are written in order, so the output does not
+depend on the number of workers and memory stays bounded by the batches in flight.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,8 +32,9 @@ import xxhash
 
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
-from ..foundation.files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
+from ..foundation.files import make_temp_dir
 from . import prepare_chat, sources, tokenizer
+from .cache_lock import entry_lock, is_ready
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress
 
@@ -47,7 +45,8 @@ log = logging.getLogger("qgtrain")
 
 @dataclass(frozen=True)
 class Plan:
-    """What one cache entry is made of: the files of each split, and the fractions held out of data.files."""
+    """What one cache entry is made of: the files of each split, and the fractions held out of
+    data.files."""
 
     folder: Path
     files: dict[str, list[sources.SourceFile]]
@@ -56,7 +55,8 @@ class Plan:
     tokenizer: tokenizer.TokenizerInfo
 
     def sources(self) -> Iterator[tuple[str | None, sources.SourceFile]]:
-        """(split, file), where split None means the file's documents are divided by the held-out fractions."""
+        """(split, file), where split None means the file's documents are divided by the held-out
+        fractions."""
         for split, files in self.files.items():
             for file in files:
                 yield (None if split == "train" else split), file
@@ -70,23 +70,32 @@ def plan(data: DataConfig) -> Plan:
         files[split] = sources.find(patterns, f"data.{split}_files") if patterns else []
         held_out[split] = 0.0 if patterns else getattr(data, f"{split}_fraction")
     info = tokenizer.describe(data.tokenizer)
-    identity = {"version": FORMAT_VERSION, "tokenizer": info.fingerprint, "text_field": data.text_field,
-                "held_out": held_out, "split_seed": data.split_seed,
-                "files": {split: [(f.path, f.size, f.mtime_ns) for f in group]
-                          for split, group in files.items()},
-                **prepare_chat.identity(data)}
+    identity = {
+        "version": FORMAT_VERSION,
+        "tokenizer": info.fingerprint,
+        "text_field": data.text_field,
+        "held_out": held_out,
+        "split_seed": data.split_seed,
+        "files": {
+            split: [(f.path, f.size, f.mtime_ns) for f in group] for split, group in files.items()
+        },
+        **prepare_chat.identity(data),
+    }
     key = xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:24]
     return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
 
 
 def prepare_configured(data: DataConfig, workers: int | None) -> tuple[TokenFiles, bool]:
-    """`qgtrain data prepare`: the configured data tokenized into its cache, and whether this made it."""
+    """`qgtrain data prepare`: the configured data tokenized into its cache, and whether this made
+    it."""
     if data.name == "corpus":
         from . import corpus
 
         return corpus.prepare(data), True
     if data.name != "files":
-        raise ConfigError(f"data.name: '{data.name}' has nothing to prepare; use data.name: files (or corpus)")
+        raise ConfigError(
+            f"data.name: '{data.name}' has nothing to prepare; use data.name: files (or corpus)"
+        )
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers: {workers} is below 1")
     return prepare(data, workers or data.prepare_workers)
@@ -94,18 +103,30 @@ def prepare_configured(data: DataConfig, workers: int | None) -> tuple[TokenFile
 
 def mixed_sources(data: DataConfig) -> list[tuple[str, DataConfig]]:
     """Each data.mix source's name and the settings that prepare it, as data.files would be."""
-    return [(source["name"], replace(data, files=(source["files"],) if isinstance(
-        source["files"], str) else tuple(source["files"]), mix=())) for source in data.mix]
+    return [
+        (
+            source["name"],
+            replace(
+                data,
+                files=(source["files"],)
+                if isinstance(source["files"], str)
+                else tuple(source["files"]),
+                mix=(),
+            ),
+        )
+        for source in data.mix
+    ]
 
 
 def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
-    """The cache entry for data.files, and whether this call made it (False: it was already there)."""
+    """The cache entry for data.files, and whether this call made it (False: it was already
+    there)."""
     todo = plan(data)
-    if _ready(todo.folder):
+    if is_ready(todo.folder):
         return load(todo.folder), False
     todo.folder.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(todo.folder, data.prepare_timeout_s) as locked:
-        if _ready(todo.folder):
+    with entry_lock(todo.folder, data.prepare_timeout_s) as locked:
+        if is_ready(todo.folder):
             return load(todo.folder), False
         if locked:  # whoever left a temporary folder behind is gone: the lock was free
             for leftover in todo.folder.parent.glob(f"{todo.folder.name}.tmp-*"):
@@ -123,10 +144,6 @@ def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
     return load(todo.folder), True
 
 
-def _ready(folder: Path) -> bool:
-    return (folder / "meta.json").is_file()
-
-
 def _remove(leftover: Path) -> None:
     """A leftover temporary folder goes; a link there (planted in a shared cache) goes, never
     what it names."""
@@ -136,45 +153,12 @@ def _remove(leftover: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _lock(folder: Path, timeout_s: float) -> Iterator[bool]:
-    """Hold the entry's lock file; yields False where the filesystem has no locks (then proceed
-    without). Created with the umask's mode: in a cache a group shares, each member must take it."""
-    path = folder.with_name(f"{folder.name}.lock")
-    fd = open_lock(path, 0o666)
-    try:
-        start, said = time.monotonic(), 0.0
-        while (taken := try_lock(fd)) is not True:
-            if taken is None:
-                yield False
-                return
-            waited = time.monotonic() - start
-            if _ready(folder):  # the other job finished: nothing left to hold the lock for
-                yield False
-                return
-            if waited > timeout_s:
-                raise ConfigError(f"data.prepare_timeout_s: waited {waited:.0f} s for "
-                                  f"{read_holder(fd) or 'another job'} to finish tokenizing into "
-                                  f"{folder}; remove {path} if that job is gone")
-            if waited >= said:
-                log.info("data: waiting for %s, which is tokenizing into %s",
-                         read_holder(fd) or "another job", folder)
-                said = waited + 60
-            time.sleep(0.5)
-        write_holder(fd, f"process {os.getpid()} on {socket.gethostname()}")
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
 def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     if todo.data.format != "text":
         seed, held_out = todo.data.split_seed, todo.held_out
-        prepare_chat.tokenize(todo, tmp,
-                              lambda path, index: _held_out_split(seed, path, index, held_out))
+        prepare_chat.tokenize(
+            todo, tmp, lambda path, index: _held_out_split(seed, path, index, held_out)
+        )
         for path in (*sorted(tmp.iterdir()), tmp):
             _fsync(path)
         return
@@ -186,6 +170,7 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     progress = Progress(sum(f.size for f in files_in), len(files_in))
     started = time.time()
     with _Encoder(todo.data.tokenizer, info.eos_id, workers) as encoder, progress:
+
         def write(done: Iterator[tuple[str, np.ndarray]]) -> None:
             for split, ids in done:
                 files[split].write(ids.astype(dtype).tobytes())
@@ -199,18 +184,30 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
         handle.flush()
         os.fsync(handle.fileno())
         handle.close()
-    meta = {"kind": "files", "version": FORMAT_VERSION, "dtype": dtype.name, "vocab_size": info.vocab_size,
-            "eos_id": info.eos_id, "tokens": tokens, "documents": documents, "tokenizer": todo.data.tokenizer,
-            "text_field": todo.data.text_field, "held_out": todo.held_out, "split_seed": todo.data.split_seed,
-            "sources": {split: [vars(f) for f in group] for split, group in todo.files.items()},
-            "created": started, "seconds": round(time.time() - started, 3)}
+    meta = {
+        "kind": "files",
+        "version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": info.vocab_size,
+        "eos_id": info.eos_id,
+        "tokens": tokens,
+        "documents": documents,
+        "tokenizer": todo.data.tokenizer,
+        "text_field": todo.data.text_field,
+        "held_out": todo.held_out,
+        "split_seed": todo.data.split_seed,
+        "sources": {split: [vars(f) for f in group] for split, group in todo.files.items()},
+        "created": started,
+        "seconds": round(time.time() - started, 3),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync(tmp / "meta.json")
     _fsync(tmp)
 
 
-def _batches(todo: Plan, documents: dict[str, int],
-             progress: Progress) -> Iterator[tuple[str, list[str], list[bool]]]:
+def _batches(
+    todo: Plan, documents: dict[str, int], progress: Progress
+) -> Iterator[tuple[str, list[str], list[bool]]]:
     """About BATCH_BYTES of text at a time for one split, in the files' order."""
     pending: dict[str, tuple[list[str], list[bool], int]] = {s: ([], [], 0) for s in SPLITS}
     seed = todo.data.split_seed
@@ -230,8 +227,10 @@ def _batches(todo: Plan, documents: dict[str, int],
                 texts, ends, size = [], [], 0
             pending[split] = (texts, ends, size)
         if not source.unchanged():
-            raise ConfigError(f"{source.path} changed while it was being tokenized; nothing was kept; run again "
-                              "once the file is complete")
+            raise ConfigError(
+                f"{source.path} changed while it was being tokenized; nothing was kept; run again "
+                "once the file is complete"
+            )
         progress.next_file(source.size)
     for split, (texts, ends, _) in pending.items():
         if texts:
@@ -240,7 +239,8 @@ def _batches(todo: Plan, documents: dict[str, int],
 
 def _held_out_split(seed: int, path: str, document: int, held_out: dict[str, float]) -> str:
     """A document's split, from a hash of the seed and its place (the file's path as given, and the
-    document's index in it): the same on every run and node that reads the files at the same paths."""
+    document's index in it): the same on every run and node that reads the files at the same
+    paths."""
     draw = xxhash.xxh3_64_intdigest(f"{seed}\0{path}\0{document}".encode()) / 2.0**64
     if draw < held_out["val"]:
         return "val"
@@ -248,12 +248,16 @@ def _held_out_split(seed: int, path: str, document: int, held_out: dict[str, flo
 
 
 class _Encoder:
-    """Tokenizes batches in worker processes (or in this one, for one worker), returning them in order."""
+    """Tokenizes batches in worker processes (or in this one, for one worker), returning them in
+    order."""
 
     def __init__(self, spec: str, eos_id: int, workers: int) -> None:
         self.spec, self.eos_id = spec, eos_id
-        self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) \
-            if workers > 1 and spec != tokenizer.BYTE else None
+        self.pool = (
+            ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+            if workers > 1 and spec != tokenizer.BYTE
+            else None
+        )
         self.window: deque[tuple[str, Future[np.ndarray]]] = deque()
         self.limit = 2 * workers
 
@@ -264,11 +268,15 @@ class _Encoder:
         if self.pool:
             self.pool.shutdown(cancel_futures=True)
 
-    def submit(self, split: str, texts: list[str], ends: list[bool]) -> Iterator[tuple[str, np.ndarray]]:
+    def submit(
+        self, split: str, texts: list[str], ends: list[bool]
+    ) -> Iterator[tuple[str, np.ndarray]]:
         if self.pool is None:
             yield split, tokenizer.encode_pieces(self.spec, self.eos_id, texts, ends)
             return
-        self.window.append((split, self.pool.submit(tokenizer.encode_pieces, self.spec, self.eos_id, texts, ends)))
+        self.window.append(
+            (split, self.pool.submit(tokenizer.encode_pieces, self.spec, self.eos_id, texts, ends))
+        )
         while len(self.window) >= self.limit:
             split, future = self.window.popleft()
             yield split, future.result()

@@ -1,5 +1,5 @@
-"""Progress of a tokenization: a tqdm bar on a terminal; in a Slurm log, where a bar is unreadable, a line
-every 30 seconds. Both say documents, tokens, bytes read, throughput and the time left."""
+"""Progress of a tokenization: a tqdm bar on a terminal; in a Slurm log, where a bar is unreadable,
+a line every 30 seconds. Both say documents, tokens, bytes read, throughput and the time left."""
 
 from __future__ import annotations
 
@@ -21,8 +21,16 @@ class Progress:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
-                            file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="tokenizing",
+                file=sys.stderr,
+                mininterval=0.5,
+                dynamic_ncols=True,
+            )
         else:
             log.info("data: tokenizing %d files, %s", files, _size(total_bytes))
 
@@ -46,7 +54,9 @@ class Progress:
             self.last_line = now
             log.info("data: %s", self.summary())
         elif self.bar is not None and self.documents % 1024 == 0:
-            self.bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens:,} tokens", refresh=False)
+            self.bar.set_postfix_str(
+                f"{self.documents:,} docs, {self.tokens:,} tokens", refresh=False
+            )
 
     def next_file(self, size: int) -> None:
         self.finished_bytes += size
@@ -63,10 +73,16 @@ class Progress:
         elapsed = max(1e-9, time.monotonic() - self.start)
         rate = self.bytes / elapsed
         left = (self.total - self.bytes) / rate if rate > 0 else 0.0
-        done = f"{_size(self.bytes)} of {_size(self.total)} ({100 * self.bytes / self.total:.0f}%), " \
-            f"{self.files_done}/{self.files} files" if not final else f"{self.files} files, {_size(self.total)}"
-        return (f"{done}, {self.documents:,} documents, {self.tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
-                + (f"{elapsed:.1f} s" if final else f"{elapsed:.0f} s so far, about {left:.0f} s left"))
+        done = (
+            f"{_size(self.bytes)} of {_size(self.total)} ({100 * self.bytes / self.total:.0f}%), "
+            f"{self.files_done}/{self.files} files"
+            if not final
+            else f"{self.files} files, {_size(self.total)}"
+        )
+        return (
+            f"{done}, {self.documents:,} documents, {self.tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+            + (f"{elapsed:.1f} s" if final else f"{elapsed:.0f} s so far, about {left:.0f} s left")
+        )
 
 
 def _size(count: float) -> str:

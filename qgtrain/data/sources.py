@@ -1,8 +1,10 @@
-"""A user's data files: found from globs, then read one document at a time, never a whole file at once.
+"""A user's data files: found from globs, then read one document at a time, never a whole file at
+once.
 
-The format comes from the extension. A folder written by Hugging Face `datasets`' save_to_disk is read with
-pyarrow, because that is what datasets stores (Arrow stream files listed in state.json); reading it needs no
-`datasets` import. Every problem a user can fix names the file (and line), what was found and what is allowed.
+The format comes from the extension. A folder written by Hugging Face `datasets`' save_to_disk is
+read with pyarrow, because that is what datasets stores (Arrow stream files listed in state.json);
+reading it needs no `datasets` import. Every problem a user can fix names the file (and line), what
+was found and what is allowed.
 """
 
 from __future__ import annotations
@@ -18,16 +20,31 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import ConfigError
+from .columns import arrow_columns, check_column, column_texts, parquet_columns
 
-SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-            ".parquet": "parquet", ".arrow": "arrow"}
-ALLOWED = ".txt, .md, .jsonl, .ndjson, .json (each also .gz), .parquet, .arrow, a save_to_disk folder"
-TEXT_PIECE_BYTES = 1 << 20  # a long text file is read in pieces of about this size, split at line ends
+# the names shards.py reads them by, until it imports them from columns.py
+_check_column, _column_texts = check_column, column_texts
+
+SUFFIXES = {
+    ".txt": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+ALLOWED = (
+    ".txt, .md, .jsonl, .ndjson, .json (each also .gz), .parquet, .arrow, a save_to_disk folder"
+)
+# a long text file is read in pieces of about this size, split at line ends
+TEXT_PIECE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One file of text, and the identity that decides whether a cache made from it is still current."""
+    """One file of text, and the identity that decides whether a cache made from it is still
+    current."""
 
     path: str
     kind: str
@@ -41,7 +58,8 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class Piece:
-    """Text to tokenize. A document is one piece, or several (a long text file) of which the last ends it."""
+    """Text to tokenize. A document is one piece, or several (a long text file) of which the last
+    ends it."""
 
     text: str
     document: int
@@ -53,14 +71,21 @@ def find(patterns: Sequence[str], key: str) -> list[SourceFile]:
     found: dict[str, SourceFile] = {}
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else \
-            [expanded] if os.path.exists(expanded) else []
+        matches = (
+            sorted(glob.glob(expanded, recursive=True))
+            if glob.has_magic(expanded)
+            else [expanded]
+            if os.path.exists(expanded)
+            else []
+        )
         if not matches:
             raise ConfigError(f"{key}: {pattern!r} matches no file or folder")
         for match in matches:
             for path, kind in _expand(Path(match).resolve(), key):
                 stat = path.stat()
-                found.setdefault(str(path), SourceFile(str(path), kind, stat.st_size, stat.st_mtime_ns))
+                found.setdefault(
+                    str(path), SourceFile(str(path), kind, stat.st_size, stat.st_mtime_ns)
+                )
     return list(found.values())
 
 
@@ -74,8 +99,12 @@ def kind_of(path: Path) -> str | None:
 
 def pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
     """The source's text, with how many of its bytes on disk have been read so far."""
-    reader = {"text": _text_pieces, "jsonl": _json_pieces, "parquet": _column_pieces,
-              "arrow": _column_pieces}[source.kind]
+    reader = {
+        "text": _text_pieces,
+        "jsonl": _json_pieces,
+        "parquet": _column_pieces,
+        "arrow": _column_pieces,
+    }[source.kind]
     empty = True
     for piece, done in reader(source, text_field):
         empty = False
@@ -93,14 +122,18 @@ def _expand(path: Path, key: str) -> Iterator[tuple[Path, str]]:
         return
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        raise ConfigError(f"{key}: {path} holds a DatasetDict with splits {', '.join(splits)}; name the split "
-                          f"folders, e.g. data.files: ['{path}/train'] and data.val_files: ['{path}/validation']")
+        raise ConfigError(
+            f"{key}: {path} holds a DatasetDict with splits {', '.join(splits)}; name the split "
+            f"folders, e.g. data.files: ['{path}/train'] and data.val_files: ['{path}/validation']"
+        )
     if (path / "state.json").is_file():
         state = json.loads((path / "state.json").read_text())
         for entry in state.get("_data_files", []):
             yield path / entry["filename"], "arrow"
         return
-    inside = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and kind_of(p))
+    inside = sorted(
+        p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and kind_of(p)
+    )
     if not inside:
         raise ConfigError(f"{key}: the folder {path} holds no data files; allowed: {ALLOWED}")
     for file in inside:
@@ -136,8 +169,9 @@ def _json_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, i
         yield Piece(_field(row, text_field, where), document, True), done
 
 
-def records(source: SourceFile,
-            fields: tuple[str, ...]) -> Iterator[tuple[dict[str, Any], str, int]]:
+def records(
+    source: SourceFile, fields: tuple[str, ...]
+) -> Iterator[tuple[dict[str, Any], str, int]]:
     """Each record of a JSON, parquet or arrow file as a dict (of `fields` only, for the column
     formats), where it is (file and line, item or row), and how many bytes on disk are read."""
     if source.kind == "jsonl":
@@ -147,10 +181,12 @@ def records(source: SourceFile,
             yield row, where, done
         return
     if source.kind == "text":
-        raise ConfigError(f"{source.path}: a text file holds no records; data.format chat and "
-                          "prompt_completion read .jsonl, .json, .parquet, .arrow or save_to_disk "
-                          "folders")
-    reader = _parquet_columns if source.kind == "parquet" else _arrow_columns
+        raise ConfigError(
+            f"{source.path}: a text file holds no records; data.format chat and "
+            "prompt_completion read .jsonl, .json, .parquet, .arrow or save_to_disk "
+            "folders"
+        )
+    reader = parquet_columns if source.kind == "parquet" else arrow_columns
     row = 0
     for columns, done in reader(source, fields):
         for values in zip(*columns):
@@ -167,7 +203,9 @@ def _json_rows(source: SourceFile) -> Iterator[tuple[Any, int, str, int]]:
             try:
                 rows = json.load(stream)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{source.path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+                raise ConfigError(
+                    f"{source.path}:{exc.lineno}: not valid JSON ({exc.msg})"
+                ) from None
             for index, row in enumerate(rows):
                 yield row, index, f"{source.path}: item {index}", raw.tell()
             return
@@ -179,8 +217,9 @@ def _json_rows(source: SourceFile) -> Iterator[tuple[Any, int, str, int]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") \
-                    from None
+                raise ConfigError(
+                    f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object"
+                ) from None
             except UnicodeDecodeError:
                 raise ConfigError(f"{where}: not UTF-8 text") from None
             yield row, document, where, raw.tell()
@@ -189,11 +228,14 @@ def _json_rows(source: SourceFile) -> Iterator[tuple[Any, int, str, int]]:
 
 def _field(row: Any, text_field: str, where: str) -> str:
     if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected a JSON object with a '{text_field}' field, got "
-                          f"{type(row).__name__}")
+        raise ConfigError(
+            f"{where}: expected a JSON object with a '{text_field}' field, got {type(row).__name__}"
+        )
     if text_field not in row:
-        raise ConfigError(f"{where}: no field '{text_field}' (fields there: {', '.join(map(str, row)) or 'none'}); "
-                          "set data.text_field")
+        raise ConfigError(
+            f"{where}: no field '{text_field}' (fields there: "
+            f"{', '.join(map(str, row)) or 'none'}); set data.text_field"
+        )
     value = row[text_field]
     if not isinstance(value, str):
         raise ConfigError(f"{where}: field '{text_field}' holds {type(value).__name__}, not text")
@@ -202,63 +244,9 @@ def _field(row: Any, text_field: str, where: str) -> str:
 
 def _column_pieces(source: SourceFile, text_field: str) -> Iterator[tuple[Piece, int]]:
     """A parquet or arrow source's text column, one document per row."""
-    reader = _parquet_columns if source.kind == "parquet" else _arrow_columns
+    reader = parquet_columns if source.kind == "parquet" else arrow_columns
     document = 0
     for (values,), done in reader(source, (text_field,)):
-        for text in _column_texts(values, text_field, source.path, document):
+        for text in column_texts(values, text_field, source.path, document):
             document += 1
             yield Piece(text, document - 1, True), done
-
-
-def _parquet_columns(source: SourceFile,
-                     fields: tuple[str, ...]) -> Iterator[tuple[list[list[Any]], int]]:
-    """The named columns' values, a batch of rows at a time, with the bytes read so far (estimated
-    from the rows: parquet decodes whole column chunks)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        file = pq.ParquetFile(source.path)
-    except (pa.ArrowException, OSError) as exc:
-        raise ConfigError(f"{source.path}: not a readable parquet file ({exc})") from None
-    for name in fields:
-        _check_column(file.schema_arrow.names, name, source.path)
-    rows, done = max(1, file.metadata.num_rows), 0
-    for batch in file.iter_batches(columns=list(fields), batch_size=4096):
-        done += batch.num_rows
-        yield [batch.column(name).to_pylist() for name in fields], source.size * done // rows
-
-
-def _arrow_columns(source: SourceFile,
-                   fields: tuple[str, ...]) -> Iterator[tuple[list[list[Any]], int]]:
-    import pyarrow as pa
-
-    mapped = pa.memory_map(source.path)
-    try:
-        reader = pa.ipc.open_stream(mapped)
-    except pa.ArrowInvalid:
-        try:
-            reader = pa.ipc.open_file(mapped)
-        except (pa.ArrowException, OSError) as exc:
-            raise ConfigError(f"{source.path}: not a readable Arrow file ({exc})") from None
-    for name in fields:
-        _check_column(reader.schema.names, name, source.path)
-    batches = reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
-        (reader.get_batch(i) for i in range(reader.num_record_batches))
-    for batch in batches:
-        yield [batch.column(name).to_pylist() for name in fields], mapped.tell()
-
-
-def _check_column(names: list[str], text_field: str, path: str) -> None:
-    if text_field not in names:
-        raise ConfigError(f"{path}: no column '{text_field}' (columns there: {', '.join(names)}); "
-                          "set data.text_field (for chat data: data.messages_field, "
-                          "data.prompt_field, data.completion_field)")
-
-
-def _column_texts(values: list[Any], text_field: str, path: str, first: int) -> Iterator[str]:
-    for offset, value in enumerate(values):
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: row {first + offset}: column '{text_field}' holds "
-                              f"{type(value).__name__}, not text")
-        yield value

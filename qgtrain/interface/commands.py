@@ -117,8 +117,10 @@ def data_prepare(args: argparse.Namespace) -> int:
     for source, data in targets or [("", cfg.data)]:
         files, made = prepare_configured(data, args.workers)
         counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
-        print(f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens "
-              f"{counts}{source}")
+        print(
+            f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens "
+            f"{counts}{source}"
+        )
     return 0
 
 

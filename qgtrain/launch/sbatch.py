@@ -29,7 +29,7 @@ HOST_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python3}
 if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; fi"""
 IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
 HOST_PYTHON=${QGTRAIN_HOST_PYTHON:-python3}  # here, for `qgtrain recover` after a failed step
-if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=$PWD/.venv/bin/python; fi"""
+if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=$PWD/.venv/bin/python; fi"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 FIRST_START_SNAPSHOT = """job_id=${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}
 job_id=$job_id${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
 # every attempt, requeues too, runs the code as it was at the job's first start (slurm.snapshot)
@@ -181,7 +181,7 @@ def retry_steps(max_restarts: int) -> str:
     done
     rm -f "$said"
     return "$status"
-}}"""
+}}"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 
 
 def _script(
@@ -218,7 +218,7 @@ RECOVER_PYTHON=${recover}
 {retry_steps(max_restarts)}
 run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}"
 {f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
-"""
+"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 
 
 def submit_config(

@@ -1,7 +1,7 @@
 """The on-disk checkpoint format: files written in a staging folder, committed by one atomic rename.
 
-    checkpoints/step-<N>/      committed: manifest.json lists every file with its size and xxh3 checksum
-    checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
+    checkpoints/step-<N>/ committed: manifest.json lists every file with its size and xxh3 checksum
+    checkpoints/.tmp-step-<N>-<run id>/ being written; never counts, removed when found stale
 
 (layout.py names every file of a checkpoint.)
 
@@ -46,8 +46,9 @@ class Checkpoint:
 
     @property
     def score(self) -> float | None:
-        """How good this checkpoint is by the run's early_stopping.metric, lower being better; checkpoints
-        written without a validation have none. Older manifests recorded only val_loss."""
+        """How good this checkpoint is by the run's early_stopping.metric, lower being better;
+        checkpoints written without a validation have none. Older manifests recorded only
+        val_loss."""
         score = self.manifest.get("score")
         if isinstance(score, dict) and isinstance(score.get("value"), (int, float)):
             return float(score["value"]) * (-1.0 if score.get("mode") == "max" else 1.0)
@@ -59,13 +60,15 @@ def staging_dir(root: Path, step: int, run_id: str) -> Path:
 
 
 def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Write each object (torch.save, or bytes as they are) and return manifest entries (size, checksum).
+    """Write each object (torch.save, or bytes as they are) and return manifest entries (size,
+    checksum).
 
-    torch.save writes through its own C++ path; each finished file is hashed from the page cache in a
-    thread while the next one is written, so checksums add almost nothing. Nothing is fsynced here:
-    `make_durable` does that after the commit, off the training path.
+    torch.save writes through its own C++ path; each finished file is hashed from the page cache in
+    a thread while the next one is written, so checksums add almost nothing. Nothing is fsynced
+    here: `make_durable` does that after the commit, off the training path.
     """
-    import torch  # here, not at the top: `qgtrain runs` reads manifests on login nodes without torch
+    # here, not at the top: `qgtrain runs` reads manifests on login nodes without torch
+    import torch
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         digests = {}
@@ -75,22 +78,28 @@ def write_files(folder: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]
             else:
                 torch.save(obj, folder / name)
             digests[name] = pool.submit(listed.digest, folder / name)
-        return {name: {"size": (folder / name).stat().st_size, "xxh3": future.result()}
-                for name, future in digests.items()}
+        return {
+            name: {"size": (folder / name).stat().st_size, "xxh3": future.result()}
+            for name, future in digests.items()
+        }
 
 
 def explain_write_error(exc: BaseException, staging: Path, files: dict[str, Any]) -> str:
-    """Why a write failed, in the user's terms: a full disk says how much room there is and is needed."""
+    """Why a write failed, in the user's terms: a full disk says how much room there is and is
+    needed."""
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
     try:
-        written = sum(p.stat().st_size for p in staging.iterdir())  # freed when the staging folder goes
+        # freed when the staging folder goes
+        written = sum(p.stat().st_size for p in staging.iterdir())
         free = shutil.disk_usage(staging.parent).free + written
     except OSError:
         return text
     needed = _nbytes(files)
     if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or free < needed:
-        return (f"no space left on the filesystem of {staging.parent}: {free / 1e6:.1f} MB free, the checkpoint "
-                f"needs about {needed / 1e6:.1f} MB")
+        return (
+            f"no space left on the filesystem of {staging.parent}: {free / 1e6:.1f} MB free, the "
+            f"checkpoint needs about {needed / 1e6:.1f} MB"
+        )
     return text
 
 
@@ -118,14 +127,16 @@ def commit(staging: Path, final: Path, files: dict[str, Any], meta: dict[str, An
     if final.exists():
         _set_aside(final, manifest["run_id"])
     os.rename(staging, final)
-    return Checkpoint(final, manifest["step"], manifest["run_id"], manifest.get("val_loss"), manifest)
+    return Checkpoint(
+        final, manifest["step"], manifest["run_id"], manifest.get("val_loss"), manifest
+    )
 
 
 def make_durable(folder: Path, names: list[str]) -> list[str]:
     """fsync the named files, then the folder and its parent. Returns what could not be synced.
 
-    Until this returns, a power loss may leave the newest checkpoint torn; its checksums then fail and
-    the previous one (made durable before this one was written) is used.
+    Until this returns, a power loss may leave the newest checkpoint torn; its checksums then fail
+    and the previous one (made durable before this one was written) is used.
     """
     failed = []
     for name in names:
@@ -145,7 +156,8 @@ def make_durable(folder: Path, names: list[str]) -> list[str]:
 
 
 def _set_aside(existing: Path, run_id: str) -> None:
-    """A folder already holds this step: ours from an earlier attempt is replaced, another run's is kept."""
+    """A folder already holds this step: ours from an earlier attempt is replaced, another run's is
+    kept."""
     old = read_manifest(existing)
     if old is not None and old.run_id != run_id:
         os.rename(existing, existing.with_name(f"{existing.name}.from-run-{old.run_id}"))
@@ -161,8 +173,13 @@ def read_manifest(folder: Path) -> Checkpoint | None:
         manifest = json.loads((folder / MANIFEST).read_text())
         if manifest.get("format") != FORMAT:
             return None
-        return Checkpoint(folder, int(manifest["step"]), str(manifest["run_id"]), manifest.get("val_loss"),
-                          manifest)
+        return Checkpoint(
+            folder,
+            int(manifest["step"]),
+            str(manifest["run_id"]),
+            manifest.get("val_loss"),
+            manifest,
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -179,24 +196,32 @@ def list_unreadable(root: Path) -> list[Path]:
     A commit renames a folder into place only after its manifest is written, so such a folder was
     damaged afterwards (a manifest deleted by hand, a torn copy): it is reported, never used.
     """
-    return sorted((entry for entry in _step_folders(root) if read_manifest(entry) is None),
-                  key=lambda p: int(p.name.split("-")[1]))
+    return sorted(
+        (entry for entry in _step_folders(root) if read_manifest(entry) is None),
+        key=lambda p: int(p.name.split("-")[1]),
+    )
 
 
 def _step_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return [entry for entry in root.iterdir()
-            if layout.STEP_PATTERN.fullmatch(entry.name) and entry.is_dir()]
+    return [
+        entry
+        for entry in root.iterdir()
+        if layout.STEP_PATTERN.fullmatch(entry.name) and entry.is_dir()
+    ]
 
 
-def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True) -> str | None:
-    """None if every file (or the named ones) matches its manifest entry, else what is wrong, naming the
-    file. Without `checksums` only sizes are compared: a stat per file, no reading. With them, a
+def verify(
+    ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True
+) -> str | None:
+    """None if every file (or the named ones) matches its manifest entry, else what is wrong, naming
+    the file. Without `checksums` only sizes are compared: a stat per file, no reading. With them, a
     sharded checkpoint's `.metadata` must also hold nothing that would run code (dcp_safe.py)."""
     try:  # names that leave the folder, then links, FIFOs and devices in it, listed or not
-        problem = listed.listing_problem(ckpt.manifest, ckpt.path / MANIFEST) \
-            or listed.stray_problem(ckpt.path)
+        problem = listed.listing_problem(
+            ckpt.manifest, ckpt.path / MANIFEST
+        ) or listed.stray_problem(ckpt.path)
     except OSError as exc:
         problem = f"{ckpt.path} cannot be read ({exc.strerror or exc})"
     if problem:
@@ -207,7 +232,10 @@ def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool 
         try:
             size = listed.regular_file(ckpt.path, name).st_size
             if size != entry["size"]:
-                return f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+                return (
+                    f"{path} has {size} bytes, the manifest says {entry['size']} "
+                    "(truncated or overwritten)"
+                )
             digest = listed.digest(path) if checksums else entry["xxh3"]
         except listed.UnsafeFile as exc:
             return f"{exc}, which a checkpoint's manifest may not list"
@@ -223,8 +251,8 @@ def verify(ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool 
 
 
 def load_file(ckpt: Checkpoint, name: str) -> Any:
-    """A torch-saved file of the checkpoint, on the CPU. Anything but tensors and plain containers (a pickle
-    that would run code, a file from another program) is refused, not executed."""
+    """A torch-saved file of the checkpoint, on the CPU. Anything but tensors and plain containers
+    (a pickle that would run code, a file from another program) is refused, not executed."""
     import torch
 
     path = ckpt.path / name
@@ -234,45 +262,14 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing from the checkpoint") from None
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
-        raise CheckpointError(f"{path} cannot be loaded safely as tensors ({first_line(exc, 200)}); loading it "
-                              "would mean running code from the file, which qgtrain never does") from None
+        raise CheckpointError(
+            f"{path} cannot be loaded safely as tensors ({first_line(exc, 200)}); loading it "
+            "would mean running code from the file, which qgtrain never does"
+        ) from None
 
 
 def load_json(ckpt: Checkpoint, name: str) -> Any:
     return json.loads(listed.read_regular(ckpt.path / name))
-
-
-def rotate(root: Path, run_id: str, keep_last: int) -> list[Path]:
-    """Delete this run's checkpoints beyond the newest `keep_last` and the best by its score.
-
-    Ordered by step number, never by name or time; other runs' folders and anything uncommitted are left.
-    """
-    ours = [c for c in list_committed(root) if c.run_id == run_id]
-    keep = {c.path for c in ours[-keep_last:]}
-    scored = [c for c in ours if c.score is not None]
-    if scored:
-        keep.add(min(scored, key=lambda c: (c.score, -c.step)).path)
-    removed = []
-    for ckpt in ours:
-        if ckpt.path not in keep:
-            doomed = ckpt.path.with_name(f"{layout.DELETING_PREFIX}{ckpt.path.name}")
-            os.rename(ckpt.path, doomed)  # no longer a checkpoint the instant it is renamed
-            shutil.rmtree(doomed, ignore_errors=True)
-            removed.append(ckpt.path)
-    return removed
-
-
-def remove_stale_staging(root: Path, run_id: str) -> list[Path]:
-    """Half-written folders this run left when it was killed, and interrupted deletions."""
-    if not root.is_dir():
-        return []
-    ours = f"-{run_id}"
-    stale = [p for p in root.iterdir()
-             if (p.name.startswith(layout.STAGING_PREFIX) and p.name.endswith(ours))
-             or p.name.startswith((layout.DELETING_PREFIX, layout.REPLACED_PREFIX))]
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return stale
 
 
 def _fsync_dir(path: Path) -> None:

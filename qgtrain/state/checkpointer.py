@@ -1,14 +1,16 @@
 """Saving and restoring a run's checkpoints with every rank on the same collective path.
 
-Save: rank 0 makes the staging folder; every rank writes its own file (RNG and data position) and rank 0
-the replicated state; rank 0 gathers every rank's file entries (or its error), commits, rotates, and
-broadcasts the outcome, so all ranks succeed or fail together. The saver has its own gloo group: an
-asynchronous save runs these collectives in a background thread without interleaving with training's.
+Save: rank 0 makes the staging folder; every rank writes its own file (RNG and data position) and
+rank 0 the replicated state; rank 0 gathers every rank's file entries (or its error), commits,
+rotates, and broadcasts the outcome, so all ranks succeed or fail together. The saver has its own
+gloo group: an asynchronous save runs these collectives in a background thread without interleaving
+with training's.
 
-Restore: rank 0 lists the checkpoints before anything of the run is written (resume.resume_candidates), the
-ranks check their shares of the files and agree on one (verify_ranks.py); each rank then reads the
-replicated files and its own. The trainer's state comes and goes as a table of named parts
-(save_parts, restore; named.py turns it into these files and back).
+Restore: rank 0 lists the checkpoints before anything of the run is written
+(resume.resume_candidates), the ranks check their shares of the files and agree on one
+(verify_ranks.py); each rank then reads the replicated files and its own. The trainer's state comes
+and goes as a table of named parts (save_parts, restore; named.py turns it into these files and
+back).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from ..foundation.errors import CheckpointWriteError, TrainingError
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint, layout, named, sharded
+from . import checkpoint, layout, named, rotation, sharded
 from .layout import rank_file
 from .snapshot import CpuSnapshot, saved_layouts
 
@@ -36,19 +38,28 @@ log = logging.getLogger("qgtrain")
 
 
 def dcp_error() -> type[BaseException]:
-    """What torch.distributed.checkpoint raises on every rank when one rank's write fails (a BaseException)."""
+    """What torch.distributed.checkpoint raises on every rank when one rank's write fails (a
+    BaseException)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return CheckpointException
 
 
 class Checkpointer:
-    def __init__(self, root: Path, run_id: str, env: DistEnv, keep_last: int, async_save: bool,
-                 run_files: dict[str, bytes] | None = None, timeout_s: float = 300.0) -> None:
-        """`run_files` (the resolved config, the model's own config) go into every checkpoint as they are.
-        `timeout_s` bounds each of the saver's collectives, as train.collective_timeout_s bounds training's:
-        without it gloo waits half an hour, and a rank cut off in the middle of a save would outlive the
-        others by that much."""
+    def __init__(
+        self,
+        root: Path,
+        run_id: str,
+        env: DistEnv,
+        keep_last: int,
+        async_save: bool,
+        run_files: dict[str, bytes] | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        """`run_files` (the resolved config, the model's own config) go into every checkpoint as
+        they are. `timeout_s` bounds each of the saver's collectives, as train.collective_timeout_s
+        bounds training's: without it gloo waits half an hour, and a rank cut off in the middle of a
+        save would outlive the others by that much."""
         self.root, self.run_id, self.env = root, run_id, env
         self.run_files = run_files or {}
         self.keep_last, self.async_save = keep_last, async_save
@@ -58,7 +69,7 @@ class Checkpointer:
         self._failure: str | None = None
         self._snapshot = CpuSnapshot(timeout_s)
         if env.is_main:
-            for path in checkpoint.remove_stale_staging(root, run_id):
+            for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -67,17 +78,26 @@ class Checkpointer:
         if self.async_save:
             self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))
 
-    def save(self, step: int, replicated: Callable[[], dict[str, Any]], per_rank: dict[str, Any],
-             meta: dict[str, Any], *, blocking: bool = False, shards: dict[str, Any] | None = None,
-             again: bool = False) -> None:
-        """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only; `shards`, a
-        sharded model's and optimizer's state, is written by every rank (sharded.py).
+    def save(
+        self,
+        step: int,
+        replicated: Callable[[], dict[str, Any]],
+        per_rank: dict[str, Any],
+        meta: dict[str, Any],
+        *,
+        blocking: bool = False,
+        shards: dict[str, Any] | None = None,
+        again: bool = False,
+    ) -> None:
+        """Checkpoint `step` (every rank calls this). `replicated` is called on rank 0 only;
+        `shards`, a sharded model's and optimizer's state, is written by every rank (sharded.py).
 
-        Synchronous: files are written and committed now; fsync and rotation finish in the background.
-        Asynchronous (checkpoint.async_save): state is copied to CPU memory now and everything else runs
-        in the background. `blocking` waits until the checkpoint is durable (the final and stop saves).
-        At most one save is in flight: the next one first waits for this one. A step is saved once, unless
-        `again` (its final evaluation was done by a later allocation): the new checkpoint replaces it.
+        Synchronous: files are written and committed now; fsync and rotation finish in the
+        background. Asynchronous (checkpoint.async_save): state is copied to CPU memory now and
+        everything else runs in the background. `blocking` waits until the checkpoint is durable
+        (the final and stop saves). At most one save is in flight: the next one first waits for this
+        one. A step is saved once, unless `again` (its final evaluation was done by a later
+        allocation): the new checkpoint replaces it.
         """
         self.wait()
         if step == self.last_step and not again:
@@ -96,11 +116,25 @@ class Checkpointer:
                 self._background(self._settle, ckpt, names)
         self.last_step = step
 
-    def save_parts(self, step: int, parts: named.Parts, meta: dict[str, Any], *,
-                   blocking: bool = False, again: bool = False) -> None:
+    def save_parts(
+        self,
+        step: int,
+        parts: named.Parts,
+        meta: dict[str, Any],
+        *,
+        blocking: bool = False,
+        again: bool = False,
+    ) -> None:
         """`save` of a table of named parts, each where layout.PLACES puts it (named.py)."""
-        self.save(step, lambda: named.replicated_files(parts), named.rank_entries(parts), meta,
-                  blocking=blocking, shards=named.shards(parts), again=again)
+        self.save(
+            step,
+            lambda: named.replicated_files(parts),
+            named.rank_entries(parts),
+            meta,
+            blocking=blocking,
+            shards=named.shards(parts),
+            again=again,
+        )
 
     def restore(self, ckpt: checkpoint.Checkpoint, parts: named.Parts) -> None:
         """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py)."""
@@ -109,7 +143,8 @@ class Checkpointer:
 
     @property
     def failed(self) -> bool:
-        """A background save has failed and not been reported yet (agreed on by the trainer each step)."""
+        """A background save has failed and not been reported yet (agreed on by the trainer each
+        step)."""
         return self._failure is not None
 
     def wait(self) -> None:
@@ -127,8 +162,11 @@ class Checkpointer:
                 work(*args)
             except TrainingError as exc:
                 self._failure = str(exc)
-            except BaseException as exc:  # recorded, so that the next wait reports it instead of success
-                self._failure = f"the background checkpoint writer failed: {type(exc).__name__}: {exc}"
+            # recorded, so that the next wait reports it instead of success
+            except BaseException as exc:
+                self._failure = (
+                    f"the background checkpoint writer failed: {type(exc).__name__}: {exc}"
+                )
 
         self._thread = threading.Thread(target=run, name="qgtrain-checkpoint", daemon=True)
         self._thread.start()
@@ -136,9 +174,11 @@ class Checkpointer:
     def _write_and_settle(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
         self._settle(*self._write(step, files, meta))
 
-    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> tuple[Path, list[str]]:
-        """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives). Returns the
-        checkpoint and the names of the files this rank wrote."""
+    def _write(
+        self, step: int, files: dict[str, Any], meta: dict[str, Any]
+    ) -> tuple[Path, list[str]]:
+        """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives).
+        Returns the checkpoint and the names of the files this rank wrote."""
         started = time.perf_counter()
         staging = checkpoint.staging_dir(self.root, step, self.run_id)
         error = None
@@ -149,44 +189,65 @@ class Checkpointer:
             except OSError as exc:
                 error = f"rank 0 cannot create {staging}: {exc.strerror or exc}"
         box: list[Any] = [error]
-        dist.broadcast_object_list(box, src=0, group=self.group)  # no rank writes into a folder that is not there
+        # no rank writes into a folder that is not there
+        dist.broadcast_object_list(box, src=0, group=self.group)
         error = box[0]
         entries: dict[str, Any] = {}
         shards, staged = files.pop(sharded.FOLDER, None), error is None
         if error is None:
             try:
                 entries = checkpoint.write_files(staging, files)
-            except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            # torch.save reports a full disk as a RuntimeError
+            except (OSError, RuntimeError) as exc:
                 why = checkpoint.explain_write_error(exc, staging, files)
                 error = f"rank {self.env.rank} cannot write {staging}: {why}"
-        if shards is not None and staged:  # a collective: every rank takes part, also one whose files failed
+        # a collective: every rank takes part, also one whose files failed
+        if shards is not None and staged:
             try:
                 entries.update(sharded.write(staging, shards, self.env.rank, self.group))
             except (OSError, RuntimeError, dcp_error()) as exc:
                 why = checkpoint.explain_write_error(exc, staging, shards)
-                error = error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
+                error = (
+                    error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
+                )
         gathered = gather_to_main((entries, error), group=self.group)
-        outcome = (self._commit(step, staging, gathered, meta, started)
-                   if gathered is not None else None)
+        outcome = (
+            self._commit(step, staging, gathered, meta, started) if gathered is not None else None
+        )
         box = [outcome]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
-            raise CheckpointWriteError(f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is "
-                                       "intact; HINT: check free space and permissions where the run directory lives")
+            raise CheckpointWriteError(
+                f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is "
+                "intact; HINT: check free space and permissions where the run directory lives"
+            )
         return self.root / layout.step_folder(step), list(entries)
 
-    def _commit(self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any],
-                started: float) -> str | None:
+    def _commit(
+        self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any], started: float
+    ) -> str | None:
         errors = [error for _, error in gathered if error]
         if not errors:
             files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
             try:
-                ckpt = checkpoint.commit(staging, self.root / layout.step_folder(step), files,
-                                         {**meta, "step": step, "run_id": self.run_id,
-                                          "world_size": self.env.world_size})
+                ckpt = checkpoint.commit(
+                    staging,
+                    self.root / layout.step_folder(step),
+                    files,
+                    {
+                        **meta,
+                        "step": step,
+                        "run_id": self.run_id,
+                        "world_size": self.env.world_size,
+                    },
+                )
                 size = sum(entry["size"] for entry in files.values())
-                log.info("saved checkpoint %s (%.1f MB written in %.2f s)", ckpt.path, size / 1e6,
-                         time.perf_counter() - started)
+                log.info(
+                    "saved checkpoint %s (%.1f MB written in %.2f s)",
+                    ckpt.path,
+                    size / 1e6,
+                    time.perf_counter() - started,
+                )
                 return None
             except OSError as exc:
                 errors.append(f"rank 0 cannot commit {staging}: {exc.strerror or exc}")
@@ -194,10 +255,11 @@ class Checkpointer:
         return "; ".join(errors)
 
     def _settle(self, folder: Path, names: list[str]) -> None:
-        """Make this rank's files durable; then rank 0 rotates, so nothing old goes before the new is safe.
+        """Make this rank's files durable; then rank 0 rotates, so nothing old goes before the new
+        is safe.
 
-        No collective here: a failed fsync leaves a checkpoint whose checksums catch any damage, so it is
-        a warning, not a reason to stop every rank.
+        No collective here: a failed fsync leaves a checkpoint whose checksums catch any damage, so
+        it is a warning, not a reason to stop every rank.
         """
         if self.env.is_main:
             names = [*names, checkpoint.MANIFEST]
@@ -205,8 +267,7 @@ class Checkpointer:
             log.warning("could not fsync %s; the previous checkpoint stays the fallback", problem)
         if self.env.is_main:
             try:
-                for path in checkpoint.rotate(self.root, self.run_id, self.keep_last):
+                for path in rotation.rotate(self.root, self.run_id, self.keep_last):
                     log.info("rotated out %s", path.name)
             except OSError as exc:
                 log.warning("could not rotate old checkpoints in %s: %s", self.root, exc)
-

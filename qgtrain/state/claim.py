@@ -1,5 +1,6 @@
-"""The run directory, claimed for one start of a run: rank 0 picks it and holds its lock, every rank checks
-the checkpoint it may resume from, and only then is the start recorded, so a refused start changes nothing.
+"""The run directory, claimed for one start of a run: rank 0 picks it and holds its lock, every rank
+checks the checkpoint it may resume from, and only then is the start recorded, so a refused start
+changes nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ class Claim:
     run_id: str
     resume_from: str | None  # the checkpoint to resume from
     warnings: list[str]  # logged once the run's log file is open
-    candidates: Candidates = Candidates([], [])  # what it may resume from, before the ranks check the files
+    # what it may resume from, before the ranks check the files
+    candidates: Candidates = Candidates([], [])
 
 
-def claimed(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | None,
-            held: contextlib.ExitStack) -> Claim:
+def claimed(
+    cfg: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    run_dir: Path | None,
+    held: contextlib.ExitStack,
+) -> Claim:
     """Every rank: the claimed run directory and the checkpoint to resume from (collectives)."""
     found = distributed.main_decides(lambda: _claim(cfg, env, run_dir, held))
     resume_from, skipped = verify_ranks.choose(found.candidates, RunDir(found.path).checkpoints)
@@ -43,16 +50,22 @@ def claimed(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path | 
 
 
 def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.ExitStack) -> Claim:
-    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may resume
-    from before it writes anything there: a refusal leaves the run as it was."""
+    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may
+    resume from before it writes anything there: a refusal leaves the run as it was."""
     path = (run_dir or rundir.default_run_dir(cfg)).resolve()
     try:
         rundir.refuse_foreign(path)
         exposed = rundir.create(path, cfg.logging.shared)
-        held.enter_context(rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain"))
+        held.enter_context(
+            rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain")
+        )
         warnings: list[str] = [exposed] if exposed else []
-        candidates = resume_candidates(RunDir(path).checkpoints, rundir.read_run_id(path), cfg.checkpoint.resume,
-                                       warnings.append)
+        candidates = resume_candidates(
+            RunDir(path).checkpoints,
+            rundir.read_run_id(path),
+            cfg.checkpoint.resume,
+            warnings.append,
+        )
         return Claim(path, "", None, warnings, candidates)
     except OSError as exc:
         raise rundir.unwritable(path, exc) from None
@@ -64,16 +77,19 @@ def _open(cfg: RunConfig, claim: Claim, resume_from: str | None, skipped: list[s
         run_id = rundir.open_run(claim.path, cfg, dump_yaml(cfg))
     except OSError as exc:
         raise rundir.unwritable(claim.path, exc) from None
-    return dataclasses.replace(claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped)
+    return dataclasses.replace(
+        claim, run_id=run_id, resume_from=resume_from, warnings=claim.warnings + skipped
+    )
 
 
 def _check_shared(claim: Claim, env: DistEnv, device: torch.device) -> None:
-    """Every rank must see the run directory rank 0 just claimed: checkpoints are written into one folder
-    by all ranks. Checked before anything is built, on every rank (a collective)."""
+    """Every rank must see the run directory rank 0 just claimed: checkpoints are written into one
+    folder by all ranks. Checked before anything is built, on every rank (a collective)."""
     blind = distributed.flagged_ranks(rundir.read_run_id(claim.path) != claim.run_id, device)
     if blind:
         raise QgtrainError(
             f"rank(s) {blind} do not see the run directory {claim.path} that rank 0 created on "
-            f"{env.master_addr}: each node sees its own folder at that path. HINT: the run directory must be "
-            "on a filesystem every node mounts (a shared filesystem); point logging.runs_dir or --run-dir there "
-            "(`srun qgtrain doctor` checks)")
+            f"{env.master_addr}: each node sees its own folder at that path. HINT: the run "
+            "directory must be on a filesystem every node mounts (a shared filesystem); point "
+            "logging.runs_dir or --run-dir there (`srun qgtrain doctor` checks)"
+        )

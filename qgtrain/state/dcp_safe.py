@@ -33,23 +33,49 @@ from .checkpoint import Checkpoint
 from .layout import SHARDED, SHARDED_METADATA
 from .manifest_files import name_problem, open_regular, read_regular
 
-_METADATA = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-             "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-             "_MEM_FORMAT_ENCODING")
+_METADATA = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
 # What a pickle of DCP's Metadata names (found on qgtrain's own fsdp checkpoints, torch 2.13): its
 # dataclasses, torch.Size, dtypes and layouts (by name, or through torch.serialization._get_layout),
 # and the path it was saved at; pathlib's classes live in pathlib._local from Python 3.13.
-_ALLOWED = {*(("torch.distributed.checkpoint.metadata", name) for name in _METADATA),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            *((module, name) for module in ("pathlib", "pathlib._local")
-              for name in ("PosixPath", "PurePosixPath")),
-            *(("torch", name) for name, value in vars(torch).items()
-              if isinstance(value, (torch.dtype, torch.layout)))}
+_ALLOWED = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *(
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "PurePosixPath")
+    ),
+    *(
+        ("torch", name)
+        for name, value in vars(torch).items()
+        if isinstance(value, (torch.dtype, torch.layout))
+    ),
+}
 _GLOBAL = re.compile(r"GLOBAL (\S+)")  # how torch's weights_only unpickler names what it refused
 # What unpickling damaged data raises: pickle's own errors, and those of the constructors it calls.
-_DAMAGED = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
-            IndexError, ImportError, RuntimeError, RecursionError)
+_DAMAGED = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    ImportError,
+    RuntimeError,
+    RecursionError,
+)
 
 
 class _Refused(Exception):
@@ -72,16 +98,25 @@ def read_metadata(ckpt: Checkpoint) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except _Refused as exc:
-        raise CheckpointError(f"qgtrain refuses to unpickle {exc} from {path}: DCP metadata is "
-                              "made only of torch.distributed.checkpoint's own classes, and "
-                              "loading this would run code from the file") from None
+        raise CheckpointError(
+            f"qgtrain refuses to unpickle {exc} from {path}: DCP metadata is "
+            "made only of torch.distributed.checkpoint's own classes, and "
+            "loading this would run code from the file"
+        ) from None
     except _DAMAGED as exc:
-        raise CheckpointError(f"{path} cannot be read as torch.distributed.checkpoint metadata "
-                              f"({type(exc).__name__}: {first_line(exc, 200)})") from None
-    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(metadata.storage_data, dict)):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not the metadata of "
-                              "torch.distributed.checkpoint")
+        raise CheckpointError(
+            f"{path} cannot be read as torch.distributed.checkpoint metadata "
+            f"({type(exc).__name__}: {first_line(exc, 200)})"
+        ) from None
+    if not (
+        isinstance(metadata, Metadata)
+        and isinstance(metadata.state_dict_metadata, dict)
+        and isinstance(metadata.storage_data, dict)
+    ):
+        raise CheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not the metadata of "
+            "torch.distributed.checkpoint"
+        )
     for index, info in metadata.storage_data.items():
         _check_entry(ckpt, getattr(index, "fqn", index), info)
     return metadata
@@ -94,16 +129,24 @@ def _check_entry(ckpt: Checkpoint, fqn: object, info: object) -> None:
     if not isinstance(info, _StorageInfo):
         raise CheckpointError(f"{where} stores {fqn!r} as a {type(info).__name__}, not in a file")
     file, listed = info.relative_path, ckpt.manifest.get("files", {})
-    if not isinstance(file, str) or name_problem(file) or "/" in file \
-            or f"{SHARDED}/{file}" not in listed:
-        raise CheckpointError(f"{where} stores {fqn!r} in {file!r}, which is not a file of "
-                              f"{SHARDED}/ that the manifest lists")
+    if (
+        not isinstance(file, str)
+        or name_problem(file)
+        or "/" in file
+        or f"{SHARDED}/{file}" not in listed
+    ):
+        raise CheckpointError(
+            f"{where} stores {fqn!r} in {file!r}, which is not a file of "
+            f"{SHARDED}/ that the manifest lists"
+        )
     offset, length = info.offset, info.length
     if not (type(offset) is int and type(length) is int and min(offset, length) >= 0):
         raise CheckpointError(f"{where} stores {fqn!r} at offset {offset!r}, length {length!r}")
     if info.transform_descriptors:
-        raise CheckpointError(f"{where} stores {fqn!r} through stream transforms "
-                              f"{info.transform_descriptors!r}, which qgtrain never writes")
+        raise CheckpointError(
+            f"{where} stores {fqn!r} through stream transforms "
+            f"{info.transform_descriptors!r}, which qgtrain never writes"
+        )
 
 
 def load_bytes_entry(raw: bytes, what: str) -> Any:
@@ -115,12 +158,15 @@ def load_bytes_entry(raw: bytes, what: str) -> Any:
     except pickle.UnpicklingError as exc:
         found = _GLOBAL.search(str(exc))
         refused = found.group(1) if found else "something other than plain data"
-        raise CheckpointError(f"qgtrain refuses to unpickle {refused} from {what}: a value saved "
-                              "as bytes is loaded only as plain data, and loading this would run "
-                              "code from the file") from None
+        raise CheckpointError(
+            f"qgtrain refuses to unpickle {refused} from {what}: a value saved "
+            "as bytes is loaded only as plain data, and loading this would run "
+            "code from the file"
+        ) from None
     except _DAMAGED as exc:  # a truncated or garbled entry
-        raise CheckpointError(f"{what} cannot be loaded ({type(exc).__name__}: "
-                              f"{first_line(exc, 200)})") from None
+        raise CheckpointError(
+            f"{what} cannot be loaded ({type(exc).__name__}: {first_line(exc, 200)})"
+        ) from None
 
 
 def metadata_problem(ckpt: Checkpoint) -> str | None:
@@ -145,8 +191,9 @@ def _span(path: Path, offset: int, length: int) -> bytes:
     finally:
         os.close(fd)
     if len(raw) != length:
-        raise CheckpointError(f"{path} ends before the {length} bytes at {offset} that its "
-                              "metadata records")
+        raise CheckpointError(
+            f"{path} ends before the {length} bytes at {offset} that its metadata records"
+        )
     return raw
 
 
@@ -171,8 +218,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         if isinstance(self.state_dict.get(fqn), torch.Tensor):
-            raise CheckpointError(f"the sharded checkpoint saves {fqn} as pickled bytes where a "
-                                  "tensor belongs")
+            raise CheckpointError(
+                f"the sharded checkpoint saves {fqn} as pickled bytes where a tensor belongs"
+            )
         loaded = load_bytes_entry(value.getvalue(), f"the sharded checkpoint's entry {fqn}")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -180,16 +228,28 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load(ckpt: Checkpoint, state: dict[str, Any], *, reader: SafeReader | None = None,
-         no_dist: bool = False) -> None:
+def load(
+    ckpt: Checkpoint,
+    state: dict[str, Any],
+    *,
+    reader: SafeReader | None = None,
+    no_dist: bool = False,
+) -> None:
     """DCP's load of `state` in place through SafeReader and SafeLoadPlanner (a collective unless
     no_dist). A refusal inside DCP comes out as the CheckpointError it was, not wrapped by DCP."""
     try:
-        dcp_load(state, storage_reader=reader or SafeReader(ckpt), planner=SafeLoadPlanner(),
-                 no_dist=no_dist)
+        dcp_load(
+            state,
+            storage_reader=reader or SafeReader(ckpt),
+            planner=SafeLoadPlanner(),
+            no_dist=no_dist,
+        )
     except CheckpointException as exc:
-        refused = [failure[0] for failure in exc.failures.values()
-                   if isinstance(failure[0], CheckpointError)]
+        refused = [
+            failure[0]
+            for failure in exc.failures.values()
+            if isinstance(failure[0], CheckpointError)
+        ]
         if refused:
             raise refused[0] from None
         raise

@@ -30,8 +30,11 @@ def names(ckpt: Checkpoint) -> set[str]:
         from .dcp_safe import read_metadata
 
         prefix = f"{KEY}."
-        return {fqn.removeprefix(prefix) for fqn in read_metadata(ckpt).state_dict_metadata
-                if fqn.startswith(prefix)}
+        return {
+            fqn.removeprefix(prefix)
+            for fqn in read_metadata(ckpt).state_dict_metadata
+            if fqn.startswith(prefix)
+        }
     if FILE not in ckpt.manifest.get("files", {}):
         return set()
     return set(load_file(ckpt, FILE))
@@ -60,9 +63,11 @@ def fill(averages: dict[str, torch.Tensor], full: dict[str, Any], source: Path) 
     for name, average in averages.items():
         if name not in full or tuple(full[name].shape) != tuple(average.shape):
             found = tuple(full[name].shape) if name in full else "nothing"
-            raise CheckpointError(f"{source} holds {found} for {name}, the model "
-                                  f"{tuple(average.shape)}. HINT: resume with the model settings "
-                                  "it was trained with, or set checkpoint.resume: never")
+            raise CheckpointError(
+                f"{source} holds {found} for {name}, the model "
+                f"{tuple(average.shape)}. HINT: resume with the model settings "
+                "it was trained with, or set checkpoint.resume: never"
+            )
         _fill(average, full[name])
 
 
@@ -85,8 +90,9 @@ def reader(ckpt: Checkpoint) -> Callable[[dict[str, torch.Tensor]], dict[str, to
     return read
 
 
-def _load_sharded(ckpt: Checkpoint, state: dict[str, Any], no_dist: bool,
-                  reader: Any = None) -> None:
+def _load_sharded(
+    ckpt: Checkpoint, state: dict[str, Any], no_dist: bool, reader: Any = None
+) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from . import dcp_safe  # never DCP's own reader: it unpickles whatever the folder holds
@@ -94,9 +100,11 @@ def _load_sharded(ckpt: Checkpoint, state: dict[str, Any], no_dist: bool,
     try:
         dcp_safe.load(ckpt, state, reader=reader, no_dist=no_dist)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{ckpt.path / FOLDER}: its EMA of the weights does not fit the "
-                              f"model ({first_line(exc)}). HINT: resume with the model settings it "
-                              "was trained with, or set checkpoint.resume: never") from None
+        raise CheckpointError(
+            f"{ckpt.path / FOLDER}: its EMA of the weights does not fit the "
+            f"model ({first_line(exc)}). HINT: resume with the model settings it "
+            "was trained with, or set checkpoint.resume: never"
+        ) from None
 
 
 def _fill(average: torch.Tensor, full: torch.Tensor) -> None:
@@ -109,6 +117,7 @@ def _fill(average: torch.Tensor, full: torch.Tensor) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     local = shard.to_local()
-    cut = distribute_tensor(full.to(local.device), shard.device_mesh, shard.placements,
-                            src_data_rank=None)
+    cut = distribute_tensor(
+        full.to(local.device), shard.device_mesh, shard.placements, src_data_rank=None
+    )
     local.copy_(cut.to_local())

@@ -1,8 +1,10 @@
-"""A run's life as its directory records it, for `qgtrain runs` and for the ranks that outlive a failure.
+"""A run's life as its directory records it, for `qgtrain runs` and for the ranks that outlive a
+failure.
 
-Rank 0 records the status (running, then finished, stopped early, preempted, or failed with the reason).
-A rank that fails leaves a note before it leaves the process group; a rank whose collective then breaks
-reads the note, so its message names the rank that failed first and why, not only "a peer failed".
+Rank 0 records the status (running, then finished, stopped early, preempted, or failed with the
+reason). A rank that fails leaves a note before it leaves the process group; a rank whose collective
+then breaks reads the note, so its message names the rank that failed first and why, not only "a
+peer failed".
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def read_note(run: rundir.RunDir, rank: int) -> dict[str, Any] | None:
-    """A rank's failure note ({"message", "retryable"}), or None if it left none (it is alive, or was
-    killed before it could write one)."""
+    """A rank's failure note ({"message", "retryable"}), or None if it left none (it is alive, or
+    was killed before it could write one)."""
     try:
         text = run.failure_note(rank).read_text().strip()
     except OSError:
@@ -46,11 +48,20 @@ class Lifecycle:
         self.run_dir, self.run, self.env = run_dir, rundir.RunDir(run_dir), env
 
     def started(self) -> None:
-        self.run.failure_note(self.env.rank).unlink(missing_ok=True)  # a note found later is from this attempt
+        # a note found later is from this attempt
+        self.run.failure_note(self.env.rank).unlink(missing_ok=True)
         if self.env.is_main:
             env = self.env
-            rundir.write_status(self.run_dir, "running", job_id=env.requeue_id, restart=env.restart_count,
-                                error=None, host=env.node_name, ranks=env.world_size, started=time.time())
+            rundir.write_status(
+                self.run_dir,
+                "running",
+                job_id=env.requeue_id,
+                restart=env.restart_count,
+                error=None,
+                host=env.node_name,
+                ranks=env.world_size,
+                started=time.time(),
+            )
 
     def ended(self, status: str, **facts: object) -> None:
         if self.env.is_main:
@@ -58,32 +69,44 @@ class Lifecycle:
 
     @contextlib.contextmanager
     def failures_recorded(self) -> Iterator[None]:
-        """Record why training failed, on this rank and (rank 0) in the status, and let the failure go on."""
+        """Record why training failed, on this rank and (rank 0) in the status, and let the failure
+        go on."""
         try:
             yield
-        except PeerFailure as exc:  # another rank stopped first: say which, and why, if it left a note
+        # another rank stopped first: say which, and why, if it left a note
+        except PeerFailure as exc:
             first = self._first_note()
-            error = PeerFailure(f"rank {first[0]} failed: {first[1]['message']} (its log: "
-                                f"{self.run.rank_log(first[0])}); rank {self.env.rank} stopped with it"
-                                if first else str(exc))
+            error = PeerFailure(
+                f"rank {first[0]} failed: {first[1]['message']} (its log: "
+                f"{self.run.rank_log(first[0])}); rank {self.env.rank} stopped with it"
+                if first
+                else str(exc)
+            )
             log.error("%s", error)
-            self.ended("failed", error=str(error), retryable=bool(first[1]["retryable"]) if first else True)
+            self.ended(
+                "failed", error=str(error), retryable=bool(first[1]["retryable"]) if first else True
+            )
             raise error from exc
-        except BaseException as exc:  # this rank's own failure: noted for the others before the group goes
+        # this rank's own failure: noted for the others before the group goes
+        except BaseException as exc:
             self._leave_note(exc)
             if isinstance(exc, QgtrainError):
                 log.error("%s", exc)  # every rank records why it stopped
-            self.ended("failed", error=str(exc) if isinstance(exc, QgtrainError) else summary(exc),
-                       retryable=is_retryable(exc))
+            self.ended(
+                "failed",
+                error=str(exc) if isinstance(exc, QgtrainError) else summary(exc),
+                retryable=is_retryable(exc),
+            )
             raise
 
     def _leave_note(self, exc: BaseException) -> None:
-        """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be told
-        through the process group that is breaking) and for the batch script that decides whether to try
-        again. Written before this rank leaves the group."""
+        """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be
+        told through the process group that is breaking) and for the batch script that decides
+        whether to try again. Written before this rank leaves the group."""
         try:
-            self.run.failure_note(self.env.rank).write_text(json.dumps(
-                {"message": summary(exc), "retryable": is_retryable(exc)}))
+            self.run.failure_note(self.env.rank).write_text(
+                json.dumps({"message": summary(exc), "retryable": is_retryable(exc)})
+            )
         except OSError:
             pass
 

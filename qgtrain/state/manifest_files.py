@@ -22,9 +22,14 @@ import xxhash
 
 from ..foundation.errors import CheckpointError
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 _WINDOW = 16 << 20  # a multiple of mmap's allocation granularity
 
 
@@ -41,10 +46,16 @@ def listing_problem(manifest: dict[str, Any], where: Path) -> str | None:
     for name, entry in files.items():
         why = name_problem(name)
         if why:
-            return (f"{where} lists the file {name!r}, which {why}: a checkpoint lists only files "
-                    "inside its folder")
-        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
-                and isinstance(entry.get("xxh3"), str)):
+            return (
+                f"{where} lists the file {name!r}, which {why}: a checkpoint lists only files "
+                "inside its folder"
+            )
+        if not (
+            isinstance(entry, dict)
+            and type(entry.get("size")) is int
+            and entry["size"] >= 0
+            and isinstance(entry.get("xxh3"), str)
+        ):
             return f"{where} has no size and checksum for {name!r}"
     return None
 

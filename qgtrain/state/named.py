@@ -39,8 +39,10 @@ def replicated_files(parts: Parts) -> dict[str, Any]:
         place = place_of(name)
         if not place.per_rank and not (_by_shards(parts) and place.file in REPLACED_BY_SHARDS):
             _put(files, place, part.state_dict())
-    return {name: json.dumps(entries, indent=1).encode() if name.endswith(".json") else entries
-            for name, entries in files.items()}
+    return {
+        name: json.dumps(entries, indent=1).encode() if name.endswith(".json") else entries
+        for name, entries in files.items()
+    }
 
 
 def rank_entries(parts: Parts) -> dict[str, Any]:
@@ -56,8 +58,11 @@ def shards(parts: Parts) -> dict[str, Any] | None:
     """What every rank writes into sharded/ under fsdp (None: not sharded)."""
     if not _by_shards(parts):
         return None
-    found = {place_of(name).sharded: part.state_dict() for name, part in parts.items()
-             if place_of(name).sharded is not None}
+    found = {
+        place_of(name).sharded: part.state_dict()
+        for name, part in parts.items()
+        if place_of(name).sharded is not None
+    }
     return {key: state for key, state in found.items() if key is not None and state}
 
 
@@ -80,8 +85,9 @@ def load(ckpt: Checkpoint, parts: Parts, rank: int) -> None:
 
 def place_of(name: str) -> Place:
     if name not in PLACES:
-        raise AssertionError(f"the part {name!r} has no place in a checkpoint: give it one in "
-                             "state/layout.py PLACES")
+        raise AssertionError(
+            f"the part {name!r} has no place in a checkpoint: give it one in state/layout.py PLACES"
+        )
     return PLACES[name]
 
 

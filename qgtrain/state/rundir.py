@@ -1,23 +1,20 @@
 """The run directory: where it is, what it holds, which run it belongs to, and who may write it.
 
-    <run dir>/config.yaml        the resolved config of the latest start
-    <run dir>/run.json           the run id that checkpoints are matched against, across requeues
-    <run dir>/status.json        what rank 0 last recorded: running, finished, stopped early, preempted, failed
-    <run dir>/metrics.jsonl      one JSON object per logged step (rank 0)
-    <run dir>/logs/rank_<N>.log  every rank's log, appended across restarts
-    <run dir>/tb/                TensorBoard events
-    <run dir>/checkpoints/       step-<N>/ folders (layout.py draws one)
-    <run dir>/profiles/          torch.profiler traces of train.profile_steps
-    <run dir>/.lock              held by the rank 0 that is training in it
-    <run dir>/slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
-    <run dir>/code/              the code snapshot jobs run from (slurm.snapshot)
-    <run dir>/stages/            a chain's later stages (`qgtrain submit --then`)
+    <run dir>/config.yaml the resolved config of the latest start <run dir>/run.json the run id that
+    checkpoints are matched against, across requeues <run dir>/status.json what rank 0 last
+    recorded: running, finished, stopped early, preempted, failed <run dir>/metrics.jsonl one JSON
+    object per logged step (rank 0) <run dir>/logs/rank_<N>.log every rank's log, appended across
+    restarts <run dir>/tb/ TensorBoard events <run dir>/checkpoints/ step-<N>/ folders (layout.py
+    draws one) <run dir>/profiles/ torch.profiler traces of train.profile_steps <run dir>/.lock held
+    by the rank 0 that is training in it <run dir>/slurm/ the job `qgtrain submit` wrote: its
+    config.yaml and job.sbatch <run dir>/code/ the code snapshot jobs run from (slurm.snapshot) <run
+    dir>/stages/ a chain's later stages (`qgtrain submit --then`)
 
-The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job finds
-it again without being told. A folder that holds anything but a run is refused (refuse_foreign):
-a run writes config.yaml, logs and checkpoints, which would land among, or over, what is there. It
-holds the config, logs and weights of someone's work, on filesystems every user of a cluster can
-read: qgtrain creates it private (see `create`).
+The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job
+finds it again without being told. A folder that holds anything but a run is refused
+(refuse_foreign): a run writes config.yaml, logs and checkpoints, which would land among, or over,
+what is there. It holds the config, logs and weights of someone's work, on filesystems every user of
+a cluster can read: qgtrain creates it private (see `create`).
 """
 
 from __future__ import annotations
@@ -119,7 +116,8 @@ class RunDir:
 # `qgtrain recover` records when a first start failed, and leftovers <name>.tmp-<random> of these
 # and of run.json, from a write cut short.
 BEFORE_THE_RUN = frozenset(
-    {".lock", "slurm", "submitit", "status.json", "run.json", "code", "stages"})
+    {".lock", "slurm", "submitit", "status.json", "run.json", "code", "stages"}
+)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -139,9 +137,11 @@ def create(path: Path, shared: bool) -> str | None:
         mode = path.stat().st_mode & 0o777
     if shared or not mode & 0o007:
         return None
-    return (f"the run directory {path} is open to other users (mode {mode:04o}); qgtrain "
-            f"leaves the mode of a folder it finds. HINT: chmod 700 {path}, or set "
-            "logging.shared: true if it is meant to be")
+    return (
+        f"the run directory {path} is open to other users (mode {mode:04o}); qgtrain "
+        f"leaves the mode of a folder it finds. HINT: chmod 700 {path}, or set "
+        "logging.shared: true if it is meant to be"
+    )
 
 
 def is_run_dir(path: Path) -> bool:
@@ -153,15 +153,20 @@ def refuse_foreign(path: Path) -> None:
     has not yet recorded): `--run-dir .` must not write over the user's own config.yaml."""
     if not path.is_dir() or is_run_dir(path):
         return
-    foreign = sorted(entry.name for entry in path.iterdir()
-                     if entry.name.partition(".tmp-")[0] not in BEFORE_THE_RUN)
+    foreign = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.name.partition(".tmp-")[0] not in BEFORE_THE_RUN
+    )
     if foreign:
         shown = ", ".join(map(repr, foreign[:3]))
         shown += f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise QgtrainError(f"{path} is not a run directory (it has no run.json) and holds "
-                           f"other files ({shown}), which a run would write among or over. "
-                           "HINT: give --run-dir (or logging.runs_dir and train.run_name) a new or "
-                           "empty folder, or the directory of an existing run")
+        raise QgtrainError(
+            f"{path} is not a run directory (it has no run.json) and holds "
+            f"other files ({shown}), which a run would write among or over. "
+            "HINT: give --run-dir (or logging.runs_dir and train.run_name) a new or "
+            "empty folder, or the directory of an existing run"
+        )
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -172,7 +177,8 @@ def read_run_id(run_dir: Path) -> str | None:
 
 
 def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
-    """Record the resolved config; return this run's id: the recorded one, or a new one for a fresh start."""
+    """Record the resolved config; return this run's id: the recorded one, or a new one for a fresh
+    start."""
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = read_run_id(run_dir)
@@ -180,8 +186,10 @@ def open_run(run_dir: Path, cfg: RunConfig, config_yaml: str) -> str:
     if run_id != previous:
         if previous and run.metrics.exists():  # a fresh start keeps the earlier run's history
             run.metrics.rename(run_dir / f"metrics.{previous}.jsonl")
-        write_atomic(run.run_file, json.dumps({"run_id": run_id, "run_name": cfg.train.run_name,
-                                               "created": time.time()}))
+        write_atomic(
+            run.run_file,
+            json.dumps({"run_id": run_id, "run_name": cfg.train.run_name, "created": time.time()}),
+        )
     # After run.json: a config.yaml without a run.json is never qgtrain's (refuse_foreign)
     write_atomic(run.config, config_yaml)
     return run_id
@@ -200,8 +208,10 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
         while try_lock(fd) is False:  # None: a filesystem without locks, used unguarded
             if time.monotonic() > deadline:
                 holder = read_holder(fd) or "another process"
-                raise QgtrainError(f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
-                                   "to end, or give this one another --run-dir or train.run_name") from None
+                raise QgtrainError(
+                    f"run directory {run_dir} is in use by {holder}. HINT: wait for that job "
+                    "to end, or give this one another --run-dir or train.run_name"
+                ) from None
             time.sleep(0.5)
         write_holder(fd, f"{owner} (pid {os.getpid()} on {socket.gethostname()})")
         yield
@@ -210,7 +220,8 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
 
 
 def write_status(run_dir: Path, status: str, **facts: object) -> None:
-    """Record the run's state for `qgtrain runs` (rank 0, atomically); facts are merged into the last record."""
+    """Record the run's state for `qgtrain runs` (rank 0, atomically); facts are merged into the
+    last record."""
     record = read_status(run_dir)
     record.update(facts, status=status, updated=time.time())
     write_atomic(RunDir(run_dir).status, json.dumps(record))
@@ -225,7 +236,8 @@ def read_status(run_dir: Path) -> dict[str, object]:
 
 
 def is_locked(run_dir: Path) -> bool | None:
-    """Whether a process holds the run directory's lock now (None where the filesystem cannot say)."""
+    """Whether a process holds the run directory's lock now (None where the filesystem cannot
+    say)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # no link, no FIFO wait
     try:
         fd = os.open(RunDir(run_dir).lock, flags)
@@ -242,5 +254,8 @@ def is_locked(run_dir: Path) -> bool | None:
 
 def unwritable(path: Path, exc: OSError) -> QgtrainError:
     """The refusal of a run directory that cannot be written, naming what failed."""
-    return QgtrainError(f"the run directory {path} cannot be written ({exc.strerror or exc}: {exc.filename or path})"
-                        ". HINT: choose a writable place with --run-dir or logging.runs_dir, or free space there")
+    return QgtrainError(
+        f"the run directory {path} cannot be written ({exc.strerror or exc}: "
+        f"{exc.filename or path}). HINT: choose a writable place with --run-dir or "
+        "logging.runs_dir, or free space there"
+    )

@@ -1,10 +1,12 @@
-"""Sharded checkpoints (FSDP): the model and optimizer written by every rank at once, as its own shard.
+"""Sharded checkpoints (FSDP): the model and optimizer written by every rank at once, as its own
+shard.
 
-torch.distributed.checkpoint (DCP) writes one file per rank plus a `.metadata` index into `sharded/` inside
-the staging folder. Each file gets a manifest entry (size, checksum) like any other, so commit, verification,
-rotation and the refusal of incomplete checkpoints treat it as they treat model.pt. DCP records where each
-shard lies in the full tensor, so a sharded checkpoint loads on any number of ranks, sharded or not, and a
-replicated one (model.pt, optim.pt from ddp) loads into a sharded model: the two modes resume each other.
+torch.distributed.checkpoint (DCP) writes one file per rank plus a `.metadata` index into `sharded/`
+inside the staging folder. Each file gets a manifest entry (size, checksum) like any other, so
+commit, verification, rotation and the refusal of incomplete checkpoints treat it as they treat
+model.pt. DCP records where each shard lies in the full tensor, so a sharded checkpoint loads on any
+number of ranks, sharded or not, and a replicated one (model.pt, optim.pt from ddp) loads into a
+sharded model: the two modes resume each other.
 """
 
 from __future__ import annotations
@@ -30,20 +32,22 @@ def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
 
 
 def is_sharded_model(model: nn.Module) -> bool:
-    """Asked without importing FSDP (about half a second at every start): a model can be sharded only
-    once FSDP has been loaded."""
+    """Asked without importing FSDP (about half a second at every start): a model can be sharded
+    only once FSDP has been loaded."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def shard_of(tensor: Any) -> Any:
-    """A DTensor (a shard with its place in the full tensor), or None; asked without importing DTensor."""
+    """A DTensor (a shard with its place in the full tensor), or None; asked without importing
+    DTensor."""
     module = sys.modules.get("torch.distributed.tensor")
     return tensor if module is not None and isinstance(tensor, module.DTensor) else None
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's and optimizer's state keyed by parameter name: this rank's shards (DTensors) under FSDP."""
+    """The model's and optimizer's state keyed by parameter name: this rank's shards (DTensors)
+    under FSDP."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=shard_options(model))
@@ -57,15 +61,23 @@ def shard_options(model: nn.Module) -> Any:
     return StateDictOptions(ignore_frozen_params=adapter_of(model) is not None)
 
 
-def write(staging: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
-    """Every rank writes its shard (a collective on `group`); returns this rank's manifest entries."""
+def write(
+    staging: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """Every rank writes its shard (a collective on `group`); returns this rank's manifest
+    entries."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
     folder = staging / FOLDER
     folder.mkdir(exist_ok=True)
-    save(state, storage_writer=FileSystemWriter(folder, single_file_per_rank=True, sync_files=False, thread_count=1),
-         process_group=group)
+    save(
+        state,
+        storage_writer=FileSystemWriter(
+            folder, single_file_per_rank=True, sync_files=False, thread_count=1
+        ),
+        process_group=group,
+    )
     mine = sorted(p for p in folder.iterdir() if p.name.startswith(f"__{rank}_"))
     if rank == 0:
         mine.append(staging / SHARDED_METADATA)
@@ -85,27 +97,45 @@ def load(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -
         try:
             dcp_safe.load(ckpt, state)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
-                                  f"({first_line(exc)}). HINT: resume with the model settings it was trained "
-                                  "with, or set checkpoint.resume: never") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=adapter_of(model) is None))
+            raise CheckpointError(
+                f"{ckpt.path / FOLDER} does not fit the configured model and optimizer "
+                f"({first_line(exc)}). HINT: resume with the model settings it was trained "
+                "with, or set checkpoint.resume: never"
+            ) from None
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=adapter_of(model) is None),
+        )
         return
-    # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its shards.
+    # A replicated checkpoint into a sharded model: every rank reads the full state and keeps its
+    # shards.
     full = StateDictOptions(full_state_dict=True, strict=adapter_of(model) is None)
     names = _names_by_index(model, optimizer)
     saved = load_file(ckpt, OPTIM)["optimizer"]
-    by_name: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},
-               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                for group in saved["param_groups"]]}
+    by_name: dict[str, Any] = {
+        "state": {names[int(i)]: value for i, value in saved["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in saved["param_groups"]
+        ],
+    }
     try:
-        set_state_dict(model, optimizer, model_state_dict=load_file(ckpt, MODEL),
-                       optim_state_dict=by_name, options=full)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=load_file(ckpt, MODEL),
+            optim_state_dict=by_name,
+            options=full,
+        )
     except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{ckpt.path} does not fit the configured model and optimizer "
-                              f"({first_line(exc)}). HINT: resume with the model settings it was trained with, "
-                              "or set checkpoint.resume: never") from None
+        raise CheckpointError(
+            f"{ckpt.path} does not fit the configured model and optimizer "
+            f"({first_line(exc)}). HINT: resume with the model settings it was trained with, "
+            "or set checkpoint.resume: never"
+        ) from None
 
 
 def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -115,8 +145,9 @@ def _names_by_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 
 
 def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
-    """The checkpoint's full weights into an unsharded model, in place, in one process (export): a sharded
-    checkpoint's shards are read straight into the model's own tensors, so no second copy is ever held."""
+    """The checkpoint's full weights into an unsharded model, in place, in one process (export): a
+    sharded checkpoint's shards are read straight into the model's own tensors, so no second copy is
+    ever held."""
     if not is_sharded_checkpoint(ckpt):
         load_weights(model, strip_wrapper_prefixes(load_file(ckpt, MODEL)), ckpt.path)
         return
@@ -127,5 +158,7 @@ def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
     try:
         dcp_safe.load(ckpt, {"model": model.state_dict()}, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
-                              f"({first_line(exc)})") from None
+        raise CheckpointError(
+            f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
+            f"({first_line(exc)})"
+        ) from None

@@ -40,16 +40,22 @@ def is_pinned_copy(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def saved_layouts(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool,
-                  pinned: Callable[[torch.Tensor], bool] = is_pinned_copy) -> list[Layout]:
+def saved_layouts(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    is_main: bool,
+    pinned: Callable[[torch.Tensor], bool] = is_pinned_copy,
+) -> list[Layout]:
     """The buffers to pin for what this rank's saves will copy, as far as it is known before
     training: rank 0's replicated files, or every rank's shards under FSDP (their local parts). One
     per distinct tensor (tied weights share one); the optimizer's state predicted where it is not
     made yet."""
     if not (is_main or sharded.is_sharded_model(model)):
         return []
-    made = [*saved_state(model).values(),
-            *(v for state in optimizer.state.values() for v in state.values())]
+    made = [
+        *saved_state(model).values(),
+        *(v for state in optimizer.state.values() for v in state.values()),
+    ]
     seen, found = set(), []
     for tensor in (_local(t) for t in made if isinstance(t, torch.Tensor)):
         if pinned(tensor) and (alias := _alias(tensor)) not in seen:
@@ -63,8 +69,9 @@ def saved_layouts(model: nn.Module, optimizer: torch.optim.Optimizer, is_main: b
     return found
 
 
-def _predicted(optimizer: torch.optim.Optimizer, group: dict[str, Any],
-               param: torch.Tensor) -> list[Layout]:
+def _predicted(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+) -> list[Layout]:
     """The state torch's Adam and AdamW make for `param` at their first step; other optimizers' is
     left to the first save."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
@@ -81,8 +88,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _alias(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(),
-            t.dtype)
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        t.shape,
+        t.stride(),
+        t.dtype,
+    )
 
 
 class CpuSnapshot:
@@ -98,9 +111,12 @@ class CpuSnapshot:
     state held for the whole run.
     """
 
-    def __init__(self, timeout_s: float = 300.0,
-                 allocate: Callable[[torch.Size, torch.dtype], torch.Tensor] = pin,
-                 pinned: Callable[[torch.Tensor], bool] = is_pinned_copy) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 300.0,
+        allocate: Callable[[torch.Size, torch.dtype], torch.Tensor] = pin,
+        pinned: Callable[[torch.Tensor], bool] = is_pinned_copy,
+    ) -> None:
         self.timeout_s = timeout_s  # for the CPU twins' own groups
         self._allocate, self._pinned = allocate, pinned
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -136,14 +152,21 @@ class CpuSnapshot:
             torch.cuda.synchronize(device)
         return snapshot
 
-    def _copy(self, obj: Any, path: tuple[Any, ...],
-              shared: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    def _copy(
+        self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]
+    ) -> Any:
         # copy the local part, keep where it lies in the whole
         if (shard := sharded.shard_of(obj)) is not None:
             local = self._copy(shard.to_local(), path, shared)
             mesh = self._cpu_mesh(shard.device_mesh)
-            return type(shard).from_local(local, mesh, shard.placements, run_check=False,
-                                          shape=shard.shape, stride=shard.stride())
+            return type(shard).from_local(
+                local,
+                mesh,
+                shard.placements,
+                run_check=False,
+                shape=shard.shape,
+                stride=shard.stride(),
+            )
         if isinstance(obj, torch.Tensor):
             alias = _alias(obj)
             if alias not in shared:
@@ -156,8 +179,9 @@ class CpuSnapshot:
         if isinstance(obj, dict):
             return {key: self._copy(value, (*path, key), shared) for key, value in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, (*path, index), shared)
-                             for index, value in enumerate(obj))
+            return type(obj)(
+                self._copy(value, (*path, index), shared) for index, value in enumerate(obj)
+            )
         return obj
 
     def _buffer(self, obj: torch.Tensor) -> torch.Tensor:
@@ -178,5 +202,6 @@ class CpuSnapshot:
             self._cpu_meshes[mesh] = (
                 two_d_mesh(mesh.mesh.tolist(), "cpu", self.timeout_s, backend="gloo")
                 if mesh.ndim == 2
-                else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
+                else DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+            )
         return self._cpu_meshes[mesh]

@@ -70,7 +70,7 @@ def every_rank(name: str, world_size: int) -> list[Any]:
 
 
 class ModelState:
-    """"model": the unwrapped model's weights (an adapted model's trainable ones only: its base
+    """ "model": the unwrapped model's weights (an adapted model's trainable ones only: its base
     comes from where it was built); under fsdp this rank's shards."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -88,7 +88,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """"optimizer": its state by parameter index (torch's own), under fsdp by parameter name."""
+    """ "optimizer": its state by parameter index (torch's own), under fsdp by parameter name."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -97,8 +97,9 @@ class OptimizerState:
         if is_sharded_model(self.model):
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.model, self.optimizer,
-                                            options=shard_options(self.model))
+            return get_optimizer_state_dict(
+                self.model, self.optimizer, options=shard_options(self.model)
+            )
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -113,7 +114,7 @@ class OptimizerState:
 
 
 class ScalerState:
-    """"scaler": fp16's loss scale (empty for other precisions)."""
+    """ "scaler": fp16's loss scale (empty for other precisions)."""
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         self.scaler = scaler
@@ -129,13 +130,15 @@ class ScalerState:
 
 
 def _does_not_fit(exc: BaseException) -> CheckpointError:
-    return CheckpointError(f"{source() / OPTIM} does not fit the configured model and optimizer "
-                           f"({exc}). HINT: resume with the model settings it was trained with, or "
-                           "set checkpoint.resume: never")
+    return CheckpointError(
+        f"{source() / OPTIM} does not fit the configured model and optimizer "
+        f"({exc}). HINT: resume with the model settings it was trained with, or "
+        "set checkpoint.resume: never"
+    )
 
 
 class RunFacts:
-    """"facts": what the checkpoint was saved with, read first on resume: the base of an adapted
+    """ "facts": what the checkpoint was saved with, read first on resume: the base of an adapted
     model (checked before any weight is read) and the world size (the random streams and the data
     position of each rank belong to it)."""
 
@@ -146,9 +149,12 @@ class RunFacts:
     def state_dict(self) -> dict[str, Any]:
         from ..foundation.version import __version__
 
-        return {"precision": self.precision, "world_size": self.env.world_size,
-                "versions": {"qgtrain": __version__, "torch": torch.__version__},
-                "adapter": adapter_of(self.model)}
+        return {
+            "precision": self.precision,
+            "world_size": self.env.world_size,
+            "versions": {"qgtrain": __version__, "torch": torch.__version__},
+            "adapter": adapter_of(self.model),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_base(state_dict.get("adapter"), self.model, source())
@@ -156,7 +162,7 @@ class RunFacts:
 
 
 class RngState:
-    """"rng": this rank's random streams. Resumed on another world size, the saved streams belong
+    """ "rng": this rank's random streams. Resumed on another world size, the saved streams belong
     to ranks that no longer exist: each rank is re-seeded from the seed, its rank and the step."""
 
     def __init__(self, facts: RunFacts, env: DistEnv, seed: int, step: Any) -> None:
@@ -170,9 +176,13 @@ class RngState:
         if saved == self.env.world_size:
             rng.restore(state_dict)
             return
-        log.warning("resuming a %d-rank checkpoint on %d ranks: data re-sharded at the saved "
-                    "position, random streams re-seeded (the run will not repeat the original "
-                    "exactly)", saved, self.env.world_size)
+        log.warning(
+            "resuming a %d-rank checkpoint on %d ranks: data re-sharded at the saved "
+            "position, random streams re-seeded (the run will not repeat the original "
+            "exactly)",
+            saved,
+            self.env.world_size,
+        )
         rng.seed_everything(rng.rank_seed(self.seed, self.env.rank, self.step()))
 
 
@@ -180,9 +190,11 @@ def _check_shapes(state: dict[int, dict[str, Any]], params: list[torch.Tensor]) 
     for index, values in state.items():
         for name, value in values.items():
             if isinstance(value, torch.Tensor) and value.dim() and not _fits(value, params[index]):
-                raise ValueError(f"state {name!r} of parameter {index} has shape "
-                                 f"{tuple(value.shape)}, the parameter "
-                                 f"{tuple(params[index].shape)}")
+                raise ValueError(
+                    f"state {name!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, the parameter "
+                    f"{tuple(params[index].shape)}"
+                )
 
 
 def _fits(state: torch.Tensor, param: torch.Tensor) -> bool:

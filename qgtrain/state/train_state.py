@@ -22,7 +22,8 @@ class Outcome(enum.Enum):
 
 @dataclass
 class TrainState:
-    """Everything about progress that a checkpoint must restore. Created before anything reads it."""
+    """Everything about progress that a checkpoint must restore. Created before anything reads
+    it."""
 
     step: int = 0
     epoch: int = 0
@@ -30,23 +31,28 @@ class TrainState:
     tokens_seen: int = 0
     best_metric: float | None = None  # the best value of early_stopping.metric so far
     evals_since_best: int = 0
-    val_metrics: dict[str, float | None] = field(default_factory=dict)  # the latest validation: loss, ...
+    # the latest validation: loss, ...
+    val_metrics: dict[str, float | None] = field(default_factory=dict)
     test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
     outcome: Outcome | None = None  # set by the step that ends the run (finished or stopped early)
     optimizer: str | None = None  # the optimizer's class, as module.Name
 
 
 def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -> dict[str, Any]:
-    """What a checkpoint's manifest says of it: `qgtrain runs`, rotation and export --best read these."""
+    """What a checkpoint's manifest says of it: `qgtrain runs`, rotation and export --best read
+    these."""
     score = state.val_metrics.get(metric.removeprefix("val_")) if evaluated else None
-    return {"epoch": state.epoch, "val_loss": state.val_metrics.get("loss") if evaluated else None,
-            "tokens_seen": state.tokens_seen,
-            "outcome": state.outcome.value if state.outcome else None,
-            "score": None if score is None else {"metric": metric, "mode": mode, "value": score}}
+    return {
+        "epoch": state.epoch,
+        "val_loss": state.val_metrics.get("loss") if evaluated else None,
+        "tokens_seen": state.tokens_seen,
+        "outcome": state.outcome.value if state.outcome else None,
+        "score": None if score is None else {"metric": metric, "mode": mode, "value": score},
+    }
 
 
 class Progress:
-    """"train_state": the run's progress (state.json's `trainer`, beside the spike window's and the
+    """ "train_state": the run's progress (state.json's `trainer`, beside the spike window's and the
     horizon's entries), put back into the same TrainState object, which the loop goes on with."""
 
     def __init__(self, state: TrainState) -> None:
@@ -69,12 +75,15 @@ def _state_from(saved: dict[str, Any]) -> TrainState:
     if "best_val_loss" in saved:
         saved["best_metric"] = saved.pop("best_val_loss")
         saved["val_metrics"] = {"loss": saved.pop("val_loss", None)}
-        saved["test_metrics"] = {"loss": test} if (test := saved.pop("test_loss", None)) is not None else {}
+        saved["test_metrics"] = (
+            {"loss": test} if (test := saved.pop("test_loss", None)) is not None else {}
+        )
     if (outcome := saved.get("outcome")) is not None:
         known = {o.value: o for o in Outcome}
         if outcome not in known:
-            raise CheckpointError(f"state.json: the outcome {str(outcome)[:40]!r} is none of "
-                                  f"{', '.join(known)}")
+            raise CheckpointError(
+                f"state.json: the outcome {str(outcome)[:40]!r} is none of {', '.join(known)}"
+            )
         saved["outcome"] = known[outcome]
     return TrainState(**saved)
 

@@ -1,13 +1,15 @@
-"""Checking the checkpoint a start resumes from on every rank at once, each rank its share of the files.
+"""Checking the checkpoint a start resumes from on every rank at once, each rank its share of the
+files.
 
 Rank 0 picks the candidates from manifests and file sizes (resume.py). Then every rank checksums its
-share of the newest candidate's files, all in parallel, and the ranks agree before any state is touched:
-if any rank found a damaged file, every rank passes to the candidate before it, with a warning naming the
-file and the rank, exactly as when one process checked everything. A rank's share is the files it reads
-next: its own rank file and its own shard file (`rank-N.pt`, `sharded/__N_0.distcp`: on the same layout
-each rank restores its own shard), so the checksums warm the page cache for the load. Files every rank
-reads or none owns (`model.pt` and `optim.pt` of a ddp checkpoint, the shards of ranks that no longer
-exist, the small files) are checked by one rank each, the largest first to the rank with least to read.
+share of the newest candidate's files, all in parallel, and the ranks agree before any state is
+touched: if any rank found a damaged file, every rank passes to the candidate before it, with a
+warning naming the file and the rank, exactly as when one process checked everything. A rank's share
+is the files it reads next: its own rank file and its own shard file (`rank-N.pt`,
+`sharded/__N_0.distcp`: on the same layout each rank restores its own shard), so the checksums warm
+the page cache for the load. Files every rank reads or none owns (`model.pt` and `optim.pt` of a ddp
+checkpoint, the shards of ranks that no longer exist, the small files) are checked by one rank each,
+the largest first to the rank with least to read.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ log = logging.getLogger("qgtrain")
 
 
 def assign(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
-    """The files each rank checks: its own where it exists, the others by size to the least loaded rank."""
+    """The files each rank checks: its own where it exists, the others by size to the least loaded
+    rank."""
     shares: list[list[str]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     rest = []
@@ -48,8 +51,8 @@ def assign(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
 
 
 def choose(candidates: Candidates, root: Path) -> tuple[str | None, list[str]]:
-    """The checkpoint to resume from, the same on every rank (a collective), and the warnings for the
-    candidates passed over. Raises on every rank when candidates existed and none verifies."""
+    """The checkpoint to resume from, the same on every rank (a collective), and the warnings for
+    the candidates passed over. Raises on every rank when candidates existed and none verifies."""
     warnings: list[str] = []
     problems = list(candidates.problems)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -59,9 +62,11 @@ def choose(candidates: Candidates, root: Path) -> tuple[str | None, list[str]]:
         dist.all_gather_object(everyone, mine)
         blind = [r for r, (_, missing) in enumerate(everyone) if missing]
         if blind:
-            raise QgtrainError(f"rank(s) {blind} do not see {path}, which rank 0 found: each node sees its own "
-                               "folder at that path. HINT: the run directory must be on a filesystem every node "
-                               "mounts (a shared filesystem); point logging.runs_dir or --run-dir there")
+            raise QgtrainError(
+                f"rank(s) {blind} do not see {path}, which rank 0 found: each node sees its own "
+                "folder at that path. HINT: the run directory must be on a filesystem every node "
+                "mounts (a shared filesystem); point logging.runs_dir or --run-dir there"
+            )
         found = [(r, problem) for r, (problem, _) in enumerate(everyone) if problem]
         if not found:
             return str(path), warnings
@@ -76,7 +81,8 @@ def choose(candidates: Candidates, root: Path) -> tuple[str | None, list[str]]:
 
 
 def _check_share(path: Path, rank: int, world_size: int) -> tuple[str | None, bool]:
-    """(what is wrong with this rank's share of the files, or None; whether the folder is not there)."""
+    """(what is wrong with this rank's share of the files, or None; whether the folder is not
+    there)."""
     if not path.is_dir():
         return None, True
     ckpt = read_manifest(path)

@@ -1,9 +1,10 @@
-"""Putting saved weights into a model: wrapper prefixes removed, and a mismatch said in the model's terms.
+"""Putting saved weights into a model: wrapper prefixes removed, and a mismatch said in the model's
+terms.
 
-Checkpoints hold the unwrapped model, but a state dict written elsewhere may carry DDP's `module.` or
-torch.compile's `_orig_mod.` prefixes; both are stripped before loading. A model with adapters on a
-frozen base (training/adapters.py) is saved and loaded by its trainable weights only: its base comes
-from where it was built, and the checkpoint records which base that was.
+Checkpoints hold the unwrapped model, but a state dict written elsewhere may carry DDP's `module.`
+or torch.compile's `_orig_mod.` prefixes; both are stripped before loading. A model with adapters on
+a frozen base (training/adapters.py) is saved and loaded by its trainable weights only: its base
+comes from where it was built, and the checkpoint records which base that was.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def check_base(saved: dict[str, Any] | None, model: nn.Module, source: Path) -> 
     if before != now:
         named = {**(before or {}), **(now or {})}
         key = "model.pretrained" if "pretrained" in named else "model.adapter"
-        raise CheckpointError(f"{key}: {source} was trained on {describe(before)}, this run "
-                              f"has {describe(now)}. HINT: resume on the base it was trained "
-                              "on, or start afresh (checkpoint.resume: never)")
+        raise CheckpointError(
+            f"{key}: {source} was trained on {describe(before)}, this run "
+            f"has {describe(now)}. HINT: resume on the base it was trained "
+            "on, or start afresh (checkpoint.resume: never)"
+        )
 
 
 def describe(identity: dict[str, Any] | None) -> str:
@@ -52,12 +55,15 @@ def describe(identity: dict[str, Any] | None) -> str:
     if "pretrained" in identity:
         files = identity["weights"][:12]
         return f"model.pretrained {identity['pretrained']} (weight files {files})"
-    return (f"the model built from {identity['built']} (shapes {identity['shapes'][:12]}) "
-            f"with train.seed {identity['seed']}")
+    return (
+        f"the model built from {identity['built']} (shapes {identity['shapes'][:12]}) "
+        f"with train.seed {identity['seed']}"
+    )
 
 
 def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
-    """State-dict keys without `module.`/`_orig_mod.`, for checkpoints written by wrapped models elsewhere."""
+    """State-dict keys without `module.`/`_orig_mod.`, for checkpoints written by wrapped models
+    elsewhere."""
     out = {}
     for key, value in state.items():
         while key.startswith(_WRAPPER_PREFIXES):
@@ -71,20 +77,27 @@ def load_weights(model: nn.Module, state: dict[str, Any], source: Path) -> None:
     own = saved_state(model)
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state and state[k].shape != own[k].shape]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
     if missing or extra or shapes:
-        parts = ([f"shapes differ ({'; '.join(shapes[:3])})"] if shapes else []) + \
-                ([f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []) + \
-                ([f"not in the model: {', '.join(extra[:5])}"] if extra else [])
-        raise CheckpointError(f"{source} does not fit the configured model: {'; '.join(parts)}. HINT: resume "
-                              "with the model settings it was trained with, or set checkpoint.resume: never")
+        parts = (
+            ([f"shapes differ ({'; '.join(shapes[:3])})"] if shapes else [])
+            + ([f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else [])
+            + ([f"not in the model: {', '.join(extra[:5])}"] if extra else [])
+        )
+        raise CheckpointError(
+            f"{source} does not fit the configured model: {'; '.join(parts)}. HINT: resume "
+            "with the model settings it was trained with, or set checkpoint.resume: never"
+        )
     model.load_state_dict(state, strict=adapter_of(model) is None)
 
 
 def within_budget(sizes: Iterable[tuple[str, int]], budget: int) -> list[list[str]]:
-    """Names in order, cut into consecutive groups of at most `budget` bytes (a larger one alone): how
-    weights are moved, built or written a bounded piece at a time."""
+    """Names in order, cut into consecutive groups of at most `budget` bytes (a larger one alone):
+    how weights are moved, built or written a bounded piece at a time."""
     groups: list[list[str]] = [[]]
     held = 0
     for name, size in sizes:

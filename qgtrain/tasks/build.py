@@ -9,6 +9,7 @@ too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..foundation.task import ReadyTask, Task
 from ..runtime import distributed
 from .empty_weights import building_empty, to_meta
 
+logger = logging.getLogger("qgtrain")
 TaskSource = Task | Callable[[RunConfig], Task]
 
 
@@ -185,3 +187,18 @@ def model_loss(model: nn.Module, batch: Any) -> Any:
             "the task a loss function"
         )
     return loss
+
+
+def naming_the_task(cfg: RunConfig, task: TaskSource | None) -> RunConfig:
+    """The config names a task given in Python, so a requeued job and `qgtrain export` rebuild it
+    (done before the config is recorded: the run's copies must agree)."""
+    if task is not None and (spec := task_spec(task)):
+        return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, factory=spec))
+    if task is not None:
+        logger.warning(
+            "the task was given as an object, so the run's config cannot name it: a requeued job, "
+            "`qgtrain train` and `qgtrain export` would build %s instead. HINT: pass the function "
+            "that makes the Task (task=my_task), defined at the top level of a module",
+            cfg.task.factory,
+        )
+    return cfg

@@ -1,7 +1,8 @@
 """The built-in task and qgtrain's main job: a causal language model on windows of tokens.
 
 The model and data come from the model and data sections of the config: a transformers model built
-from a config, a pretrained folder, or a factory; the built-in corpus, a synthetic set, or a factory.
+from a config, a pretrained folder, or a factory; the built-in corpus, a synthetic set, or a
+factory.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class Splits:
 
 
 def causal_lm(cfg: RunConfig) -> Task:
-    """Rank 0 tokenizes the text (once per text and tokenizer); the other ranks open what it wrote, or on a
-    node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes it again."""
+    """Rank 0 tokenizes the text (once per text and tokenizer); the other ranks open what it wrote,
+    or on a node that cannot see it (a node-local data.cache_dir), one rank of that node tokenizes
+    it again."""
     prepared = None
     if cfg.data.mix and cfg.data.stream:  # each source read while training, nothing cached
         splits = Splits(*mixture.streamed_splits(cfg.data, cfg.train.seed))
@@ -45,29 +47,65 @@ def causal_lm(cfg: RunConfig) -> Task:
             lambda: mixture.prepare_sources(cfg.data),
             f"is tokenizing the data.mix sources into {cfg.data.cache_dir}",
             ("data.prepare_timeout_s", cfg.data.prepare_timeout_s),
-            lambda folders: all(Path(folder, "meta.json").is_file() for folder in folders))
+            lambda folders: all(Path(folder, "meta.json").is_file() for folder in folders),
+        )
         train, val, test, prepared = mixture.mixture_splits(cfg.data, folders, cfg.train.seed)
         splits = Splits(train, val, test, prepared.vocab_size)
     elif cfg.data.name in ("corpus", "files") and not cfg.data.stream:
         folder = distributed.main_works_long(
-            lambda: str(_prepare(cfg.data)), f"is tokenizing the data into {cfg.data.cache_dir}",
-            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s), lambda folder: Path(folder, "meta.json").is_file())
+            lambda: str(_prepare(cfg.data)),
+            f"is tokenizing the data into {cfg.data.cache_dir}",
+            ("data.prepare_timeout_s", cfg.data.prepare_timeout_s),
+            lambda folder: Path(folder, "meta.json").is_file(),
+        )
         prepared = corpus.load(Path(folder))
     if not cfg.data.mix:
         splits = build_splits(cfg.data, prepared, cfg.train.seed)
-    eos_id = prepared.eos_id if prepared else 256 if cfg.data.name == "synthetic" else \
-        tokenizer.describe(cfg.data.tokenizer).eos_id if cfg.data.stream else None
+    eos_id = _eos_id(cfg.data, prepared)
     model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
-                          f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with")
-    tokenizer_spec = "byte" if cfg.data.name == "synthetic" else \
-        cfg.data.tokenizer if cfg.data.name in ("corpus", "files") else None
-    facts = {"vocab_size": splits.vocab_size, "seq_len": cfg.data.seq_len, "eos_id": eos_id,
-             "tokenizer": tokenizer_spec, "data": str(prepared.folder) if prepared else None}
-    return Task(model=model, train=splits.train, val=splits.val, test=splits.test, loss=lm_loss,
-                tokens=batch_tokens, facts=facts, flops_per_sample=training_flops(model, cfg.data.seq_len))
+        raise ConfigError(
+            f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
+            f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with"
+        )
+    tokenizer_spec = (
+        "byte"
+        if cfg.data.name == "synthetic"
+        else cfg.data.tokenizer
+        if cfg.data.name in ("corpus", "files")
+        else None
+    )
+    facts = {
+        "vocab_size": splits.vocab_size,
+        "seq_len": cfg.data.seq_len,
+        "eos_id": eos_id,
+        "tokenizer": tokenizer_spec,
+        "data": str(prepared.folder) if prepared else None,
+    }
+    return Task(
+        model=model,
+        train=splits.train,
+        val=splits.val,
+        test=splits.test,
+        loss=lm_loss,
+        tokens=batch_tokens,
+        facts=facts,
+        flops_per_sample=training_flops(model, cfg.data.seq_len),
+    )
+
+
+def _eos_id(data: DataConfig, prepared: corpus.TokenFiles | None) -> int | None:
+    """The token that ends a document, if the data has one the model should know of."""
+    return (
+        prepared.eos_id
+        if prepared
+        else 256
+        if data.name == "synthetic"
+        else tokenizer.describe(data.tokenizer).eos_id
+        if data.stream
+        else None
+    )
 
 
 def _prepare(data: DataConfig) -> Path:
@@ -77,13 +115,14 @@ def _prepare(data: DataConfig) -> Path:
 
 
 def training_flops(model: torch.nn.Module, seq_len: int) -> float:
-    """Per sample of seq_len tokens: 6 x parameters per token (forward and backward matrix products),
-    plus attention's 12 x layers x width x seq_len per token (PaLM's appendix B, as nanoGPT counts).
-    Embedding lookups multiply nothing, so their tables are left out; an output head that shares the
-    token embedding's table is a matrix product and counts."""
+    """Per sample of seq_len tokens: 6 x parameters per token (forward and backward matrix
+    products), plus attention's 12 x layers x width x seq_len per token (PaLM's appendix B, as
+    nanoGPT counts). Embedding lookups multiply nothing, so their tables are left out; an output
+    head that shares the token embedding's table is a matrix product and counts."""
     params = sum(p.numel() for p in model.parameters())
-    tables = {id(m.weight): m.weight.numel() for m in model.modules()
-              if isinstance(m, torch.nn.Embedding)}
+    tables = {
+        id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    }
     head = getattr(model, "get_output_embeddings", lambda: None)()
     tables.pop(id(getattr(head, "weight", None)), None)
     config = getattr(model, "config", None)
@@ -115,9 +154,11 @@ def _prepared_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed:
     for split, dataset in windows.items():
         if (split == "train" or getattr(data, f"{split}_fraction") > 0) and len(dataset) == 0:
             source = _source_key(data, split)
-            raise ConfigError(f"{source}: the {split} split has {prepared.tokens[split]} tokens, "
-                              f"fewer than data.seq_len={data.seq_len}; use more text or a shorter "
-                              "seq_len")
+            raise ConfigError(
+                f"{source}: the {split} split has {prepared.tokens[split]} tokens, "
+                f"fewer than data.seq_len={data.seq_len}; use more text or a shorter "
+                "seq_len"
+            )
     return Splits(windows["train"], windows["val"], windows["test"], prepared.vocab_size)
 
 
@@ -130,12 +171,15 @@ def _files_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: in
     filestream.check(plan)
     held = heldout.held_out(data, plan)
     for split, dataset in held.items():
-        if (getattr(data, f"{split}_files") or getattr(data, f"{split}_fraction")) and \
-                len(dataset) == 0:
-            raise ConfigError(f"{_source_key(data, split)}: the {split} split has fewer than "
-                              f"data.seq_len={data.seq_len} tokens in the first "
-                              f"{heldout.HELD_OUT_BYTES >> 20} MB read for it (data.stream); use "
-                              "more text, a larger fraction or a shorter seq_len")
+        if (getattr(data, f"{split}_files") or getattr(data, f"{split}_fraction")) and len(
+            dataset
+        ) == 0:
+            raise ConfigError(
+                f"{_source_key(data, split)}: the {split} split has fewer than "
+                f"data.seq_len={data.seq_len} tokens in the first "
+                f"{heldout.HELD_OUT_BYTES >> 20} MB read for it (data.stream); use "
+                "more text, a larger fraction or a shorter seq_len"
+            )
     vocab = tokenizer.describe(data.tokenizer).vocab_size
     return Splits(filestream.FileStream(plan), held["val"], held["test"], vocab)
 
@@ -153,21 +197,28 @@ def _synthetic_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed
     n_val = max(1, int(data.synthetic_samples * data.val_fraction))
     n_test = max(1, int(data.synthetic_samples * data.test_fraction))
     vocab = 257
-    return Splits(SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
-                  SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
-                  SyntheticTokens(n_test, data.seq_len, vocab, seed + 2), vocab)
+    return Splits(
+        SyntheticTokens(data.synthetic_samples, data.seq_len, vocab, seed),
+        SyntheticTokens(n_val, data.seq_len, vocab, seed + 1),
+        SyntheticTokens(n_test, data.seq_len, vocab, seed + 2),
+        vocab,
+    )
 
 
 def _factory_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
     made = load_factory(str(data.factory), "data.factory")(seq_len=data.seq_len, seed=seed)
     if not (isinstance(made, tuple) and len(made) == 4):
-        raise TaskError(f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
-                        f"got {type(made).__name__}")
+        raise TaskError(
+            f"data.factory: {data.factory} must return (train, val, test, vocab_size), "
+            f"got {type(made).__name__}"
+        )
     return Splits(*made)
 
 
 # data.name -> the splits it gives: a new source is a function here and a name in config/data.py
 SOURCES: dict[str, Callable[[DataConfig, corpus.TokenFiles | None, int], Splits]] = {
-    "corpus": _prepared_splits, "files": _files_splits, "synthetic": _synthetic_splits,
+    "corpus": _prepared_splits,
+    "files": _files_splits,
+    "synthetic": _synthetic_splits,
     "factory": _factory_splits,
 }

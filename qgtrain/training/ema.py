@@ -50,8 +50,9 @@ class Ema:
         weight = torch.where(skipped, self._stays, self._moves)
         averages = [_local(a) for a in self.averages.values()]
         # the parameters' local tensors are looked up each time: FSDP may replace them (lazy init)
-        torch._foreach_lerp_(averages, [_local(p).float() for p in self._params],
-                             [weight] * len(averages))
+        torch._foreach_lerp_(
+            averages, [_local(p).float() for p in self._params], [weight] * len(averages)
+        )
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -108,14 +109,21 @@ class Ema:
         starts it from the weights it holds: said, not refused."""
         if not self._params:
             if state_dict:
-                log.warning("train.ema_decay is 0: the EMA of the weights in %s is not used, and "
-                            "the checkpoints from now on hold none", source())
+                log.warning(
+                    "train.ema_decay is 0: the EMA of the weights in %s is not used, and "
+                    "the checkpoints from now on hold none",
+                    source(),
+                )
             return
         if state_dict:
             ema_files.fill(self.averages, state_dict, source() / ema_files.FILE)
             return
-        log.warning("%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA "
-                    "starts from its weights, those of step %d", source(), source_step())
+        log.warning(
+            "%s holds no EMA of the weights (saved with train.ema_decay 0): the EMA "
+            "starts from its weights, those of step %d",
+            source(),
+            source_step(),
+        )
         with torch.no_grad():
             for param, average in zip(self._params, self.averages.values()):
                 _local(average).copy_(_local(param))

@@ -29,19 +29,28 @@ class LearningRate:
     """The rate of each step, and the checkpoint's "horizon": the train.max_steps trained toward
     and its changes, each a new decay or a moved end (`horizons`)."""
 
-    def __init__(self, optim: OptimConfig, max_steps: int, optimizer: torch.optim.Optimizer,
-                 state: TrainState, main: bool = True) -> None:
+    def __init__(
+        self,
+        optim: OptimConfig,
+        max_steps: int,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        main: bool = True,
+    ) -> None:
         self.optim, self.max_steps, self.optimizer = optim, max_steps, optimizer
         self.state, self.main = state, main  # the run's progress: the step a resume is at
         self.schedule = schedule_of(optim)
         self.horizons: list[dict[str, Any]] = []
         # A group built with a rate of its own (Task.optimizer) keeps its ratio to optim.lr.
-        self.scales = [float(group["lr"]) / optim.lr if optim.lr and "lr" in group else 1.0
-                       for group in optimizer.param_groups]
+        self.scales = [
+            float(group["lr"]) / optim.lr if optim.lr and "lr" in group else 1.0
+            for group in optimizer.param_groups
+        ]
 
     def at(self, state: TrainState) -> float:
-        return lr_at(state.step, self.optim, self.max_steps, segment_of(self.horizons),
-                     self.schedule)
+        return lr_at(
+            state.step, self.optim, self.max_steps, segment_of(self.horizons), self.schedule
+        )
 
     def set(self, state: TrainState) -> float:
         """Put this step's rate into every parameter group; returns it."""
@@ -61,8 +70,10 @@ class LearningRate:
         if old is None or old == new:
             return
         if new < step:
-            raise ConfigError(f"train.max_steps: {new} is below step {step}, where the checkpoint "
-                              f"was saved; give at least {step}")
+            raise ConfigError(
+                f"train.max_steps: {new} is below step {step}, where the checkpoint "
+                f"was saved; give at least {step}"
+            )
         segment = segment_of(self.horizons)
         before = lr_at(step, self.optim, old, segment, self.schedule)
         after = lr_at(step, self.optim, new, segment, self.schedule)
@@ -73,14 +84,23 @@ class LearningRate:
                 f"would move the learning rate of optim.schedule: {self.optim.schedule} from "
                 f"{before:.3g} to {after:.3g}. HINT: keep train.max_steps: {old}, use "
                 "optim.schedule: wsd (extendable in its flat phase), or set optim.rewarm_steps: N "
-                "for a new decay from the current learning rate (N steps up to optim.lr first)")
-        change: dict[str, Any] = {"step": step, "from": old, "to": new, "lr": before,
-                                  "rewarm_steps": rewarm}
+                "for a new decay from the current learning rate (N steps up to optim.lr first)"
+            )
+        change: dict[str, Any] = {
+            "step": step,
+            "from": old,
+            "to": new,
+            "lr": before,
+            "rewarm_steps": rewarm,
+        }
         self.horizons.append(change)
         if self.main:
-            how = (f"a new decay from lr {before:.3g} ({rewarm} steps up to {self.optim.lr:.3g} "
-                   f"first) to {self.optim.min_lr:.3g} at step {new}" if rewarm is not None else
-                   f"the learning rate at step {step} stays {before:.3g}; the end moves to {new}")
+            how = (
+                f"a new decay from lr {before:.3g} ({rewarm} steps up to {self.optim.lr:.3g} "
+                f"first) to {self.optim.min_lr:.3g} at step {new}"
+                if rewarm is not None
+                else f"the learning rate at step {step} stays {before:.3g}; the end moves to {new}"
+            )
             log.warning("train.max_steps changed from %d to %d at step %d: %s", old, new, step, how)
 
 

@@ -104,7 +104,9 @@ class Reporter:
             "grad_norm": norm / world,
             "samples_per_s": samples_per_s,
         }
-        record.update({f"samples_{name}": int(n) for name, n in zip(counts, summed[3:], strict=True)})
+        record.update(
+            {f"samples_{name}": int(n) for name, n in zip(counts, summed[3:], strict=True)}
+        )
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
         utilised = utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world)

@@ -36,7 +36,7 @@ from .spikes import Spikes
 
 
 class DataPosition:
-    """"data": where this rank is in the training data. The run's position (epoch, samples of all
+    """ "data": where this rank is in the training data. The run's position (epoch, samples of all
     ranks in it) is the train state's; each rank's file keeps it beside its own. On resume it says
     whether this world size can take the position over: a stream's position is its own (data/
     streams.py), which a new world size takes over only where the stream can deal it again."""
@@ -53,15 +53,17 @@ class DataPosition:
             raise CheckpointError(
                 f"{source()} was saved by {saved} rank(s) after {state.samples_in_epoch} samples "
                 f"of epoch {state.epoch}, which {now} ranks cannot split evenly. HINT: resume "
-                f"with {saved} ranks, or from a checkpoint at an epoch boundary")
+                f"with {saved} ranks, or from a checkpoint at an epoch boundary"
+            )
 
 
 class StreamState:
-    """"stream": this rank's position in its part of a stream (data/streams.py), or under
+    """ "stream": this rank's position in its part of a stream (data/streams.py), or under
     data.dispatch the whole stream's on rank 0 and a mark on the others (data/dispatch.py)."""
 
-    def __init__(self, batches: StreamBatches | DispatchedBatches, facts: RunFacts,
-                 env: DistEnv) -> None:
+    def __init__(
+        self, batches: StreamBatches | DispatchedBatches, facts: RunFacts, env: DistEnv
+    ) -> None:
         self.batches, self.facts, self.env = batches, facts, env
 
     def state_dict(self) -> dict[str, Any]:
@@ -76,9 +78,16 @@ class StreamState:
         self.batches.restore(state_dict, source())
 
 
-def saved_parts(parts: Parts, settings: Settings, env: DistEnv, state: TrainState,
-                batches: TrainBatches | StreamBatches | DispatchedBatches, lr: LearningRate, ema: Ema,
-                spikes: Spikes) -> dict[str, Stateful]:
+def saved_parts(
+    parts: Parts,
+    settings: Settings,
+    env: DistEnv,
+    state: TrainState,
+    batches: TrainBatches | StreamBatches | DispatchedBatches,
+    lr: LearningRate,
+    ema: Ema,
+    spikes: Spikes,
+) -> dict[str, Stateful]:
     model = parts.task.model
     facts = RunFacts(model, settings.precision, env)
     stream = not isinstance(batches, TrainBatches)
@@ -90,12 +99,14 @@ def saved_parts(parts: Parts, settings: Settings, env: DistEnv, state: TrainStat
     }
     if not isinstance(batches, TrainBatches):
         table["stream"] = StreamState(batches, facts, env)
-    table.update({
-        "model": ModelState(model),
-        "optimizer": OptimizerState(model, parts.optimizer),
-        "scaler": ScalerState(parts.scaler),
-        "ema": ema,
-        "spikes": spikes,
-        "horizon": lr,
-    })
+    table.update(
+        {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, parts.optimizer),
+            "scaler": ScalerState(parts.scaler),
+            "ema": ema,
+            "spikes": spikes,
+            "horizon": lr,
+        }
+    )
     return table

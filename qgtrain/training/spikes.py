@@ -86,7 +86,7 @@ class Spikes:
         if self.known < min(len(self.window), FIRST_DECISION):
             self._verdict = _Verdict(False, loss)
             return bad_grads
-        median = self.window[:self.known].median()  # the lower middle value of an even count
+        median = self.window[: self.known].median()  # the lower middle value of an even count
         spike = loss > self.factor * median
         self._verdict = _Verdict(False, loss, median, spike)
         return bad_grads | spike
@@ -98,8 +98,11 @@ class Spikes:
         verdict, self._verdict = self._verdict, None
         if verdict is not None and verdict.planned:
             self._planned_done += 1
-            log.info("step %d: a batch dropped as train.skip_steps asks; the step is taken again "
-                     "with the next batch", step)
+            log.info(
+                "step %d: a batch dropped as train.skip_steps asks; the step is taken again "
+                "with the next batch",
+                step,
+            )
             self.metrics.write({"step": step, "skipped": "skip_steps", "time": time.time()})
             return True
         if verdict is not None and verdict.spike is not None and bool(verdict.spike):
@@ -124,29 +127,49 @@ class Spikes:
         if self.rolls_back:
             self.rollback = Spike(step, loss, median, self.skips)
             return
-        log.warning("step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g of "
-                    "the last %d steps' losses: the update was not applied, the batch is dropped "
-                    "and the step is taken again with the next batch (spike %d of at most "
-                    "train.max_skips=%d; train.skip_steps: [%d] drops the same batch in a run from "
-                    "the start)", step, loss, self.factor, median, self.known, self.skips,
-                    self.max_skips, step)
-        self.metrics.write({"step": step, "skipped": "spike", "spike_loss": loss,
-                            "spike_median": median, "spikes": self.skips, "time": time.time()})
+        log.warning(
+            "step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g of "
+            "the last %d steps' losses: the update was not applied, the batch is dropped "
+            "and the step is taken again with the next batch (spike %d of at most "
+            "train.max_skips=%d; train.skip_steps: [%d] drops the same batch in a run from "
+            "the start)",
+            step,
+            loss,
+            self.factor,
+            median,
+            self.known,
+            self.skips,
+            self.max_skips,
+            step,
+        )
+        self.metrics.write(
+            {
+                "step": step,
+                "skipped": "spike",
+                "spike_loss": loss,
+                "spike_median": median,
+                "spikes": self.skips,
+                "time": time.time(),
+            }
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's "spikes": the window, oldest loss first, and the spikes so far."""
         values = self.window.tolist()
-        window = values[:self.known] if self.known < len(values) else \
-            values[self._next:] + values[:self._next]
+        window = (
+            values[: self.known]
+            if self.known < len(values)
+            else values[self._next :] + values[: self._next]
+        )
         return {"loss_window": window, "spikes_skipped": self.skips}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A window made shorter since keeps its newest losses; a checkpoint from before spikes
         were judged holds none."""
         saved = state_dict.get("loss_window") or []
-        values = saved[-len(self.window):]
+        values = saved[-len(self.window) :]
         self.window.zero_()
-        self.window[:len(values)] = torch.tensor(values, dtype=torch.float64)
+        self.window[: len(values)] = torch.tensor(values, dtype=torch.float64)
         self.known, self._next = len(values), len(values) % len(self.window)
         self.skips = int(state_dict.get("spikes_skipped", 0))
         # the step taken next is state.step + 1, from its start
@@ -154,8 +177,8 @@ class Spikes:
 
 
 def _mean_over_ranks(loss_sum: torch.Tensor) -> torch.Tensor:
-    """The step's loss over all ranks (each rank's is its mean over its micro-batches), in float64.
-    """
+    """The step's loss over all ranks (each rank's is its mean over its micro-batches), in
+    float64."""
     total = loss_sum.detach().to(torch.float64, copy=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)

@@ -1,10 +1,11 @@
-"""The training loop: one code path for 1 and N ranks and for any task, every stop decision agreed by all.
+"""The training loop: one code path for 1 and N ranks and for any task, every stop decision agreed
+by all.
 
-A step reads top to bottom in phases: agree (started now, read after the backward), the micro-batches,
-forward and backward, act on what the ranks agreed, the update, then the after-step work (validate, log,
-checkpoint, stop). Early stopping is decided on rank 0 from the all-reduced validation metric and
-broadcast. No rank ever raises, returns or skips a collective alone. The trainer receives its parts
-(built by qgtrain/run.py) and the settings of the loop, never the config.
+A step reads top to bottom in phases: agree (started now, read after the backward), the
+micro-batches, forward and backward, act on what the ranks agreed, the update, then the after-step
+work (validate, log, checkpoint, stop). Early stopping is decided on rank 0 from the all-reduced
+validation metric and broadcast. No rank ever raises, returns or skips a collective alone. The
+trainer receives its parts (built by qgtrain/run.py) and the settings of the loop, never the config.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.train_state import Outcome, TrainState
-from . import replicas, rollback
+from . import ending, replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .ema import Ema
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .horizon import LearningRate
-from .metrics import format_metrics, prefixed
 from .optim import apply_update, clip_gradients
 from .optimizers import check_resumed, name_of
 from .parts import Parts, Settings, StepResult
@@ -45,41 +45,70 @@ log = logging.getLogger("qgtrain")
 
 
 class Trainer:
-    def __init__(self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device) -> None:
+    def __init__(
+        self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device
+    ) -> None:
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
         self.state = TrainState(optimizer=name_of(parts.optimizer))
-        self.lr = LearningRate(settings.optim, settings.train.max_steps, parts.optimizer,
-                               self.state, env.is_main)
-        self.batches = train_batches(parts.loaders, settings.train.batch_size * env.world_size,
-                                     settings.train.collective_timeout_s)
+        self.lr = LearningRate(
+            settings.optim, settings.train.max_steps, parts.optimizer, self.state, env.is_main
+        )
+        self.batches = train_batches(
+            parts.loaders,
+            settings.train.batch_size * env.world_size,
+            settings.train.collective_timeout_s,
+        )
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
         self.ema = Ema(self.model, settings.train.ema_decay)
-        self.validator = Validator(self.model, parts.wrapped, parts.task, parts.loaders, settings.early_stopping,
-                                   settings.train.eval_batches, settings.precision, env, device,
-                                   self.timer,
-                                   weights=self.ema.in_use if settings.train.eval_ema else None)
+        self.validator = Validator(
+            self.model,
+            parts.wrapped,
+            parts.task,
+            parts.loaders,
+            settings.early_stopping,
+            settings.train.eval_batches,
+            settings.precision,
+            env,
+            device,
+            self.timer,
+            weights=self.ema.in_use if settings.train.eval_ema else None,
+        )
         self.agreement, self.health = Agreement(device), Health(device)
         self.spikes = Spikes(settings.train, parts.metrics, device)
         peak = device_peak(device, settings.precision, settings.train.peak_tflops)
-        self.reporter = Reporter(parts.task, parts.metrics, env, device, self.batches.samples *
-                                 settings.train.grad_accum_steps, settings.train.max_steps, peak,
-                                 source_counts(parts.loaders.train,
-                                               not parts.loaders.dispatch or env.rank == 0))
+        self.reporter = Reporter(
+            parts.task,
+            parts.metrics,
+            env,
+            device,
+            self.batches.samples * settings.train.grad_accum_steps,
+            settings.train.max_steps,
+            peak,
+            source_counts(parts.loaders.train, not parts.loaders.dispatch or env.rank == 0),
+        )
         # what a checkpoint saves, each part under its name; restored into these same objects
-        self.saved = saved_parts(parts, settings, env, self.state, self.batches, self.lr, self.ema,
-                                 self.spikes)
-        self._first_step = 1  # of this start: always logged, and where unused parameters are looked for
+        self.saved = saved_parts(
+            parts, settings, env, self.state, self.batches, self.lr, self.ema, self.spikes
+        )
+        # of this start: always logged, and where unused parameters are looked for
+        self.first_step = 1
         self._last_save = time.monotonic()
 
     def fit(self) -> Outcome:
-        """Train; a failure we can explain becomes a TrainingError naming its cause, step and fix."""
+        """Train; a failure we can explain becomes a TrainingError naming its cause, step and
+        fix."""
         try:
             return self._loop()
         except (RuntimeError, ConnectionError) as exc:  # OutOfMemoryError is a RuntimeError
-            explained = diagnose.explain(exc, self.state.step + 1, self.env, self.parts.loaders.train.num_workers,
-                                         self.settings.train.collective_timeout_s)
+            explained = diagnose.explain(
+                exc,
+                self.state.step + 1,
+                self.env,
+                self.parts.loaders.train.num_workers,
+                self.settings.train.collective_timeout_s,
+            )
             if explained is exc:
                 raise
             raise explained from exc
@@ -89,25 +118,29 @@ class Trainer:
 
     def _loop(self) -> Outcome:
         train = self.settings.train
-        if (ended := self._already_ended()) is not None:
+        if (ended := ending.already_ended(self.state, train.max_steps)) is not None:
             return ended
-        # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and exits.
+        # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and
+        # exits.
         watchdog = diagnose.ProgressWatchdog(2 * train.collective_timeout_s + 300)
-        self._first_step = self.state.step + 1
+        self.first_step = self.state.step + 1
         self.timer.restart(self.state.step)
-        if self.state.step == train.max_steps:  # trained to the end, the final work left for this allocation
-            return self._at_the_end(None, Flags())
+        # trained to the end, the final work left for this allocation
+        if self.state.step == train.max_steps:
+            return ending.at_the_end(self, None, Flags())
         while self.state.step < train.max_steps:
             step = self.state.step + 1
             watchdog.progress()
             self.parts.profiler.step_begins(step)
             self.timer.start_step()
-            agreeing = step == self._first_step or step % train.agree_every == 0
+            agreeing = step == self.first_step or step % train.agree_every == 0
             if agreeing:
                 self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
             lr = self.lr.set(self.state)
-            micro_batches = [to_device(batch, self.device)
-                             for batch in self.batches.step(self.state, train.grad_accum_steps)]
+            micro_batches = [
+                to_device(batch, self.device)
+                for batch in self.batches.step(self.state, train.grad_accum_steps)
+            ]
             self.timer.data_ready()
             loss_sum, grad_norm = self._forward_backward(micro_batches)
             agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
@@ -121,33 +154,32 @@ class Trainer:
             self.parts.profiler.step_done(step)
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
-                return self._at_the_end(done, agreed)
-            if (outcome := self._after_step(done, agreed)) is not None:
+                return ending.at_the_end(self, done, agreed)
+            if (outcome := ending.after_step(self, done, agreed)) is not None:
                 return outcome
         raise AssertionError("the loop ends at its last step")
 
-    def _already_ended(self) -> Outcome | None:
-        steps_left = self.state.step < self.settings.train.max_steps
-        if self.state.outcome is Outcome.FINISHED and steps_left:
-            self.state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
-        if self.state.outcome:
-            log.warning("this run already ended at step %d (%s); nothing to do. HINT: raise train.max_steps to "
-                        "train on, or start afresh with checkpoint.resume: never or another train.run_name",
-                        self.state.step, self.state.outcome.value)
-            return self.state.outcome
-        return None
-
     def _what_this_rank_knows(self, step: int) -> Flags:
         every = 60 * self.settings.checkpoint.every_minutes
-        return Flags(stop_requested=self.parts.stop.requested,
-                     checkpoint_due=self.env.is_main and bool(every) and time.monotonic() - self._last_save >= every,
-                     save_failed=self.parts.checkpointer.failed,
-                     out_of_time=self.env.is_main and self.planner.out_of_time(step))
+        return Flags(
+            stop_requested=self.parts.stop.requested,
+            checkpoint_due=self.env.is_main
+            and bool(every)
+            and time.monotonic() - self._last_save >= every,
+            save_failed=self.parts.checkpointer.failed,
+            out_of_time=self.env.is_main and self.planner.out_of_time(step),
+        )
 
     def _forward_backward(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.parts
-        loss_sum = accumulate_gradients(parts.wrapped, parts.task.loss, micro_batches, self.settings.precision,
-                                        parts.scaler, self.device)
+        loss_sum = accumulate_gradients(
+            parts.wrapped,
+            parts.task.loss,
+            micro_batches,
+            self.settings.precision,
+            parts.scaler,
+            self.device,
+        )
         parts.scaler.unscale_(parts.optimizer)
         grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip, self.device)
         # with fp16, non-finite gradients are the loss scaler's to skip
@@ -155,10 +187,13 @@ class Trainer:
         return loss_sum, grad_norm
 
     def _act_on(self, agreed: Flags, step: int) -> None:
-        """What must stop every rank before the update: a failed write, a bad value, unused parameters."""
+        """What must stop every rank before the update: a failed write, a bad value, unused
+        parameters."""
         if agreed.save_failed:
             self.parts.checkpointer.wait()  # raises the failure, the same on every rank
-        unused = step == self._first_step and distributed.any_flags([self._has_unused()], self.device)[0]
+        unused = (
+            step == self.first_step and distributed.any_flags([self._has_unused()], self.device)[0]
+        )
         if agreed.bad_loss or agreed.bad_grads or unused:
             as_of = agreed.as_of if not unused else step
             self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
@@ -178,62 +213,17 @@ class Trainer:
         self.reporter.count_tokens(micro_batches)
         return True
 
-    def _after_step(self, done: StepResult, agreed: Flags) -> Outcome | None:
-        """Every step but the last: validate, report, checkpoint and stop when due."""
-        train, step = self.settings.train, done.step
-        validated = bool(train.eval_every) and step % train.eval_every == 0
-        early_stop = self.validator.validate(self.state) if validated else False
-        if early_stop:
-            self.validator.test(self.state)
-            self.state.outcome = Outcome.EARLY_STOPPED
-        if validated or step == self._first_step or step % train.log_every == 0:
-            self._report(done, validated)
-        every = self.settings.checkpoint.every_steps
-        if agreed.stop or early_stop or agreed.checkpoint_due or (every and step % every == 0):
-            self._save(validated, blocking=agreed.stop or early_stop)
-        if agreed.stop:
-            return self._stop_to_resume(step, agreed)
-        if early_stop:
-            self.agreement.finish()  # the group outlives no collective of ours
-            log.info("early stopping at step %d: %s has not improved for %d validations (best %.4f)", step,
-                     self.settings.early_stopping.metric, self.state.evals_since_best, self.state.best_metric)
-            return Outcome.EARLY_STOPPED
-        return None
+    def report_step(self, done: StepResult, evaluated: bool) -> None:
+        self.reporter.report(
+            self.state,
+            done.lr,
+            done.loss_sum,
+            done.grad_norm,
+            self.timer.interval(done.step),
+            evaluated,
+        )
 
-    def _at_the_end(self, done: StepResult | None, agreed: Flags) -> Outcome:
-        """The last step (`done`; None when an earlier allocation trained it): the final validation, test and
-        checkpoint if they fit before the time limit, else a checkpoint now and that work in the next one."""
-        fits = distributed.broadcast_from_main(self.planner.final_work_fits() if self.env.is_main else None)
-        if agreed.stop or not fits:
-            if done is not None:
-                self._report(done, False)
-                self._save(False, blocking=True)
-            return self._stop_to_resume(self.state.step, agreed)
-        self.validator.validate(self.state)
-        self.validator.test(self.state)
-        self.state.outcome = Outcome.FINISHED
-        if done is not None:
-            self._report(done, True)
-        else:
-            self.reporter.report_evaluation(self.state)
-        self._save(True, blocking=True, again=done is None)
-        self.agreement.finish()
-        log.info("finished at step %d: %s", self.state.step, format_metrics(
-            {**prefixed("val", self.state.val_metrics), **prefixed("test", self.state.test_metrics)}))
-        return Outcome.FINISHED
-
-    def _stop_to_resume(self, step: int, agreed: Flags) -> Outcome:
-        self.agreement.finish()
-        cause = ", ".join(self.parts.stop.received) or ("the time limit" if agreed.out_of_time or not agreed.stop
-                                                        else "a signal that reached another rank")
-        log.warning("stopping at step %d on %s: checkpoint saved", step, cause)
-        return Outcome.STOPPED_TO_RESUME
-
-    def _report(self, done: StepResult, evaluated: bool) -> None:
-        self.reporter.report(self.state, done.lr, done.loss_sum, done.grad_norm, self.timer.interval(done.step),
-                             evaluated)
-
-    def _save(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
+    def save_step(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
         settled = self.agreement.settle(self.health.bad_grads, self.state.step)
         if settled.bad_loss or settled.bad_grads:  # not yet read: a checkpoint must not hold it
             self._fail(settled.as_of, True, bool(self.health.bad_loss.item()))
@@ -243,9 +233,13 @@ class Trainer:
         self._last_save = time.monotonic()
 
     def _has_unused(self) -> bool:
-        """DDP would wait forever for their gradients (unless told to look for unused ones, at a cost)."""
-        return isinstance(self.parts.wrapped, DDP) and not self.settings.train.find_unused_parameters and \
-            bool(without_gradients(self.model))
+        """DDP would wait forever for their gradients (unless told to look for unused ones, at a
+        cost)."""
+        return (
+            isinstance(self.parts.wrapped, DDP)
+            and not self.settings.train.find_unused_parameters
+            and bool(without_gradients(self.model))
+        )
 
     def _fail(self, step: int, bad_loss: bool, bad_here: bool) -> None:
         """Raise the same diagnosed error on every rank (the collective below is taken by all)."""
@@ -259,8 +253,9 @@ class Trainer:
         replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
         self.reporter.settle_tokens(state)
         facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
-        self.parts.checkpointer.save_parts(state.step, self.saved, facts, blocking=blocking,
-                                           again=again)
+        self.parts.checkpointer.save_parts(
+            state.step, self.saved, facts, blocking=blocking, again=again
+        )
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.parts.checkpointer.restore(ckpt, self.saved)
@@ -271,7 +266,12 @@ class Trainer:
 def _schedule(loaders: Loaders, settings: Settings) -> Schedule:
     train = settings.train
     val = len(loaders.val) if loaders.val is not None else 0
-    return Schedule(train.max_steps, train.agree_every, train.eval_every,
-                    min(val, train.eval_batches) if train.eval_batches else val,
-                    len(loaders.test) if loaders.test is not None else 0,
-                    settings.early_stopping.patience > 0, settings.export_on_finish)
+    return Schedule(
+        train.max_steps,
+        train.agree_every,
+        train.eval_every,
+        min(val, train.eval_batches) if train.eval_batches else val,
+        len(loaders.test) if loaders.test is not None else 0,
+        settings.early_stopping.patience > 0,
+        settings.export_on_finish,
+    )
