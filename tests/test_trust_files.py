@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from qgtrain import files
 from qgtrain.config import DataConfig
 from qgtrain.data import corpus, prepare
+from qgtrain.foundation import files
 from qgtrain.foundation.errors import QgtrainError
 from tests.helpers import TINY, cli, records
 
