@@ -1,10 +1,10 @@
 """Submit training from Python with submitit, and wait for it with a deadline.
 
-    python jobs/submitit_job.py [--config config.yaml] [--set train.max_steps=2000 ...] [--timeout-h 48]
-    python jobs/submitit_job.py --dry-run      # print the Slurm parameters, submit nothing
+    python jobs/submitit_job.py [--config config.yaml] [--set train.max_steps=2000 ...] [--timeout-h
+    48] python jobs/submitit_job.py --dry-run # print the Slurm parameters, submit nothing
 
-The job requeues itself on Slurm's warning signal and resumes from its checkpoint; the result is the run
-directory and exit code of the final allocation.
+The job requeues itself on Slurm's warning signal and resumes from its checkpoint; the result is the
+run directory and exit code of the final allocation.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="config.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--timeout-h", type=float, default=48.0, help="stop waiting after this many hours")
+    parser.add_argument(
+        "--timeout-h", type=float, default=48.0, help="stop waiting after this many hours"
+    )
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
@@ -29,7 +31,9 @@ def main() -> None:
 
         print(json.dumps(executor_parameters(load_config([args.config], args.set)), indent=1))
         return
-    job = qgtrain.submit(args.config, **{key.replace(".", "__"): value for key, value in overrides.items()})
+    job = qgtrain.submit(
+        args.config, **{key.replace(".", "__"): value for key, value in overrides.items()}
+    )
     print(f"submitted job {job.job_id}; submitit logs in {job.paths.folder}")
     print(job.result(timeout=args.timeout_h * 3600))
 

@@ -194,7 +194,10 @@ def test_the_streamed_mix_job_reads_what_its_generator_writes_on_up_to_8_reading
     for a user): both sources found, each with a file per slot of 4 ranks x 2 loader workers."""
     subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "examples" / "mix_data.py"), "--mb", "0.2"],
-        cwd=tmp_path, check=True, capture_output=True, timeout=120,
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     monkeypatch.chdir(tmp_path)
     cfg = load_config([ROOT / "config.yaml", ROOT / "jobs" / "mix.yaml"])

@@ -50,17 +50,35 @@ def write_source(path: Path, count: int, seed: int, length: tuple[int, int] = (2
 def mix(folder: Path, code: str | None = None, web: str | None = None) -> str:
     code = code or str(folder / "code.jsonl")
     web = web or str(folder / "web.jsonl")
-    return (f"data.mix=[{{name: web, files: ['{web}'], weight: 6}}, "
-            f"{{name: code, files: ['{code}'], weight: 3}}]")
+    return (
+        f"data.mix=[{{name: web, files: ['{web}'], weight: 6}}, "
+        f"{{name: code, files: ['{code}'], weight: 3}}]"
+    )
 
 
 def train(folder: Path, run: Path, *sets: str) -> list[str]:
-    return ["train", "--run-dir", str(run), "--set", "data.name=files", mix(folder),
-            f"data.cache_dir={folder / 'cache'}", f"train.max_steps={MAX_STEPS}",
-            "train.batch_size=4", "data.num_workers=2", "data.seq_len=32", "model.hidden=32",
-            "model.layers=2", "train.log_every=1", "train.eval_every=8", "train.eval_batches=2",
-            "checkpoint.every_steps=3", "logging.tensorboard=false", "optim.warmup_steps=2",
-            *sets]
+    return [
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        "data.name=files",
+        mix(folder),
+        f"data.cache_dir={folder / 'cache'}",
+        f"train.max_steps={MAX_STEPS}",
+        "train.batch_size=4",
+        "data.num_workers=2",
+        "data.seq_len=32",
+        "model.hidden=32",
+        "model.layers=2",
+        "train.log_every=1",
+        "train.eval_every=8",
+        "train.eval_batches=2",
+        "checkpoint.every_steps=3",
+        "logging.tensorboard=false",
+        "optim.warmup_steps=2",
+        *sets,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +88,20 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("mix")
     write_source(folder / "web.jsonl", 120, 1)
     write_source(folder / "code.jsonl", 9, 2)
-    prepared = cli("data", "prepare", "--set", "data.name=files", mix(folder),
-                   f"data.cache_dir={folder / 'cache'}", cwd=folder)
+    prepared = cli(
+        "data",
+        "prepare",
+        "--set",
+        "data.name=files",
+        mix(folder),
+        f"data.cache_dir={folder / 'cache'}",
+        cwd=folder,
+    )
     lines = prepared.stdout.splitlines()
-    assert [line.split(" (")[-1] for line in lines] == ["data.mix source web)",
-                                                         "data.mix source code)"], prepared
+    assert [line.split(" (")[-1] for line in lines] == [
+        "data.mix source web)",
+        "data.mix source code)",
+    ], prepared
     return folder
 
 
@@ -87,7 +114,8 @@ def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_two_ranks_two_workers_draw_each_source_by_its_weight_and_restart_the_small_one(
-        uninterrupted):
+    uninterrupted,
+):
     got = records(uninterrupted)
     assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1))
     for record in got:  # every sample of every rank counted once, as of that step
@@ -98,8 +126,14 @@ def test_two_ranks_two_workers_draw_each_source_by_its_weight_and_restart_the_sm
     assert "val_loss" in last and "test_loss" in last and last["epoch"] == 0
     logs = [(uninterrupted / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
     assert "tokeniz" not in logs[0], "`qgtrain data prepare` prepared the sources the run reads"
-    passes = [re.findall(r"data.mix: source '(\w+)' ran out in reading slot (\d) of 4 after "
-                         r"(\d+) of its samples: starting its pass (\d)", log) for log in logs]
+    passes = [
+        re.findall(
+            r"data.mix: source '(\w+)' ran out in reading slot (\d) of 4 after "
+            r"(\d+) of its samples: starting its pass (\d)",
+            log,
+        )
+        for log in logs
+    ]
     slots = {(slot, int(nth)) for found in passes for name, slot, _, nth in found}
     assert {name for found in passes for name, *_ in found} == {"code"}, passes
     assert {(slot, 2) for slot in "0123"} <= slots, f"every slot read code again: {passes}"
@@ -121,63 +155,118 @@ def test_a_mixture_killed_at_a_random_step_resumes_bit_for_bit(data, uninterrupt
     run = tmp_path / "killed"
     context = killed_and_resumed(train(data, run), run, tmp_path)
     same_run(uninterrupted, run, context)
-    counts = [[(r["samples_web"], r["samples_code"]) for r in records(path)]
-              for path in (uninterrupted, run)]
+    counts = [
+        [(r["samples_web"], r["samples_code"]) for r in records(path)]
+        for path in (uninterrupted, run)
+    ]
     assert counts[0] == counts[1], context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
 
 
-@pytest.mark.parametrize("sources, expected", [
-    ("[{name: a, files: [x], weight: 0}]",
-     r"data.mix\[0\].weight: source 'a' has weight 0; weights are positive numbers"),
-    ("[{name: a, files: [x], weight: 1}, {name: b, files: [y], weight: -2}]",
-     r"data.mix\[1\].weight: source 'b' has weight -2; weights are positive"),
-    ("[{name: a, files: [x], weight: 1}, {name: a, files: [y], weight: 1}]",
-     r"data.mix\[1\].name: source 'a' is named twice"),
-    ("[{name: a, files: [], weight: 1}]",
-     r"data.mix\[0\].files: source 'a': expected a non-empty list"),
-    ("[{name: a, file: [x], weight: 1}]",
-     r"data.mix\[0\]: each source is \{name, files, weight\}, got \['file', 'name', 'weight'\]"),
-])
+@pytest.mark.parametrize(
+    "sources, expected",
+    [
+        (
+            "[{name: a, files: [x], weight: 0}]",
+            r"data.mix\[0\].weight: source 'a' has weight 0; weights are positive numbers",
+        ),
+        (
+            "[{name: a, files: [x], weight: 1}, {name: b, files: [y], weight: -2}]",
+            r"data.mix\[1\].weight: source 'b' has weight -2; weights are positive",
+        ),
+        (
+            "[{name: a, files: [x], weight: 1}, {name: a, files: [y], weight: 1}]",
+            r"data.mix\[1\].name: source 'a' is named twice",
+        ),
+        (
+            "[{name: a, files: [], weight: 1}]",
+            r"data.mix\[0\].files: source 'a': expected a non-empty list",
+        ),
+        (
+            "[{name: a, file: [x], weight: 1}]",
+            r"data.mix\[0\]: each source is \{name, files, weight\}, got "
+            r"\['file', 'name', 'weight'\]",
+        ),
+    ],
+)
 def test_a_bad_mixture_is_one_line_naming_the_source(sources, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config([], ["data.name=files", f"data.mix={sources}"])
 
 
 def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_one_line(
-        data, tmp_path):
-    synthetic = cli("train", "--run-dir", str(tmp_path / "a"), "--set", "data.name=synthetic",
-                    mix(data), cwd=tmp_path)
-    missing = cli(*train(data, tmp_path / "b", "data.num_workers=0"), "--set",
-                  mix(data, code=str(tmp_path / "nothing*.jsonl")), cwd=tmp_path)
-    streamed = cli(*train(data, tmp_path / "c", "data.num_workers=0", "data.stream=true"),
-                   "--set", mix(data, code=str(tmp_path / "nothing*.jsonl")), cwd=tmp_path)
+    data, tmp_path
+):
+    synthetic = cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "a"),
+        "--set",
+        "data.name=synthetic",
+        mix(data),
+        cwd=tmp_path,
+    )
+    missing = cli(
+        *train(data, tmp_path / "b", "data.num_workers=0"),
+        "--set",
+        mix(data, code=str(tmp_path / "nothing*.jsonl")),
+        cwd=tmp_path,
+    )
+    streamed = cli(
+        *train(data, tmp_path / "c", "data.num_workers=0", "data.stream=true"),
+        "--set",
+        mix(data, code=str(tmp_path / "nothing*.jsonl")),
+        cwd=tmp_path,
+    )
     lines = []
     for out in (synthetic, missing, streamed):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
         lines.append(out.stderr.strip().splitlines()[-1])
-    assert re.fullmatch(r"qgtrain: error: .*data.mix: mixes data files; set data.name: files "
-                        r"\(data.name is synthetic\)", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"qgtrain: error: .*data.mix: mixes data files; set data.name: files "
+        r"\(data.name is synthetic\)",
+        lines[0],
+    ), lines[0]
     for line in lines[1:]:  # cached and streamed
-        assert re.fullmatch(r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
-                            r"'.*nothing\*.jsonl' matches no file or folder", line), line
+        assert re.fullmatch(
+            r"qgtrain: error: data.mix\[1\].files \(source 'code'\): "
+            r"'.*nothing\*.jsonl' matches no file or folder",
+            line,
+        ), line
 
 
 def test_data_info_shows_each_source_its_weight_and_files_then_the_caches(data, tmp_path):
-    shown = cli("data", "info", "--set", "data.name=files", mix(data),
-                f"data.cache_dir={data / 'cache'}", cwd=tmp_path)
+    shown = cli(
+        "data",
+        "info",
+        "--set",
+        "data.name=files",
+        mix(data),
+        f"data.cache_dir={data / 'cache'}",
+        cwd=tmp_path,
+    )
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    assert lines[:3] == ["data.mix: 2 sources, tokenized into the cache",
-                         "  web: weight 6 (67%), 1 file(s) (web.jsonl)",
-                         "  code: weight 3 (33%), 1 file(s) (code.jsonl)"]
+    assert lines[:3] == [
+        "data.mix: 2 sources, tokenized into the cache",
+        "  web: weight 6 (67%), 1 file(s) (web.jsonl)",
+        "  code: weight 3 (33%), 1 file(s) (code.jsonl)",
+    ]
     assert sum(line.startswith(str(data / "cache")) for line in lines) == 2  # both prepared
-    streamed = cli("data", "info", "--set", "data.name=files", "data.stream=true",
-                   mix(data, code=str(tmp_path / "none*.jsonl")),
-                   f"data.cache_dir={tmp_path / 'never'}", cwd=tmp_path)
+    streamed = cli(
+        "data",
+        "info",
+        "--set",
+        "data.name=files",
+        "data.stream=true",
+        mix(data, code=str(tmp_path / "none*.jsonl")),
+        f"data.cache_dir={tmp_path / 'never'}",
+        cwd=tmp_path,
+    )
     assert streamed.returncode == 2 and streamed.stderr.strip().splitlines() == [
         f"qgtrain: error: data.mix[1].files (source 'code'): '{tmp_path}/none*.jsonl' matches no "
-        "file or folder"]
+        "file or folder"
+    ]
 
 
 def test_a_cached_source_gives_each_slot_its_share_of_every_pass_in_a_new_order(tmp_path):
@@ -210,11 +299,13 @@ def test_the_choice_meets_the_weights_within_a_sample_or_two_and_a_renamed_mix_i
     ends = bounds([1.0, 1.0, 2.0])
     for phase in (0, 12345, 2**63 + 7):
         drawn = [choose(phase, draw, ends) for draw in range(1000)]
-        assert all(abs(drawn.count(k) - 1000 * share) <= 2 for k, share in
-                   enumerate((0.25, 0.25, 0.5))), [drawn.count(k) for k in range(3)]
+        assert all(
+            abs(drawn.count(k) - 1000 * share) <= 2 for k, share in enumerate((0.25, 0.25, 0.5))
+        ), [drawn.count(k) for k in range(3)]
     mixture = Mixture([Source("web", 1.0, print), Source("code", 1.0, print)], 0, 0, 1)
-    with pytest.raises(ValueError, match="the checkpoint mixes the sources web, math; data.mix "
-                                         "now names web, code"):
+    with pytest.raises(
+        ValueError, match="the checkpoint mixes the sources web, math; data.mix now names web, code"
+    ):
         mixture.load_state_dict({**mixture.state_dict(), "names": ["web", "math"]})
 
 
@@ -233,8 +324,9 @@ def dispatched_rank() -> tuple[list, dict, int, bool]:  # type: ignore[type-arg]
     taken = []
     for _ in range(4):
         drawn = batches.step(position, 1)
-        taken.append(([batch.tolist() for batch in drawn], position.epoch,
-                      position.samples_in_epoch))
+        taken.append(
+            ([batch.tolist() for batch in drawn], position.epoch, position.samples_in_epoch)
+        )
     result = taken, batches.saved(), batches.between((0, 4), (1, 4)), loader._iterator is None
     dist.destroy_process_group()
     return result
@@ -245,24 +337,31 @@ def test_dispatch_sends_each_rank_its_own_batches_and_the_position_across_an_epo
     on every rank at once."""
     (taken0, saved0, between0, _), (taken1, saved1, between1, idle1) = run_ranks(2, dispatched_rank)
     positions = [(0, 4), (0, 8), (1, 4), (1, 8)]
-    assert taken0 == [([batch], *at) for batch, at in zip([[0, 1], [4, 5], [0, 1], [4, 5]],
-                                                          positions)]
-    assert taken1 == [([batch], *at) for batch, at in zip([[2, 3], [6, 7], [2, 3], [6, 7]],
-                                                          positions)]
+    assert taken0 == [
+        ([batch], *at) for batch, at in zip([[0, 1], [4, 5], [0, 1], [4, 5]], positions)
+    ]
+    assert taken1 == [
+        ([batch], *at) for batch, at in zip([[2, 3], [6, 7], [2, 3], [6, 7]], positions)
+    ]
     assert saved0["dispatched"] and "consumed" in saved0 and saved1 == {"dispatched": True}
     assert between0 == between1 == 2 and idle1, "rank 1 never starts its loader"
 
 
 def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_path):
     reference, run = tmp_path / "reference", tmp_path / "killed"
-    codes = wait_ranks(start_cli_ranks(2, train(data, reference, "data.dispatch=true"), tmp_path,
-                                       log_prefix="ref"), 240)
+    codes = wait_ranks(
+        start_cli_ranks(
+            2, train(data, reference, "data.dispatch=true"), tmp_path, log_prefix="ref"
+        ),
+        240,
+    )
     assert codes == [0, 0], (tmp_path / "ref-0.out").read_text()[-3000:]
     context = killed_and_resumed(train(data, run, "data.dispatch=true"), run, tmp_path)
     same_run(reference, run, context)
     got = records(run)
-    assert [(r["samples_web"], r["samples_code"]) for r in got] == \
-        [(r["samples_web"], r["samples_code"]) for r in records(reference)], context
+    assert [(r["samples_web"], r["samples_code"]) for r in got] == [
+        (r["samples_web"], r["samples_code"]) for r in records(reference)
+    ], context
     assert all(r["samples_web"] + r["samples_code"] == r["step"] * 8 for r in got), got
     assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
     logs = [(reference / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
@@ -293,28 +392,39 @@ def test_a_streamed_mixture_draws_by_weight_restarts_a_source_and_caches_nothing
     assert "val_loss" in got[-1]
     assert not list(folder.rglob("meta.json")), "a streamed source is tokenized into no cache"
     logs = [(folder / "run" / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
-    passes = {(slot, int(nth)) for log in logs for slot, nth in re.findall(
-        r"data.mix: source 'code' ran out in reading slot (\d) of 4 after \d+ of its samples: "
-        r"starting its pass (\d)", log)}
+    passes = {
+        (slot, int(nth))
+        for log in logs
+        for slot, nth in re.findall(
+            r"data.mix: source 'code' ran out in reading slot (\d) of 4 after \d+ of its samples: "
+            r"starting its pass (\d)",
+            log,
+        )
+    }
     assert {(slot, 2) for slot in "0123"} <= passes, passes
     assert "source 'web' ran out" not in "".join(logs)
 
 
 def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit_on_its_world_size(
-        streamed, tmp_path):
+    streamed, tmp_path
+):
     folder, args = streamed
     run = tmp_path / "killed"
     killed = [str(run) if arg == str(folder / "run") else arg for arg in args]
     context = killed_and_resumed(killed, run, tmp_path)
     same_run(folder / "run", run, context)
-    assert [(r["samples_web"], r["samples_code"]) for r in records(run)] == \
-        [(r["samples_web"], r["samples_code"]) for r in records(folder / "run")], context
+    assert [(r["samples_web"], r["samples_code"]) for r in records(run)] == [
+        (r["samples_web"], r["samples_code"]) for r in records(folder / "run")
+    ], context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
     alone = cli(*killed, "--set", f"train.max_steps={MAX_STEPS + 2}", cwd=tmp_path)
     line = alone.stderr.strip().splitlines()[-1]
     assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
-    assert re.fullmatch(r"qgtrain: error: data.mix: .*step-\d+ was saved by 2 rank\(s\) reading a "
-                        r"stream .* HINT: resume with 2 ranks.*", line), line
+    assert re.fullmatch(
+        r"qgtrain: error: data.mix: .*step-\d+ was saved by 2 rank\(s\) reading a "
+        r"stream .* HINT: resume with 2 ranks.*",
+        line,
+    ), line
 
 
 def test_a_streamed_source_with_fewer_files_than_reading_slots_is_refused_naming_it(tmp_path):
@@ -322,9 +432,19 @@ def test_a_streamed_source_with_fewer_files_than_reading_slots_is_refused_naming
     write_source(tmp_path / "code.jsonl", 30, 2)
     for part in range(2):
         write_source(tmp_path / f"web-{part}.jsonl", 30, part)
-    data = DataConfig(name="files", stream=True, num_workers=2, seq_len=32, mix=(
-        {"name": "web", "files": [f"{tmp_path}/web-*.jsonl"], "weight": 1},
-        {"name": "code", "files": [f"{tmp_path}/code.jsonl"], "weight": 1}))
-    with pytest.raises(ConfigError, match=r"^data.mix\[1\].files \(source 'code'\): 1 shard\(s\) "
-                                          r"for 2 reading slots \(1 rank\(s\) x 2 loader worker"):
+    data = DataConfig(
+        name="files",
+        stream=True,
+        num_workers=2,
+        seq_len=32,
+        mix=(
+            {"name": "web", "files": [f"{tmp_path}/web-*.jsonl"], "weight": 1},
+            {"name": "code", "files": [f"{tmp_path}/code.jsonl"], "weight": 1},
+        ),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.mix\[1\].files \(source 'code'\): 1 shard\(s\) "
+        r"for 2 reading slots \(1 rank\(s\) x 2 loader worker",
+    ):
         streamed_splits(data, 0)

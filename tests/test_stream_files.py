@@ -33,12 +33,26 @@ BATCH = 2  # per rank: the 32 samples at step ONE do not divide by 3 ranks (no n
 
 
 def sets(data: Path, *more: str) -> list[str]:
-    return ["--set", "data.name=files", f"data.files=[{data}/part-*.jsonl]", "data.stream=true",
-            "data.seq_len=16", "data.val_fraction=0.1", "data.test_fraction=0",
-            f"train.batch_size={BATCH}", "data.num_workers=2",
-            "model.factory=tests.stream_tasks:recording_lm", "train.log_every=1",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=8", "logging.tensorboard=false",
-            "optim.warmup_steps=0", "optim.schedule=constant", "train.eval_every=100", *more]
+    return [
+        "--set",
+        "data.name=files",
+        f"data.files=[{data}/part-*.jsonl]",
+        "data.stream=true",
+        "data.seq_len=16",
+        "data.val_fraction=0.1",
+        "data.test_fraction=0",
+        f"train.batch_size={BATCH}",
+        "data.num_workers=2",
+        "model.factory=tests.stream_tasks:recording_lm",
+        "train.log_every=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=8",
+        "logging.tensorboard=false",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "train.eval_every=100",
+        *more,
+    ]
 
 
 def train(run: Path, data: Path, max_steps: int) -> list[str]:
@@ -56,8 +70,10 @@ def write_documents(folder: Path) -> Path:
     folder.mkdir()
     for part in range(8):
         rng = random.Random(part)
-        lines = [json.dumps({"text": f"{part:02d}{i:04d}" + "".join(rng.choices("abcdefgh", k=9))})
-                 for i in range(20 + 3 * part)]
+        lines = [
+            json.dumps({"text": f"{part:02d}{i:04d}" + "".join(rng.choices("abcdefgh", k=9))})
+            for i in range(20 + 3 * part)
+        ]
         (folder / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -69,22 +85,35 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("stream-files")
     data = write_documents(tmp / "data")
     ref, killed = tmp / "ref", tmp / "killed"
-    assert ranks(2, train(ref, data, FIRST), tmp, "ref", "ids-2") == [0, 0], \
-        (tmp / "ref-0.out").read_text()[-3000:]
+    assert ranks(2, train(ref, data, FIRST), tmp, "ref", "ids-2") == [0, 0], (
+        tmp / "ref-0.out"
+    ).read_text()[-3000:]
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(3, FIRST)
     procs = start_cli_ranks(2, train(killed, data, FIRST), tmp, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(killed)[-1:]) and
-             (killed / "checkpoints" / "step-2" / "manifest.json").exists(), procs,
-             f"step {kill_at}")
+    wait_for(
+        lambda: (
+            any(r["step"] >= kill_at for r in records(killed)[-1:])
+            and (killed / "checkpoints" / "step-2" / "manifest.json").exists()
+        ),
+        procs,
+        f"step {kill_at}",
+    )
     kill_ranks(procs)
-    assert ranks(2, train(killed, data, FIRST), tmp, "resumed") == [0, 0], \
-        (tmp / "resumed-0.out").read_text()[-3000:]
+    assert ranks(2, train(killed, data, FIRST), tmp, "resumed") == [0, 0], (
+        tmp / "resumed-0.out"
+    ).read_text()[-3000:]
     assert ranks(1, train(ref, data, ONE), tmp, "one", "ids-1") == [0]
-    assert ranks(3, train(ref, data, THREE), tmp, "three", "ids-3") == [0, 0, 0], \
-        (tmp / "three-0.out").read_text()[-3000:]
-    return {"tmp": tmp, "data": data, "ref": ref, "killed": killed,
-            "context": f"(seed {seed}: killed at step {kill_at})"}
+    assert ranks(3, train(ref, data, THREE), tmp, "three", "ids-3") == [0, 0, 0], (
+        tmp / "three-0.out"
+    ).read_text()[-3000:]
+    return {
+        "tmp": tmp,
+        "data": data,
+        "ref": ref,
+        "killed": killed,
+        "context": f"(seed {seed}: killed at step {kill_at})",
+    }
 
 
 def trained_ids(tmp: Path) -> list[str]:
@@ -92,8 +121,14 @@ def trained_ids(tmp: Path) -> list[str]:
 
 
 def plan_of(data: Path) -> filestream.StreamPlan:
-    config = DataConfig(name="files", files=(f"{data}/part-*.jsonl",), stream=True, seq_len=16,
-                        val_fraction=0.1, test_fraction=0.0)
+    config = DataConfig(
+        name="files",
+        files=(f"{data}/part-*.jsonl",),
+        stream=True,
+        seq_len=16,
+        val_fraction=0.1,
+        test_fraction=0.0,
+    )
     return filestream.plan(config, 0)
 
 
@@ -103,8 +138,9 @@ def test_streamed_files_killed_at_a_random_step_resume_bit_for_bit(chain):
     got = records(killed)
     assert [r["step"] for r in got] == list(range(1, FIRST + 1)), context
     for want, have in zip(expected, got):
-        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), \
+        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), (
             f"step {want['step']} {context}"
+        )
     want_state = checkpoint_state(ref / "checkpoints" / f"step-{FIRST}")
     have_state = checkpoint_state(killed / "checkpoints" / f"step-{FIRST}")
     for name, tensor in want_state.items():
@@ -124,11 +160,12 @@ def test_resumed_on_one_then_three_ranks_no_sample_is_repeated_or_skipped(chain)
     for index, shard in enumerate(plan.shards):
         reader = filestream.FileReader(plan, 0, 1)
         reader.queue = [[index, 0, -1, 0]]
-        uninterrupted[Path(shard.source.path).stem] = [bytes(s[:6].tolist()).decode()
-                                                       for s in reader]
+        uninterrupted[Path(shard.source.path).stem] = [
+            bytes(s[:6].tolist()).decode() for s in reader
+        ]
     for stem, ids in uninterrupted.items():
         taken = sorted(i for i in consumed if f"part-{int(i[:2])}" == stem)
-        assert taken == ids[:len(taken)], f"{stem}: {taken} is not the start of {ids}"
+        assert taken == ids[: len(taken)], f"{stem}: {taken} is not the start of {ids}"
     assert [r["epoch"] for r in records(chain["ref"])][-1] == 0, "all in one epoch"
     for prefix, saved_by in (("one", 2), ("three", 1)):
         log = (chain["tmp"] / f"{prefix}-0.out").read_text()
@@ -137,9 +174,17 @@ def test_resumed_on_one_then_three_ranks_no_sample_is_repeated_or_skipped(chain)
 
 def test_held_out_documents_are_evaluated_and_never_trained_on(chain):
     plan = plan_of(chain["data"])
-    val = heldout.held_out(DataConfig(name="files", files=(f"{chain['data']}/part-*.jsonl",),
-                                      stream=True, seq_len=16, val_fraction=0.1,
-                                      test_fraction=0.0), plan)["val"]
+    val = heldout.held_out(
+        DataConfig(
+            name="files",
+            files=(f"{chain['data']}/part-*.jsonl",),
+            stream=True,
+            seq_len=16,
+            val_fraction=0.1,
+            test_fraction=0.0,
+        ),
+        plan,
+    )["val"]
     held = {bytes(val[i][:6].tolist()).decode() for i in range(len(val))}
     assert len(held) >= 10 and not held & set(trained_ids(chain["tmp"]))
     assert records(chain["ref"])[-1]["val_loss"] is not None
@@ -153,25 +198,32 @@ def test_a_changed_file_fails_a_resume_in_one_line_and_leaves_the_checkpoint(cha
         more.write(json.dumps({"text": "added later"}) + "\n")
 
     def digests() -> dict[str, str]:
-        return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in (run / "checkpoints").rglob("*") if p.is_file()}
+        return {
+            str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (run / "checkpoints").rglob("*")
+            if p.is_file()
+        }
 
     before = digests()
     assert ranks(1, train(run, data, FIRST + 2), tmp_path, "changed") == [2]
     last = (tmp_path / "changed-0.out").read_text().strip().splitlines()[-1]
-    assert last.startswith("qgtrain: error: data.files (data.stream: true): resuming the stream "
-                           f"from {run / 'checkpoints' / f'step-{FIRST}'} failed: ValueError: "
-                           "the data files or the settings"), last
+    assert last.startswith(
+        "qgtrain: error: data.files (data.stream: true): resuming the stream "
+        f"from {run / 'checkpoints' / f'step-{FIRST}'} failed: ValueError: "
+        "the data files or the settings"
+    ), last
     assert digests() == before
 
 
 def test_bad_input_is_one_line_naming_the_key(tmp_path, monkeypatch):
-    out = cli("train", "--run-dir", str(tmp_path / "run"), "--set", "data.stream=true",
-              cwd=tmp_path)
+    out = cli(
+        "train", "--run-dir", str(tmp_path / "run"), "--set", "data.stream=true", cwd=tmp_path
+    )
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("qgtrain: error: --set: data.stream: streams data files; set "
-                           "data.name: files"), last
+    assert last.startswith(
+        "qgtrain: error: --set: data.stream: streams data files; set data.name: files"
+    ), last
     config = DataConfig(name="files", files=(f"{tmp_path}/none-*.jsonl",), stream=True)
     with pytest.raises(ConfigError, match=r"data.files: '.*none-\*.jsonl' matches no file"):
         filestream.plan(config, 0)
@@ -182,8 +234,16 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, monkeypatch):
     monkeypatch.setattr(shards, "SHARD_BYTES", 64)
     with pytest.raises(ValueError, match="names a shard the data files do not have"):
         plan = filestream.plan(config, 0)
-        filestream.check_state(plan, {"digest": plan.digest, "epoch": 0, "slot": 0, "slots": 1,
-                                      "queue": [[len(plan.shards), 0, -1, 0]]})
+        filestream.check_state(
+            plan,
+            {
+                "digest": plan.digest,
+                "epoch": 0,
+                "slot": 0,
+                "slots": 1,
+                "queue": [[len(plan.shards), 0, -1, 0]],
+            },
+        )
 
 
 def write_formats(folder: Path) -> list[Path]:
@@ -194,8 +254,10 @@ def write_formats(folder: Path) -> list[Path]:
     from pyarrow import ipc, parquet
 
     rng = random.Random(7)
-    docs = [" ".join(rng.choices(["shard", "token", "über", "東京", "x"], k=rng.randint(1, 40)))
-            for _ in range(60)]
+    docs = [
+        " ".join(rng.choices(["shard", "token", "über", "東京", "x"], k=rng.randint(1, 40)))
+        for _ in range(60)
+    ]
     lines = "".join(json.dumps({"text": doc}) + "\n" for doc in docs)
     folder.mkdir()
     (folder / "a.txt").write_text("\n".join(docs))
@@ -215,11 +277,17 @@ def test_each_file_kind_streams_the_windows_the_cache_holds(tmp_path):
     from qgtrain.data import prepare
 
     for path in write_formats(tmp_path / "files"):
-        config = DataConfig(name="files", files=(str(path),), seq_len=7, val_fraction=0.0,
-                            test_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+        config = DataConfig(
+            name="files",
+            files=(str(path),),
+            seq_len=7,
+            val_fraction=0.0,
+            test_fraction=0.0,
+            cache_dir=str(tmp_path / "cache"),
+        )
         cached = prepare.prepare(config)[0]
         tokens = np.fromfile(cached.path("train"), dtype=cached.dtype).astype(np.int64)
-        windows = tokens[:len(tokens) // 7 * 7].reshape(-1, 7)
+        windows = tokens[: len(tokens) // 7 * 7].reshape(-1, 7)
         streamed = torch.stack(list(filestream.FileReader(filestream.plan(config, 0), 0, 1)))
         assert torch.equal(streamed, torch.from_numpy(windows)), path.name
 
@@ -234,8 +302,9 @@ def test_a_position_anywhere_in_cut_files_resumes_the_same_samples(tmp_path, mon
     monkeypatch.setattr(shards, "UNIT_BYTES", 50)
     paths = write_formats(tmp_path / "files")
     for path in (paths[0], paths[1], paths[4]):
-        config = DataConfig(name="files", files=(str(path),), seq_len=5, val_fraction=0.2,
-                            test_fraction=0.0)
+        config = DataConfig(
+            name="files", files=(str(path),), seq_len=5, val_fraction=0.2, test_fraction=0.0
+        )
         plan = filestream.plan(config, 3)
         assert len(plan.shards) > 3, path.name
         read = [unit.text for shard in plan.shards for unit in shards.units(shard, "text")]

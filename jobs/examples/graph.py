@@ -8,8 +8,9 @@ degree gives nothing away: the model must see structure (hubs, clustering). Grap
 nodes, so batches are packed: one node list for the whole batch and an index saying which graph each
 node belongs to, with messages summed by `index_add_` (what PyTorch Geometric does for you).
 
-Everything here is the user's side of the contract: a dataset, a collate, a model, a loss and metrics.
-qgtrain brings the rest: sharding, DDP, checkpoints and exact resume, agreed stops, early stopping.
+Everything here is the user's side of the contract: a dataset, a collate, a model, a loss and
+metrics. qgtrain brings the rest: sharding, DDP, checkpoints and exact resume, agreed stops, early
+stopping.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ GENERATORS = ("erdos_renyi", "watts_strogatz", "barabasi_albert")
 
 
 class RandomGraphs(Dataset):
-    """Graph i is made from its own seed, so any sample can be read at any time, by any rank or worker."""
+    """Graph i is made from its own seed, so any sample can be read at any time, by any rank or
+    worker."""
 
-    def __init__(self, size: int, seed: int, min_nodes: int = 12, max_nodes: int = 40, degree: int = 4) -> None:
+    def __init__(
+        self, size: int, seed: int, min_nodes: int = 12, max_nodes: int = 40, degree: int = 4
+    ) -> None:
         self.size, self.seed = size, seed
         self.min_nodes, self.max_nodes, self.degree = min_nodes, max_nodes, degree
 
@@ -90,21 +94,36 @@ def pack(samples: list[dict[str, torch.Tensor]]) -> GraphBatch:
     edges = torch.cat([s["edges"] + offset for s, offset in zip(samples, offsets)], dim=1)
     edges = torch.cat([edges, edges.flip(0)], dim=1)  # undirected: a message each way
     total = int(sizes.sum())
-    degree = torch.zeros(total, dtype=torch.long).index_add_(0, edges[0], torch.ones(edges.shape[1], dtype=torch.long))
-    return GraphBatch(edges, degree, torch.arange(len(samples)).repeat_interleave(sizes),
-                      torch.stack([s["label"] for s in samples]), len(samples))
+    degree = torch.zeros(total, dtype=torch.long).index_add_(
+        0, edges[0], torch.ones(edges.shape[1], dtype=torch.long)
+    )
+    return GraphBatch(
+        edges,
+        degree,
+        torch.arange(len(samples)).repeat_interleave(sizes),
+        torch.stack([s["label"] for s in samples]),
+        len(samples),
+    )
 
 
 class GraphClassifier(nn.Module):
-    """Message passing: each node averages its neighbours' states into its own through an MLP, for a few
-    rounds; then the mean over each graph's nodes is classified."""
+    """Message passing: each node averages its neighbours' states into its own through an MLP, for a
+    few rounds; then the mean over each graph's nodes is classified."""
 
-    def __init__(self, hidden: int = 64, layers: int = 3, classes: int = len(GENERATORS), max_degree: int = 32):
+    def __init__(
+        self,
+        hidden: int = 64,
+        layers: int = 3,
+        classes: int = len(GENERATORS),
+        max_degree: int = 32,
+    ):
         super().__init__()
         self.max_degree = max_degree
         self.embed = nn.Embedding(max_degree + 1, hidden)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(2 * hidden, hidden), nn.ReLU(), nn.LayerNorm(hidden))
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(2 * hidden, hidden), nn.ReLU(), nn.LayerNorm(hidden))
+            for _ in range(layers)
+        )
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, batch: GraphBatch) -> torch.Tensor:
@@ -113,8 +132,12 @@ class GraphClassifier(nn.Module):
         for layer in self.layers:
             messages = torch.zeros_like(h).index_add_(0, dst, h[src])
             h = h + layer(torch.cat([h, messages / batch.degree.clamp(min=1).unsqueeze(1)], dim=1))
-        counts = torch.zeros(batch.graphs, device=h.device).index_add_(0, batch.graph, torch.ones_like(h[:, 0]))
-        pooled = torch.zeros(batch.graphs, h.shape[1], device=h.device).index_add_(0, batch.graph, h)
+        counts = torch.zeros(batch.graphs, device=h.device).index_add_(
+            0, batch.graph, torch.ones_like(h[:, 0])
+        )
+        pooled = torch.zeros(batch.graphs, h.shape[1], device=h.device).index_add_(
+            0, batch.graph, h
+        )
         return self.head(pooled / counts[:, None])
 
 
@@ -132,6 +155,12 @@ def graph_classifier(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     """Options (task.options): graphs (training set size), hidden, layers."""
     options = {"graphs": 3000, "hidden": 64, "layers": 3, **cfg.task.options}
     seed = cfg.train.seed
-    return qgtrain.Task(model=GraphClassifier(options["hidden"], options["layers"]),
-                        train=RandomGraphs(options["graphs"], seed), val=RandomGraphs(600, seed + 1),
-                        test=RandomGraphs(600, seed + 2), collate=pack, loss=loss, metrics=metrics)
+    return qgtrain.Task(
+        model=GraphClassifier(options["hidden"], options["layers"]),
+        train=RandomGraphs(options["graphs"], seed),
+        val=RandomGraphs(600, seed + 1),
+        test=RandomGraphs(600, seed + 2),
+        collate=pack,
+        loss=loss,
+        metrics=metrics,
+    )

@@ -1,16 +1,18 @@
-"""A molecular property model built the way graph-learning groups build them, with PyTorch Geometric:
+"""A molecular property model built the way graph-learning groups build them, with PyTorch
+Geometric:
 
     qgtrain train --config config.yaml --config jobs/molecules.yaml
 
-GIN message passing blocks with batch norm, global mean pooling, PyG `Data` samples collated into a PyG
-`Batch`, and a dict of outputs: two properties of each generated molecule, how many rings it has (0, 1 or
-2: a class) and the share of its atoms that are nitrogen or oxygen (a number). Molecules are made from
-their index and seed alone (no download): a random tree of 6 to 24 atoms closed into rings of 3 to 5
-atoms, so the ring count is exact by construction and the model must see local structure to tell it.
+GIN message passing blocks with batch norm, global mean pooling, PyG `Data` samples collated into a
+PyG `Batch`, and a dict of outputs: two properties of each generated molecule, how many rings it has
+(0, 1 or 2: a class) and the share of its atoms that are nitrogen or oxygen (a number). Molecules
+are made from their index and seed alone (no download): a random tree of 6 to 24 atoms closed into
+rings of 3 to 5 atoms, so the ring count is exact by construction and the model must see local
+structure to tell it.
 
-Batch norm keeps running statistics in buffers that each rank updates from its own batch; under ddp qgtrain
-saves rank 0's (README: "Buffers and batch norm under ddp"). Under fsdp the blocks are sharded one by one:
-`train.shard_modules: [GINBlock]`.
+Batch norm keeps running statistics in buffers that each rank updates from its own batch; under ddp
+qgtrain saves rank 0's (README: "Buffers and batch norm under ddp"). Under fsdp the blocks are
+sharded one by one: `train.shard_modules: [GINBlock]`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ RINGS = 3  # 0, 1 or 2 rings
 
 
 class Molecules(Dataset):
-    """Molecule i is made from its own seed, so any sample can be read at any time, by any rank or worker."""
+    """Molecule i is made from its own seed, so any sample can be read at any time, by any rank or
+    worker."""
 
     def __init__(self, size: int, seed: int, min_atoms: int = 6, max_atoms: int = 24) -> None:
         self.size, self.seed, self.min_atoms, self.max_atoms = size, seed, min_atoms, max_atoms
@@ -43,22 +46,37 @@ class Molecules(Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         atoms = int(torch.randint(self.min_atoms, self.max_atoms + 1, (1,), generator=gen))
         kinds = torch.multinomial(torch.tensor(ABUNDANCE), atoms, replacement=True, generator=gen)
-        # A chain with side branches, as molecules are: each atom bonds to one of the three before it.
+        # A chain with side branches, as molecules are: each atom bonds to one of the three before
+        # it.
         later = torch.arange(1, atoms)
         first = (later - 3).clamp(min=0)
-        parent = [0, *(first + (torch.rand(atoms - 1, generator=gen) * (later - first)).long()).tolist()]
+        parent = [
+            0,
+            *(first + (torch.rand(atoms - 1, generator=gen) * (later - first)).long()).tolist(),
+        ]
         bonds = [(parent[atom], atom) for atom in range(1, atoms)]
-        closures = [(ancestor, atom) for atom in range(1, atoms) for ancestor in _ancestors(parent, atom)[1:4]]
+        closures = [
+            (ancestor, atom)
+            for atom in range(1, atoms)
+            for ancestor in _ancestors(parent, atom)[1:4]
+        ]
         rings = index % RINGS  # each bond beyond a tree's closes one ring; 6 atoms always allow two
-        bonds += [closures[i] for i in torch.randperm(len(closures), generator=gen)[:rings].tolist()]
+        bonds += [
+            closures[i] for i in torch.randperm(len(closures), generator=gen)[:rings].tolist()
+        ]
         edges = torch.tensor(bonds).T
         polar = sum(int(kinds.eq(k).sum()) for k in POLAR) / atoms
-        return Data(x=kinds, edge_index=torch.cat([edges, edges.flip(0)], dim=1),
-                    rings=torch.tensor([rings]), polarity=torch.tensor([polar]))
+        return Data(
+            x=kinds,
+            edge_index=torch.cat([edges, edges.flip(0)], dim=1),
+            rings=torch.tensor([rings]),
+            polarity=torch.tensor([polar]),
+        )
 
 
 def _ancestors(parent: list[int], atom: int) -> list[int]:
-    """The atoms from `atom`'s parent up to the first atom: bonding to the k-th closes a ring of k + 2."""
+    """The atoms from `atom`'s parent up to the first atom: bonding to the k-th closes a ring of k +
+    2."""
     chain = []
     while atom:
         atom = parent[atom]
@@ -72,11 +90,14 @@ def collate(samples: list[Data]) -> Batch:
 
 
 class GINBlock(nn.Module):
-    """One round of message passing: GIN's sum over neighbours through an MLP, batch norm, a residual."""
+    """One round of message passing: GIN's sum over neighbours through an MLP, batch norm, a
+    residual."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.conv = GINConv(nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden)))
+        self.conv = GINConv(
+            nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+        )
         self.norm = BatchNorm(hidden)
 
     def forward(self, h: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -96,25 +117,36 @@ class MoleculeModel(nn.Module):
         for block in self.blocks:
             h = block(h, batch.edge_index)
         pooled = global_mean_pool(h, batch.batch, size=batch.num_graphs)
-        return {"rings": self.rings(pooled), "polarity": self.polarity(pooled)}  # (graphs, 3), (graphs, 1)
+        # (graphs, 3), (graphs, 1)
+        return {"rings": self.rings(pooled), "polarity": self.polarity(pooled)}
 
 
 def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     out = model(batch)
-    return F.cross_entropy(out["rings"], batch.rings) + 10 * F.mse_loss(out["polarity"][:, 0], batch.polarity)
+    return F.cross_entropy(out["rings"], batch.rings) + 10 * F.mse_loss(
+        out["polarity"][:, 0], batch.polarity
+    )
 
 
 def metrics(model: nn.Module, batch: Batch) -> dict[str, tuple[torch.Tensor, int]]:
     """Sums and counts: qgtrain adds them up over every rank before dividing."""
     out = model(batch)
-    return {"ring_accuracy": ((out["rings"].argmax(dim=1) == batch.rings).sum(), batch.num_graphs),
-            "polarity_mae": ((out["polarity"][:, 0] - batch.polarity).abs().sum(), batch.num_graphs)}
+    return {
+        "ring_accuracy": ((out["rings"].argmax(dim=1) == batch.rings).sum(), batch.num_graphs),
+        "polarity_mae": ((out["polarity"][:, 0] - batch.polarity).abs().sum(), batch.num_graphs),
+    }
 
 
 def molecules(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     """Options (task.options): molecules (training set size), hidden, layers."""
     options = {"molecules": 4000, "hidden": 64, "layers": 3, **cfg.task.options}
     seed = cfg.train.seed
-    return qgtrain.Task(model=MoleculeModel(options["hidden"], options["layers"]),
-                        train=Molecules(options["molecules"], seed), val=Molecules(501, seed + 1),
-                        test=Molecules(499, seed + 2), collate=collate, loss=loss, metrics=metrics)
+    return qgtrain.Task(
+        model=MoleculeModel(options["hidden"], options["layers"]),
+        train=Molecules(options["molecules"], seed),
+        val=Molecules(501, seed + 1),
+        test=Molecules(499, seed + 2),
+        collate=collate,
+        loss=loss,
+        metrics=metrics,
+    )

@@ -160,9 +160,7 @@ def mix_problem(data: DataConfig) -> Problem:
     if not data.mix:
         return None
     if data.name != "files":
-        return "data.mix", (
-            f"mixes data files; set data.name: files (data.name is {data.name})"
-        )
+        return "data.mix", (f"mixes data files; set data.name: files (data.name is {data.name})")
     for key in ("files", "val_files", "test_files"):
         if getattr(data, key):
             return f"data.{key}", (
@@ -194,8 +192,12 @@ def _source_problem(where: str, source: object, seen: set[str]) -> Problem:
         return f"{where}.files", (
             f"source {name!r}: expected a non-empty list of globs, files or folders"
         )
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
-            not math.isfinite(weight) or weight <= 0:
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not math.isfinite(weight)
+        or weight <= 0
+    ):
         return f"{where}.weight", (
             f"source {name!r} has weight {weight!r}; weights are positive numbers "
             "(a source's share is its weight / the sum of the weights)"

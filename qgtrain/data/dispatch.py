@@ -27,15 +27,17 @@ from .streams import Position, StreamBatches
 class DispatchedBatches:
     """Training micro-batches of a stream read on rank 0 and sent to each rank."""
 
-    def __init__(self, loader: Any, samples_per_micro_batch: int, seed: int, label: str,
-                 group: Any) -> None:
+    def __init__(
+        self, loader: Any, samples_per_micro_batch: int, seed: int, label: str, group: Any
+    ) -> None:
         self.samples, self.label, self.group = samples_per_micro_batch, label, group
         self.rank = dist.get_rank() if group is not None else 0
         self.world = dist.get_world_size() if group is not None else 1
         self.loader = loader
         # rank 0's reader: one batch of train.batch_size is one batch's worth of samples
-        self.reader = StreamBatches(loader, loader.batch_size, seed, label, None) \
-            if self.rank == 0 else None
+        self.reader = (
+            StreamBatches(loader, loader.batch_size, seed, label, None) if self.rank == 0 else None
+        )
         self._epoch_samples: dict[int, int] = {}
 
     def step(self, position: Position, micro_batches: int) -> list[Any]:
@@ -43,11 +45,15 @@ class DispatchedBatches:
         parts: list[Any] | None = None
         if (reader := self.reader) is not None:
             drawn, failure = distributed.attempt(
-                lambda: reader.step(position, micro_batches * self.world))
+                lambda: reader.step(position, micro_batches * self.world)
+            )
             where = (position.epoch, position.samples_in_epoch)
-            parts = [(None, None, failure) if failure else
-                     (drawn[r * micro_batches:(r + 1) * micro_batches], where, None)
-                     for r in range(self.world)]
+            parts = [
+                (None, None, failure)
+                if failure
+                else (drawn[r * micro_batches : (r + 1) * micro_batches], where, None)
+                for r in range(self.world)
+            ]
         mine: list[Any] = [None]
         if self.group is not None:
             dist.scatter_object_list(mine, parts, src=0, group=self.group)

@@ -70,15 +70,33 @@ class StreamPlan:
 def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
     """The plan of data.files (of a data.mix source: `key` names it in messages)."""
     files = sources.find(data.files, key)
-    held_out = tuple(0.0 if getattr(data, f"{s}_files") else getattr(data, f"{s}_fraction")
-                     for s in ("val", "test"))
+    held_out = tuple(
+        0.0 if getattr(data, f"{s}_files") else getattr(data, f"{s}_fraction")
+        for s in ("val", "test")
+    )
     info = tokenizer.describe(data.tokenizer)
     cut = tuple(shards.cut(files))
-    identity = [[(s.source.path, s.source.size, s.source.mtime_ns, s.start, s.end) for s in cut],
-                data.text_field, info.fingerprint, data.seq_len, seed, data.split_seed, held_out]
+    identity = [
+        [(s.source.path, s.source.size, s.source.mtime_ns, s.start, s.end) for s in cut],
+        data.text_field,
+        info.fingerprint,
+        data.seq_len,
+        seed,
+        data.split_seed,
+        held_out,
+    ]
     digest = xxhash.xxh3_64_hexdigest(json.dumps(identity).encode())
-    return StreamPlan(cut, data.text_field, data.tokenizer, info.eos_id, data.seq_len, seed,
-                      data.split_seed, (held_out[0], held_out[1]), digest)
+    return StreamPlan(
+        cut,
+        data.text_field,
+        data.tokenizer,
+        info.eos_id,
+        data.seq_len,
+        seed,
+        data.split_seed,
+        (held_out[0], held_out[1]),
+        digest,
+    )
 
 
 def deal(plan: StreamPlan, epoch: int, slot: int, slots: int) -> list[list[int]]:
@@ -114,16 +132,22 @@ class FileReader:
         self.queue = deal(self.plan, self.epoch, self.slot, self.slots)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"digest": self.plan.digest, "epoch": self.epoch, "slot": self.slot,
-                "slots": self.slots, "queue": [list(entry) for entry in self.queue]}
+        return {
+            "digest": self.plan.digest,
+            "epoch": self.epoch,
+            "slot": self.slot,
+            "slots": self.slots,
+            "queue": [list(entry) for entry in self.queue],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(self.plan, state)
         self.epoch, self.slot, self.slots = state["epoch"], state["slot"], state["slots"]
         self.queue = [list(map(int, entry)) for entry in state["queue"]]
 
-    def _samples(self, shard: shards.Shard, index: int, byte: int,
-                 taken: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
+    def _samples(
+        self, shard: shards.Shard, index: int, byte: int, taken: int
+    ) -> Iterator[tuple[torch.Tensor, list[int]]]:
         """Windows of the shard's train documents, each with the position just past it."""
         seq_len, plan = self.plan.seq_len, self.plan
         buffer = np.zeros(0, dtype=np.uint32)
@@ -133,13 +157,13 @@ class FileReader:
             if plan.split_of(shard.source.path, unit.key) != "train":
                 continue
             ids = tokenizer.encode_pieces(plan.tokenizer, plan.eos_id, [unit.text], [unit.ends])
-            buffer = np.concatenate([buffer, ids[taken if unit.index == index else 0:]])
+            buffer = np.concatenate([buffer, ids[taken if unit.index == index else 0 :]])
             count = len(buffer) // seq_len
             if not count:
                 continue
             # every window the unit completes, converted at once; the last ones end in this unit
-            windows = torch.from_numpy(buffer[:count * seq_len].astype(np.int64))
-            buffer, left = buffer[count * seq_len:], len(buffer) - seq_len
+            windows = torch.from_numpy(buffer[: count * seq_len].astype(np.int64))
+            buffer, left = buffer[count * seq_len :], len(buffer) - seq_len
             for row in windows.view(count, seq_len):
                 yield row, [unit.index, unit.byte, len(ids) - left]
                 left -= seq_len
@@ -151,9 +175,11 @@ def check_state(plan: StreamPlan, state: Any) -> None:
     if not isinstance(state, dict) or any(name not in state for name in fields):
         raise ValueError(f"not a position in data files (expected the fields {', '.join(fields)})")
     if state["digest"] != plan.digest:
-        raise ValueError("the data files or the settings that cut them into samples (data.files, "
-                         "their sizes and times, data.seq_len, data.tokenizer, data.text_field, "
-                         "the held-out split, train.seed) changed since the checkpoint")
+        raise ValueError(
+            "the data files or the settings that cut them into samples (data.files, "
+            "their sizes and times, data.seq_len, data.tokenizer, data.text_field, "
+            "the held-out split, train.seed) changed since the checkpoint"
+        )
     if any(not 0 <= entry[0] < len(plan.shards) for entry in state["queue"]):
         raise ValueError("the position names a shard the data files do not have")
 
@@ -203,8 +229,9 @@ class FileStream(IterableDataset[torch.Tensor]):
         epochs = {state["epoch"] for state in states}
         counts = {state["slots"] for state in states}
         if len(epochs) != 1 or len(counts) != 1:
-            raise ValueError(f"the ranks' positions disagree (epochs {sorted(epochs)}, "
-                             f"slots {sorted(counts)})")
+            raise ValueError(
+                f"the ranks' positions disagree (epochs {sorted(epochs)}, slots {sorted(counts)})"
+            )
         (epoch,), (slots,) = epochs, counts
         if epoch != self.epoch:
             raise ValueError(f"the ranks' positions are in epoch {epoch}, the run in {self.epoch}")
@@ -223,9 +250,11 @@ def check(plan: StreamPlan) -> None:
         raise ConfigError(
             f"data.files: {len(plan.shards)} shard(s) for {world_size} ranks, and each rank reads "
             f"whole shards (a file, or {shards.SHARD_BYTES >> 20} MB of a plain-text or JSON Lines "
-            "file); give at least as many files as ranks, or set data.stream: false")
+            "file); give at least as many files as ranks, or set data.stream: false"
+        )
     if next(iter(FileReader(plan, 0, 1)), None) is None:
         raise ConfigError(
             f"data.files: the stream yields nothing: no file holds data.seq_len={plan.seq_len} "
             "tokens of training documents (every document empty, or held out); check "
-            "data.files and data.text_field")
+            "data.files and data.text_field"
+        )

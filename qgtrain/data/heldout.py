@@ -35,7 +35,7 @@ class TokenArray(Dataset[torch.Tensor]):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         start = index * self.seq_len
-        return torch.from_numpy(self.tokens[start:start + self.seq_len].astype(np.int64))
+        return torch.from_numpy(self.tokens[start : start + self.seq_len].astype(np.int64))
 
 
 def held_out(data: DataConfig, plan: StreamPlan) -> dict[str, TokenArray]:
@@ -77,5 +77,6 @@ def _read(found: list[shards.Shard], text_field: str) -> list[_Found]:
 def _encode(plan: StreamPlan, texts: list[tuple[str, bool]]) -> np.ndarray:
     if not texts:
         return np.zeros(0, dtype=np.uint32)
-    return tokenizer.encode_pieces(plan.tokenizer, plan.eos_id, [t for t, _ in texts],
-                                   [e for _, e in texts])
+    return tokenizer.encode_pieces(
+        plan.tokenizer, plan.eos_id, [t for t, _ in texts], [e for _, e in texts]
+    )

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from ..foundation.errors import ConfigError
 from ..runtime.rendezvous import DistEnv
 from .dispatch import DispatchedBatches
-from .streams import Position, StreamBatches, for_this_rank, is_stream
+from .stream_kinds import for_this_rank, is_stream
+from .streams import Position, StreamBatches
 
 
 @dataclass(frozen=True)

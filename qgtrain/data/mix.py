@@ -86,7 +86,10 @@ class Mixture(IterableDataset[Any]):
         if self._loaded is not None:
             saved, self._loaded = self._loaded, None
             state.draws, state.counts, state.passes = (
-                int(saved["draws"]), list(saved["counts"]), list(saved["passes"]))
+                int(saved["draws"]),
+                list(saved["counts"]),
+                list(saved["passes"]),
+            )
             for reader, kept in zip(readers, saved["readers"] or [None] * len(readers)):
                 if kept is not None:
                     reader.load_state_dict(kept)
@@ -116,7 +119,11 @@ class Mixture(IterableDataset[Any]):
         log.info(
             "data.mix: source %r ran out in reading slot %d of %d after %d of its samples: "
             "starting its pass %d",
-            self.names[chosen], slot, slots, state.counts[chosen], state.passes[chosen] + 1,
+            self.names[chosen],
+            slot,
+            slots,
+            state.counts[chosen],
+            state.passes[chosen] + 1,
         )
         return iter(state.readers[chosen])
 
@@ -126,12 +133,21 @@ class Mixture(IterableDataset[Any]):
             if self._loaded is not None:
                 return self._loaded
             zeros = [0] * len(self.sources)
-            return {"names": self.names, "draws": 0, "counts": zeros, "passes": zeros,
-                    "readers": None}
+            return {
+                "names": self.names,
+                "draws": 0,
+                "counts": zeros,
+                "passes": zeros,
+                "readers": None,
+            }
         state = self._slot
-        return {"names": self.names, "draws": state.draws, "counts": list(state.counts),
-                "passes": list(state.passes),
-                "readers": [reader.state_dict() for reader in state.readers]}
+        return {
+            "names": self.names,
+            "draws": state.draws,
+            "counts": list(state.counts),
+            "passes": list(state.passes),
+            "readers": [reader.state_dict() for reader in state.readers],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["names"]) != self.names:

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from ..foundation.errors import ConfigError
 from . import sources
+from .columns import check_column, column_texts
 
 SHARD_BYTES = 16 << 20
 UNIT_BYTES = 1 << 20  # a plain-text file is read in units of about this many bytes of whole lines
@@ -106,8 +107,9 @@ def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterato
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON "
-                              "object") from None
+            raise ConfigError(
+                f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object"
+            ) from None
         except UnicodeDecodeError:
             raise ConfigError(f"{where}: not UTF-8 text") from None
         yield Unit(sources._field(row, text_field, where), True, start, index, start)
@@ -159,14 +161,14 @@ def _rows(shard: Shard, text_field: str, index: int) -> Iterator[Unit]:
     """The text column's rows from row `index` of the shard on; a document's key is its row in
     the file, as sources.py numbers documents for the cache."""
     file = _parquet(shard.source)
-    sources._check_column(file.schema_arrow.names, text_field, shard.source.path)
+    check_column(file.schema_arrow.names, text_field, shard.source.path)
     row = sum(file.metadata.row_group(g).num_rows for g in range(shard.start))
     number, skip = index, index
     for group in range(shard.start, shard.end):
         rows = file.metadata.row_group(group).num_rows
         if skip < rows:
             values = file.read_row_group(group, columns=[text_field]).column(0).to_pylist()
-            texts = sources._column_texts(values[skip:], text_field, shard.source.path, row + skip)
+            texts = column_texts(values[skip:], text_field, shard.source.path, row + skip)
             for offset, text in enumerate(texts, start=row + skip):
                 yield Unit(text, True, offset, number, -1)
                 number += 1

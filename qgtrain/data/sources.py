@@ -22,9 +22,6 @@ from typing import Any
 from ..foundation.errors import ConfigError
 from .columns import arrow_columns, check_column, column_texts, parquet_columns
 
-# the names shards.py reads them by, until it imports them from columns.py
-_check_column, _column_texts = check_column, column_texts
-
 SUFFIXES = {
     ".txt": "text",
     ".md": "text",

@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import IterableDataset
 
 from ..foundation.errors import ConfigError, QgtrainError
 from ..runtime import distributed
+from .stream_kinds import is_stateful
 
 log = logging.getLogger("qgtrain")
 
@@ -38,30 +38,6 @@ log = logging.getLogger("qgtrain")
 class Position(Protocol):
     epoch: int
     samples_in_epoch: int
-
-
-def is_stream(dataset: Any) -> bool:
-    return isinstance(dataset, IterableDataset)
-
-
-def is_stateful(dataset: Any) -> bool:
-    """torchdata's Stateful protocol: the loader saves and restores the dataset through these."""
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    )
-
-
-def for_this_rank(dataset: Any, rank: int, world_size: int) -> Any:
-    """This rank's part of a Hugging Face streaming dataset (its shards, or every world_size-th
-    example); any other stream shards itself. `datasets` is imported only for one of its own."""
-    if world_size == 1 or not type(dataset).__module__.startswith("datasets."):
-        return dataset
-    from datasets import IterableDataset as HubStream
-    from datasets.distributed import split_dataset_by_node
-
-    if isinstance(dataset, HubStream):
-        return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
-    return dataset
 
 
 class StreamBatches:
@@ -89,8 +65,11 @@ class StreamBatches:
         """The next step's micro-batches; where any rank's stream ends first, the next epoch's."""
         while True:
             if self._batches is None and self._pending is not None:
-                drawn = agreed(lambda: self._resume(position, micro_batches)) \
-                    if self.group is not None else self._resume(position, micro_batches)
+                drawn = (
+                    agreed(lambda: self._resume(position, micro_batches))
+                    if self.group is not None
+                    else self._resume(position, micro_batches)
+                )
             else:
                 if self._batches is None:
                     self._start(position.epoch)
@@ -127,15 +106,24 @@ class StreamBatches:
         iterator is running: it simply goes on, past the batches drawn since (rollback.py)."""
         if self._batches is not None:
             return
-        if saved is not None and "ranks" in saved and not callable(
-                getattr(self.loader.dataset, "load_merged", None)):
+        if (
+            saved is not None
+            and "ranks" in saved
+            and not callable(getattr(self.loader.dataset, "load_merged", None))
+        ):
             raise ConfigError(
                 f"{self.label}: {checkpoint} was saved by {len(saved['ranks'])} rank(s) reading "
                 "a stream whose parts the ranks of this run cannot take over (it has no "
                 "load_merged). HINT: resume with "
-                f"{len(saved['ranks'])} ranks, or set checkpoint.resume: never")
-        wanted = "ranks" if saved is not None and "ranks" in saved else \
-            "loader" if self.stateful else "consumed"
+                f"{len(saved['ranks'])} ranks, or set checkpoint.resume: never"
+            )
+        wanted = (
+            "ranks"
+            if saved is not None and "ranks" in saved
+            else "loader"
+            if self.stateful
+            else "consumed"
+        )
         if saved is None or wanted not in saved:
             kind = "a stateful" if self.stateful else "a"
             raise ConfigError(
@@ -172,8 +160,9 @@ class StreamBatches:
             except StopIteration:
                 return None
             except ConfigError as exc:  # from a worker, with its traceback: its last line says it
-                raise ConfigError(str(exc).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) \
-                    from None
+                raise ConfigError(
+                    str(exc).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]
+                ) from None
         return drawn
 
     def _resume(self, position: Position, micro_batches: int) -> list[Any] | None:
@@ -183,13 +172,18 @@ class StreamBatches:
             if "ranks" in pending:
                 # saved by another world size: every rank's positions, dealt again (filestream.py)
                 self.loader.dataset.set_epoch(position.epoch)
-                states = [found for rank in pending["ranks"]
-                          for found in dataset_states((rank or {}).get("loader"))]
+                states = [
+                    found
+                    for rank in pending["ranks"]
+                    for found in dataset_states((rank or {}).get("loader"))
+                ]
                 self.loader.dataset.load_merged(states)
                 self.loader.generator.manual_seed(self.seed * 1_000_003 + position.epoch)
                 self._batches = iter(self.loader)
-                log.info("the stream's positions saved by %d rank(s) dealt again to this run's",
-                         len(pending["ranks"]))
+                log.info(
+                    "the stream's positions saved by %d rank(s) dealt again to this run's",
+                    len(pending["ranks"]),
+                )
             elif self.stateful:
                 set_epoch = getattr(self.loader.dataset, "set_epoch", None)
                 if callable(set_epoch):

@@ -80,8 +80,10 @@ def render(entries: list[dict[str, Any]]) -> str:
             )
         )
         lines.append("")
-    streamed = ("no token caches here (a run with data.stream: true reads its data files while "
-                "training, without one)")
+    streamed = (
+        "no token caches here (a run with data.stream: true reads its data files while "
+        "training, without one)"
+    )
     return "\n".join(lines).rstrip() if lines else streamed
 
 
@@ -99,8 +101,9 @@ def configured(data: DataConfig) -> list[str]:
         patterns = [source["files"]] if isinstance(source["files"], str) else source["files"]
         files = find(patterns, f"data.mix[{index}].files (source {source['name']!r})")
         share = 100 * float(source["weight"]) / total
-        lines.append(f"  {source['name']}: weight {source['weight']:g} ({share:.0f}%), "
-                     f"{_shown(files)}")
+        lines.append(
+            f"  {source['name']}: weight {source['weight']:g} ({share:.0f}%), {_shown(files)}"
+        )
     return [*lines, ""]
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
-from ..data.streams import is_stream
+from ..data.stream_kinds import is_stream
 from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
 from ..foundation.task import ReadyTask, Task

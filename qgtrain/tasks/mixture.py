@@ -37,12 +37,12 @@ def prepare_sources(data: DataConfig) -> list[str]:
     mixed = prepare.mixed_sources(data)
     for index, (name, settings) in enumerate(mixed):
         sources.find(settings.files, _key(index, name))
-    return [str(prepare.prepare(settings, data.prepare_workers)[0].folder)
-            for _, settings in mixed]
+    return [str(prepare.prepare(settings, data.prepare_workers)[0].folder) for _, settings in mixed]
 
 
-def mixture_splits(data: DataConfig, folders: list[str], seed: int
-                   ) -> tuple[Mixture, Any, Any, corpus.TokenFiles]:
+def mixture_splits(
+    data: DataConfig, folders: list[str], seed: int
+) -> tuple[Mixture, Any, Any, corpus.TokenFiles]:
     """(train: the mixture, val, test: pooled, the first source's entry for the vocabulary)."""
     rank, world, slots = reading(data)
     prepared = [corpus.load(Path(folder)) for folder in folders]
@@ -63,7 +63,8 @@ def mixture_splits(data: DataConfig, folders: list[str], seed: int
         for split in held_out:
             if files.tokens[split] >= data.seq_len:  # a small source may hold out nothing
                 held_out[split].append(
-                    TokenWindows(str(files.path(split)), files.dtype, data.seq_len))
+                    TokenWindows(str(files.path(split)), files.dtype, data.seq_len)
+                )
     val, test = pooled(data, held_out)
     return Mixture(mixed, seed, rank, world), val, test, prepared[0]
 
@@ -72,8 +73,10 @@ def streamed_splits(data: DataConfig, seed: int) -> tuple[Mixture, Any, Any, int
     """(train: the mixture of streamed sources, val, test: pooled, the vocabulary's size). Every
     source's files are found and cut before any is read for its held-out documents."""
     rank, world, slots = reading(data)
-    plans = [filestream.plan(settings, source_seed(seed, name), _key(index, name))
-             for index, (name, settings) in enumerate(prepare.mixed_sources(data))]
+    plans = [
+        filestream.plan(settings, source_seed(seed, name), _key(index, name))
+        for index, (name, settings) in enumerate(prepare.mixed_sources(data))
+    ]
     mixed: list[Source] = []
     held_out: dict[str, list[Dataset[Any]]] = {"val": [], "test": []}
     for index, (entry, plan) in enumerate(zip(data.mix, plans)):
@@ -97,12 +100,14 @@ def check_source(plan: filestream.StreamPlan, key: str, world: int, slots: int) 
             f"{slots // world} loader worker(s)), and each slot reads whole shards of every "
             f"source (a file, or {shards.SHARD_BYTES >> 20} MB of a plain-text or JSON Lines "
             f"file); give the source at least {slots} files, use fewer data.num_workers, or set "
-            "data.stream: false")
+            "data.stream: false"
+        )
     if next(iter(filestream.FileReader(plan, 0, 1)), None) is None:
         raise ConfigError(
             f"{key}: the stream yields nothing: no file holds data.seq_len={plan.seq_len} tokens "
             "of training documents (every document empty, or held out); check its files and "
-            "data.text_field")
+            "data.text_field"
+        )
 
 
 def reading(data: DataConfig) -> tuple[int, int, int]:
@@ -118,13 +123,16 @@ def source_seed(seed: int, name: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{seed}/{name}".encode()) % (1 << 31)
 
 
-def pooled(data: DataConfig, held_out: dict[str, list[Dataset[Any]]]
-           ) -> tuple[ConcatDataset[Any] | None, ConcatDataset[Any] | None]:
+def pooled(
+    data: DataConfig, held_out: dict[str, list[Dataset[Any]]]
+) -> tuple[ConcatDataset[Any] | None, ConcatDataset[Any] | None]:
     """(val, test): every source's held-out windows together."""
     if not held_out["val"] and data.val_fraction > 0:
-        raise ConfigError(f"data.mix: no source holds out data.seq_len={data.seq_len} tokens for "
-                          "validation; use more text, a larger data.val_fraction or a shorter "
-                          "seq_len")
+        raise ConfigError(
+            f"data.mix: no source holds out data.seq_len={data.seq_len} tokens for "
+            "validation; use more text, a larger data.val_fraction or a shorter "
+            "seq_len"
+        )
     return _joined(held_out["val"]), _joined(held_out["test"])
 
 
