@@ -104,14 +104,7 @@ def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterato
         if not line.strip():
             continue
         where = f"{shard.source.path}: the line at byte {start}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object"
-            ) from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{where}: not UTF-8 text") from None
+        row = sources.json_line(line, where)
         yield Unit(sources._field(row, text_field, where), True, start, index, start)
         index += 1
 

@@ -211,16 +211,20 @@ def _json_rows(source: SourceFile) -> Iterator[tuple[Any, int, str, int]]:
             if not line.strip():
                 continue
             where = f"{source.path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object"
-                ) from None
-            except UnicodeDecodeError:
-                raise ConfigError(f"{where}: not UTF-8 text") from None
-            yield row, document, where, raw.tell()
+            yield json_line(line, where), document, where, raw.tell()
             document += 1
+
+
+def json_line(line: str | bytes, where: str) -> Any:
+    """One JSON Lines record, or one line naming `where` (file and line, or byte) and the fault."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object"
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text") from None
 
 
 def _field(row: Any, text_field: str, where: str) -> str:
