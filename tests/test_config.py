@@ -14,7 +14,13 @@ import pytest
 import yaml
 
 from qgtrain.config import SECTIONS, RunConfig
-from qgtrain.config.load import config_from_dict, config_to_dict, dump_yaml, load_config
+from qgtrain.config.load import (
+    config_from_dict,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+    with_overrides,
+)
 from qgtrain.foundation.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +204,22 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config([write(tmp_path, text)])
+
+
+def test_one_entry_of_a_mapping_setting_is_set_on_its_own_and_checked_with_the_mapping(tmp_path):
+    """`--set optim.args.momentum=0.9`, as qgtrain's own messages name the key: merged into the
+    file's mapping and earlier --set entries, then checked whole (a misspelled entry named)."""
+    file = write(tmp_path, "optim:\n  name: sgd\n  args: {nesterov: true, momentum: 0.5}\n")
+    assert load_config([], ["optim.name=sgd", "optim.args.momentum=0.9"]).optim.args == {
+        "momentum": 0.9
+    }
+    cfg = load_config([file], ["optim.args.momentum=0.9", "optim.args.dampening=0"])
+    assert cfg.optim.args == {"nesterov": True, "momentum": 0.9, "dampening": 0}
+    assert with_overrides(cfg, ["optim.args.momentum=0.8"]).optim.args["momentum"] == 0.8
+    with pytest.raises(ConfigError, match=r"--set: optim.args.momentun: .*Did you mean 'momentum'"):
+        load_config([file], ["optim.args.momentun=0.9"])
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.args.a.b'"):
+        load_config([file], ["optim.args.a.b=1"])
 
 
 def test_null_for_an_optional_text_is_its_empty_default_and_a_task_is_named_in_one_line(tmp_path):

@@ -21,9 +21,6 @@ from ..foundation.errors import ConfigError, first_line
 from .convert import convert, describe, did_you_mean, parse_yaml_text
 from .run import SECTIONS, RunConfig, check_rules
 
-OPTIONS = "task.options"
-
-
 DEFAULT_FILE = Path("config.yaml")
 
 
@@ -43,18 +40,19 @@ def load_config(paths: Iterable[str | Path] = (), sets: Iterable[str] = ()) -> R
     for path in paths:
         values.update(_anchored(_flatten(_read_yaml(Path(path)), str(path)), Path(path).parent))
         sources.append(str(path))
-    from_files = values.get(OPTIONS, ({}, ""))[0]
-    parsed = _parse_sets(sets, dict(from_files) if isinstance(from_files, dict) else {})
+    parsed = _parse_sets(sets, values)
     values.update(parsed)
     sources += ["--set"] if parsed else []
     return build_config(values, ", ".join(dict.fromkeys(sources)) or "defaults")
 
 
 def _parse_sets(
-    sets: Iterable[str], options: dict[str, Any] | None = None
+    sets: Iterable[str], earlier: Mapping[str, tuple[Any, str]]
 ) -> dict[str, tuple[Any, str]]:
-    """`--set KEY=VALUE` as (text, '--set') per dotted key; task.options.NAME=VALUE merge into
-    `options`."""
+    """`--set KEY=VALUE` as (text, '--set') per dotted key. `KEY.NAME=VALUE` on a mapping setting
+    (task.options, optim.args) sets that one entry, merged into the mapping as `earlier` values
+    (the files, or a resolved config) and earlier --set left it; the whole mapping is then checked
+    as a file's would be."""
     values: dict[str, tuple[Any, str]] = {}
     for assignment in sets:
         key, sep, text = assignment.partition("=")
@@ -65,14 +63,39 @@ def _parse_sets(
             )
         if key == "task":
             key = "task.factory"
-        if key.startswith(OPTIONS + "."):  # one option of the user's task, merged into the others
-            options = dict(options or {})
-            options[key.removeprefix(OPTIONS + ".")] = parse_yaml_text(text, f"--set {key}")
-            values[OPTIONS] = (options, "--set")
+        mapping, _, entry = key.rpartition(".") if _is_mapping_entry(key) else ("", "", "")
+        if mapping:
+            merged = _mapping_so_far(mapping, {**earlier, **values})
+            merged[entry] = parse_yaml_text(text, f"--set {key}")
+            values[mapping] = (merged, "--set")
         else:
             _check_key(key, "--set")
             values.update(_anchored({key: (text, "--set")}, Path.cwd()))
     return values
+
+
+def _is_mapping_entry(key: str) -> bool:
+    """Whether `key` is SECTION.NAME.ENTRY with SECTION.NAME a mapping setting."""
+    section, _, rest = key.partition(".")
+    name, _, entry = rest.partition(".")
+    if not entry or "." in entry or section not in SECTIONS or name not in _field_names(section):
+        return False
+    return typing.get_origin(typing.get_type_hints(SECTIONS[section])[name]) is dict
+
+
+def _mapping_so_far(key: str, values: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """The mapping a `--set KEY.ENTRY` adds to: an earlier file's or --set's, or the default's."""
+    raw, origin = values.get(key, (None, ""))
+    if raw is None:
+        default = _field(*key.split(".")).default_factory
+        raw = default() if callable(default) else {}
+    if isinstance(raw, str) and origin == "--set":
+        raw = parse_yaml_text(raw, f"--set {key}")
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{origin}: {key}: expected a mapping of names to values, got {describe(raw)}"
+        )
+    return dict(raw)
 
 
 def _anchored(values: dict[str, tuple[Any, str]], base: Path) -> dict[str, tuple[Any, str]]:
@@ -107,7 +130,7 @@ def with_overrides(cfg: RunConfig, sets: Iterable[str]) -> RunConfig:
     """A resolved config with `--set KEY=VALUE` overrides applied, validated once more as a
     whole."""
     values = _flatten(config_to_dict(cfg), "the given config")
-    values.update(_parse_sets(sets, dict(cfg.task.options)))
+    values.update(_parse_sets(sets, values))
     return build_config(values, "the given config, --set")
 
 
