@@ -20,6 +20,7 @@ import torch
 
 from .config import RunConfig
 from .config.load import config_to_dict
+from .config.model import with_pretrained_tokenizer
 from .data.loaders import build_loaders
 from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .foundation.task import ReadyTask
@@ -37,7 +38,6 @@ from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
 from .tasks.build import TaskSource, build_task, naming_the_task
-from .tasks.pretrained import with_pretrained_tokenizer
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of

@@ -366,3 +366,53 @@ def test_two_ranks_learn_the_answers_and_a_killed_run_resumes_bit_for_bit(tmp_pa
     want = checkpoint_state(reference / "checkpoints" / f"step-{STEPS}")
     have = checkpoint_state(run / "checkpoints" / f"step-{STEPS}")
     assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
+
+
+def pretrained_folder(folder: Path, with_tokenizer: bool) -> Path:
+    """A small gpt2 as save_pretrained writes it, with the chat tokenizer beside it or without."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer_folder(folder, MARKED)
+    config = GPT2Config(
+        vocab_size=len(AutoTokenizer.from_pretrained(folder)),
+        n_positions=128,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+    )
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    if not with_tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def test_chat_data_on_a_pretrained_folder_uses_its_tokenizer_without_data_tokenizer(tmp_path):
+    """data.tokenizer left at byte: the folder's own tokenizer, chat template included, is the one
+    checked and used; a folder without a tokenizer is refused in one line before any data is
+    read."""
+    write_jsonl(tmp_path / "talk.jsonl", conversations(40, 7))
+    args = [
+        "train",
+        "--set",
+        "data.name=files",
+        f"data.files=[{tmp_path}/talk.jsonl]",
+        "data.format=chat",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=64",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "logging.tensorboard=false",
+    ]
+    model = pretrained_folder(tmp_path / "model", with_tokenizer=True)
+    done = cli(*args, f"model.pretrained={model}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"using the tokenizer of model.pretrained ({model})" in done.stderr
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+
+    bare = pretrained_folder(tmp_path / "bare", with_tokenizer=False)
+    out = cli(*args, f"model.pretrained={bare}", "--run-dir", str(tmp_path / "run2"), cwd=tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("qgtrain: error: ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"model.pretrained: {bare} has no tokenizer (tokenizer.json)" in errors[0]
+    assert not (tmp_path / "run2" / "checkpoints").exists()

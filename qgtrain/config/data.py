@@ -138,11 +138,11 @@ def data_rules(cfg: RunConfig) -> Problem:
             f"{cfg.data.format} reads data files; set data.name: files "
             f"(data.name is {cfg.data.name})"
         )
-    if cfg.data.format == "chat" and cfg.data.tokenizer == "byte":
+    if cfg.data.format == "chat" and cfg.data.tokenizer == "byte" and not cfg.model.pretrained:
         return "data.tokenizer", (
             "'byte' has no chat template; data.format: chat needs a Hugging "
             "Face tokenizer folder with one (tokenizer_config.json's "
-            "chat_template)"
+            "chat_template), or model.pretrained's own"
         )
     if cfg.data.val_fraction + cfg.data.test_fraction >= 0.9:
         return "data.test_fraction", (

@@ -3,9 +3,12 @@ factory."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from ..foundation.errors import ConfigError
 from .fields import Problem, factory_problem, setting
 
 if TYPE_CHECKING:
@@ -59,3 +62,22 @@ def model_rules(cfg: RunConfig) -> Problem:
             f"{cfg.model.lora_alpha} must be above 0 (e.g. 2 x model.lora_rank)"
         )
     return factory_problem("model.factory", cfg.model.factory)
+
+
+def with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
+    """model.pretrained brings its own tokenizer unless data.tokenizer names one: fine-tuning on a
+    different tokenization would silently feed the model the wrong ids. Chat data needs the
+    folder's tokenizer for its chat template, so a folder without one is refused here, before any
+    data is read. Used by `train` and `data prepare` alike: both tokenize the same way."""
+    pretrained = cfg.model.pretrained
+    if not pretrained or cfg.data.tokenizer != "byte":
+        return cfg
+    if Path(pretrained, "tokenizer.json").is_file():
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=pretrained))
+    if cfg.data.format == "chat":
+        raise ConfigError(
+            f"model.pretrained: {pretrained} has no tokenizer (tokenizer.json), and data.format: "
+            "chat renders conversations with a tokenizer's chat template. HINT: set "
+            "data.tokenizer to the model's tokenizer folder"
+        )
+    return cfg

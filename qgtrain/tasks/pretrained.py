@@ -10,7 +10,6 @@ per rank, and rank 0's refusal is every rank's (tasks/build.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import RunConfig
 from ..foundation.errors import ConfigError, first_line
 from .empty_weights import building_empty, is_building_empty
 
@@ -85,12 +83,3 @@ def weight_files(folder: Path) -> list[str]:
         for p in folder.iterdir()
         if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")
     )
-
-
-def with_pretrained_tokenizer(cfg: RunConfig) -> RunConfig:
-    """model.pretrained brings its own tokenizer unless data.tokenizer names one: fine-tuning on a
-    different tokenization would silently feed the model the wrong ids."""
-    pretrained = cfg.model.pretrained
-    if pretrained and cfg.data.tokenizer == "byte" and Path(pretrained, "tokenizer.json").is_file():
-        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=pretrained))
-    return cfg
