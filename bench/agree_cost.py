@@ -2,12 +2,14 @@
 each).
 
 Two gloo ranks on the CPU train a GPT-2 with the trainer's own accumulate_gradients and optimizer
-    step,
-in alternating blocks of steps, each block one way of agreeing on the five stop flags every step:
-  none no agreement (the floor); sync a blocking all-reduce after the step (what qgtrain did before
-  2026-11-23); async an all-reduce started before the forward and read after the backward (what the
-  trainer does); fold the flags appended to DDP's last gradient bucket by a comm hook, so no
-  collective of their own: free in messages, but the bucket is copied once more every step.
+step, in alternating blocks of steps, each block one way of agreeing on the five stop flags every
+step:
+  none   no agreement (the floor);
+  sync   a blocking all-reduce after the step (what qgtrain did before 2026-11-23);
+  async  an all-reduce started before the forward and read after the backward (what the trainer
+         does);
+  fold   the flags appended to DDP's last gradient bucket by a comm hook, so no collective of their
+         own: free in messages, but the bucket is copied once more every step.
 Each is reported as its median step time over the floor's. Usage: python -m bench.agree_cost
 [--preset main|tiny] [--rounds 4] [--steps 60]
 """

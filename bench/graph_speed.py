@@ -3,18 +3,13 @@ loop (bench/handwritten_graph.py), alternated in one invocation: steps/s and tim
 to the first optimizer step.
 
 The causal LM of bench/train_speed.py has fixed-shape batches from a memory-mapped file; this task
-    is the
-other kind a user brings: a dataset that builds every sample in Python, a collate that packs graphs
-    of
-varying size into a dataclass, and a model of small scatter kernels, with steps of about 10 ms on
-    two CPU
-ranks, where whatever the loop adds per step shows. Both sides train the same model from
-the same seed on the same shards, with the same settings (read from the resolved config and handed
-    to the
-baseline), launched the same way and measured by the same code as train_speed.py; qgtrain's periodic
-checkpoints, validations, TensorBoard and early stopping are off so the same work is timed, and its
-    final
-validation, test and checkpoint fall after the last timed interval.
+is the other kind a user brings: a dataset that builds every sample in Python, a collate that packs
+graphs of varying size into a dataclass, and a model of small scatter kernels, with steps of about
+10 ms on two CPU ranks, where whatever the loop adds per step shows. Both sides train the same model
+from the same seed on the same shards, with the same settings (read from the resolved config and
+handed to the baseline), launched the same way and measured by the same code as train_speed.py;
+qgtrain's periodic checkpoints, validations, TensorBoard and early stopping are off so the same work
+is timed, and its final validation, test and checkpoint fall after the last timed interval.
 Usage: python -m bench.graph_speed [--rounds 6] [--steps 150] [--device cpu|cuda] [--world 2]
        [--precision fp32|bf16] [--set train.agree_every=10 ...]
 """

@@ -3,15 +3,11 @@ alternated in one invocation: steps/s, time from process start to the first opti
 spent waiting for data.
 
 Both train the same GPT-2 on the same token file, launched the same way (one process per rank,
-    torchrun's
-variables), logging every 10 steps; qgtrain's periodic checkpoints and validations are off so the
-    same work
-is timed, and it writes TensorBoard events as config.yaml's default does. The default is the main
-    job's
-model (config.yaml: 4 layers, 128 wide) on 2 gloo ranks on the CPU;
+torchrun's variables), logging every 10 steps; qgtrain's periodic checkpoints and validations are
+off so the same work is timed, and it writes TensorBoard events as config.yaml's default does. The
+default is the main job's model (config.yaml: 4 layers, 128 wide) on 2 gloo ranks on the CPU;
 `--preset gpt2-124m --device cuda --world 1` is GPT-2 124M's shape (12 layers, 768 wide, 1024
-    tokens) in
-bf16 with fused AdamW on one GPU (NCCL), where model FLOPs utilisation is reported too.
+tokens) in bf16 with fused AdamW on one GPU (NCCL), where model FLOPs utilisation is reported too.
 Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m] [--device
        cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile] [--peak-tflops 989]
 """

@@ -8,9 +8,10 @@ the machine's failure or the run's own), NCCL's aborts and Flight Recorder dumps
 NCCL's watchdog took down leaves no note), and the run's history of failures per node. The answer is
 one line the script acts on:
 
-    retry a new srun step in this allocation, from the last committed checkpoint requeue
-    [NODE[,NODE]] requeue the job, keeping it away from these nodes end the run's own failure (a new
-    attempt would fail the same way), or nothing left
+    retry                  a new srun step in this allocation, from the last committed checkpoint
+    requeue [NODE[,NODE]]  requeue the job, keeping it away from these nodes
+    end                    the run's own failure (a new attempt would fail the same way), or
+                           nothing left
 
 Each failure is recorded in status.json, so `qgtrain runs` shows the retries and their causes. No
 torch is imported: the answer comes at once on the batch node.
@@ -135,7 +136,8 @@ def recover(
     spare_nodes: int | None,
 ) -> Decision:
     """Decide, and record the failure and the decision in the run's status (the script acts on
-    it)."""
+    it). A run directory others can write is refused first: the job ends rather than act on it."""
+    rundir.require_safe(run_dir)
     run = rundir.RunDir(run_dir)
     if isinstance(srun_log, Path):
         try:

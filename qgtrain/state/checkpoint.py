@@ -1,7 +1,8 @@
 """The on-disk checkpoint format: files written in a staging folder, committed by one atomic rename.
 
-    checkpoints/step-<N>/ committed: manifest.json lists every file with its size and xxh3 checksum
-    checkpoints/.tmp-step-<N>-<run id>/ being written; never counts, removed when found stale
+    checkpoints/step-<N>/                 committed: manifest.json lists every file with its
+                                          size and xxh3 checksum
+    checkpoints/.tmp-step-<N>-<run id>/   being written; never counts, removed when found stale
 
 (layout.py names every file of a checkpoint.)
 
