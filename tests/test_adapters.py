@@ -40,6 +40,7 @@ LORA = [
     "optim.schedule=constant",
     "logging.tensorboard=false",
     "model.lora_dropout=0.1",
+    "train.ema_decay=0.9",  # the adapters' EMA: resumed bit for bit, exported with --weights ema
 ]
 
 
@@ -199,6 +200,36 @@ def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_p
     assert all(torch.allclose(written[k], expected[k], atol=1e-6) for k in expected)
     original = load_file(runs["base"] / "model.safetensors")
     assert not torch.equal(written["lm_head.weight"], original["lm_head.weight"])
+    card = (adapter / "README.md").read_text()
+    assert "library_name: peft" in card and "LoRA adapters (rank 4) of the model `base`" in card
+    assert "PeftModel.from_pretrained(base" in card and f"| steps | {STEPS} |" in card
+    assert "library_name: transformers" in (merged / "README.md").read_text()
+
+
+def test_an_adapter_run_exports_the_adapters_ema_with_weights_ema(runs, tmp_path):
+    """--weights ema writes the average of each adapter (the base is frozen, so never averaged)
+    in place of the trained adapter; peft loads it."""
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ema"
+    done = cli("export", str(runs["ddp"]), "--out", str(out), "--weights", "ema", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step = runs["ddp"] / "checkpoints" / f"step-{STEPS}"
+    averages = torch.load(step / "ema.pt", weights_only=True)
+    exported = load_file(out / "adapter_model.safetensors")
+    assert exported
+    adapters = {name: t for name, t in exported.items() if ".lora_" in name}
+    assert len(adapters) == len(averages) == 10, sorted(averages)  # 2 x (q, v) x 2 layers, lm_head
+    for name, tensor in adapters.items():
+        trained_as = name.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+        assert torch.equal(tensor, averages[trained_as].float()), name
+    trained = torch.load(step / "model.pt", weights_only=True)
+    assert any(not torch.equal(trained[name], averages[name]) for name in averages)
+    assert "| weights | the EMA of the trained weights" in (out / "README.md").read_text()
+    base = transformers.AutoModelForCausalLM.from_pretrained(runs["base"])
+    PeftModel.from_pretrained(base, out)
 
 
 def test_a_merged_export_too_large_to_run_is_streamed_without_building_the_model(

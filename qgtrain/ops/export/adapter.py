@@ -28,7 +28,7 @@ from ...config import RunConfig
 from ...data import tokenizer
 from ...foundation.errors import CheckpointError, QgtrainError
 from ...foundation.task import BUILTIN_LM
-from ...state import checkpoint, layout
+from ...state import checkpoint, ema_files, layout
 from ...state.weights import describe
 from ...training.adapters import base_identity, lora_config
 from . import merging, rebuild, stream
@@ -37,10 +37,16 @@ PREFIX = "base_model.model."  # what a PeftModel puts before the adapted model's
 
 
 def write(
-    ckpt: checkpoint.Checkpoint, cfg: RunConfig, staging: Path, merge: bool, dtype: torch.dtype
+    ckpt: checkpoint.Checkpoint,
+    cfg: RunConfig,
+    staging: Path,
+    merge: bool,
+    dtype: torch.dtype,
+    weights: str = "model",
 ) -> tuple[str, float | None]:
     """Write the export into `staging`; returns its kind and the largest output difference found
-    when it was reloaded (None: a merged model too large to run, checked by names and shapes)."""
+    when it was reloaded (None: a merged model too large to run, checked by names and shapes).
+    `weights`: the trained adapters (model) or their EMA (ema): the frozen base has none."""
     saved = checkpoint.load_json(ckpt, layout.STATE).get("adapter") or {}
     if not cfg.model.pretrained and not merge:
         raise QgtrainError(
@@ -53,9 +59,9 @@ def write(
     base = Path(cfg.model.pretrained).resolve() if cfg.model.pretrained else None
     streamed = base is not None and cfg.task.factory == BUILTIN_LM and merging.streamable(base)
     if merge and streamed and base is not None:
-        diff = _streamed(ckpt, cfg, saved, base, staging, dtype, run)
+        diff = _streamed(ckpt, cfg, saved, base, staging, dtype, run, weights)
     else:
-        diff = _in_memory(ckpt, cfg, saved, staging, merge, dtype, run)
+        diff = _in_memory(ckpt, cfg, saved, staging, merge, dtype, run, weights)
     if facts.get("tokenizer"):
         tokenizer.save(facts["tokenizer"], staging, cfg.data.seq_len)
     return ("merged" if merge else "peft adapter"), diff
@@ -69,12 +75,13 @@ def _streamed(
     staging: Path,
     dtype: torch.dtype,
     run: Any,
+    weights: str,
 ) -> float | None:
     """The merge tensor by tensor; the run's model is built whole only to take the outputs the
     reloaded folder must give, and freed before the folder is loaded."""
 
     def expected() -> list[torch.Tensor]:
-        model = _adapted_base(ckpt, cfg, saved)[0]
+        model = _adapted_base(ckpt, cfg, saved, weights)[0]
         if dtype == torch.float32:
             return rebuild.outputs(model, run)
         merging.untie_adapted(model)
@@ -86,7 +93,7 @@ def _streamed(
 
     _check_base(ckpt, cfg, saved, base_identity(torch.nn.Module(), cfg))  # a folder: its files
     lora = lora_config(cfg.model, saved["lora"]["targets"], str(base))
-    adapters = stream.checkpoint_reader(ckpt)
+    adapters = _adapter_reader(ckpt, weights)
     return merging.write(base, adapters, lora, staging, dtype, run, expected)
 
 
@@ -98,8 +105,9 @@ def _in_memory(
     merge: bool,
     dtype: torch.dtype,
     run: Any,
+    weights: str,
 ) -> float:
-    model, base_path = _adapted_base(ckpt, cfg, saved)
+    model, base_path = _adapted_base(ckpt, cfg, saved, weights)
     if merge:
         diff = _merged(model, staging, dtype, run)
     else:
@@ -109,10 +117,10 @@ def _in_memory(
 
 
 def _adapted_base(
-    ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any]
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], weights: str
 ) -> tuple[Any, str]:
     """The run's model: its base as training built it, in a PeftModel holding the checkpoint's
-    adapters."""
+    adapters (or their EMA)."""
     from peft import get_peft_model
 
     base = rebuild.rebuild_task(cfg).model
@@ -123,11 +131,17 @@ def _adapted_base(
     )
     inner = model.base_model.model
     wanted = {name: p for name, p in inner.named_parameters() if p.requires_grad}
-    adapters = stream.checkpoint_reader(ckpt)(wanted)
+    adapters = _adapter_reader(ckpt, weights)(wanted)
     with torch.no_grad():
         for name, param in wanted.items():
             param.copy_(adapters[name])
     return model.eval(), base_path
+
+
+def _adapter_reader(ckpt: checkpoint.Checkpoint, weights: str) -> stream.Reader:
+    """The adapters as trained, or their EMA: saved under the same names, since only the adapters
+    are trained and so only they are averaged."""
+    return ema_files.reader(ckpt) if weights == "ema" else stream.checkpoint_reader(ckpt)
 
 
 def _check_base(

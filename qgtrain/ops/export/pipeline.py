@@ -35,6 +35,11 @@ LM_USAGE = """from transformers import pipeline
 generate = pipeline("text-generation", model="path/to/this/folder")
 print(generate("def main(", max_new_tokens=40)[0]["generated_text"])"""
 
+ADAPTER_USAGE = """import transformers
+from peft import PeftModel
+base = transformers.AutoModelForCausalLM.from_pretrained("path/to/{base}")
+model = PeftModel.from_pretrained(base, "path/to/this/folder")"""
+
 
 @dataclass(frozen=True)
 class Exported:
@@ -175,7 +180,8 @@ def _card_and_meta(
     published = writer.publishable(config_to_dict(saved))
     card = writer.model_card(
         saved.train.run_name,
-        model,
+        f"A `{type(model).__name__}`",
+        writer.library_of(model),
         saved.task.factory,
         facts,
         published,
@@ -190,6 +196,28 @@ def _card_and_meta(
         "config": published,
     }
     return card, meta
+
+
+def _adapter_card(
+    ckpt: checkpoint.Checkpoint, saved: RunConfig, kind: str, chosen: str, weights: str
+) -> str:
+    """The card of an adapter export (in place of peft's blank template) or of its merged model:
+    the run's facts, the config, and how to load it; the base by its folder's name only, since its
+    path names the user's home and cluster."""
+    facts = {**origin.run_facts(ckpt, saved, None), "dtype": chosen, "weights": weights}
+    base = Path(saved.model.pretrained).name if saved.model.pretrained else "train.seed"
+    lora = f"LoRA adapters (rank {saved.model.lora_rank}) of the model `{base}`"
+    merged = kind == "merged"
+    return writer.model_card(
+        saved.train.run_name,
+        f"A model with {lora} merged in" if merged else lora,
+        "transformers" if merged else "peft",
+        saved.task.factory,
+        facts,
+        writer.publishable(config_to_dict(saved)),
+        LM_USAGE if merged else ADAPTER_USAGE.format(base=base),
+        "text-generation",
+    )
 
 
 def _export_adapter(
@@ -207,14 +235,10 @@ def _export_adapter(
             f"export --merge: {ckpt.path} trained no adapters (model.adapter: "
             "none); export it without --merge: that is the full model already"
         )
-    if weights != "model":
-        raise QgtrainError(
-            "export --weights ema: a run with adapters is exported by its trained "
-            "adapters; use --weights model"
-        )
     staging = target.staging(out)
     try:
-        kind, diff = adapter.write(ckpt, saved, staging, merge, stream.DTYPES[chosen])
+        kind, diff = adapter.write(ckpt, saved, staging, merge, stream.DTYPES[chosen], weights)
+        (staging / "README.md").write_text(_adapter_card(ckpt, saved, kind, chosen, weights))
         target.replace(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

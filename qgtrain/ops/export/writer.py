@@ -111,25 +111,26 @@ def size_in_bytes(size: str) -> int:
     )
 
 
+def library_of(model: nn.Module) -> str:
+    """The model card's library_name: what loads the folder."""
+    return "transformers" if kind_of(model) == "transformers" else "pytorch"
+
+
 def model_card(
     name: str,
-    model: nn.Module,
+    what: str,
+    library: str,
     task: str,
     facts: dict[str, Any],
     config: dict[str, Any],
     usage: str,
     pipeline_tag: str | None = None,
 ) -> str:
-    """What a reader of the folder wants to know: what it is, how it was trained (`config`:
-    publishable's), how to load it."""
+    """What a reader of the folder wants to know: what it is (`what`, e.g. the model's class), how
+    it was trained (`config`: publishable's), how to load it."""
     import yaml
 
-    kind = kind_of(model)
-    header = [
-        "---",
-        f"library_name: {'transformers' if kind == 'transformers' else 'pytorch'}",
-        "tags: [qgtrain]",
-    ]
+    header = ["---", f"library_name: {library}", "tags: [qgtrain]"]
     if pipeline_tag:
         header.append(f"pipeline_tag: {pipeline_tag}")
     return "\n".join(
@@ -138,7 +139,7 @@ def model_card(
             "---",
             f"# {name}",
             "",
-            f"A `{type(model).__name__}` trained with qgtrain (task `{task}`).",
+            f"{what} trained with qgtrain (task `{task}`).",
             "",
             facts_table(facts),
             "",
@@ -211,4 +212,6 @@ def facts_table(facts: dict[str, Any]) -> str:
     ]
     if facts.get("tokenizer") is not None:
         rows.append(("tokenizer", facts["tokenizer"]))
+    if facts.get("weights") == "ema":
+        rows.append(("weights", "the EMA of the trained weights (train.ema_decay)"))
     return "| fact | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
