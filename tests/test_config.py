@@ -202,8 +202,10 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
     ],
 )
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
-    with pytest.raises(ConfigError, match=expected):
-        load_config([write(tmp_path, text)])
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=expected) as caught:
+        load_config([path])
+    assert str(caught.value).startswith(f"{path}: "), "the message names the file first"
 
 
 def test_one_entry_of_a_mapping_setting_is_set_on_its_own_and_checked_with_the_mapping(tmp_path):

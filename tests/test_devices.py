@@ -465,20 +465,32 @@ def test_ranks_that_would_share_a_gpu_are_named_before_nccls_join(claims, named)
         )
 
 
-def exchange_through_the_job_store() -> list[str]:
+def claim_gpus_through_the_job_store(cards: list[str]) -> str | None:
+    """The join's own check, each rank claiming card cards[rank] of one node: what the rank refuses
+    with, or None."""
     import datetime
+    import json
     import os
 
-    from qgtrain.runtime import store
+    from qgtrain.foundation.errors import RendezvousError
+    from qgtrain.runtime import joining, store
     from qgtrain.runtime.rendezvous import from_environ
 
     env = from_environ(os.environ)
     job_store = store.job_store(env, datetime.timedelta(seconds=30))
-    return store.exchange(job_store, "gpu", f"rank {env.rank} here", env)
+    claim = json.dumps(["node1", f"cuda:{env.rank}", cards[env.rank]])
+    try:
+        joining.refuse_shared_gpus(job_store, env, claim)
+        return None
+    except RendezvousError as exc:
+        return str(exc)
 
 
 def test_ranks_tell_each_other_their_gpus_through_the_store_before_the_process_group():
+    """Two ranks naming different devices that are one card (the same UUID) both refuse, naming
+    each other; two cards pass. Real ranks, rank 0 hosting the store, no process group."""
     from tests.ranks import run_ranks
 
-    seen = run_ranks(2, exchange_through_the_job_store)
-    assert seen == [["rank 0 here", "rank 1 here"]] * 2
+    one_card = run_ranks(2, claim_gpus_through_the_job_store, ["GPU-aaaa", "GPU-aaaa"])
+    assert all(said and "ranks [0, 1] on node1" in said for said in one_card), one_card
+    assert run_ranks(2, claim_gpus_through_the_job_store, ["GPU-aaaa", "GPU-bbbb"]) == [None] * 2

@@ -385,3 +385,6 @@ def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_sti
         tmp_path,
     )
     assert wait_ranks(procs, 120) == [0, 0], (tmp_path / "rank-1.out").read_text()[-2000:]
+    trained = records(tmp_path / "run")
+    assert [r["step"] for r in trained] == list(range(1, 13)), "every step trained"
+    assert sum(trained[0]["startup_s"].values()) >= 6, "the start waited out rank 0's build"

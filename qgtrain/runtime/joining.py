@@ -28,7 +28,7 @@ def join(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.
     _new_process_group_helper's split_from)."""
     job_store = store.job_store(env, timeout)
     if device.type == "cuda":
-        _refuse_shared_gpus(job_store, env, device)
+        refuse_shared_gpus(job_store, env, gpu_claim(env, device))
     dist.init_process_group(
         backend,
         store=job_store,
@@ -39,15 +39,18 @@ def join(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.
     )
 
 
-def _refuse_shared_gpus(job_store: Any, env: DistEnv, device: torch.device) -> None:
+def gpu_claim(env: DistEnv, device: torch.device) -> str:
+    """Which GPU this rank drives, by the card's UUID: two ranks may name different devices (their
+    own CUDA_VISIBLE_DEVICES) and still drive one card."""
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    claims = [
-        json.loads(claim)
-        for claim in store.exchange(
-            job_store, "gpu", json.dumps([env.node_name, str(device), uuid]), env
-        )
-    ]
-    if (why := devices.shared_gpu([tuple(claim) for claim in claims])) is not None:
+    return json.dumps([env.node_name, str(device), uuid])
+
+
+def refuse_shared_gpus(job_store: Any, env: DistEnv, claim: str) -> None:
+    """Every rank tells the others its GPU claim through the store (no process group yet: NCCL would
+    hang or fail obscurely on a shared card) and all refuse together, naming the ranks."""
+    claims = [json.loads(each) for each in store.exchange(job_store, "gpu", claim, env)]
+    if (why := devices.shared_gpu([tuple(each) for each in claims])) is not None:
         raise RendezvousError(why)
 
 
