@@ -1,7 +1,12 @@
 """The lock file of a cache entry being tokenized (prepare.py): concurrent jobs that need the same
 entry wait for the one that holds it instead of doing the work twice, say whom they wait for, and
 give up after data.prepare_timeout_s naming the lock to remove. Where the filesystem has no locks
-the caller proceeds without one (prepare's rename alone keeps jobs from corrupting each other)."""
+the caller proceeds without one (prepare's rename alone keeps jobs from corrupting each other).
+
+An entry's modes are set here too, whatever the umask: a cache holds the text of the files it was
+made from, so it is the user's alone (0700 folder, 0600 files) unless logging.shared says the
+group may read it (0750, 0640); never writable by the group, whose edit of a token file would
+change what the user trains on. The folder stays 0700 while it is filled."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..foundation.errors import ConfigError
-from ..foundation.files import open_lock, read_holder, try_lock, write_holder
+from ..foundation.files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
 
 log = logging.getLogger("qgtrain")
 
@@ -61,3 +66,17 @@ def entry_lock(folder: Path, timeout_s: float) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def private_temp_dir(folder: Path) -> Path:
+    """A new folder to fill and rename to `folder`, that no one else can enter meanwhile."""
+    tmp = make_temp_dir(folder)
+    os.chmod(tmp, 0o700)
+    return tmp
+
+
+def seal(tmp: Path, shared: bool) -> None:
+    """Set the filled folder's modes before it is renamed into place (it holds only files)."""
+    for path in tmp.iterdir():
+        os.chmod(path, 0o640 if shared else 0o600)
+    os.chmod(tmp, 0o750 if shared else 0o700)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..foundation.errors import ConfigError
+from .opening import mapped
 
 if TYPE_CHECKING:
     from .sources import SourceFile
@@ -23,7 +24,7 @@ def parquet_columns(
     import pyarrow.parquet as pq
 
     try:
-        file = pq.ParquetFile(source.path)
+        file = pq.ParquetFile(mapped(source.path))
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError(f"{source.path}: not a readable parquet file ({exc})") from None
     for name in fields:
@@ -39,12 +40,12 @@ def arrow_columns(
 ) -> Iterator[tuple[list[list[Any]], int]]:
     import pyarrow as pa
 
-    mapped = pa.memory_map(source.path)
+    file = mapped(source.path)
     try:
-        reader = pa.ipc.open_stream(mapped)
+        reader = pa.ipc.open_stream(file)
     except pa.ArrowInvalid:
         try:
-            reader = pa.ipc.open_file(mapped)
+            reader = pa.ipc.open_file(file)
         except (pa.ArrowException, OSError) as exc:
             raise ConfigError(f"{source.path}: not a readable Arrow file ({exc})") from None
     for name in fields:
@@ -55,7 +56,7 @@ def arrow_columns(
         else (reader.get_batch(i) for i in range(reader.num_record_batches))
     )
     for batch in batches:
-        yield [batch.column(name).to_pylist() for name in fields], mapped.tell()
+        yield [batch.column(name).to_pylist() for name in fields], file.tell()
 
 
 def check_column(names: list[str], text_field: str, path: str) -> None:

@@ -22,8 +22,9 @@ import xxhash
 
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
-from ..foundation.files import make_temp_dir
 from . import tokenizer
+from .cache_lock import private_temp_dir, seal
+from .opening import check_reached, open_regular
 
 SPLITS = ("train", "val", "test")
 _SKIP_DIRS = {
@@ -57,8 +58,9 @@ class TokenFiles:
         return self.folder / f"{split}.bin"
 
 
-def prepare(data: DataConfig) -> TokenFiles:
-    """Tokenize the configured corpus into the cache, unless an identical entry is already there."""
+def prepare(data: DataConfig, shared: bool = False) -> TokenFiles:
+    """Tokenize the configured corpus into the cache, unless an identical entry is already there;
+    `shared` (logging.shared): the group may read it."""
     info = tokenizer.describe(data.tokenizer)
     docs = list(_documents(data.corpus, int(data.corpus_mb * 1_000_000)))
     digest = xxhash.xxh3_64()
@@ -82,7 +84,7 @@ def prepare(data: DataConfig) -> TokenFiles:
         "test": ids[n_train + n_val :],
     }
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(folder)  # its own new folder, never one planted (or linked) at a known name
+    tmp = private_temp_dir(folder)  # its own new folder, never one planted (or linked) there
     for split, tokens in parts.items():
         tokens.astype(dtype).tofile(tmp / f"{split}.bin")
     meta = {
@@ -95,6 +97,7 @@ def prepare(data: DataConfig) -> TokenFiles:
         "documents": len(docs),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    seal(tmp, shared)
     try:
         tmp.rename(folder)
     except OSError:  # another job finished the same entry first: theirs is identical
@@ -117,6 +120,7 @@ def load(folder: Path) -> TokenFiles:
 
 def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:
     """(name, text) pairs in a stable order, until `budget` bytes of text have been taken."""
+    walked = None  # a folder of the user's, whose files are reached as data.files' would be
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = _walk(root, (".py",))
@@ -125,7 +129,7 @@ def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:
         if root.is_file():
             files, root = [root], root.parent
         elif root.is_dir():
-            files = _walk(root, (".txt", ".md", ".rst", ".py"))
+            files, walked = _walk(root, (".txt", ".md", ".rst", ".py")), root
         else:
             raise ConfigError(
                 f"data.corpus: {source!r} is neither 'stdlib' nor an existing file or folder"
@@ -136,7 +140,10 @@ def _documents(source: str, budget: int) -> Iterator[tuple[str, str]]:
     for path in files:
         if taken >= budget:
             return
-        text = path.read_bytes()[: budget - taken].decode("utf-8", "replace")
+        if walked:
+            check_reached(path, walked, "data.corpus")
+        with open_regular(path) as handle:
+            text = handle.read(budget - taken).decode("utf-8", "replace")
         taken += len(text.encode("utf-8"))
         yield str(path.relative_to(root)), text
 

@@ -32,9 +32,8 @@ import xxhash
 
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
-from ..foundation.files import make_temp_dir
 from . import prepare_chat, sources, tokenizer
-from .cache_lock import entry_lock, is_ready
+from .cache_lock import entry_lock, is_ready, private_temp_dir, seal
 from .corpus import SPLITS, TokenFiles, load
 from .progress import Progress
 
@@ -85,20 +84,22 @@ def plan(data: DataConfig) -> Plan:
     return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
 
 
-def prepare_configured(data: DataConfig, workers: int | None) -> tuple[TokenFiles, bool]:
+def prepare_configured(
+    data: DataConfig, workers: int | None, shared: bool = False
+) -> tuple[TokenFiles, bool]:
     """`qgtrain data prepare`: the configured data tokenized into its cache, and whether this made
-    it."""
+    it. `shared` (logging.shared): the group may read the entry."""
     if data.name == "corpus":
         from . import corpus
 
-        return corpus.prepare(data), True
+        return corpus.prepare(data, shared), True
     if data.name != "files":
         raise ConfigError(
             f"data.name: '{data.name}' has nothing to prepare; use data.name: files (or corpus)"
         )
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers: {workers} is below 1")
-    return prepare(data, workers or data.prepare_workers)
+    return prepare(data, workers or data.prepare_workers, shared)
 
 
 def mixed_sources(data: DataConfig) -> list[tuple[str, DataConfig]]:
@@ -118,7 +119,7 @@ def mixed_sources(data: DataConfig) -> list[tuple[str, DataConfig]]:
     ]
 
 
-def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
+def prepare(data: DataConfig, workers: int = 0, shared: bool = False) -> tuple[TokenFiles, bool]:
     """The cache entry for data.files, and whether this call made it (False: it was already
     there)."""
     todo = plan(data)
@@ -131,9 +132,10 @@ def prepare(data: DataConfig, workers: int = 0) -> tuple[TokenFiles, bool]:
         if locked:  # whoever left a temporary folder behind is gone: the lock was free
             for leftover in todo.folder.parent.glob(f"{todo.folder.name}.tmp-*"):
                 _remove(leftover)
-        tmp = make_temp_dir(todo.folder)
+        tmp = private_temp_dir(todo.folder)
         try:
             _tokenize(todo, tmp, workers or len(os.sched_getaffinity(0)))
+            seal(tmp, shared)
             try:
                 tmp.rename(todo.folder)
             except OSError:  # another job without the lock finished first: its entry is identical

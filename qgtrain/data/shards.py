@@ -14,7 +14,6 @@ position saved by one world size names the same shard in another.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -22,6 +21,7 @@ from typing import Any, BinaryIO
 from ..foundation.errors import ConfigError
 from . import sources
 from .columns import check_column, column_texts
+from .opening import mapped, open_regular
 
 SHARD_BYTES = 16 << 20
 UNIT_BYTES = 1 << 20  # a plain-text file is read in units of about this many bytes of whole lines
@@ -75,7 +75,7 @@ def units(shard: Shard, text_field: str, index: int = 0, byte: int = -1) -> Iter
             if number >= index:
                 yield Unit(piece.text, piece.ends_document, piece.document, number, -1)
         return
-    with open(shard.source.path, "rb") as file:
+    with open_regular(shard.source.path) as file:
         if byte >= 0:
             file.seek(byte)
         elif shard.start > 0:  # the line that starts at `start` or after it is the first
@@ -90,7 +90,7 @@ def _seekable(file: sources.SourceFile) -> bool:
         return False
     if file.kind == "text":
         return True
-    with open(file.path, "rb") as handle:  # a JSON array is read whole, by sources.py
+    with open_regular(file.path) as handle:  # a JSON array is read whole, by sources.py
         return handle.read(64).lstrip()[:1] != b"["
 
 
@@ -134,7 +134,7 @@ def _parquet(file: sources.SourceFile) -> Any:
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(file.path)
+        return pq.ParquetFile(mapped(file.path))
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError(f"{file.path}: not a readable parquet file ({exc})") from None
 

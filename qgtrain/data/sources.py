@@ -17,10 +17,11 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..foundation.errors import ConfigError
-from .columns import arrow_columns, check_column, column_texts, parquet_columns
+from .columns import arrow_columns, column_texts, parquet_columns
+from .opening import check_reached, check_regular, glob_root, open_regular, read_text
 
 SUFFIXES = {
     ".txt": "text",
@@ -64,13 +65,15 @@ class Piece:
 
 
 def find(patterns: Sequence[str], key: str) -> list[SourceFile]:
-    """Every file the patterns name, in order (each glob sorted), each once."""
+    """Every file the patterns name, in order (each glob sorted), each once. A file found by a glob
+    or in a folder must be reached as opening.check_reached says; one named itself may be a link."""
     found: dict[str, SourceFile] = {}
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
+        magic = glob.has_magic(expanded)
         matches = (
             sorted(glob.glob(expanded, recursive=True))
-            if glob.has_magic(expanded)
+            if magic
             else [expanded]
             if os.path.exists(expanded)
             else []
@@ -78,6 +81,8 @@ def find(patterns: Sequence[str], key: str) -> list[SourceFile]:
         if not matches:
             raise ConfigError(f"{key}: {pattern!r} matches no file or folder")
         for match in matches:
+            if magic:
+                check_reached(match, glob_root(expanded), key)
             for path, kind in _expand(Path(match).resolve(), key):
                 stat = path.stat()
                 found.setdefault(
@@ -115,31 +120,61 @@ def _expand(path: Path, key: str) -> Iterator[tuple[Path, str]]:
         kind = kind_of(path)
         if kind is None:
             raise ConfigError(f"{key}: {path} is not a data file qgtrain reads; allowed: {ALLOWED}")
+        check_regular(path)
         yield path, kind
         return
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _json(path / "dataset_dict.json").get("splits", [])
         raise ConfigError(
             f"{key}: {path} holds a DatasetDict with splits {', '.join(splits)}; name the split "
             f"folders, e.g. data.files: ['{path}/train'] and data.val_files: ['{path}/validation']"
         )
     if (path / "state.json").is_file():
-        state = json.loads((path / "state.json").read_text())
-        for entry in state.get("_data_files", []):
-            yield path / entry["filename"], "arrow"
+        yield from ((file, "arrow") for file in _saved_files(path, key))
         return
     inside = sorted(
-        p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and kind_of(p)
+        p
+        for p in path.rglob("*")
+        if not p.name.startswith(".") and kind_of(p) and p.exists() and not p.is_dir()
     )
     if not inside:
         raise ConfigError(f"{key}: the folder {path} holds no data files; allowed: {ALLOWED}")
     for file in inside:
+        check_reached(file, path, key)
+        check_regular(file)
         yield file, str(kind_of(file))
 
 
-def _open(source: SourceFile) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
+def _saved_files(folder: Path, key: str) -> Iterator[Path]:
+    """The Arrow files a save_to_disk folder's state.json lists: plain file names inside it only
+    (whoever wrote state.json could name any path)."""
+    state = folder / "state.json"
+    entries = _json(state).get("_data_files", [])
+    for entry in entries if isinstance(entries, list) else [entries]:
+        name = entry.get("filename") if isinstance(entry, dict) else entry
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+            raise ConfigError(
+                f"{key}: {state} lists {name!r} in _data_files; only plain names of files in "
+                f"{folder} are read (as datasets' save_to_disk writes them)"
+            )
+        check_reached(folder / name, folder, key)
+        check_regular(folder / name)
+        yield folder / name
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(read_text(path))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _open(source: SourceFile) -> tuple[io.BufferedIOBase | BinaryIO, BinaryIO]:
     """The readable stream and the raw file under it, whose position counts bytes on disk."""
-    raw = open(source.path, "rb")
+    raw = open_regular(source.path)
     return (gzip.open(raw) if source.path.lower().endswith(".gz") else raw), raw
 
 

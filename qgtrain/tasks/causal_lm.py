@@ -44,7 +44,7 @@ def causal_lm(cfg: RunConfig) -> Task:
         splits = Splits(*mixture.streamed_splits(cfg.data, cfg.train.seed))
     elif cfg.data.mix:
         folders = distributed.main_works_long(
-            lambda: mixture.prepare_sources(cfg.data),
+            lambda: mixture.prepare_sources(cfg.data, cfg.logging.shared),
             f"is tokenizing the data.mix sources into {cfg.data.cache_dir}",
             ("data.prepare_timeout_s", cfg.data.prepare_timeout_s),
             lambda folders: all(Path(folder, "meta.json").is_file() for folder in folders),
@@ -53,7 +53,7 @@ def causal_lm(cfg: RunConfig) -> Task:
         splits = Splits(train, val, test, prepared.vocab_size)
     elif cfg.data.name in ("corpus", "files") and not cfg.data.stream:
         folder = distributed.main_works_long(
-            lambda: str(_prepare(cfg.data)),
+            lambda: str(_prepare(cfg.data, cfg.logging.shared)),
             f"is tokenizing the data into {cfg.data.cache_dir}",
             ("data.prepare_timeout_s", cfg.data.prepare_timeout_s),
             lambda folder: Path(folder, "meta.json").is_file(),
@@ -108,10 +108,10 @@ def _eos_id(data: DataConfig, prepared: corpus.TokenFiles | None) -> int | None:
     )
 
 
-def _prepare(data: DataConfig) -> Path:
+def _prepare(data: DataConfig, shared: bool) -> Path:
     if data.name == "files":
-        return prepare.prepare(data, data.prepare_workers)[0].folder
-    return corpus.prepare(data).folder
+        return prepare.prepare(data, data.prepare_workers, shared)[0].folder
+    return corpus.prepare(data, shared).folder
 
 
 def training_flops(model: torch.nn.Module, seq_len: int) -> float:

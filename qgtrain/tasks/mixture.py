@@ -31,13 +31,17 @@ from ..data.tokens import TokenWindows
 from ..foundation.errors import ConfigError
 
 
-def prepare_sources(data: DataConfig) -> list[str]:
-    """Rank 0's work: every source's cache entry (made where missing), once every source's files
-    are found (a pattern that matches nothing is named before anything is tokenized)."""
+def prepare_sources(data: DataConfig, shared: bool = False) -> list[str]:
+    """Rank 0's work: every source's cache entry (made where missing, readable by the group if
+    `shared`), once every source's files are found (a pattern that matches nothing is named before
+    anything is tokenized)."""
     mixed = prepare.mixed_sources(data)
     for index, (name, settings) in enumerate(mixed):
         sources.find(settings.files, _key(index, name))
-    return [str(prepare.prepare(settings, data.prepare_workers)[0].folder) for _, settings in mixed]
+    return [
+        str(prepare.prepare(settings, data.prepare_workers, shared)[0].folder)
+        for _, settings in mixed
+    ]
 
 
 def mixture_splits(
