@@ -146,8 +146,8 @@ def test_a_credential_in_logging_mlflow_uri_is_refused_before_anything_is_writte
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_new_run_directory_is_private_unless_shared(tmp_path, umask_022, shared):
     """Under umask 022 every folder is world-readable; a run's config, logs and weights are not for
-    everyone on the cluster. logging.shared opens it to the group (the umask decides), never to
-    writes by everyone."""
+    everyone on the cluster. logging.shared opens it to the group to read (0750), never to
+    writes."""
     run_dir = tmp_path / "runs" / "run"
     done = cli(
         "train",
@@ -162,7 +162,7 @@ def test_a_new_run_directory_is_private_unless_shared(tmp_path, umask_022, share
     )
     assert done.returncode == 0, done.stderr[-3000:]
     mode = stat.S_IMODE(run_dir.stat().st_mode)
-    assert mode == (0o755 if shared else 0o700), oct(mode)
+    assert mode == (0o750 if shared else 0o700), oct(mode)
     assert "open to other users" not in done.stderr
 
 

@@ -62,3 +62,8 @@ class SlurmConfig:
     snapshot_max_mb: float = setting(
         50.0, "refuse to submit when that copy would be larger (MB)", min=0.001
     )
+    snapshot_exclude: tuple[str, ...] = setting(
+        (),
+        "glob patterns of more files that copy leaves out, e.g. ['data/*', '*.ckpt'] (files "
+        "that look like secrets, such as .env*, *.pem, *_key, id_*, are always left out)",
+    )

@@ -14,11 +14,14 @@ without following a link, must be a plain file, and is never truncated.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import io
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import QgtrainError
@@ -47,12 +50,15 @@ def make_temp_dir(target: Path) -> Path:
             continue
 
 
-def write_atomic(path: Path, content: str | bytes) -> None:
+def write_atomic(path: Path, content: str | bytes, mode: int = 0o644) -> None:
+    """Write `path` whole: a new file under an unguessable name, renamed over it (a link planted at
+    `path` is replaced, never written through). Never writable by its group or others, whatever
+    the umask (a job file they could edit runs as you); `mode` may take more away."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         tmp = temp_name(path)
         try:
-            fd = os.open(tmp, flags, 0o666)
+            fd = os.open(tmp, flags, mode & ~0o022)
             break
         except FileExistsError:
             continue
@@ -63,6 +69,48 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def open_append(path: Path) -> io.TextIOWrapper:
+    """`path` opened to append text (a log), created owner-writable only if missing. Never through
+    a link, and only a plain file: a name planted in advance as a link to one of your files (or a
+    FIFO) is refused in one line naming it."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    not_plain = QgtrainError(
+        f"{path} is not a plain file (a folder, a FIFO or a device), where qgtrain appends "
+        "to a log. HINT: remove it"
+    )
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO no one reads, a folder
+            raise not_plain from None
+        if exc.errno != errno.ELOOP:
+            raise
+        raise QgtrainError(
+            f"{path} is a symbolic link where qgtrain appends to a log; a log is never "
+            "written through a link (it could point at any file). HINT: remove the link"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise not_plain
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def owner_writes_only() -> Iterator[None]:
+    """Take write permission from the group and others in the umask while a command writes into a
+    run directory: what torch, TensorBoard, submitit and mkdir create there with the umask's mode
+    (checkpoints, events, submitit's pickled job, folders) would otherwise be group-writable under
+    the umask 002 of many group project folders, and a job file a colleague can edit runs as you.
+    Reading is left as the umask says (logging.shared)."""
+    old = os.umask(0o077)
+    os.umask(old | 0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def open_lock(path: Path, mode: int) -> int:

@@ -90,7 +90,7 @@ def not_yours(top: Path, file: Path) -> str | None:
     folders = [top.joinpath(*parts[:i]) for i in range(len(parts))]
     try:
         for path, info in [(f, os.stat(f)) for f in folders] + [(file, os.lstat(file))]:
-            problem = _problem(path, info)
+            problem = ownership_problem(path, info)
             if problem:
                 return problem
     except OSError as exc:
@@ -98,7 +98,10 @@ def not_yours(top: Path, file: Path) -> str | None:
     return None
 
 
-def _problem(path: Path, info: os.stat_result) -> str | None:
+def ownership_problem(path: Path, info: os.stat_result) -> str | None:
+    """Why `path` (its lstat) could hold what someone else wrote: a link, another owner, or write
+    bits for its group or others. Shared by the code rule above and the run directory's
+    (rundir.require_safe)."""
     if stat.S_ISLNK(info.st_mode):
         return f"{path} is a symbolic link"
     if info.st_uid != os.getuid():

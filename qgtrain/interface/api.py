@@ -16,11 +16,13 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..config.load import config_files, load_config
+from ..foundation.files import owner_writes_only
 from ..run import train as _train
 from ..runtime.rendezvous import from_environ
 from ..tasks.build import TaskSource
 
 
+@owner_writes_only()  # as `qgtrain train`: nothing it writes is group-writable
 def train(
     config: RunConfig | str | Path | None = None,
     *,

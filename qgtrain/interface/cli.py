@@ -166,6 +166,13 @@ def _job_commands(sub: Any) -> None:
     )
     _config_args(snap)
     snap.add_argument("--job", default="", help="the Slurm job id (array jobs: <id>_<task>)")
+    snap.add_argument(
+        "--verify",
+        type=Path,
+        metavar="DIR",
+        help="(a submitted job, at each start) only check that the snapshot DIR is yours alone "
+        "and unchanged; exit 2 if not",
+    )
     snap.set_defaults(func=submitting.snapshot)
 
     after = sub.add_parser(

@@ -1,6 +1,7 @@
 """What each `qgtrain` command does, given its parsed arguments (cli.py parses them). Each imports
 what it needs when it runs, so `qgtrain --help`, `submit --dry-run` and `runs` answer at once on a
-login node."""
+login node. Those that write into a run directory (train, recover, and submitting.py's) run under
+files.owner_writes_only: nothing they or torch make there is group-writable, whatever the umask."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..config import RunConfig
+from ..foundation.files import owner_writes_only
 
 
 def load_args_config(args: argparse.Namespace) -> RunConfig:
@@ -19,6 +21,7 @@ def load_args_config(args: argparse.Namespace) -> RunConfig:
     return load_config(config_files(args.config), args.set)
 
 
+@owner_writes_only()
 def train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
     from ..run import train
@@ -53,6 +56,7 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+@owner_writes_only()
 def recover(args: argparse.Namespace) -> int:
     from ..launch import nodes, recovery
     from ..state.rundir import default_run_dir
@@ -115,7 +119,7 @@ def data_prepare(args: argparse.Namespace) -> int:
     setup_console(DistEnv(), cfg.logging.level)
     targets = [(f" (data.mix source {name})", data) for name, data in mixed_sources(cfg.data)]
     for source, data in targets or [("", cfg.data)]:
-        files, made = prepare_configured(data, args.workers)
+        files, made = prepare_configured(data, args.workers, cfg.logging.shared)
         counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())
         print(
             f"{'prepared' if made else 'already prepared, reused'} {files.folder}: tokens "

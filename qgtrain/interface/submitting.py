@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from ..config import RunConfig
+from ..foundation.files import owner_writes_only
 from .commands import load_args_config
 
 
+@owner_writes_only()
 def submit(args: argparse.Namespace) -> int:
     from ..launch.sbatch import render, submit_config
     from ..launch.slurm_checks import validate
@@ -112,9 +114,15 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     return 0
 
 
+@owner_writes_only()
 def snapshot(args: argparse.Namespace) -> int:
     from ..launch.runfrom import for_attempt
 
+    if args.verify:
+        from ..launch.snapseal import verify
+
+        verify(args.verify.absolute())
+        return 0
     found = for_attempt(load_args_config(args), args.job, Path.cwd())
     if found:
         code, config = found
@@ -122,6 +130,7 @@ def snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+@owner_writes_only()
 def next_stage(args: argparse.Namespace) -> int:
     from ..launch.stages import next_stage as after_stage
 

@@ -5,28 +5,31 @@ A job waits in the queue, and is requeued after preemptions, while its user edit
 qgtrain itself; each attempt would otherwise run whatever is on disk when it starts. The copy lives
 in `<run dir>/code/<hash>/` (`submit/`: the submit directory's files; `lib/qgtrain/`: the package;
 `snapshot.json`: the git commit, the diff and the hash). It is content-addressed: submitting
-unchanged code again finds the folder and copies nothing. No torch here.
+unchanged code again finds the folder (after checking it: snapseal.verify) and copies nothing.
+Files that may hold a credential are left out (secretfiles.py). No torch here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
 import subprocess
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..foundation.errors import ConfigError
 from ..state.rundir import create, is_run_dir
+from .secretfiles import left_out
+from .snapseal import RECORD as RECORD
+from .snapseal import entries_digest, remove, seal, verify
 
 KINDS_WITHOUT_GIT = (".py", ".yaml", ".yml", ".sh", ".json", ".toml")
 DIFF_CAP = 200_000  # characters of `git diff HEAD` kept in snapshot.json
 SKIPPED_DIRS = ("__pycache__",)
-RECORD = "snapshot.json"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Code:
 
     folder: Path
     digest: str
+    # the submit directory's files left out (secretfiles.left_out), for submit to name
+    skipped: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def workdir(self) -> Path:
@@ -55,44 +60,44 @@ class Files:
 
     entries: list[tuple[str, Path]]
     git: bool
+    skipped: tuple[str, ...] = ()
 
 
 def package_dir() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-def collect(submit_dir: Path, leave_out: tuple[Path, ...] = ()) -> Files:
+def collect(
+    submit_dir: Path, leave_out: tuple[Path, ...] = (), exclude: tuple[str, ...] = ()
+) -> Files:
     """The submit directory's files (with git: tracked and untracked-but-not-ignored ones; without:
     the Python, YAML, shell, JSON and TOML files below it) and qgtrain's. Folders in `leave_out`
-    (the runs, Slurm's output) are never code, even when no .gitignore says so."""
+    (the runs, Slurm's output) are never code, even when no .gitignore says so; files that may
+    hold a secret, or that `exclude` (slurm.snapshot_exclude) names, are left out and listed."""
     submit_dir = submit_dir.resolve()
     listed = _git_files(submit_dir)
     names = listed if listed is not None else _plain_files(submit_dir)
-    skipped = [p.resolve() for p in leave_out]
-    entries = [
-        (f"submit/{name}", submit_dir / name)
+    not_code = [p.resolve() for p in leave_out]
+    kept = [
+        name
         for name in names
-        if _is_entry(submit_dir / name) and not _under(submit_dir / name, skipped)
+        if _is_entry(submit_dir / name) and not _under(submit_dir / name, not_code)
     ]
+    secret = {name for name in kept if left_out(name, submit_dir / name, exclude)}
+    entries = [(f"submit/{name}", submit_dir / name) for name in kept if name not in secret]
     package = package_dir()
     entries += [
         (f"lib/qgtrain/{path.relative_to(package)}", path)
         for path in _walk(package)
         if path.suffix != ".pyc"
     ]
-    return Files(sorted(entries), listed is not None)
+    return Files(sorted(entries), listed is not None, tuple(sorted(secret)))
 
 
 def _is_entry(path: Path) -> bool:
     """A file, or a link, which the snapshot keeps as a link: what it points at (data, a key in the
     home folder) is never read or copied into the run directory."""
     return path.is_symlink() or path.is_file()
-
-
-def _contents(path: Path) -> bytes:
-    if path.is_symlink():
-        return os.readlink(path).encode(errors="surrogateescape")
-    return path.read_bytes()
 
 
 def _under(path: Path, folders: list[Path]) -> bool:
@@ -137,12 +142,9 @@ def _walk(folder: Path) -> list[Path]:
 
 
 def digest(files: Files) -> str:
-    """The hash of the file names and contents: the snapshot's folder name."""
-    total = hashlib.sha256()
-    for name, path in files.entries:
-        total.update(name.encode(errors="surrogateescape") + b"\0")
-        total.update(hashlib.sha256(_contents(path)).digest())
-    return total.hexdigest()[:16]
+    """The hash of the file names and contents: the snapshot's folder name, which its copy hashes
+    to again (snapseal.verify)."""
+    return entries_digest(files.entries)
 
 
 def check_size(files: Files, max_mb: float) -> int:
@@ -171,37 +173,56 @@ def take(
     max_mb: float,
     leave_out: tuple[Path, ...] = (),
     shared: bool = False,
+    exclude: tuple[str, ...] = (),
 ) -> Code:
-    """The snapshot of `submit_dir` under `code_dir` (<run dir>/code): found by its hash, or copied
-    there (into a temporary folder renamed into place, so a half copy is never used). The size is
-    checked before anything is written; the run directory is made as a run makes it
-    (rundir.create)."""
-    files = collect(submit_dir, leave_out)
+    """The snapshot of `submit_dir` under `code_dir` (<run dir>/code): found by its hash and
+    verified, or copied there (into a private temporary folder, sealed read-only and renamed into
+    place, so a half copy is never used). The size is checked before anything is written; the run
+    directory is made as a run makes it (rundir.create)."""
+    files = collect(submit_dir, leave_out, exclude)
     size = check_size(files, max_mb)
     name = digest(files)
     target = code_dir / name
-    if (target / RECORD).is_file():
-        return Code(target, name)
+    if os.path.lexists(target):
+        verify(target)
+        return Code(target, name, files.skipped)
     create(code_dir.parent, shared)
-    staging = code_dir / f".tmp-{uuid.uuid4().hex[:8]}"
-    for relative, source in files.entries:
-        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, staging / relative, follow_symlinks=False)
-    record = {
-        "hash": name,
-        "submit_dir": str(submit_dir.resolve()),
-        "files": len(files.entries),
-        "bytes": size,
-        "created": time.time(),
-        "git": files.git,
-        **_git_state(submit_dir),
-    }
-    (staging / RECORD).write_text(json.dumps(record, indent=1))
+    private_folder(code_dir, shared)
+    staging = code_dir / f".tmp-{secrets.token_hex(6)}"
+    staging.mkdir(mode=0o700)
     try:
+        for relative, source in files.entries:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, staging / relative, follow_symlinks=False)
+        record = {
+            "hash": name,
+            "submit_dir": str(submit_dir.resolve()),
+            "files": len(files.entries),
+            "bytes": size,
+            "created": time.time(),
+            "git": files.git,
+            "left_out": list(files.skipped),
+            **_git_state(submit_dir),
+        }
+        (staging / RECORD).write_text(json.dumps(record, indent=1))
+        seal(staging, shared)
         staging.rename(target)
-    except OSError:  # another submit made the same snapshot first
-        shutil.rmtree(staging, ignore_errors=True)
-    return Code(target, name)
+    except OSError:
+        remove(staging)
+        if not os.path.lexists(target):
+            raise
+    verify(target)  # another submit may have made the same snapshot first
+    return Code(target, name, files.skipped)
+
+
+def private_folder(folder: Path, shared: bool) -> None:
+    """Make `folder` (code/, code/jobs/) if missing, 0700 (0750 for a shared run) whatever the
+    umask: a folder a job runs from is never writable by the group."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        return  # made before: whose it is, and its mode, are the run folder's rule (rundir)
+    folder.chmod(stat.S_IRWXU | (0o050 if shared else 0))
 
 
 def _git_state(folder: Path) -> dict[str, object]:

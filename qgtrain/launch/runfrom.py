@@ -7,23 +7,33 @@ PYTHONPATH starts with the snapshot's qgtrain and submit directory. What the con
 to the submit directory (runs, data, caches, exports, pretrained models) is made absolute against it
 at submit, so it still means the same files; a factory given as a file in the submit directory is
 pointed at the snapshot's copy. The job's config is written whole at submit, so an edited config
-file changes nothing after that either. No torch here.
+file changes nothing after that either.
+
+Whatever a job runs is checked first, where someone else may have written it: the snapshot must hash
+to its name and be the user's alone (snapseal.verify), at submit and at every start, and a job
+record (`code/jobs/<job>.json`, train.slurm's) counts only if it names this run's own snapshot, with
+its config beside it, all the user's alone. No torch here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
 from ..config.load import config_from_dict, config_to_dict, dump_yaml
-from ..foundation.files import write_atomic
-from ..state.rundir import RunDir, default_run_dir
-from .codesnap import Code, check_size, collect, digest, take
+from ..foundation.errors import ConfigError
+from ..foundation.files import temp_name
+from ..foundation.trust import not_yours
+from ..state.rundir import RunDir, default_run_dir, require_safe
+from .codesnap import Code, check_size, collect, digest, private_folder, take
 from .sbatch import snapshots
+from .snapseal import HASH_NAME, SnapshotChanged, verify
 
 ALWAYS_PATHS = (
     "logging.runs_dir",
@@ -39,6 +49,8 @@ KEYWORDS = {
 }
 PATH_LISTS = ("data.files", "data.val_files", "data.test_files")
 _FACTORY = re.compile(r"(/.+\.py):([A-Za-z_][A-Za-z0-9_.]*)")
+_JOB_ID = re.compile(r"[A-Za-z0-9_.-]+")
+NAMED_AT_MOST = 20  # left-out files named at submit
 
 
 def leave_out(cfg: RunConfig, submit_dir: Path) -> tuple[Path, ...]:
@@ -49,19 +61,37 @@ def leave_out(cfg: RunConfig, submit_dir: Path) -> tuple[Path, ...]:
 def planned(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
     """Where the snapshot would be, its size checked, nothing copied (`qgtrain submit
     --dry-run`)."""
-    files = collect(submit_dir, leave_out(cfg, submit_dir))
+    files = collect(submit_dir, leave_out(cfg, submit_dir), cfg.slurm.snapshot_exclude)
     check_size(files, cfg.slurm.snapshot_max_mb)
     name = digest(files)
-    return Code(code_dir / name, name)
+    say_left_out(files.skipped)
+    return Code(code_dir / name, name, files.skipped)
 
 
 def snapshot(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
-    return take(
+    code = take(
         submit_dir,
         code_dir,
         cfg.slurm.snapshot_max_mb,
         leave_out(cfg, submit_dir),
         cfg.logging.shared,
+        cfg.slurm.snapshot_exclude,
+    )
+    say_left_out(code.skipped)
+    return code
+
+
+def say_left_out(names: tuple[str, ...]) -> None:
+    """One line on stderr naming the files the snapshot left out, so a job that needed one fails
+    with its name already on screen."""
+    if not names:
+        return
+    listed = ", ".join(names[:NAMED_AT_MOST])
+    more = f" and {len(names) - NAMED_AT_MOST} more" if len(names) > NAMED_AT_MOST else ""
+    print(
+        f"qgtrain: the code snapshot leaves out {listed}{more} (they may hold secrets, or "
+        "slurm.snapshot_exclude names them); a job reads such files from where they are",
+        file=sys.stderr,
     )
 
 
@@ -98,8 +128,14 @@ def _moved_factories(values: Any, submit_dir: Path, code: Code) -> Any:
 
 
 def shell_lines(code: Code) -> str:
-    """What a batch script runs before its first srun to run from `code`."""
+    """What a batch script runs before its first srun to run from `code`: first `qgtrain snapshot
+    --verify` with the batch shell's own Python, from the submit directory (never the snapshot's
+    qgtrain, which is what is checked), or the submitting Python where the script names none
+    (submitit's)."""
     return (
+        f"verify_python=${{RECOVER_PYTHON:-{shlex.quote(sys.executable)}}}\n"
+        f'"$verify_python" -m qgtrain snapshot --verify {shlex.quote(str(code.folder))} || exit 2'
+        "  # changed since submit: nothing runs\n"
         f"cd {shlex.quote(str(code.workdir))} || exit 1"
         "  # the code as submitted (slurm.snapshot)\n"
         f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
@@ -109,24 +145,80 @@ def shell_lines(code: Code) -> str:
 def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path] | None:
     """train.slurm's snapshot (`qgtrain snapshot`): taken at the job's first start, reused by every
     later one (requeues) through `<run dir>/code/jobs/<job>.json`; None with slurm.snapshot off.
-    Returns the snapshot and the job's config file."""
+    Returns the snapshot, verified, and the job's config file."""
     if not snapshots(cfg.slurm):
         return None
+    if not _JOB_ID.fullmatch(job or "local"):
+        raise ConfigError(f"--job {job!r}: not a Slurm job id")
     code_dir = RunDir(default_run_dir(job_config_paths(cfg, submit_dir)).resolve()).code
+    require_safe(code_dir.parent)  # its job records and snapshot run as the user
     record = code_dir / "jobs" / f"{job or 'local'}.json"
-    try:
-        known = json.loads(record.read_text())
-        return Code(Path(known["code"]), known["hash"]), Path(known["config"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    known = recorded(record, code_dir)
+    if known:
+        return known
     code = snapshot(cfg, submit_dir, code_dir)
     config = record.with_suffix(".yaml")
-    record.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(config, dump_yaml(job_config(cfg, submit_dir, code)))
-    write_atomic(
-        record, json.dumps({"code": str(code.folder), "hash": code.digest, "config": str(config)})
-    )
+    private_folder(record.parent, cfg.logging.shared)
+    shared = cfg.logging.shared
+    write_private(config, dump_yaml(job_config(cfg, submit_dir, code)), shared)
+    made = {"code": str(code.folder), "hash": code.digest, "config": str(config)}
+    write_private(record, json.dumps(made), shared)
     return code, config
+
+
+def recorded(record: Path, code_dir: Path) -> tuple[Code, Path] | None:
+    """The snapshot and config a job record names; None if there is no record yet. A record counts
+    only if it, its config beside it and the folders down to them are the user's alone, and it
+    names `code_dir/<hash>` itself (no link on the way), whose files hash to that name; anything
+    else could be a colleague's record naming their code, and is refused."""
+    if not os.path.lexists(record):
+        return None
+    config = record.with_suffix(".yaml")
+    folder, problem = _named_snapshot(record, code_dir)
+    problem = problem or not_yours(code_dir, config)
+    if problem or folder is None:
+        raise SnapshotChanged(
+            f"the job record {record}: {problem}; the code it names is not run. HINT: if "
+            f"you did not write it, remove it and submit the job again; keep {code_dir.parent} "
+            "writable by you alone"
+        )
+    verify(folder)
+    return Code(folder, folder.name), config
+
+
+def _named_snapshot(record: Path, code_dir: Path) -> tuple[Path | None, str | None]:
+    """The snapshot folder the record names, or why the record does not count."""
+    problem = not_yours(code_dir, record)
+    if problem:
+        return None, problem
+    try:
+        known = json.loads(record.read_text())
+        folder, name, config = Path(known["code"]), known["hash"], Path(known["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "is not a job record qgtrain wrote"
+    if not isinstance(name, str) or not HASH_NAME.fullmatch(name):
+        return None, "is not a job record qgtrain wrote"
+    if folder != code_dir / name or folder.resolve() != folder:
+        return None, f"names {folder}, not a snapshot of this run ({code_dir}/<hash>)"
+    if config != record.with_suffix(".yaml"):
+        return None, f"names the config {config}, not {record.with_suffix('.yaml')}"
+    return folder, None
+
+
+def write_private(path: Path, text: str, shared: bool) -> None:
+    """Write `path` whole (renamed into place) as 0600, or 0640 for a shared run, whatever the
+    umask: a job's record and config decide what it runs."""
+    mode = 0o640 if shared else 0o600
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def job_config_paths(cfg: RunConfig, submit_dir: Path) -> RunConfig:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
 from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from ..foundation.files import owner_writes_only, write_atomic
 from .slurm_checks import validate
 
 if TYPE_CHECKING:
@@ -221,6 +222,7 @@ run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]
 """  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 
 
+@owner_writes_only()  # the snapshot and job files, whoever calls: none group-writable
 def submit_config(
     cfg: RunConfig,
     job_dir: Path,
@@ -232,10 +234,11 @@ def submit_config(
     to run from a snapshot of the working directory's code (`code`, or one taken now) unless
     slurm.snapshot is off."""
     from ..config.load import dump_yaml
-    from ..state.rundir import RunDir, create
+    from ..state.rundir import RunDir, create, folder_mode, require_safe
     from .nodes import check_exclusions
     from .runfrom import job_config, shell_lines, snapshot
 
+    require_safe(job_dir.parent)  # before the snapshot: nothing is written into a foreign run
     check_exclusions(cfg.slurm, run)
     if snapshots(cfg.slurm):
         code = code or snapshot(cfg, Path.cwd(), RunDir(job_dir.parent).code)
@@ -243,10 +246,11 @@ def submit_config(
     moves = shell_lines(code) if code else None
     script = render(cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after)
     create(job_dir.parent, cfg.logging.shared)  # the run directory, private unless logging.shared
-    job_dir.mkdir(parents=True, exist_ok=True)
+    job_dir.mkdir(mode=folder_mode(cfg.logging.shared), exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
-    (job_dir / "config.yaml").write_text(dump_yaml(cfg))
-    (job_dir / "job.sbatch").write_text(script)
+    # replaced, never written through: a link planted at either name is swapped, not followed
+    write_atomic(job_dir / "config.yaml", dump_yaml(cfg))
+    write_atomic(job_dir / "job.sbatch", script)
     return submit(job_dir / "job.sbatch", run)
 
 

@@ -130,18 +130,20 @@ def submit_chain(
 
     first = stages[0].cfg
     first_dir = default_run_dir(first).resolve()
+    rundir.require_safe(first_dir)  # before the snapshot: nothing is written into a foreign run
     code = snapshot(first, submit_dir, RunDir(first_dir).code) if snapshots(first.slurm) else None
     folder, chain_id = RunDir(first_dir).stages, uuid.uuid4().hex[:8]
     rundir.create(first_dir, first.logging.shared)
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(mode=rundir.folder_mode(first.logging.shared), exist_ok=True)
     _set_aside(folder)
     for stage in stages[1:]:
         cfg = job_config(stage.cfg, submit_dir, code) if code else stage.cfg
         config = folder / f"stage-{stage.index}.yaml"
-        config.write_text(dump_yaml(cfg))
+        write_atomic(config, dump_yaml(cfg))
         after = epilogue(folder, stage.index, chain_id) if stage.index < len(stages) else ""
-        (folder / f"stage-{stage.index}.sbatch").write_text(
-            render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after)
+        write_atomic(
+            folder / f"stage-{stage.index}.sbatch",
+            render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after),
         )
     record = {
         "id": chain_id,
@@ -173,7 +175,8 @@ def _set_aside(folder: Path) -> None:
     if earlier is None:
         return
     kept = folder / "earlier" / str(earlier.get("id", "unknown"))
-    kept.mkdir(parents=True, exist_ok=True)
+    for made in (kept.parent, kept):  # no wider than stages/ lets anyone in, whatever the umask
+        made.mkdir(mode=0o750, exist_ok=True)
     for entry in folder.iterdir():
         if entry.name != "earlier":
             entry.rename(kept / entry.name)
@@ -189,7 +192,9 @@ def next_stage(
 ) -> str:
     """After stage `index`'s last training step: submit the next stage if its training finished,
     record why not if it failed for good, wait (do nothing) if it was requeued. Returns what to
-    print."""
+    print. The chain's folder is checked first: its scripts, and chain.json's submit_dir (whose
+    .venv/bin/python a stage runs), are run as the user."""
+    rundir.require_safe(folder.parent)
     chain = json.loads((folder / CHAIN).read_text())
     if chain_id and chain.get("id") != chain_id:
         return (

@@ -27,13 +27,14 @@ from submitit.slurm.slurm import SlurmJob
 from ..config import RunConfig
 from ..config.load import config_files, config_to_dict, load_config, with_overrides
 from ..foundation.errors import EXIT_STOPPED, QgtrainError
+from ..foundation.files import owner_writes_only
 from ..runtime.slurm import (
     is_time_limit,
     job_state,
     reason_not_to_requeue,
     seconds_left,
 )
-from ..state.rundir import RunDir, create, default_run_dir
+from ..state.rundir import RunDir, create, default_run_dir, require_safe
 from . import submitit_compat, sweep
 from .runfrom import job_config, snapshot
 from .sbatch import snapshots
@@ -48,6 +49,7 @@ class TrainTask(submitit.helpers.Checkpointable):
     def __init__(self, config: dict[str, Any], run_dir: str) -> None:
         self.config, self.run_dir = config, run_dir
 
+    @owner_writes_only()
     def __call__(self) -> dict[str, Any]:
         from ..config.load import config_from_dict
         from ..run import train
@@ -159,6 +161,7 @@ class TrainJob(SlurmJob[Any]):
         return super().result()
 
 
+@owner_writes_only()
 def submit(
     config: RunConfig | str | Path | None = None,
     *,
@@ -177,6 +180,7 @@ def submit(
     else:
         cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
+    require_safe(target)  # before the snapshot: nothing is written into a foreign run
     code = snapshot(cfg, Path.cwd(), RunDir(target).code) if snapshots(cfg.slurm) else None
     cfg = job_config(cfg, Path.cwd(), code) if code else cfg
     executor = submitit.AutoExecutor(
@@ -198,6 +202,7 @@ def submit(
     return cast(TrainJob, executor.submit(TrainTask(config_to_dict(cfg), str(target))))
 
 
+@owner_writes_only()
 def submit_sweep(
     config: RunConfig | str | Path | None,
     values: Mapping[str, Sequence[Any]] | Sweep,

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 from ..config import RunConfig
 from ..config.load import dump_yaml, with_overrides
 from ..foundation.errors import ConfigError, QgtrainError
+from ..foundation.files import write_atomic
+from ..state import rundir
 from .sbatch import Runner, snapshots
 
 if TYPE_CHECKING:
@@ -102,15 +104,15 @@ def folder(planned: Sweep) -> Path:
 def write(sweep: Sweep, where: Path) -> None:
     """Each task's config (task-<i>.yaml, which the job array's task i trains with) and
     sweep.json."""
-    where.mkdir(parents=True, exist_ok=True)
+    rundir.create(where, sweep.configs[0].logging.shared)  # as a run directory is made
     for index, cfg in enumerate(sweep.configs):
-        (where / f"task-{index}.yaml").write_text(dump_yaml(cfg))
+        write_atomic(where / f"task-{index}.yaml", dump_yaml(cfg))
     runs = [
         {"task": i, "run_name": c.train.run_name, "values": v}
         for i, (c, v) in enumerate(zip(sweep.configs, sweep.values))
     ]
-    (where / FILE).write_text(
-        json.dumps({"name": sweep.name, "keys": sweep.keys, "runs": runs}, indent=1)
+    write_atomic(
+        where / FILE, json.dumps({"name": sweep.name, "keys": sweep.keys, "runs": runs}, indent=1)
     )
 
 
@@ -143,11 +145,13 @@ def max_array_size(run: Runner = subprocess.run) -> int:
 def from_snapshot(planned: Sweep, where: Path, dry_run: bool = False) -> tuple[Sweep, Code | None]:
     """The tasks' configs as they run from one code snapshot in the sweep's folder
     (slurm.snapshot), taken now (or, for a dry run, only planned: its size checked, nothing
-    copied)."""
+    copied). The folder is refused first if others could write it (rundir.require_safe)."""
     from .runfrom import job_config, snapshot
     from .runfrom import planned as planned_code
 
     first = planned.configs[0]
+    if not dry_run:  # the sweep's folder holds the job files, as a run directory does
+        rundir.require_safe(where)
     if not snapshots(first.slurm):
         return planned, None
     take = planned_code if dry_run else snapshot
@@ -182,7 +186,7 @@ def submit_array(planned: Sweep, max_parallel: int | None, *, dry_run: bool, lau
         ) + listing
     write(planned, where)
     Path(first.slurm.output_dir).mkdir(parents=True, exist_ok=True)
-    (where / "job.sbatch").write_text(render(first.slurm, str(where), array=array, code=lines))
+    write_atomic(where / "job.sbatch", render(first.slurm, str(where), array=array, code=lines))
     job_id = submit(where / "job.sbatch")
     return (
         f"submitted job array {job_id} with {tasks} tasks ({array}); configs in {where}; runs in "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 import warnings
 from pathlib import Path
 
+from ..foundation.files import open_append
 from .rendezvous import DistEnv
 
 LOGGER = "qgtrain"
@@ -29,10 +31,18 @@ def setup_console(env: DistEnv, level: str) -> logging.Logger:
     return logger
 
 
+class _RankFile(logging.FileHandler):
+    """A FileHandler (diagnose.py writes stacks into its stream) whose file is opened by
+    files.open_append: never through a link planted at the log's predictable name."""
+
+    def _open(self) -> io.TextIOWrapper:
+        return open_append(Path(self.baseFilename))
+
+
 def add_rank_file(env: DistEnv, path: Path, level: str) -> None:
     """Append this rank's log to its file in the run directory (appended across restarts)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, mode="a")
+    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)  # within the run's own mode
+    handler = _RankFile(path, mode="a")
     handler.setLevel(level)
     handler.setFormatter(_formatter(env))
     logging.getLogger(LOGGER).addHandler(handler)

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,18 +43,33 @@ def claimed(
     held: contextlib.ExitStack,
 ) -> Claim:
     """Every rank: the claimed run directory and the checkpoint to resume from (collectives)."""
-    found = distributed.main_decides(lambda: _claim(cfg, env, run_dir, held))
+    found = _received(distributed.main_decides(lambda: _sent(_claim(cfg, env, run_dir, held))))
     resume_from, skipped = verify_ranks.choose(found.candidates, RunDir(found.path).checkpoints)
-    claim = distributed.main_decides(lambda: _open(cfg, found, resume_from, skipped))
+    claim = _received(
+        distributed.main_decides(lambda: _sent(_open(cfg, found, resume_from, skipped)))
+    )
     _check_shared(claim, env, device)
     return claim
 
 
+def _sent(claim: Claim) -> dict[str, Any]:
+    """A claim as ranks send each other values (runtime/objects.py): plain data, no class."""
+    return {**dataclasses.asdict(claim), "path": str(claim.path)}
+
+
+def _received(sent: dict[str, Any]) -> Claim:
+    return Claim(
+        **{**sent, "path": Path(sent["path"]), "candidates": Candidates(**sent["candidates"])}
+    )
+
+
 def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.ExitStack) -> Claim:
-    """Rank 0 picks the directory, holds its lock while training, and lists the checkpoints it may
-    resume from before it writes anything there: a refusal leaves the run as it was."""
+    """Rank 0 picks the directory (one only the user can write: require_safe), holds its lock while
+    training, and lists the checkpoints it may resume from before it writes anything there: a
+    refusal leaves the run as it was."""
     path = (run_dir or rundir.default_run_dir(cfg)).resolve()
     try:
+        rundir.require_safe(path)
         rundir.refuse_foreign(path)
         exposed = rundir.create(path, cfg.logging.shared)
         held.enter_context(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import PeerFailure, QgtrainError, summary
+from ..foundation.files import write_atomic
 from ..runtime.rendezvous import DistEnv
 from . import rundir
 
@@ -103,9 +104,10 @@ class Lifecycle:
         """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be
         told through the process group that is breaking) and for the batch script that decides
         whether to try again. Written before this rank leaves the group."""
-        try:
-            self.run.failure_note(self.env.rank).write_text(
-                json.dumps({"message": summary(exc), "retryable": is_retryable(exc)})
+        try:  # replaced whole, never written through a link planted at its name
+            write_atomic(
+                self.run.failure_note(self.env.rank),
+                json.dumps({"message": summary(exc), "retryable": is_retryable(exc)}),
             )
         except OSError:
             pass

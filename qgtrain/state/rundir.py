@@ -14,7 +14,8 @@ The directory follows from the config alone (<logging.runs_dir>/<train.run_name>
 finds it again without being told. A folder that holds anything but a run is refused
 (refuse_foreign): a run writes config.yaml, logs and checkpoints, which would land among, or over,
 what is there. It holds the config, logs and weights of someone's work, on filesystems every user of
-a cluster can read: qgtrain creates it private (see `create`).
+a cluster can read: qgtrain creates it private (see `create`), and writes or runs jobs in one only
+when no one else can write it (`require_safe`, access.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,7 +34,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.files import open_lock, read_holder, try_lock, write_atomic, write_holder
-from . import layout
+from . import access, layout
 
 
 @dataclass(frozen=True)
@@ -124,14 +126,22 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.logging.runs_dir) / cfg.train.run_name
 
 
+def folder_mode(shared: bool) -> int:
+    """The mode of a folder qgtrain makes inside a run directory (the umask may take more away)."""
+    return 0o750 if shared else 0o700
+
+
 def create(path: Path, shared: bool) -> str | None:
     """Make the run directory's top folder if it is missing: private to its owner (0700), or with
-    logging.shared as the umask says but never writable by everyone. A folder that exists keeps its
-    mode (the user, or a qgtrain before 0700, chose it): one others can read is named in the
+    logging.shared readable by its group (0750), set after mkdir, whose mode the umask filters (002
+    made a group-writable one). A folder that exists keeps its mode (the user, or a qgtrain before
+    0700, chose it; require_safe refuses one others can write): one others can read is named in the
     returned warning."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        path.mkdir(mode=0o775 if shared else 0o700)  # the umask takes bits away, never adds them
+        path.mkdir(mode=0o700)
+        # keeps a set-group-ID bit inherited from a group project folder
+        os.chmod(path, (path.stat().st_mode & stat.S_ISGID) | folder_mode(shared))
         return None
     except FileExistsError:
         mode = path.stat().st_mode & 0o777
@@ -141,6 +151,30 @@ def create(path: Path, shared: bool) -> str | None:
         f"the run directory {path} is open to other users (mode {mode:04o}); qgtrain "
         f"leaves the mode of a folder it finds. HINT: chmod 700 {path}, or set "
         "logging.shared: true if it is meant to be"
+    )
+
+
+def require_safe(path: Path) -> None:
+    """Refuse a run directory someone else can write into, before anything is written or run there:
+    its job files (slurm/, stages/, code/) run at every start, requeue and next stage, and qgtrain
+    writes by predictable names all over it. logging.shared lets the group read, never write."""
+    run = RunDir(path)
+    job_files = (run.slurm, run.stages, run.code / "jobs")  # never a link
+    found = access.problem(path, (run.slurm, run.stages, run.code), job_files)
+    if found is None:
+        return
+    if found.info is None:
+        fix = f"check who can read and write {found.path}"
+    elif found.info.st_uid != os.getuid():
+        fix = f"remove it, or choose another train.run_name (or --run-dir) than {path}"
+    elif stat.S_ISLNK(found.info.st_mode):
+        fix = f"remove the link {found.path}"
+    else:
+        fix = f"chmod -R g-w,o-w {path} (once you checked that no one else changed its files)"
+    raise QgtrainError(
+        f"the run directory {path} is not safe to write or run jobs in: {found.why} (owner "
+        f"{found.owner}, mode {found.mode}); others could change the job files that a start or "
+        f"a requeue runs as you. HINT: {fix}"
     )
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .trackers import Tracker
 
 from ..foundation.errors import QgtrainError
-from ..foundation.files import write_atomic
+from ..foundation.files import open_append, write_atomic
 from ..state.rundir import RunDir
 
 
@@ -65,7 +65,7 @@ class MetricsLog:
         _truncate_after(self.path, start)
         for tracker in self.trackers:
             tracker.replay(read_metrics(self.path) if self.path.exists() else [])
-        self._file = open(self.path, "a")
+        self._file = open_append(self.path)  # never through a link planted at its name
         # TensorBoard's writer is opened with the first record, after the first step: its import
         # costs a start about a third of a second that the first step does not need.
         self._tb_dir = (RunDir(run_dir).tensorboard, start + 1) if tensorboard else None

@@ -13,10 +13,14 @@ unprofiled one (tests/test_profiles.py).
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from ..foundation.files import temp_name
 
 log = logging.getLogger("qgtrain")
 
@@ -91,13 +95,13 @@ class StepProfiler:
         running, self._profile = self._profile, None
         running.stop()
         if self.memory:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"{self._name}.pickle"))
+            _replace(self.folder / f"{self._name}.pickle", torch.cuda.memory._dump_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def _write(self, done: profile) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o750, parents=True, exist_ok=True)  # within the run's own mode
         trace = self.folder / f"{self._name}.json"
-        done.export_chrome_trace(str(trace))
+        _replace(trace, done.export_chrome_trace)
         if self.rank == 0:
             key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = done.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
@@ -109,3 +113,14 @@ class StepProfiler:
                 trace,
                 table,
             )
+
+
+def _replace(target: Path, write: Callable[[str], object]) -> None:
+    """torch writes a trace by opening its name, which would follow a link planted there: it
+    writes an unguessable name instead, renamed over the trace's."""
+    tmp = temp_name(target)
+    try:
+        write(str(tmp))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
