@@ -21,6 +21,7 @@ Usage: python -m bench.big_model [--only start|resume|export] [--layers 12 --hid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import socket
@@ -183,7 +184,7 @@ def resume_rank(env: Any, root: str, layers: int, repeats: int) -> dict[str, lis
     from qgtrain.state import sharded, verify_ranks
     from qgtrain.state.checkpoint import read_manifest
     from qgtrain.state.checkpointer import Checkpointer
-    from qgtrain.state.resume import resume_candidates
+    from qgtrain.state.resume import Candidates, resume_candidates
 
     with torch.device("meta"):
         model = torch.nn.Sequential(
@@ -208,8 +209,12 @@ def resume_rank(env: Any, root: str, layers: int, repeats: int) -> dict[str, lis
     )
 
     def qgtrain_resume() -> None:
-        found = broadcast_from_main(
-            resume_candidates(Path(root), "bench", "auto", print) if env.is_main else None
+        found = Candidates(
+            **broadcast_from_main(
+                dataclasses.asdict(resume_candidates(Path(root), "bench", "auto", print))
+                if env.is_main
+                else None
+            )
         )
         checking = time.perf_counter()
         chosen, _ = verify_ranks.choose(found, Path(root))

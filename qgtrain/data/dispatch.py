@@ -6,9 +6,10 @@ Rank 0's reading is a StreamBatches of one rank whose batches are counted one by
 position is the run's own (samples of all ranks in the epoch) and its saved state (the loader's,
 with its workers', or the samples consumed) is the whole stream's: rank 0's checkpoint file holds
 it, the others hold only the mark that they were dispatched to. The batches, the position after
-them, or an error rank 0 met, go to every rank in one scatter on the streams' gloo group (pickled:
-a batch may be any structure of tensors), so the ranks never disagree on where the run is, and an
-epoch that ends on rank 0 ends for all. The price is rank 0 reading for everyone and one message a
+them, or an error rank 0 met, go to every rank in one scatter on the streams' gloo group, as data
+(runtime/objects.py: torch.save read back with weights_only, so a batch is tensors in dicts, lists
+and tuples, never a pickle), so the ranks never disagree on where the run is, and an epoch that
+ends on rank 0 ends for all. The price is rank 0 reading for everyone and one message a
 step; bench/stream_dispatch.py measures it against every rank reading its own part.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..foundation.errors import ConfigError
-from ..runtime import distributed, wire
+from ..runtime import distributed, objects, wire
 from .streams import Position, StreamBatches
 
 
@@ -54,12 +55,11 @@ class DispatchedBatches:
                 else (drawn[r * micro_batches : (r + 1) * micro_batches], where, None)
                 for r in range(self.world)
             ]
-        mine: list[Any] = [None]
         if self.group is not None:
-            dist.scatter_object_list(mine, parts, src=0, group=self.group)
+            mine = objects.scatter(parts, self.group, "batches")
         else:
-            mine = parts or mine
-        batches, (epoch, samples), failure = mine[0]
+            mine = parts[0] if parts else None
+        batches, (epoch, samples), failure = mine
         if failure is not None:
             wire.decode(failure, "rank 0's stream")
         if epoch != before[0]:  # the epoch before ended at its last position

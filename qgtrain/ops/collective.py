@@ -113,11 +113,10 @@ def measure(env: Any, device: Any, sizes_mb: Sequence[float]) -> dict[str, Any] 
     the others None."""
     import torch.distributed as dist
 
-    from ..runtime import distributed
+    from ..runtime import distributed, objects
 
-    everyone: list[Any] = [None] * env.world_size
-    dist.all_gather_object(
-        everyone, (env.node_rank, env.node_name, env.rank if env.local_rank == 0 else None)
+    everyone = objects.all_gather(
+        (env.node_rank, env.node_name, env.rank if env.local_rank == 0 else None), what="node"
     )
     leaders = sorted(tuple(x) for x in everyone if x[2] is not None)
     whole = {

@@ -5,6 +5,7 @@ interface NCCL and gloo would use, whether every node sees the run directory, an
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,15 +65,16 @@ def across_nodes(
             token.write_text("ok")
         distributed.barrier()
         seen = token.exists() if env.local_rank == 0 else True
+        # a Check crosses as its fields: ranks send each other no class (runtime/objects.py)
         gathered = distributed.gather_to_main(
-            (env.node_name, seen, network if env.local_rank == 0 else None)
+            (env.node_name, seen, dataclasses.astuple(network) if env.local_rank == 0 else None)
         )
         distributed.barrier()
         if env.is_main:
             token.unlink(missing_ok=True)
         measured = _collective(env, device, collective) if collective else []
     blind = sorted({node for node, ok, _ in gathered or [] if not ok})
-    networks = [check for _, _, check in gathered or [] if check is not None]
+    networks = [Check(*check) for _, _, check in gathered or [] if check is not None]
     if blind:
         return [
             Check(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..foundation.errors import JoinError, QgtrainError, first_line
-from . import comms, devices, joining, wire
+from . import comms, devices, joining, objects, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
 from .rendezvous import DistEnv
 
@@ -199,18 +199,14 @@ def diverged(named: Sequence[tuple[str, torch.Tensor]], device: torch.device) ->
 
 
 def broadcast_from_main(obj: Any) -> Any:
-    """Rank 0's value of a small picklable object, on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Rank 0's small value on every rank, as data (objects.py: tensors, numbers, strings and
+    containers of them, never a pickle)."""
+    return objects.broadcast(obj, what="decision")
 
 
 def gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
-    """Every rank's small object, as a list on rank 0 (None elsewhere)."""
-    is_main = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
-    out: list[Any] | None = [None] * dist.get_world_size(group) if is_main else None
-    dist.gather_object(obj, out, dst=0, group=group)
-    return out
+    """Every rank's small value, as a list on rank 0 (None elsewhere), as data (objects.py)."""
+    return objects.gather(obj, group, "report")
 
 
 def attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -225,8 +221,7 @@ def attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
 def fail_together(failure: str | None, what: str) -> None:
     """A collective: the lowest failing rank's error (from `attempt`) is raised on every rank, so no
     rank is left waiting in a later collective for one that has gone."""
-    failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
+    failures = objects.all_gather(failure, what=what)
     for rank, failed in enumerate(failures):
         if failed is not None:
             wire.decode(failed, f"rank {rank}'s {what}")
@@ -234,8 +229,8 @@ def fail_together(failure: str | None, what: str) -> None:
 
 def main_decides(decide: Callable[[], Any]) -> Any:
     """Run `decide` on rank 0 and return its result on every rank; a QgtrainError it raises is
-    raised on every rank. The result is pickled by torch and travels over the group's own
-    connections between ranks, trusted like every tensor on them."""
+    raised on every rank. The result travels as data (objects.py): a dataclass crosses as a dict
+    or tuple the caller converts, never as a pickle of its class."""
     result, failure = attempt(decide) if dist.get_rank() == 0 else (None, None)
     fail_together(failure, "decision")
     return broadcast_from_main(result)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..foundation.errors import ConfigError
+from . import objects
 from .rendezvous import DistEnv
 
 log = logging.getLogger("qgtrain")
@@ -60,8 +61,7 @@ def device_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
 
     if train.parallel != "hsdp":
         return init_device_mesh(device.type, (env.world_size,))
-    nodes: list[int] = [0] * env.world_size
-    dist.all_gather_object(nodes, env.node_rank)
+    nodes: list[int] = objects.all_gather(env.node_rank, what="node number")
     rows = hsdp_layout(nodes, train.shard_group_size)
     if len(rows) == 1:
         log.info(

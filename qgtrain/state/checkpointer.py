@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..foundation.errors import CheckpointWriteError, TrainingError
+from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, layout, named, rotation, sharded
@@ -188,10 +189,8 @@ class Checkpointer:
                 staging.mkdir(parents=True)
             except OSError as exc:
                 error = f"rank 0 cannot create {staging}: {exc.strerror or exc}"
-        box: list[Any] = [error]
         # no rank writes into a folder that is not there
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        error = box[0]
+        error = objects.broadcast(error, self.group, "staging folder")
         entries: dict[str, Any] = {}
         shards, staged = files.pop(sharded.FOLDER, None), error is None
         if error is None:
@@ -214,11 +213,10 @@ class Checkpointer:
         outcome = (
             self._commit(step, staging, gathered, meta, started) if gathered is not None else None
         )
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0] is not None:
+        outcome = objects.broadcast(outcome, self.group, "checkpoint outcome")
+        if outcome is not None:
             raise CheckpointWriteError(
-                f"checkpoint at step {step} failed: {box[0]}. The previous checkpoint is "
+                f"checkpoint at step {step} failed: {outcome}. The previous checkpoint is "
                 "intact; HINT: check free space and permissions where the run directory lives"
             )
         return self.root / layout.step_folder(step), list(entries)

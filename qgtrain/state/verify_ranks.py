@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..foundation.errors import CheckpointError, QgtrainError
+from ..runtime import objects
 from .checkpoint import read_manifest, verify
 from .layout import MANIFEST, OWN_FILE
 from .manifest_files import listing_problem
@@ -58,8 +59,7 @@ def choose(candidates: Candidates, root: Path) -> tuple[str | None, list[str]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for path in map(Path, candidates.paths):
         mine = _check_share(path, rank, world_size)
-        everyone: list[tuple[str | None, bool]] = [(None, False)] * world_size
-        dist.all_gather_object(everyone, mine)
+        everyone: list[tuple[str | None, bool]] = objects.all_gather(mine, what="check")
         blind = [r for r, (_, missing) in enumerate(everyone) if missing]
         if blind:
             raise QgtrainError(

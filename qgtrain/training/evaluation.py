@@ -20,6 +20,7 @@ from torch import nn
 from ..config import EarlyStoppingConfig
 from ..data.batches import to_device
 from ..foundation.errors import TaskError
+from ..runtime import objects
 from .sharding import autocast_for
 
 
@@ -149,6 +150,5 @@ def _agreed_names(sums: Mapping[str, object]) -> list[str]:
     """The metric names of all ranks, in one order: a rank whose shard was empty reported none."""
     if dist.get_world_size() == 1:
         return ["loss", *sorted(set(sums) - {"loss"})]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(sums))
+    everyone = objects.all_gather(sorted(sums), what="metric names")
     return ["loss", *sorted(set().union(*everyone) - {"loss"})]

@@ -119,7 +119,9 @@ def latest_checkpoint(checkpointer: Checkpointer, step: int) -> Checkpoint | Non
         ]
         return dataclasses.replace(found, paths=kept, problems=[])
 
-    path, passed_over = verify_ranks.choose(distributed.main_decides(listed), checkpointer.root)
+    # as plain data: ranks send each other no class (runtime/objects.py)
+    found = Candidates(**distributed.main_decides(lambda: dataclasses.asdict(listed())))
+    path, passed_over = verify_ranks.choose(found, checkpointer.root)
     for warning in passed_over if checkpointer.env.is_main else []:
         log.warning("%s", warning)
     return read_manifest(Path(path)) if path is not None else None
