@@ -400,12 +400,17 @@ def test_chat_data_on_a_pretrained_folder_uses_its_tokenizer_without_data_tokeni
         "data.format=chat",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.seq_len=64",
+        "data.val_fraction=0.0",
+        "data.test_fraction=0.0",
         "train.max_steps=2",
         "train.batch_size=2",
         "logging.tensorboard=false",
     ]
     model = pretrained_folder(tmp_path / "model", with_tokenizer=True)
+    prepared = cli("data", "prepare", *args[1:], f"model.pretrained={model}", cwd=tmp_path)
+    assert prepared.returncode == 0 and "prepared" in prepared.stdout, prepared.stderr
     done = cli(*args, f"model.pretrained={model}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert "tokenizing" not in done.stderr, "train reuses what data prepare made"
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"using the tokenizer of model.pretrained ({model})" in done.stderr
     assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]

@@ -111,11 +111,12 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def data_prepare(args: argparse.Namespace) -> int:
+    from ..config.model import with_pretrained_tokenizer
     from ..data.prepare import mixed_sources, prepare_configured
     from ..runtime.log import setup_console
     from ..runtime.rendezvous import DistEnv
 
-    cfg = load_args_config(args)
+    cfg = with_pretrained_tokenizer(load_args_config(args))  # as train tokenizes
     setup_console(DistEnv(), cfg.logging.level)
     targets = [(f" (data.mix source {name})", data) for name, data in mixed_sources(cfg.data)]
     for source, data in targets or [("", cfg.data)]:
