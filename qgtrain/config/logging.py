@@ -42,8 +42,8 @@ class LoggingConfig:
     )
     shared: bool = setting(
         False,
-        "false: a new run directory is private to you (mode 0700); true: it follows your "
-        "umask, for a group project, but is never writable by everyone",
+        "false: a new run directory and data cache entries are private to you (mode 0700); "
+        "true: your group may read them (0750), never write them",
     )
 
 
