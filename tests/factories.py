@@ -201,3 +201,17 @@ class SpikesOnPoison(TinyLM):
 
 def spikes_on_poison(vocab_size: int, seq_len: int) -> nn.Module:
     return SpikesOnPoison(vocab_size)
+
+
+# A run whose batches turn poisonous at SPIKE_STEP (poisoned_data, spikes_on_poison).
+SPIKE_STEP, MAX_STEPS = 13, 16
+POISONED = [
+    "data.name=factory",
+    "data.factory=tests.factories:poisoned_data",
+    "train.eval_every=0",
+    "model.factory=tests.factories:spikes_on_poison",
+    f"train.max_steps={MAX_STEPS}",
+    "train.eval_batches=1",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=5",
+]

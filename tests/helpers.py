@@ -4,17 +4,21 @@ test cluster."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qgtrain.config import DataConfig
 from tests.ranks import ROOT
 
 FINISHED = {
@@ -353,3 +357,70 @@ NODELISTS = [
     ("gpu[01-02]\tgpu07", ["gpu01", "gpu02", "gpu07"]),
     ("x1, x[2,4] ", ["x1", "x2", "x4"]),
 ]
+
+
+def stand_in_sbatch(tmp_path: Path) -> dict[str, str]:
+    """The environment of a `qgtrain submit` that reaches sbatch without the Slurm test cluster:
+    sbatch is a script that logs its working directory and script to `<tmp_path>/sbatch.log` and
+    prints the next job id (101, 102, ...). For what submit writes and checks before sbatch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\necho "$PWD $2" >> "$FAKE_SBATCH_LOG"\n'
+        'n=$(wc -l < "$FAKE_SBATCH_LOG"); echo $((100 + n))\n'
+    )
+    (bin_dir / "sbatch").chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_SBATCH_LOG": str(tmp_path / "sbatch.log"),
+    }
+
+
+def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
+    """A refusal as the CLI gives it: exit 2, one `qgtrain: error:` line (the last), no
+    traceback."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stderr.count("qgtrain: error: ") == 1, (
+        done.stderr[-3000:]
+    )
+    return done.stderr.splitlines()[-1]
+
+
+# Data files as users bring them: documents of known words, written as JSON Lines.
+WORDS = (
+    "rank node slurm batch token model epoch shard cache resume signal queue gradient optimizer "
+    "loss données über naïve 東京"
+).split()
+
+
+def documents(count: int, seed: int, words: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        f"doc {seed}-{i}: " + " ".join(rng.choices(WORDS, k=rng.randint(1, words))) + "\nend."
+        for i in range(count)
+    ]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    lines = "".join(json.dumps({"id": i, field: doc}) + "\n" for i, doc in enumerate(docs))
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(lines.encode()))
+    else:
+        path.write_text(lines)
+    return path
+
+
+def data(  # type: ignore[no-untyped-def]
+    tmp_path: Path, *files: str | Path, **changes
+) -> DataConfig:
+    return replace(
+        DataConfig(name="files", files=tuple(map(str, files)), cache_dir=str(tmp_path / "cache")),
+        **changes,
+    )
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Two state dicts hold the same names and bit-for-bit the same tensors."""
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name

@@ -21,34 +21,19 @@ import numpy as np
 import pytest
 import torch
 
-from qgtrain.config import DataConfig
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
 from qgtrain.foundation.errors import ConfigError, QgtrainError
-from tests.helpers import checkpoint_state, cli, records, wait_for
+from tests.helpers import (
+    checkpoint_state,
+    cli,
+    data,
+    documents,
+    records,
+    wait_for,
+    write_jsonl,
+)
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
-
-WORDS = (
-    "rank node slurm batch token model epoch shard cache resume signal queue gradient optimizer "
-    "loss données über naïve 東京"
-).split()
-
-
-def documents(count: int, seed: int, words: int = 40) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        f"doc {seed}-{i}: " + " ".join(rng.choices(WORDS, k=rng.randint(1, words))) + "\nend."
-        for i in range(count)
-    ]
-
-
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    lines = "".join(json.dumps({"id": i, field: doc}) + "\n" for i, doc in enumerate(docs))
-    if path.suffix == ".gz":
-        path.write_bytes(gzip.compress(lines.encode()))
-    else:
-        path.write_text(lines)
-    return path
 
 
 def decoded(files: TokenFiles, split: str) -> list[str]:
@@ -61,15 +46,6 @@ def decoded(files: TokenFiles, split: str) -> list[str]:
     )
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [bytes(ids[s:e].astype(np.uint8)).decode() for s, e in zip(starts, ends)]
-
-
-def data(  # type: ignore[no-untyped-def]
-    tmp_path: Path, *files: str | Path, **changes
-) -> DataConfig:
-    return replace(
-        DataConfig(name="files", files=tuple(map(str, files)), cache_dir=str(tmp_path / "cache")),
-        **changes,
-    )
 
 
 def all_documents(files: TokenFiles) -> list[str]:

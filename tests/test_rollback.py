@@ -20,9 +20,9 @@ import torch
 from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.state.checkpoint import MANIFEST, file_entry
-from tests.helpers import checkpoint_state, rank_log, records, tiny_config
+from tests.factories import POISONED, SPIKE_STEP
+from tests.helpers import assert_same_tensors, checkpoint_state, rank_log, records, tiny_config
 from tests.ranks import run_ranks, train_rank
-from tests.test_spikes import POISONED, SPIKE_STEP, assert_equal
 
 MAX_STEPS, EVERY, SAMPLES_PER_STEP = 18, 5, 8
 ROLLBACK = [
@@ -117,7 +117,7 @@ def test_a_spike_rolls_every_rank_back_to_the_checkpoint_and_skips_the_batches_s
     manifest["files"]["state.json"] = file_entry(ckpt / "state.json")
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
     resume(moved)
-    assert_equal(final(rolled), final(moved))
+    assert_same_tensors(final(rolled), final(moved))
     assert history(moved)[10:] == history(rolled)[-8:], "the same losses from step 11 on"
     assert progress(moved) == state
 
@@ -129,12 +129,12 @@ def test_a_job_killed_after_the_rollback_resumes_to_the_same_end(rolled, tmp_pat
     moved would draw the poisoned batch again."""
     before = copy_until(rolled, tmp_path / "before", 10)
     resume(before)
-    assert_equal(final(rolled), final(before))
+    assert_same_tensors(final(rolled), final(before))
     assert history(before) == history(rolled) and progress(before) == progress(rolled)
 
     after = copy_until(rolled, tmp_path / "after", 15)
     resume(after)
-    assert_equal(final(rolled), final(after))
+    assert_same_tensors(final(rolled), final(after))
     assert history(after) == history(rolled) and progress(after) == progress(rolled)
 
 

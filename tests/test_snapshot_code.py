@@ -17,7 +17,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.launch import codesnap, stages
 from qgtrain.launch.runfrom import job_config, snapshot
-from tests.helpers import cli
+from tests.helpers import cli, stand_in_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,24 +227,9 @@ def test_stages_get_run_names_and_a_stage_from_an_export_never_written_is_refuse
     assert planned[1].cfg.model.pretrained == str(folder / "runs" / "demo" / "export")
 
 
-def fake_sbatch(tmp_path: Path) -> dict[str, str]:
-    """sbatch as a script: prints the next job id, logs its working directory and script."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(
-        '#!/bin/bash\necho "$PWD $2" >> "$FAKE_SBATCH_LOG"\n'
-        'n=$(wc -l < "$FAKE_SBATCH_LOG"); echo $((100 + n))\n'
-    )
-    (bin_dir / "sbatch").chmod(0o755)
-    return {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "FAKE_SBATCH_LOG": str(tmp_path / "sbatch.log"),
-    }
-
-
 def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records_why(tmp_path):
     folder = submit_dir(tmp_path)
-    env = fake_sbatch(tmp_path)
+    env = stand_in_sbatch(tmp_path)
     (folder / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
     (folder / "last.yaml").write_text("optim: {lr: 0.00001, min_lr: 0.000001}\n")
     submitted = cli(
@@ -324,7 +309,7 @@ def test_submitit_jobs_and_sweeps_run_from_the_snapshot_too(tmp_path):
 
 def test_a_chain_submitted_again_sets_the_earlier_one_aside_and_its_jobs_submit_nothing(tmp_path):
     folder = submit_dir(tmp_path)
-    env = fake_sbatch(tmp_path)
+    env = stand_in_sbatch(tmp_path)
     (folder / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
     args = ["submit", "--config", "config.yaml", "--then", "more.yaml"]
     shown = cli(*args, "--dry-run", cwd=folder, env=env)

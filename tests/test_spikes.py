@@ -18,20 +18,9 @@ import torch
 
 from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import checkpoint_state, rank_log, records, tiny_config
+from tests.factories import MAX_STEPS, POISONED, SPIKE_STEP
+from tests.helpers import assert_same_tensors, checkpoint_state, rank_log, records, tiny_config
 from tests.ranks import run_ranks, train_rank
-
-SPIKE_STEP, MAX_STEPS = 13, 16
-POISONED = [
-    "data.name=factory",
-    "data.factory=tests.factories:poisoned_data",
-    "train.eval_every=0",
-    "model.factory=tests.factories:spikes_on_poison",
-    f"train.max_steps={MAX_STEPS}",
-    "train.eval_batches=1",
-    "checkpoint.every_steps=4",
-    "checkpoint.keep_last=5",
-]
 
 
 def train(run: Path, *sets: str) -> list[dict]:
@@ -44,12 +33,6 @@ def final(run: Path) -> dict[str, torch.Tensor]:
 
 def progress(run: Path, step: int = MAX_STEPS) -> dict:
     return json.loads((run / "checkpoints" / f"step-{step}" / "state.json").read_text())["trainer"]
-
-
-def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name, tensor in a.items():
-        assert torch.equal(tensor, b[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +64,7 @@ def test_a_spike_on_one_rank_is_skipped_by_all_and_train_skip_steps_repeats_the_
 
     again = tmp_path / "skip-steps"
     assert [r["exit"] for r in train(again, f"train.skip_steps=[{SPIKE_STEP}]")] == [0, 0]
-    assert_equal(final(spiked), final(again))
+    assert_same_tensors(final(spiked), final(again))
     assert [r["loss"] for r in records(again) if "loss" in r] == [
         r["loss"] for r in got if "loss" in r
     ]
@@ -101,7 +84,7 @@ def test_a_resume_before_the_spike_keeps_the_window_and_skips_the_same_batch(spi
     assert len(progress(resumed, 8)["loss_window"]) == 8
     assert [r["exit"] for r in train(resumed, "train.spike_factor=3")] == [0, 0]
     assert "resumed from" in rank_log(resumed, 0)
-    assert_equal(final(spiked), final(resumed))
+    assert_same_tensors(final(spiked), final(resumed))
     assert [(r["step"], r.get("loss"), r.get("skipped")) for r in records(resumed)] == [
         (r["step"], r.get("loss"), r.get("skipped")) for r in records(spiked)
     ]

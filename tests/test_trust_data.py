@@ -22,8 +22,7 @@ import pytest
 from qgtrain.data import sources
 from qgtrain.data.prepare import prepare
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import cli
-from tests.test_datafiles import data, documents, write_jsonl
+from tests.helpers import cli, data, documents, one_error_line, write_jsonl
 
 SECRET = "SECRET-MARKER-ed25519-7f3a"
 
@@ -45,12 +44,6 @@ def prepare_cli(tmp_path: Path, *sets: str, umask: str = "") -> subprocess.Compl
         timeout=60,
         launcher=launcher,
     )
-
-
-def one_error_line(out: subprocess.CompletedProcess[str]) -> str:
-    assert out.returncode == 2 and out.stdout == "", out
-    assert "Traceback" not in out.stderr and out.stderr.count("qgtrain: error: ") == 1, out.stderr
-    return out.stderr.splitlines()[-1]
 
 
 def cached_bytes(cache: Path) -> bytes:

@@ -22,7 +22,7 @@ from qgtrain.foundation import files
 from qgtrain.foundation.errors import QgtrainError
 from qgtrain.launch import recovery, runfrom, stages
 from qgtrain.state import rundir
-from tests.helpers import TINY, cli, tiny_config
+from tests.helpers import TINY, cli, one_error_line, stand_in_sbatch, tiny_config
 from tests.ranks import ROOT
 
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
@@ -53,34 +53,20 @@ def bashrc(tmp_path: Path) -> Path:
     return mine
 
 
-def fake_sbatch(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/sh\necho "$2" >> "$FAKE_SBATCH_LOG"\necho 101\n')
-    (bin_dir / "sbatch").chmod(0o755)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(tmp_path / "log")}
-
-
-def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr and done.stderr.count("qgtrain: error: ") == 1
-    return done.stderr.splitlines()[-1]
-
-
 @needs_root
 def test_submit_into_a_run_folder_another_user_made_is_refused_and_writes_nothing(tmp_path, shared):
     mine = bashrc(tmp_path)
     run = shared / "runs" / "demo"
     as_nobody(f"mkdir -p {run}/slurm && ln -s {mine} {run}/slurm/job.sbatch")
     sets = ["--set", f"logging.runs_dir={shared / 'runs'}", "train.run_name=demo"]
-    done = cli("submit", *sets, cwd=tmp_path, env=fake_sbatch(tmp_path))
+    done = cli("submit", *sets, cwd=tmp_path, env=stand_in_sbatch(tmp_path))
     line = one_error_line(done)
     assert f"the run directory {run} is not safe to write or run jobs in: {run}" in line
     assert "belongs to uid 65534, not to you (uid 0) (owner nobody, mode 0755)" in line
     assert "HINT: remove it, or choose another train.run_name" in line
     assert mine.read_text() == ORIGINAL
     assert sorted(p.name for p in run.rglob("*")) == ["job.sbatch", "slurm"]
-    assert not (tmp_path / "log").exists(), "sbatch never ran"
+    assert not (tmp_path / "sbatch.log").exists(), "sbatch never ran"
 
 
 @needs_root
@@ -136,7 +122,7 @@ def test_a_group_run_under_umask_002_gets_no_group_or_other_write_bit(tmp_path):
     (work / "task.py").write_text("VALUE = 1\n")
     (work / "config.yaml").write_text("logging: {shared: true}\ntrain: {run_name: demo}\n")
     (work / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
-    env = {**os.environ, **fake_sbatch(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **stand_in_sbatch(tmp_path), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "qgtrain", "submit", "--then", "more.yaml"],
         cwd=work,

@@ -22,7 +22,7 @@ import pytest
 from qgtrain.launch import codesnap, snapseal
 from qgtrain.launch.runfrom import recorded
 from qgtrain.launch.sbatch import FIRST_START_SNAPSHOT
-from tests.helpers import cli
+from tests.helpers import cli, stand_in_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_BLOCK = "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAA\n-----END"
@@ -65,15 +65,6 @@ def project(root: Path, git: bool) -> Path:
     return folder
 
 
-def fake_sbatch(root: Path) -> dict[str, str]:
-    """sbatch as a script that accepts anything and answers job 101."""
-    bin_dir = root / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/bash\necho 101\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-
-
 def modes(folder: Path) -> set[int]:
     return {
         stat.S_IMODE(p.lstat().st_mode) for p in [folder, *folder.rglob("*")] if not p.is_symlink()
@@ -100,7 +91,7 @@ def test_secret_files_are_left_out_named_at_submit_and_the_copy_is_owner_only(tm
             "--set",
             "slurm.snapshot_exclude=[private_*]",
             cwd=folder,
-            env=fake_sbatch(tmp_path),
+            env=stand_in_sbatch(tmp_path),
         )
     finally:
         os.umask(old)
@@ -180,10 +171,8 @@ def refused(done: subprocess.CompletedProcess[str], said: str) -> None:
 
 def test_a_submitted_job_refuses_a_snapshot_edited_after_submit_and_runs_nothing(tmp_path):
     folder = project(tmp_path, git=False)
-    assert (
-        cli("submit", "--config", "config.yaml", cwd=folder, env=fake_sbatch(tmp_path)).returncode
-        == 0
-    )
+    done = cli("submit", "--config", "config.yaml", cwd=folder, env=stand_in_sbatch(tmp_path))
+    assert done.returncode == 0, done.stderr
     moves = job_lines(folder / "runs" / "demo" / "slurm" / "job.sbatch")
     assert run_job(folder, moves).returncode == 0, "unchanged, it runs"
     marker = tmp_path / "marker"
@@ -277,7 +266,7 @@ def test_a_snapshot_swapped_by_another_user_is_refused_and_their_code_never_runs
     try:
         shared_root.chmod(0o777)
         folder = project(shared_root, git=False)
-        env = fake_sbatch(shared_root)
+        env = stand_in_sbatch(shared_root)
         submitted = cli(
             "submit", "--config", "config.yaml", "--set", "logging.shared=true", cwd=folder, env=env
         )
