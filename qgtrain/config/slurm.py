@@ -67,3 +67,9 @@ class SlurmConfig:
         "glob patterns of more files that copy leaves out, e.g. ['data/*', '*.ckpt'] (files "
         "that look like secrets, such as .env*, *.pem, *_key, id_*, are always left out)",
     )
+
+
+def runs_from_snapshot(slurm: SlurmConfig) -> bool:
+    """Whether jobs run from a code snapshot: slurm.snapshot, on the host (an image brings its own
+    code, and mounts only the working directory)."""
+    return slurm.snapshot and not (slurm.container_image or slurm.apptainer_image)

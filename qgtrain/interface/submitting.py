@@ -58,11 +58,11 @@ def submit(args: argparse.Namespace) -> int:
 
 def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
     """The lines that would move the job into its snapshot (its size checked, nothing copied)."""
+    from ..config.slurm import runs_from_snapshot
     from ..launch.runfrom import planned, shell_lines
-    from ..launch.sbatch import snapshots
     from ..state.rundir import RunDir
 
-    if not snapshots(cfg.slurm):
+    if not runs_from_snapshot(cfg.slurm):
         return None
     return shell_lines(planned(cfg, Path.cwd(), RunDir(run_dir).code))
 

@@ -27,12 +27,12 @@ from typing import Any
 
 from ..config import RunConfig
 from ..config.load import config_from_dict, config_to_dict, dump_yaml
+from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError
 from ..foundation.files import temp_name
 from ..foundation.trust import not_yours
 from ..state.rundir import RunDir, default_run_dir, require_safe
 from .codesnap import Code, check_size, collect, digest, private_folder, take
-from .sbatch import snapshots
 from .snapseal import HASH_NAME, SnapshotChanged, verify
 
 ALWAYS_PATHS = (
@@ -146,7 +146,7 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     """train.slurm's snapshot (`qgtrain snapshot`): taken at the job's first start, reused by every
     later one (requeues) through `<run dir>/code/jobs/<job>.json`; None with slurm.snapshot off.
     Returns the snapshot, verified, and the job's config file."""
-    if not snapshots(cfg.slurm):
+    if not runs_from_snapshot(cfg.slurm):
         return None
     if not _JOB_ID.fullmatch(job or "local"):
         raise ConfigError(f"--job {job!r}: not a Slurm job id")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
+from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 from ..foundation.files import owner_writes_only, write_atomic
 from .slurm_checks import validate
@@ -53,12 +54,6 @@ class SubmissionError(QgtrainError):
 
 def tasks_per_node(slurm: SlurmConfig) -> int:
     return slurm.gpus_per_node or slurm.tasks_per_node or 1
-
-
-def snapshots(slurm: SlurmConfig) -> bool:
-    """Whether jobs run from a code snapshot: slurm.snapshot, on the host (an image brings its own
-    code, and mounts only the working directory)."""
-    return slurm.snapshot and not (slurm.container_image or slurm.apptainer_image)
 
 
 def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
@@ -107,7 +102,8 @@ def render(
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
     default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
-    moves = code if code is not None else (FIRST_START_SNAPSHOT if snapshots(slurm) else "")
+    first_start = FIRST_START_SNAPSHOT if runs_from_snapshot(slurm) else ""
+    moves = code if code is not None else first_start
     return _script(header, setup, default, slurm.max_restarts, launch_lines(slurm), moves, after)
 
 
@@ -240,7 +236,7 @@ def submit_config(
 
     require_safe(job_dir.parent)  # before the snapshot: nothing is written into a foreign run
     check_exclusions(cfg.slurm, run)
-    if snapshots(cfg.slurm):
+    if runs_from_snapshot(cfg.slurm):
         code = code or snapshot(cfg, Path.cwd(), RunDir(job_dir.parent).code)
         cfg = job_config(cfg, Path.cwd(), code)
     moves = shell_lines(code) if code else None

@@ -25,11 +25,13 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..config.load import config_to_dict, dump_yaml, load_config, with_overrides
+from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError
 from ..foundation.files import write_atomic
 from ..state import rundir
 from ..state.rundir import RunDir, default_run_dir
-from .sbatch import Runner, SubmissionError, render, snapshots, submit, submit_config
+from .runfrom import job_config, shell_lines, snapshot
+from .sbatch import Runner, SubmissionError, render, submit, submit_config
 
 CHAIN = "chain.json"
 # early stopping ends training as planned: the next stage follows
@@ -126,12 +128,11 @@ def submit_chain(
 ) -> tuple[str, Path]:
     """Write every later stage's config and script into `<first run dir>/stages/`, then submit the
     first stage; returns its job id and the chain's folder. One code snapshot serves every stage."""
-    from .runfrom import job_config, shell_lines, snapshot
-
     first = stages[0].cfg
     first_dir = default_run_dir(first).resolve()
     rundir.require_safe(first_dir)  # before the snapshot: nothing is written into a foreign run
-    code = snapshot(first, submit_dir, RunDir(first_dir).code) if snapshots(first.slurm) else None
+    taken = runs_from_snapshot(first.slurm)
+    code = snapshot(first, submit_dir, RunDir(first_dir).code) if taken else None
     folder, chain_id = RunDir(first_dir).stages, uuid.uuid4().hex[:8]
     rundir.create(first_dir, first.logging.shared)
     folder.mkdir(mode=rundir.folder_mode(first.logging.shared), exist_ok=True)

@@ -26,6 +26,7 @@ from submitit.slurm.slurm import SlurmJob
 
 from ..config import RunConfig
 from ..config.load import config_files, config_to_dict, load_config, with_overrides
+from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import EXIT_STOPPED, QgtrainError
 from ..foundation.files import owner_writes_only
 from ..runtime.slurm import (
@@ -37,7 +38,6 @@ from ..runtime.slurm import (
 from ..state.rundir import RunDir, create, default_run_dir, require_safe
 from . import submitit_compat, sweep
 from .runfrom import job_config, snapshot
-from .sbatch import snapshots
 from .slurm_checks import time_minutes
 from .submitit_params import container_python, executor_parameters, recover_arguments
 from .sweep import Sweep
@@ -181,7 +181,7 @@ def submit(
         cfg = load_config(config_files(config), _sets(overrides))
     target = Path(run_dir or default_run_dir(cfg)).resolve()
     require_safe(target)  # before the snapshot: nothing is written into a foreign run
-    code = snapshot(cfg, Path.cwd(), RunDir(target).code) if snapshots(cfg.slurm) else None
+    code = snapshot(cfg, Path.cwd(), RunDir(target).code) if runs_from_snapshot(cfg.slurm) else None
     cfg = job_config(cfg, Path.cwd(), code) if code else cfg
     executor = submitit.AutoExecutor(
         folder=Path(folder or target / "submitit"),

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
+from ..config.slurm import runs_from_snapshot
 from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code
 from .runfrom import shell_lines
-from .sbatch import retry_steps, snapshots, tasks_per_node
+from .sbatch import retry_steps, tasks_per_node
 from .slurm_checks import time_minutes, validate
 
 
@@ -46,7 +47,7 @@ def dry_run_parameters(cfg: RunConfig) -> dict[str, Any]:
     from .runfrom import planned
 
     python, target = container_python(cfg), default_run_dir(cfg).resolve()
-    code = planned(cfg, Path.cwd(), RunDir(target).code) if snapshots(cfg.slurm) else None
+    code = planned(cfg, Path.cwd(), RunDir(target).code) if runs_from_snapshot(cfg.slurm) else None
     return {
         **executor_parameters(cfg, recover_args=recover_arguments(cfg, target), code=code),
         **({"slurm_python": python} if python else {}),

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 
 from ..config import RunConfig
 from ..config.load import dump_yaml, with_overrides
+from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError, QgtrainError
 from ..foundation.files import write_atomic
 from ..state import rundir
-from .sbatch import Runner, snapshots
+from .sbatch import Runner
 
 if TYPE_CHECKING:
     from .codesnap import Code
@@ -152,7 +153,7 @@ def from_snapshot(planned: Sweep, where: Path, dry_run: bool = False) -> tuple[S
     first = planned.configs[0]
     if not dry_run:  # the sweep's folder holds the job files, as a run directory does
         rundir.require_safe(where)
-    if not snapshots(first.slurm):
+    if not runs_from_snapshot(first.slurm):
         return planned, None
     take = planned_code if dry_run else snapshot
     code = take(first, Path.cwd(), where / "code")

@@ -17,7 +17,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -29,9 +29,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ..foundation.errors import CheckpointError, first_line
-from .checkpoint import Checkpoint
 from .layout import SHARDED, SHARDED_METADATA
 from .manifest_files import name_problem, open_regular, read_regular
+
+if TYPE_CHECKING:  # checkpoint.py calls this module: the type alone, no cycle
+    from .checkpoint import Checkpoint
 
 _METADATA = (
     "Metadata",
