@@ -1,14 +1,18 @@
 """The run directory: where it is, what it holds, which run it belongs to, and who may write it.
 
-    <run dir>/config.yaml the resolved config of the latest start <run dir>/run.json the run id that
-    checkpoints are matched against, across requeues <run dir>/status.json what rank 0 last
-    recorded: running, finished, stopped early, preempted, failed <run dir>/metrics.jsonl one JSON
-    object per logged step (rank 0) <run dir>/logs/rank_<N>.log every rank's log, appended across
-    restarts <run dir>/tb/ TensorBoard events <run dir>/checkpoints/ step-<N>/ folders (layout.py
-    draws one) <run dir>/profiles/ torch.profiler traces of train.profile_steps <run dir>/.lock held
-    by the rank 0 that is training in it <run dir>/slurm/ the job `qgtrain submit` wrote: its
-    config.yaml and job.sbatch <run dir>/code/ the code snapshot jobs run from (slurm.snapshot) <run
-    dir>/stages/ a chain's later stages (`qgtrain submit --then`)
+    config.yaml        the resolved config of the latest start
+    run.json           the run id that checkpoints are matched against, across requeues
+    status.json        what rank 0 last recorded: running, finished, stopped early, preempted,
+                       failed
+    metrics.jsonl      one JSON object per logged step (rank 0)
+    logs/rank_<N>.log  every rank's log, appended across restarts
+    tb/                TensorBoard events
+    checkpoints/       step-<N>/ folders (layout.py draws one)
+    profiles/          torch.profiler traces of train.profile_steps
+    .lock              held by the rank 0 that is training in it
+    slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
+    code/              the code snapshot jobs run from (slurm.snapshot)
+    stages/            a chain's later stages (`qgtrain submit --then`)
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job
 finds it again without being told. A folder that holds anything but a run is refused
