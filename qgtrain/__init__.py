@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
         return train
     if name == "load_model":
-        from .ops.load import load_model
+        from .ops.load_model import load_model
 
         return load_model
     if name == "load_config":

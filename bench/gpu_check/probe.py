@@ -197,11 +197,11 @@ def snapshot(model: nn.Module, device: torch.device) -> dict[str, Any]:
     pinned host memory, on a CPU mesh for a shard)."""
     from torch.distributed.tensor import DTensor
 
-    from qgtrain.state.snapshot import CpuSnapshot
+    from qgtrain.state.host_copy import HostCopy
 
     weight = next(iter(model.state_dict().values()))
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    copied = CpuSnapshot().copy({"w": weight})["w"]
+    copied = HostCopy().copy({"w": weight})["w"]
     grew = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
     local = copied.to_local() if isinstance(copied, DTensor) else copied
     return {

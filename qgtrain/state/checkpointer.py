@@ -32,8 +32,8 @@ from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, layout, named, rotation, sharded
+from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
-from .snapshot import CpuSnapshot, saved_layouts
 
 log = logging.getLogger("qgtrain")
 
@@ -68,13 +68,13 @@ class Checkpointer:
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
-        self._snapshot = CpuSnapshot(timeout_s)
+        self._snapshot = HostCopy(timeout_s)
         if env.is_main:
             for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """At start, for asynchronous saves: pin the host buffers in the background (snapshot.py),
+        """At start, for asynchronous saves: pin the host buffers in the background (host_copy.py),
         so the first save does not stall on it."""
         if self.async_save:
             self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))

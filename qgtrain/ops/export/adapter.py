@@ -31,7 +31,7 @@ from ...foundation.task import BUILTIN_LM
 from ...state import checkpoint, ema_files, layout
 from ...state.weights import describe
 from ...training.adapters import base_identity, lora_config
-from . import merging, rebuild, stream
+from . import merging, rebuild, safetensors_io
 
 PREFIX = "base_model.model."  # what a PeftModel puts before the adapted model's names
 
@@ -138,10 +138,10 @@ def _adapted_base(
     return model.eval(), base_path
 
 
-def _adapter_reader(ckpt: checkpoint.Checkpoint, weights: str) -> stream.Reader:
+def _adapter_reader(ckpt: checkpoint.Checkpoint, weights: str) -> safetensors_io.Reader:
     """The adapters as trained, or their EMA: saved under the same names, since only the adapters
     are trained and so only they are averaged."""
-    return ema_files.reader(ckpt) if weights == "ema" else stream.checkpoint_reader(ckpt)
+    return ema_files.reader(ckpt) if weights == "ema" else safetensors_io.checkpoint_reader(ckpt)
 
 
 def _check_base(

@@ -1,6 +1,6 @@
 """`qgtrain export RUN --weights ema`: the EMA of the weights written in place of the trained ones.
 
-The export reads a checkpoint through a Reader (stream.py: meta tensors in, full tensors
+The export reads a checkpoint through a Reader (safetensors_io.py: meta tensors in, full tensors
 out); this one answers each trained parameter with its average and everything else (buffers, frozen
 parameters, which are not averaged) with the checkpoint's model, so writing, the bit-for-bit check
 and the reload comparison all see the same weights. A tied parameter is asked for by its first name
@@ -13,7 +13,7 @@ from torch import nn
 
 from ...state import ema_files
 from ...state.checkpoint import Checkpoint
-from .stream import Reader
+from .safetensors_io import Reader
 
 
 def averaged(ckpt: Checkpoint, model: nn.Module, read: Reader) -> Reader:

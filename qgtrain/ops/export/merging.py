@@ -4,7 +4,7 @@ memory.
 The exporting process never holds the merged model: the base is built from its config.json without
 weights (names, shapes, ties), peft's layers are put into it holding the checkpoint's adapters (the
 only real tensors), and each tensor is read from the base folder's safetensors as it is written
-(stream.write_weights, sharded as transformers shards): an adapted weight as W plus its
+(safetensors_io.write_weights, sharded as transformers shards): an adapted weight as W plus its
 delta, computed by peft's own layer (get_delta_weight: lora_alpha / lora_rank, GPT-2's Conv1D (in,
 out) layout through fan_in_fan_out, an embedding's transposed factors), in fp32 as peft merges a
 base loaded in fp32, then in export.dtype; every other tensor as the folder holds it. Peak memory:
@@ -40,7 +40,7 @@ from ...foundation.errors import QgtrainError
 from ...tasks.empty_weights import building_empty
 from ...tasks.pretrained import safetensors_files
 from ...training.adapters import ADAPTER_NAME
-from . import rebuild, reload, stream, writer
+from . import rebuild, reload, safetensors_io, writer
 
 Outputs = Callable[[], list[torch.Tensor]]  # the run's model's outputs, built and freed inside
 
@@ -52,7 +52,7 @@ def streamable(base: Path) -> bool:
 
 def write(
     base: Path,
-    adapters: stream.Reader,
+    adapters: safetensors_io.Reader,
     lora: Any,
     folder: Path,
     dtype: torch.dtype,
@@ -79,7 +79,7 @@ def write(
     }
     meta = {
         n.replace(".base_layer.", "."): t
-        for n, t in stream.tensors_to_write(model).items()
+        for n, t in safetensors_io.tensors_to_write(model).items()
         if ".lora_" not in n
     }
     small = sum(4 * math.prod(t.shape) for t in meta.values()) <= reload.OUTPUTS_CHECKED_UP_TO
@@ -87,7 +87,7 @@ def write(
     gc.collect()
     read = _merged_reader(base, aliases, layers)
     _write_folder(base, config, folder, meta, read, dtype)
-    stream.check_weights(folder, meta, read, dtype)
+    safetensors_io.check_weights(folder, meta, read, dtype)
     if not small:
         reload.check_names(folder, meta, dtype)
         return None
@@ -121,7 +121,7 @@ def _tie_groups(model: nn.Module) -> dict[str, list[str]]:
 
 def _merged_reader(
     base: Path, aliases: dict[str, list[str]], layers: dict[str, Any]
-) -> stream.Reader:
+) -> safetensors_io.Reader:
     """The merged model's tensors, read from the base folder a group at a time."""
     from safetensors import safe_open
 
@@ -167,7 +167,7 @@ def _write_folder(
     config: Any,
     folder: Path,
     meta: dict[str, torch.Tensor],
-    read: stream.Reader,
+    read: safetensors_io.Reader,
     dtype: torch.dtype,
 ) -> None:
     """config.json and generation_config.json as save_pretrained writes them, then the weights."""
@@ -178,4 +178,4 @@ def _write_folder(
     if (base / "generation_config.json").is_file():
         transformers.GenerationConfig.from_pretrained(base).save_pretrained(folder)
     size = writer.size_in_bytes(writer.SHARD_SIZE)
-    stream.write_weights(folder, meta, read, dtype, size)
+    safetensors_io.write_weights(folder, meta, read, dtype, size)

@@ -28,7 +28,7 @@ from ...foundation.errors import QgtrainError
 from ...foundation.task import BUILTIN_LM
 from ...foundation.trust import config_code, not_yours, require
 from ...state import checkpoint, layout
-from . import adapter, ema, origin, rebuild, reload, stream, target, writer
+from . import adapter, ema, origin, rebuild, reload, safetensors_io, target, writer
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -83,7 +83,7 @@ def export_run(
         if task is not None
         else rebuild.rebuild_lm(ckpt.path, saved, model_facts, empty=True)
     )
-    tensors, read = stream.tensors_to_write(model), stream.checkpoint_reader(ckpt)
+    tensors, read = safetensors_io.tensors_to_write(model), safetensors_io.checkpoint_reader(ckpt)
     if weights == "ema":
         read = ema.averaged(ckpt, model, read)
     kind = writer.kind_of(model)
@@ -93,16 +93,16 @@ def export_run(
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
         card, meta = _card_and_meta(ckpt, saved, model, model_facts, chosen, weights, kind)
-        torch_dtype = stream.DTYPES[chosen]
+        torch_dtype = safetensors_io.DTYPES[chosen]
 
         def write_weights(folder: Path, size: int) -> list[str]:
-            return stream.write_weights(folder, tensors, read, torch_dtype, size)
+            return safetensors_io.write_weights(folder, tensors, read, torch_dtype, size)
 
         tok = task.tokenizer if task is not None else None
         writer.write(model, staging, meta, card, tok, weights=write_weights, dtype=torch_dtype)
         if builtin and model_facts.get("tokenizer"):
             tokenizer.save(model_facts["tokenizer"], staging, saved.data.seq_len)
-        checked = stream.check_weights(staging, tensors, read, torch_dtype)
+        checked = safetensors_io.check_weights(staging, tensors, read, torch_dtype)
         diff = reload.outputs(
             ckpt, saved, model_facts, task, tensors, read, torch_dtype, staging, lm
         )
@@ -237,7 +237,9 @@ def _export_adapter(
         )
     staging = target.staging(out)
     try:
-        kind, diff = adapter.write(ckpt, saved, staging, merge, stream.DTYPES[chosen], weights)
+        kind, diff = adapter.write(
+            ckpt, saved, staging, merge, safetensors_io.DTYPES[chosen], weights
+        )
         (staging / "README.md").write_text(_adapter_card(ckpt, saved, kind, chosen, weights))
         target.replace(staging, out, force)
     finally:

@@ -1,12 +1,13 @@
 """Reloading an export as its user would: whole, for a small model; by names and shapes, for a large
 one.
 
-Every export's tensors are read back and compared with the checkpoint's one at a time (stream.py). A
-model up to OUTPUTS_CHECKED_UP_TO is also rebuilt with the checkpoint's weights (in the export
-dtype), the folder loaded the way its user loads it (transformers' from_pretrained,
-qgtrain.load_model), and both run on a batch of the task's data: their outputs must agree, which
-also catches a model whose eval forward is random. A larger model is never held whole: its exported
-config is built without weights and must name and shape exactly the tensors written.
+Every export's tensors are read back and compared with the checkpoint's one at a time
+(safetensors_io.py). A model up to OUTPUTS_CHECKED_UP_TO is also rebuilt with the checkpoint's
+weights (in the export dtype), the folder loaded the way its user loads it (transformers'
+from_pretrained, qgtrain.load_model), and both run on a batch of the task's data: their outputs
+must agree, which also catches a model whose eval forward is random. A larger model is never held
+whole: its exported config is built without weights and must name and shape exactly the tensors
+written.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ...foundation.errors import QgtrainError
 from ...foundation.task import ReadyTask
 from ...state.checkpoint import Checkpoint
 from ...tasks.empty_weights import building_empty
-from ..load import load_model
-from . import rebuild, stream
+from ..load_model import load_model
+from . import rebuild, safetensors_io
 
 OUTPUTS_CHECKED_UP_TO = 64 << 20  # bytes of the model in fp32
 
@@ -33,7 +34,7 @@ def outputs(
     facts: dict[str, Any],
     task: ReadyTask | None,
     weights: dict[str, torch.Tensor],
-    read: stream.Reader,
+    read: safetensors_io.Reader,
     dtype: torch.dtype,
     folder: Path,
     lm: bool,
@@ -52,7 +53,7 @@ def outputs(
         else rebuild.rebuild_lm(ckpt.path, cfg, facts)
     )
     as_exported = {
-        name: stream.converted(t, dtype).to(t.dtype) for name, t in read(weights).items()
+        name: safetensors_io.converted(t, dtype).to(t.dtype) for name, t in read(weights).items()
     }
     # tied partners filled through the tensor written
     model.load_state_dict(as_exported, strict=False)
@@ -75,7 +76,9 @@ def check_names(folder: Path, weights: dict[str, torch.Tensor], dtype: torch.dty
 
     config = transformers.AutoConfig.from_pretrained(folder)
     with building_empty(meta=True):
-        built = stream.tensors_to_write(transformers.AutoModelForCausalLM.from_config(config))
+        built = safetensors_io.tensors_to_write(
+            transformers.AutoModelForCausalLM.from_config(config)
+        )
     differ = sorted(set(built) ^ set(weights))
     differ += [n for n in built if n in weights and built[n].shape != weights[n].shape]
     if differ or config.dtype != dtype:

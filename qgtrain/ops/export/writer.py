@@ -8,8 +8,8 @@ stay out of them; the weights are written the model's own way. A transformers Pr
 huggingface_hub PyTorchModelHubMixin use their own config files (their own class reloads them
 without qgtrain); any other module's `state_dict` goes to `model.safetensors`, with the model's own
 names, and `qgtrain.load_model(folder)` rebuilds it by calling the task function again. The weights
-themselves are streamed from the checkpoint (stream.py), sharded past SHARD_SIZE as transformers
-shards them, except for the hub mixin, whose loader reads one file.
+themselves are streamed from the checkpoint (safetensors_io.py), sharded past SHARD_SIZE as
+transformers shards them, except for the hub mixin, whose loader reads one file.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def write(
     dtype: torch.dtype,
 ) -> str:
     """Write the model into `folder` (empty) the way its kind asks, with META, the card and a
-    tokenizer. `weights(folder, max_file_bytes)` writes the weights (stream.py): the model itself
-    holds none."""
+    tokenizer. `weights(folder, max_file_bytes)` writes the weights (safetensors_io.py): the model
+    itself holds none."""
     kind = kind_of(model)
     if kind == "transformers":
         config: Any = getattr(model, "config")

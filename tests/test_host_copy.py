@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from qgtrain.state.snapshot import CpuSnapshot, saved_layouts
+from qgtrain.state.host_copy import HostCopy, saved_layouts
 
 
 class Tied(torch.nn.Module):
@@ -39,7 +39,7 @@ def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_al
         calls.append((threading.current_thread().name, shape))
         return torch.empty(shape, dtype=dtype)
 
-    snapshot = CpuSnapshot(allocate=allocate, pinned=everything_on_a_gpu)
+    snapshot = HostCopy(allocate=allocate, pinned=everything_on_a_gpu)
     layouts = saved_layouts(model, optimizer, True, pinned=everything_on_a_gpu)
     snapshot.prepare(layouts)  # before the optimizer has any state
     model(torch.tensor([1, 2, 3])).sum().backward()
@@ -70,7 +70,7 @@ def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
     assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], (
         "ddp: rank 0 writes the state"
     )
-    snapshot = CpuSnapshot(
+    snapshot = HostCopy(
         allocate=lambda shape, dtype: (_ for _ in ()).throw(AssertionError("pinned on a CPU"))
     )
     snapshot.prepare([])

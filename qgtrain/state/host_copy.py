@@ -98,7 +98,7 @@ def _alias(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-class CpuSnapshot:
+class HostCopy:
     """Copies state into CPU buffers kept from the previous save, so an async save's stall is one
     memcpy.
 
