@@ -79,22 +79,40 @@ def cli(
 
 
 def wait_for(  # type: ignore[no-untyped-def]
-    condition, procs, what: str, timeout: float = 180
+    condition, procs, what: str, timeout: float = 180, pause: float = 0.002
 ) -> None:
-    """Poll `condition` until it holds; fail at once if a rank exits first, or after `timeout`
-    seconds."""
+    """The one polling loop of the tests: poll `condition` until it holds; fail at once if one of
+    `procs` (subprocess.Popen or multiprocessing.Process) exits first, or after `timeout` seconds,
+    killing them."""
     deadline = time.monotonic() + timeout
     while not condition():
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a rank exited ({[p.poll() for p in procs]}) before {what}")
+        if not all(map(_alive, procs)):
+            codes = [p.poll() if hasattr(p, "poll") else p.exitcode for p in procs]
+            raise AssertionError(f"a process exited ({codes}) before {what}")
         if time.monotonic() > deadline:
             for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
+                _kill(proc)
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(pause)
+
+
+def _alive(proc: Any) -> bool:
+    return proc.poll() is None if hasattr(proc, "poll") else bool(proc.is_alive())
+
+
+def _kill(proc: Any) -> None:
+    if not hasattr(proc, "poll"):
+        proc.kill()
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def lines_in(path: Path) -> int:
+    """Lines written so far (0 before the file exists): a run's progress in metrics.jsonl."""
+    return path.read_text().count("\n") if path.exists() else 0
 
 
 def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -308,11 +326,8 @@ def job(job_id: str) -> dict[str, str]:
 
 
 def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.5)
+    """wait_for with no process of ours to watch: the scheduler's jobs, polled twice a second."""
+    wait_for(condition, (), what, timeout, pause=0.5)
 
 
 def wait_finished(job_id: str, timeout: float = 300) -> str:

@@ -24,15 +24,7 @@ import torch
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
 from qgtrain.foundation.errors import ConfigError, QgtrainError
-from tests.helpers import (
-    checkpoint_state,
-    cli,
-    data,
-    documents,
-    records,
-    wait_for,
-    write_jsonl,
-)
+from tests.helpers import checkpoint_state, cli, data, documents, records, wait_for, write_jsonl
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 
 
@@ -268,10 +260,8 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
 def test_a_preparation_killed_midway_leaves_nothing_trusted_and_the_next_one_finishes(tmp_path):
     sets = slow_corpus(tmp_path)
     proc = start(["data", "prepare", *sets], tmp_path)
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "cache").glob("*.tmp-*/train.bin")) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    started = lambda: list((tmp_path / "cache").glob("*.tmp-*/train.bin"))  # noqa: E731
+    wait_for(started, [proc], "the preparation's first tokens", 120, 0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not [p for p in (tmp_path / "cache").iterdir() if (p / "meta.json").exists()]

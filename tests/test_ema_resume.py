@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import checkpoint_state, records
+from tests.helpers import checkpoint_state, records, wait_for
 from tests.ranks import ROOT, run_ranks, start_ranks, train_rank
 
 KILLED_STEPS = 12
@@ -58,12 +58,12 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         run = tmp / "killed"
         procs = start_ranks(2, train_rank, cfg, str(run))
         try:
-            deadline = time.monotonic() + 300
-            while not any(r["step"] >= kill_at for r in records(run)[-1:]):
-                assert all(p.is_alive() for p in procs) and time.monotonic() < deadline, (
-                    f"step {kill_at}"
-                )
-                time.sleep(0.002)
+            wait_for(
+                lambda: any(r["step"] >= kill_at for r in records(run)[-1:]),
+                procs,
+                f"step {kill_at}",
+                300,
+            )
         finally:
             for proc in procs:
                 proc.kill()  # SIGKILL

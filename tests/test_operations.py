@@ -16,20 +16,14 @@ from pathlib import Path
 import pytest
 
 from qgtrain.config.load import load_config
-from tests.helpers import TINY, cli, records, tiny_config
+from tests.helpers import TINY, cli, lines_in, records, tiny_config, wait_for
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 
 def wait_for_step(  # type: ignore[no-untyped-def]
     run: Path, step: int, procs, timeout: float = 120
 ) -> None:
-    deadline = time.monotonic() + timeout
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= step):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-            "training did not progress"
-        )
-        time.sleep(0.05)
+    wait_for(lambda: lines_in(run / "metrics.jsonl") >= step, procs, f"step {step}", timeout, 0.05)
 
 
 def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(tmp_path):

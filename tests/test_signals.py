@@ -25,6 +25,7 @@ from qgtrain.runtime.slurm import (
     requeue,
     seconds_left,
 )
+from tests.helpers import lines_in, wait_for
 from tests.ranks import start_cli_ranks, wait_ranks
 
 
@@ -175,13 +176,7 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
         *MODELS[parallel],
     ]
     procs = start_cli_ranks(2, args, tmp_path, env=env)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-            "training did not start"
-        )
-        time.sleep(0.05)
+    wait_for(lambda: lines_in(run / "metrics.jsonl") >= 5, procs, "step 5", 120, 0.05)
     signalled = time.monotonic()
     os.kill(procs[1].pid, sig)
     assert wait_ranks(procs, 60) == [expected_exit, expected_exit]
@@ -232,13 +227,7 @@ def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_
         *MODELS[parallel],
     ]
     procs = start_cli_ranks(2, args, tmp_path)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-            "training did not start"
-        )
-        time.sleep(0.05)
+    wait_for(lambda: lines_in(run / "metrics.jsonl") >= 5, procs, "step 5", 120, 0.05)
     members = subprocess.run(
         ["pgrep", "-g", ",".join(str(p.pid) for p in procs)], capture_output=True, text=True
     ).stdout.split()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, records
+from tests.helpers import cli, records, wait_for
 from tests.ranks import ROOT
 
 SETS = [
@@ -138,12 +138,8 @@ def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path
         stdout=output,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 240
-    while not any(r["step"] >= 16 for r in records(run_dir)[-1:]):  # past the checkpoint at 10
-        assert proc.poll() is None and time.monotonic() < deadline, (
-            tmp_path / "killed.out"
-        ).read_text()[-3000:]
-        time.sleep(0.01)
+    past_the_checkpoint = lambda: any(r["step"] >= 16 for r in records(run_dir)[-1:])  # noqa: E731
+    wait_for(past_the_checkpoint, [proc], "step 16, past the checkpoint at 10", 240, 0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = json.loads((run_dir / "trackers.json").read_text())
