@@ -254,6 +254,42 @@ def test_long_samples_lose_their_prompt_side_and_are_counted_in_the_log(tmp_path
     assert (rows[0]["labels"] != -100).sum() == trained.sum()
 
 
+def test_chat_is_rendered_on_the_prepare_workers_into_the_same_bytes(tmp_path, monkeypatch):
+    """data.prepare_workers renders the records (the costly part) in worker processes, batch by
+    batch in order: the cache is byte for byte the one a single process writes. (A chat template's
+    rendering is chat.renderer's, tested above; here, the pool and the order.)"""
+    from qgtrain.data import prepare_chat
+
+    rendered: list[str] = []  # records this process rendered (spawned workers count apart)
+    made = chat.renderer
+
+    def counting(cfg, eos_id):  # type: ignore[no-untyped-def]
+        render = made(cfg, eos_id)
+        return lambda row, where: rendered.append(where) or render(row, where)
+
+    monkeypatch.setattr(chat, "renderer", counting)
+    monkeypatch.setattr(prepare_chat, "BATCH_RECORDS", 16)  # 5 batches, more than in flight
+    monkeypatch.setattr(chat, "_renderers", {})
+    rows = [{"prompt": f"what is {i}?", "completion": f" {i} is {i % 7}"} for i in range(70)]
+    talks = write_jsonl(tmp_path / "talk.jsonl", rows)
+    folders = {}
+    for workers in (1, 2):  # byte-level: a worker starts without transformers (and torch)
+        cfg = data(tmp_path / str(workers), talks, format="prompt_completion", val_fraction=0.2)
+        folders[workers] = prepare.prepare(cfg, workers)[0].folder
+        assert len(rendered) == (70 if workers == 1 else 0), "2 workers render, not this process"
+        rendered.clear()
+    names = sorted(p.name for p in folders[1].iterdir())
+    assert names == sorted(p.name for p in folders[2].iterdir()) and "val.mask.bin" in names
+    for name in names:
+        one, two = (folders[w].joinpath(name).read_bytes() for w in (1, 2))
+        if name == "meta.json":
+            one, two = (
+                {k: v for k, v in json.loads(m).items() if k not in ("created", "seconds")}
+                for m in (one, two)
+            )
+        assert one == two, name
+
+
 @pytest.mark.parametrize(
     "record, expected",
     [

@@ -3,11 +3,15 @@ within 0.05 of their weights and reported as samples_<name>, a small source star
 pass, a run SIGKILLed at a random step resumed bit for bit (losses, counts, weights), and the
 mixtures qgtrain refuses in one line. data.dispatch: rank 0 reads and each rank gets its own
 batches across an epoch's end; a dispatched mixture killed and resumed bit for bit. With
-data.stream the same mixture of streamed sources (4 files each, no cache written): its shares, a
-source's next pass, a SIGKILL resumed bit for bit, another world size refused in one line."""
+data.stream a mixture of streamed sources (web in 4 files, code 3:1 in one file the 4 slots share
+by a stride of lines; no cache written): its shares, a source's next pass, a SIGKILL resumed bit
+for bit, a source of zero bytes refused naming the file. On another world size a cached mixture is
+refused in one line; a dispatched stream and a dispatched mixture go on (rank 0 holds the whole
+stream); a streamed mixture's resize is tests/test_mix_resize.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -47,12 +51,15 @@ def write_source(path: Path, count: int, seed: int, length: tuple[int, int] = (2
             out.write(json.dumps({"text": f"{path.stem} {index}: {words}"}) + "\n")
 
 
-def mix(folder: Path, code: str | None = None, web: str | None = None) -> str:
+def mix(
+    folder: Path, code: str | None = None, web: str | None = None, weights: str = "6, 3"
+) -> str:
     code = code or str(folder / "code.jsonl")
     web = web or str(folder / "web.jsonl")
+    heavy, light = weights.split(", ")
     return (
-        f"data.mix=[{{name: web, files: ['{web}'], weight: 6}}, "
-        f"{{name: code, files: ['{code}'], weight: 3}}]"
+        f"data.mix=[{{name: web, files: ['{web}'], weight: {heavy}}}, "
+        f"{{name: code, files: ['{code}'], weight: {light}}}]"
     )
 
 
@@ -161,6 +168,15 @@ def test_a_mixture_killed_at_a_random_step_resumes_bit_for_bit(data, uninterrupt
     ]
     assert counts[0] == counts[1], context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
+    alone = cli(*train(data, run, f"checkpoint.resume={run}/checkpoints/step-15"), cwd=tmp_path)
+    line = alone.stderr.strip().splitlines()[-1]
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
+    assert re.fullmatch(
+        r"qgtrain: error: data.mix: resuming the stream from .*step-\d+ failed: ValueError: a "
+        r"cached source's position .* not dealt again to another world size\. The checkpoint is "
+        r"unchanged\. HINT: .*",
+        line,
+    ), line
 
 
 @pytest.mark.parametrize(
@@ -345,6 +361,13 @@ def test_dispatch_sends_each_rank_its_own_batches_and_the_position_across_an_epo
     ]
     assert saved0["dispatched"] and "consumed" in saved0 and saved1 == {"dispatched": True}
     assert between0 == between1 == 2 and idle1, "rank 1 never starts its loader"
+    # on 1 rank: rank 0's file holds the whole stream; the run's position, (1, 8), goes on
+    loader = stream_loader(Counting(), 2, 0, torch.device("cpu"), 0, None)
+    alone = DispatchedBatches(loader, 2, 0, "counting", None)
+    alone.restore({"ranks": [saved0, saved1]}, Path("step-4"))
+    position = SimpleNamespace(epoch=1, samples_in_epoch=8)
+    assert [batch.tolist() for batch in alone.step(position, 1)] == [[8, 9]]
+    assert (position.epoch, position.samples_in_epoch) == (1, 10)
 
 
 def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_path):
@@ -366,17 +389,24 @@ def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_
     assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
     logs = [(reference / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
     assert "ran out in reading slot 1 of 2" in logs[0] and "data.mix" not in logs[1]
+    step_15 = f"checkpoint.resume={run}/checkpoints/step-15"  # on 1 rank, its last step
+    alone = cli(*train(data, run, "data.dispatch=true", step_15), cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    last = records(run)[-1]
+    assert last["step"] == MAX_STEPS, last
+    assert last["samples_web"] + last["samples_code"] == 15 * 8 + 4, last
 
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """The mixture streamed: web in 4 files of 30 documents, code in 4 of 3 short ones (6 to 8
-    windows a slot: each slot reads it twice); the `qgtrain train` arguments, and their run."""
+    """The mixture streamed: web in 4 files of 30 documents, code 3:1 in one file of 16 short ones
+    (one shard: each of the 4 slots reads every 4th line, 3 to 5 windows, so each reads it twice);
+    the `qgtrain train` arguments, and their run."""
     folder = tmp_path_factory.mktemp("streamed")
     for part in range(4):
         write_source(folder / f"web-{part}.jsonl", 30, 10 + part)
-        write_source(folder / f"code-{part}.jsonl", 3, 20 + part, length=(8, 14))
-    sources = mix(folder, code=f"{folder}/code-*.jsonl", web=f"{folder}/web-*.jsonl")
+    write_source(folder / "code.jsonl", 16, 20, length=(4, 8))
+    sources = mix(folder, web=f"{folder}/web-*.jsonl", weights="3, 1")
     args = train(folder, folder / "run", "data.stream=true", "data.test_fraction=0", sources)
     codes = wait_ranks(start_cli_ranks(2, args, folder, log_prefix="ref"), 240)
     assert codes == [0, 0], (folder / "ref-0.out").read_text()[-3000:]
@@ -388,7 +418,7 @@ def test_a_streamed_mixture_draws_by_weight_restarts_a_source_and_caches_nothing
     got = records(folder / "run")
     assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1))
     assert all(r["samples_web"] + r["samples_code"] == r["step"] * 8 for r in got), got
-    assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 3 / 9) <= 0.05, got[-1]
+    assert abs(got[-1]["samples_code"] / (MAX_STEPS * 8) - 1 / 4) <= 0.05, got[-1]
     assert "val_loss" in got[-1]
     assert not list(folder.rglob("meta.json")), "a streamed source is tokenized into no cache"
     logs = [(folder / "run" / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
@@ -403,11 +433,11 @@ def test_a_streamed_mixture_draws_by_weight_restarts_a_source_and_caches_nothing
     }
     assert {(slot, 2) for slot in "0123"} <= passes, passes
     assert "source 'web' ran out" not in "".join(logs)
+    cut = "(source 'code'): 1 shard(s) for 4 reading slots (2 rank(s) x 2 loader worker(s))"
+    assert cut in logs[0], "how the one-file source is read is logged"
 
 
-def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit_on_its_world_size(
-    streamed, tmp_path
-):
+def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit(streamed, tmp_path):
     folder, args = streamed
     run = tmp_path / "killed"
     killed = [str(run) if arg == str(folder / "run") else arg for arg in args]
@@ -417,19 +447,11 @@ def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit_on_its_w
         (r["samples_web"], r["samples_code"]) for r in records(folder / "run")
     ], context
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
-    alone = cli(*killed, "--set", f"train.max_steps={MAX_STEPS + 2}", cwd=tmp_path)
-    line = alone.stderr.strip().splitlines()[-1]
-    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
-    assert re.fullmatch(
-        r"qgtrain: error: data.mix: .*step-\d+ was saved by 2 rank\(s\) reading a "
-        r"stream .* HINT: resume with 2 ranks.*",
-        line,
-    ), line
 
 
-def test_a_streamed_source_with_fewer_files_than_reading_slots_is_refused_naming_it(tmp_path):
-    write_source(tmp_path / "web.jsonl", 30, 1)
+def test_a_one_file_source_is_shared_by_the_slots_and_one_of_zero_bytes_refused(tmp_path):
     write_source(tmp_path / "code.jsonl", 30, 2)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
     for part in range(2):
         write_source(tmp_path / f"web-{part}.jsonl", 30, part)
     data = DataConfig(
@@ -442,9 +464,12 @@ def test_a_streamed_source_with_fewer_files_than_reading_slots_is_refused_naming
             {"name": "code", "files": [f"{tmp_path}/code.jsonl"], "weight": 1},
         ),
     )
+    code = streamed_splits(data, 0)[0].sources[1]
+    assert all(next(iter(code.reader(slot, 2)), None) is not None for slot in (0, 1))
+    empty = ({**data.mix[1], "files": [f"{tmp_path}/empty.jsonl"]},)
     with pytest.raises(
         ConfigError,
-        match=r"^data.mix\[1\].files \(source 'code'\): 1 shard\(s\) "
-        r"for 2 reading slots \(1 rank\(s\) x 2 loader worker",
+        match=rf"^{tmp_path}/empty.jsonl: the file is empty \(0 bytes\); remove it from "
+        r"data.mix\[1\].files \(source 'code'\)$",
     ):
-        streamed_splits(data, 0)
+        streamed_splits(dataclasses.replace(data, mix=data.mix[:1] + empty), 0)

@@ -1,10 +1,10 @@
 """Data files streamed (data.stream: true) by real `qgtrain train` ranks with 2 loader workers each:
-SIGKILLed at a random step and resumed bit for bit; then resumed on 1 rank and again on 3, with
-every document one sample whose first bytes are its id, so the ids a recording model trained on
-show that no sample was repeated or skipped; held-out documents never trained on; and the bad
-input refused in one line (a changed file at a resume, with the checkpoint left alone). In one
-process: every file kind streams the windows the cache holds, and files cut into many shards
-resume from any saved state."""
+SIGKILLed at a random step and resumed bit for bit; then resumed on 1 rank (with 2 loader workers,
+then 3) and again on 3 ranks, with every document one sample whose first bytes are its id, so the
+ids a recording model trained on show that no sample was repeated or skipped; held-out documents
+never trained on; and the bad input refused in one line (a changed file at a resume, with the
+checkpoint left alone). In one process: every file kind streams the windows the cache holds, and
+files cut into many shards resume from any saved state."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def write_documents(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """An uninterrupted 2-rank run to step FIRST; the same run SIGKILLed at a random step and
-    resumed; then the uninterrupted one resumed on 1 rank to step ONE and on 3 ranks to THREE."""
+    resumed; then the uninterrupted one resumed on 1 rank, on it again with 3 loader workers to
+    step ONE, and on 3 ranks to THREE."""
     tmp = tmp_path_factory.mktemp("stream-files")
     data = write_documents(tmp / "data")
     ref, killed = tmp / "ref", tmp / "killed"
@@ -103,7 +104,9 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert ranks(2, train(killed, data, FIRST), tmp, "resumed") == [0, 0], (
         tmp / "resumed-0.out"
     ).read_text()[-3000:]
-    assert ranks(1, train(ref, data, ONE), tmp, "one", "ids-1") == [0]
+    assert ranks(1, train(ref, data, ONE - 2), tmp, "one", "ids-1") == [0]
+    more = [*train(ref, data, ONE), "data.num_workers=3"]  # the slots change as with ranks
+    assert ranks(1, more, tmp, "workers", "ids-1") == [0], (tmp / "workers-0.out").read_text()
     assert ranks(3, train(ref, data, THREE), tmp, "three", "ids-3") == [0, 0, 0], (
         tmp / "three-0.out"
     ).read_text()[-3000:]
@@ -167,7 +170,7 @@ def test_resumed_on_one_then_three_ranks_no_sample_is_repeated_or_skipped(chain)
         taken = sorted(i for i in consumed if f"part-{int(i[:2])}" == stem)
         assert taken == ids[: len(taken)], f"{stem}: {taken} is not the start of {ids}"
     assert [r["epoch"] for r in records(chain["ref"])][-1] == 0, "all in one epoch"
-    for prefix, saved_by in (("one", 2), ("three", 1)):
+    for prefix, saved_by in (("one", 2), ("workers", 1), ("three", 1)):
         log = (chain["tmp"] / f"{prefix}-0.out").read_text()
         assert f"positions saved by {saved_by} rank(s) dealt again" in log, log[-2000:]
 

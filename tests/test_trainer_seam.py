@@ -69,3 +69,40 @@ def test_a_non_finite_loss_stops_training_naming_the_step_and_saves_nothing_afte
     assert "step-3" not in saved and "step-2" in saved, "a checkpoint never holds a non-finite step"
     logged = records(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3] and logged[-1]["loss"] != logged[-1]["loss"]
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 8)
+
+    def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
+        return (self.embed(input_ids).mean(-1) * attention_mask).mean()
+
+
+def test_padded_rows_count_their_real_tokens_not_the_padding(tmp_path):
+    """data.format chat with data.packing false pads each row (attention_mask 0 there): tokens_seen
+    and tokens/s count the real tokens, from the host batch before it moves."""
+    from qgtrain.foundation.task import ReadyTask
+    from qgtrain.tasks.causal_lm import batch_tokens
+
+    real = [3, 8, 5, 1]  # one epoch: 2 steps of 2 rows of 8 tokens
+    rows = [
+        {"input_ids": torch.arange(8) % 8, "attention_mask": (torch.arange(8) < n).long()}
+        for n in real
+    ]
+    task = ReadyTask(
+        model=Tiny(),
+        train=rows,
+        collate=torch.utils.data.default_collate,
+        loss=lambda model, batch: model(**batch),
+        tokens=batch_tokens,
+    )
+    with one_rank_group():
+        trainer = build_trainer(tmp_path, task, config("train.max_steps=2", "train.batch_size=2"))
+        assert trainer.fit() == Outcome.FINISHED
+        trainer.parts.checkpointer.wait()
+    logged = records(tmp_path)
+    assert trainer.state.tokens_seen == logged[-1]["tokens_seen"] == sum(real) == 17
+    assert sum(r["tokens_per_s"] for r in logged) > 0
+    assert batch_tokens({"input_ids": torch.zeros(2, 8)}) == 16, "no mask: every token is real"

@@ -46,10 +46,13 @@ class DataConfig:
     val_files: tuple[str, ...] = setting(
         (),
         "the validation split's files ([] = hold out data.val_fraction of the documents in "
-        "data.files)",
+        "data.files, or of each data.mix source; named beside data.mix, no source holds any "
+        "out for validation: one fixed set to compare runs)",
     )
     test_files: tuple[str, ...] = setting(
-        (), "the test split's files ([] = hold out data.test_fraction)"
+        (),
+        "the test split's files ([] = hold out data.test_fraction; beside data.mix as "
+        "data.val_files)",
     )
     stream: bool = setting(
         False,
@@ -96,8 +99,9 @@ class DataConfig:
         "with name=files, instead of data.files: weighted sources, e.g. [{name: web, files: "
         "['web/*.jsonl'], weight: 6}, {name: code, files: ['code/*.py'], weight: 3}]; each "
         "training sample is drawn from one source by weight, a source that runs out starts its "
-        "next pass; validation and test: each source's held-out fractions, pooled; with "
-        "data.stream each source is streamed and needs a file (or 16 MB) per reading slot",
+        "next pass; validation and test: data.val_files (data.test_files), else each "
+        "source's held-out fractions, pooled; with data.stream each source is streamed and "
+        "needs a file (or 16 MB) per reading slot",
     )
     dispatch: bool = setting(
         False,
@@ -156,17 +160,16 @@ MIX_KEYS = {"name", "files", "weight"}
 
 def mix_problem(data: DataConfig) -> Problem:
     """data.mix's sources: each named once (the name is its metrics key, samples_<name>), with
-    files and a positive weight; their held-out splits are fractions of their own documents."""
+    files and a positive weight; their held-out splits are fractions of their own documents, or
+    data.val_files / data.test_files, which users keep fixed to compare runs by."""
     if not data.mix:
         return None
     if data.name != "files":
         return "data.mix", (f"mixes data files; set data.name: files (data.name is {data.name})")
-    for key in ("files", "val_files", "test_files"):
-        if getattr(data, key):
-            return f"data.{key}", (
-                "with data.mix each source names its own files and holds out data.val_fraction "
-                "and data.test_fraction of them; leave it empty"
-            )
+    if data.files:  # the held-out files are allowed: one fixed set beside every source
+        return "data.files", (
+            "with data.mix each source names its own files (data.mix[i].files); leave it empty"
+        )
     if data.format != "text":
         return "data.format", f"data.mix mixes text sources; {data.format} is not mixed yet"
     seen: set[str] = set()

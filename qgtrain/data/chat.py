@@ -61,6 +61,23 @@ def renderer(data: DataConfig, eos_id: int) -> Render:
     return render
 
 
+_renderers: dict[str, Render] = {}  # a process's renderer, made once for its many batches
+
+
+def render_batch(
+    data: DataConfig, eos_id: int, records: list[tuple[dict[str, Any], str]]
+) -> list[Sample]:
+    """Records rendered in a preparation worker (prepare_chat.py): each one's (ids, trained). It
+    lives here, beside the renderer, so a worker imports neither torch nor the cache's layout (a
+    tokenizer without a template starts in a fraction of a second)."""
+    key = repr((data, eos_id))
+    if key not in _renderers:
+        _renderers.clear()
+        _renderers[key] = renderer(data, eos_id)
+    render = _renderers[key]
+    return [render(row, where) for row, where in records]
+
+
 def template_of(folder: str) -> str | None:
     """The folder's chat template, read as transformers reads it, without importing it."""
     jinja = Path(folder, "chat_template.jinja")

@@ -5,7 +5,9 @@ forgather's dispatched loader does (seed 004).
 Rank 0's reading is a StreamBatches of one rank whose batches are counted one by one, so its data
 position is the run's own (samples of all ranks in the epoch) and its saved state (the loader's,
 with its workers', or the samples consumed) is the whole stream's: rank 0's checkpoint file holds
-it, the others hold only the mark that they were dispatched to. The batches, the position after
+it, the others hold only the mark that they were dispatched to. No rank count is in that state,
+so a resume on another world size takes it as it is: rank 0 just draws and scatters a step's
+micro-batches for the ranks there are now. The batches, the position after
 them, or an error rank 0 met, go to every rank in one scatter on the streams' gloo group, as data
 (runtime/objects.py: torch.save read back with weights_only, so a batch is tensors in dicts, lists
 and tuples, never a pickle), so the ranks never disagree on where the run is, and an epoch that
@@ -72,12 +74,11 @@ class DispatchedBatches:
         return {"dispatched": True, **own}
 
     def restore(self, saved: dict[str, Any] | None, checkpoint: Path) -> None:
+        """Saved by another world size ({"ranks": [...]}), rank 0's file still holds the whole
+        stream's state, which no rank count enters: the run's position counts the samples of all
+        ranks, so only how many micro-batches rank 0 draws and scatters a step changes."""
         if saved is not None and "ranks" in saved:
-            raise ConfigError(
-                f"data.dispatch: {checkpoint} was saved by {len(saved['ranks'])} rank(s); a "
-                "dispatched stream resumes on the world size it was saved with. HINT: resume with "
-                f"{len(saved['ranks'])} ranks, or set checkpoint.resume: never"
-            )
+            saved = (saved["ranks"] or [None])[0]
         if saved is None or not saved.get("dispatched"):
             raise ConfigError(
                 f"data.dispatch: {checkpoint} was saved by a run whose ranks each read their own "

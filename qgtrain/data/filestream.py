@@ -7,6 +7,11 @@ position is then per shard (the unit it is in and the token offset in it), exact
 whoever reads it. Each
 pass (epoch) orders the shards by a permutation of the run's seed and the pass, and deals them to
 the reading slots (rank x loader worker) round-robin; a slot reads its shards one after another.
+A source with fewer shards than slots (a small file beside a corpus, at any world size) is not
+cut again (the cut would then depend on the world size, and a position saved by one would name
+nothing in another): slot k takes the pass's shard k mod S, shared by the slots of that residue,
+each taking every n-th unit of it (a line, a row: a plain-text file is then read a line a unit),
+so each unit is read once a pass and a position stays per slot. A queue entry carries its part.
 
 A slot's state is its queue: the shards it has left, the first with its position. That is all a
 resume needs: on the same world size torchdata's loader hands each worker its own queue back; on
@@ -25,85 +30,45 @@ are refused at the start (check) rather than trained on as end-of-text tokens.
 from __future__ import annotations
 
 import copy
-import json
+import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..config import DataConfig
 from ..foundation.errors import ConfigError
-from . import shards, sources, tokenizer
+from . import shards, tokenizer
 from .readers import SampleReader
+from .stream_plan import StreamPlan as StreamPlan
+from .stream_plan import plan as plan
 
-
-@dataclass(frozen=True)
-class StreamPlan:
-    """Everything that decides the samples of a stream; its digest is saved with every position."""
-
-    shards: tuple[shards.Shard, ...]
-    text_field: str
-    tokenizer: str
-    eos_id: int
-    seq_len: int
-    seed: int
-    split_seed: int
-    held_out: tuple[float, float]  # val, test: fractions of data.files' documents
-    digest: str
-
-    def split_of(self, path: str, key: int) -> str:
-        """prepare.py's draw for the cache, but keyed by a document's byte offset where the file
-        is seekable (a shard that starts mid-file cannot count the documents before it)."""
-        val, test = self.held_out
-        if val + test == 0:
-            return "train"
-        draw = xxhash.xxh3_64_intdigest(f"{self.split_seed}\0{path}\0{key}".encode()) / 2.0**64
-        return "val" if draw < val else "test" if draw < val + test else "train"
-
-
-def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
-    """The plan of data.files (of a data.mix source: `key` names it in messages)."""
-    files = sources.find(data.files, key)
-    held_out = tuple(
-        0.0 if getattr(data, f"{s}_files") else getattr(data, f"{s}_fraction")
-        for s in ("val", "test")
-    )
-    info = tokenizer.describe(data.tokenizer)
-    cut = tuple(shards.cut(files))
-    identity = [
-        [(s.source.path, s.source.size, s.source.mtime_ns, s.start, s.end) for s in cut],
-        data.text_field,
-        info.fingerprint,
-        data.seq_len,
-        seed,
-        data.split_seed,
-        held_out,
-    ]
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(identity).encode())
-    return StreamPlan(
-        cut,
-        data.text_field,
-        data.tokenizer,
-        info.eos_id,
-        data.seq_len,
-        seed,
-        data.split_seed,
-        (held_out[0], held_out[1]),
-        digest,
-    )
+log = logging.getLogger("qgtrain")
 
 
 def deal(plan: StreamPlan, epoch: int, slot: int, slots: int) -> list[list[int]]:
-    """The queue of `slot` in pass `epoch`: every slots-th shard of the pass's permutation."""
+    """The queue of `slot` in pass `epoch`: every slots-th shard of the pass's permutation; with
+    fewer shards than slots, part slot // S of shard slot mod S (of the slots sharing it)."""
     order = list(range(len(plan.shards)))
     random.Random(plan.seed * 1_000_003 + epoch).shuffle(order)
-    return [[shard, 0, -1, 0] for shard in order[slot::slots]]
+    count = len(order)
+    if count >= slots or not count:
+        return [[shard, 0, -1, 0, 0, 1] for shard in order[slot::slots]]
+    return [[order[slot % count], 0, -1, 0, slot // count, shared(count, slots, slot % count)]]
+
+
+def shared(count: int, slots: int, shard: int) -> int:
+    """How many of `slots` share the pass's `shard`-th of `count` shards (slots of its residue)."""
+    return len(range(shard, slots, count))
+
+
+def entry(saved: list[Any]) -> list[int]:
+    """A saved queue entry; one saved before shards were shared is its shard's only part."""
+    values = list(map(int, saved))
+    return values + [0, 1] if len(values) == 4 else values
 
 
 def slot_reader(plan: StreamPlan, slot: int, slots: int, epoch: int = 0) -> SampleReader:
@@ -113,7 +78,8 @@ def slot_reader(plan: StreamPlan, slot: int, slots: int, epoch: int = 0) -> Samp
 
 class FileReader:
     """One reading slot's samples (the SampleReader of readers.py). A queue entry is [shard, unit
-    index, unit byte (-1: not seekable), tokens of that unit already taken]."""
+    index, unit byte (-1: not seekable), tokens of that unit already taken, part, parts]: the
+    slot reads the shard's units whose index is part modulo parts."""
 
     def __init__(self, plan: StreamPlan, slot: int, slots: int, epoch: int = 0) -> None:
         self.plan, self.slot, self.slots, self.epoch = plan, slot, slots, epoch
@@ -121,9 +87,11 @@ class FileReader:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while self.queue:
-            shard, index, byte, taken = self.queue[0]
-            for sample, position in self._samples(self.plan.shards[shard], index, byte, taken):
-                self.queue[0] = [shard, *position]  # before the yield: a state taken after it
+            shard, index, byte, taken, part, parts = entry(self.queue[0])
+            where = (self.plan.shards[shard], index, byte, taken, part, parts)
+            for sample, position in self._samples(*where):
+                # before the yield: a state taken after it
+                self.queue[0] = [shard, *position, part, parts]
                 yield sample
             self.queue.pop(0)
 
@@ -143,15 +111,19 @@ class FileReader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(self.plan, state)
         self.epoch, self.slot, self.slots = state["epoch"], state["slot"], state["slots"]
-        self.queue = [list(map(int, entry)) for entry in state["queue"]]
+        self.queue = [entry(saved) for saved in state["queue"]]
 
     def _samples(
-        self, shard: shards.Shard, index: int, byte: int, taken: int
+        self, shard: shards.Shard, index: int, byte: int, taken: int, part: int, parts: int
     ) -> Iterator[tuple[torch.Tensor, list[int]]]:
-        """Windows of the shard's train documents, each with the position just past it."""
+        """Windows of the shard's train documents (of this slot's part), each with the position
+        just past it."""
         seq_len, plan = self.plan.seq_len, self.plan
         buffer = np.zeros(0, dtype=np.uint32)
-        for unit in shards.units(shard, plan.text_field, index, byte):
+        lines = 1 if parts > 1 else None  # a shared plain-text file: a line a unit
+        for unit in shards.units(shard, plan.text_field, index, byte, lines):
+            if unit.index % parts != part:
+                continue
             if not unit.text and not (unit.ends and shard.source.kind == "text"):
                 continue  # an empty document adds nothing, not even an end-of-text token
             if plan.split_of(shard.source.path, unit.key) != "train":
@@ -180,8 +152,10 @@ def check_state(plan: StreamPlan, state: Any) -> None:
             "their sizes and times, data.seq_len, data.tokenizer, data.text_field, "
             "the held-out split, train.seed) changed since the checkpoint"
         )
-    if any(not 0 <= entry[0] < len(plan.shards) for entry in state["queue"]):
+    if any(not 0 <= saved[0] < len(plan.shards) for saved in state["queue"]):
         raise ValueError("the position names a shard the data files do not have")
+    if any(not 0 <= part < parts for *_, part, parts in map(entry, state["queue"])):
+        raise ValueError("the position names a part of a shared shard that is not there")
 
 
 class FileStream(IterableDataset[torch.Tensor]):
@@ -239,22 +213,46 @@ class FileStream(IterableDataset[torch.Tensor]):
         merged = []
         for slot in range(slots):
             merged += by_slot.get(slot, deal(self.plan, epoch, slot, slots))
-        self._reader, self._merged = None, [list(map(int, entry)) for entry in merged]
+        self._reader, self._merged = None, [entry(saved) for saved in merged]
 
 
-def check(plan: StreamPlan) -> None:
-    """What would otherwise surface at the first step, deep in a loader worker: fewer shards than
-    ranks (a rank with none ends every epoch at once), or files with no training sample at all."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if len(plan.shards) < world_size:
-        raise ConfigError(
-            f"data.files: {len(plan.shards)} shard(s) for {world_size} ranks, and each rank reads "
-            f"whole shards (a file, or {shards.SHARD_BYTES >> 20} MB of a plain-text or JSON Lines "
-            "file); give at least as many files as ranks, or set data.stream: false"
-        )
+def check(plan: StreamPlan, world: int | None = None, slots: int | None = None) -> None:
+    """What would otherwise surface at the first step, deep in a loader worker: files with no
+    training sample at all, or (fewer shards than the `slots` of `world` ranks) a shared shard
+    whose part for some slot holds none. How a shared source is read is logged in one line."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    slots = slots or world * max(plan.workers, 1)
     if next(iter(FileReader(plan, 0, 1)), None) is None:
         raise ConfigError(
-            f"data.files: the stream yields nothing: no file holds data.seq_len={plan.seq_len} "
-            "tokens of training documents (every document empty, or held out); check "
-            "data.files and data.text_field"
+            f"{plan.key}: the stream yields nothing: no file holds data.seq_len={plan.seq_len} "
+            f"tokens of training documents (every document empty, or held out); check "
+            f"{plan.key} and data.text_field"
         )
+    count = len(plan.shards)
+    if count >= slots:
+        return
+    splits = sorted({shared(count, slots, first) for first in range(count)})
+    log.info(
+        "%s: %d shard(s) for %d reading slots (%d rank(s) x %d loader worker(s)): each shard "
+        "is read by %s slots together, slot k of n taking its units (lines, rows) k, k+n, ...",
+        plan.key,
+        count,
+        slots,
+        world,
+        slots // world,
+        " or ".join(map(str, splits)),
+    )
+    for shard, parts, part in (
+        (shard, parts, part) for shard in range(count) for parts in splits for part in range(parts)
+    ):
+        reader = FileReader(plan, 0, 1)
+        reader.queue = [[shard, 0, -1, 0, part, parts]]
+        if next(iter(reader), None) is None:
+            raise ConfigError(
+                f"{plan.key}: {plan.shards[shard].source.path} is read by {parts} of the "
+                f"{slots} reading slots together ({world} rank(s) x {slots // world} loader "
+                f"worker(s)), each taking every {parts}th unit (line, row), and part {part} "
+                f"holds no window of data.seq_len={plan.seq_len} tokens; give it more text, use "
+                "fewer data.num_workers, or set data.stream: false"
+            )

@@ -43,14 +43,23 @@ def held_out(data: DataConfig, plan: StreamPlan) -> dict[str, TokenArray]:
     texts: dict[str, list[tuple[str, bool]]] = {"val": [], "test": []}
     from_files = [s for s in texts if getattr(data, f"{s}_files")]
     for split in from_files:
-        found = shards.cut(sources.find(getattr(data, f"{split}_files"), f"data.{split}_files"))
-        for unit in _read(found, data.text_field):
-            texts[split].append((unit.text, unit.ends))
+        texts[split] = _file_texts(data, split)
     if len(from_files) < 2:
         for unit in _read(list(plan.shards), data.text_field):
             if (split := plan.split_of(unit.path, unit.key)) not in from_files and split != "train":
                 texts[split].append((unit.text, unit.ends))
     return {split: TokenArray(_encode(plan, found), data.seq_len) for split, found in texts.items()}
+
+
+def from_files(data: DataConfig, split: str, plan: StreamPlan) -> TokenArray:
+    """The split that data.val_files or data.test_files names, beside a streamed data.mix (`plan`:
+    any source's, for the tokenizer they share)."""
+    return TokenArray(_encode(plan, _file_texts(data, split)), data.seq_len)
+
+
+def _file_texts(data: DataConfig, split: str) -> list[tuple[str, bool]]:
+    found = shards.cut(sources.find(getattr(data, f"{split}_files"), f"data.{split}_files"))
+    return [(unit.text, unit.ends) for unit in _read(found, data.text_field)]
 
 
 class _Found(NamedTuple):

@@ -15,7 +15,9 @@ sqrt(n) off; the phase is seeded per slot, and the state of the choice is the on
 resume is O(1). The order is not random: a source's samples recur at near-regular intervals.
 A source that runs out starts its next pass (logged), so the mixture never ends: train.max_steps
 ends the run. The counts reach the metrics (samples_<name>) through the loader's state, which holds
-each worker's as of the last batch the rank took: exact, and resumed with the rest.
+each worker's as of the last batch the rank took: exact, and resumed with the rest. On another
+world size the slots' positions are merged and dealt again (mix_merge.py): each streamed source
+pass by pass, each slot's count of draws carried, so no sample is repeated or skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..foundation.errors import ConfigError
+from .mix_merge import Merged, merge, part
 from .readers import SampleReader
 from .streams import dataset_states
 
@@ -55,12 +58,13 @@ class _Slot:
     draws: int
     counts: list[int]
     passes: list[int]
+    later: list[list[Any]]  # per source: its queues of the passes after this one a merge carried
 
 
 class Mixture(IterableDataset[Any]):
-    """This rank's part of the mixture (rank and world size taken where the task is built). It
-    has no load_merged: a slot's sources are at different passes and offsets, so the positions of
-    another world size are not dealt again, and streams.py refuses that resume in one line."""
+    """This rank's part of the mixture (rank and world size taken where the task is built). The
+    positions saved by another world size are merged and dealt again (load_merged, mix_merge.py)
+    where the sources are streamed; a mixture with a cached source refuses it in one line."""
 
     stream_label = "data.mix"
 
@@ -71,6 +75,7 @@ class Mixture(IterableDataset[Any]):
         self.bounds = bounds([source.weight for source in sources])
         self._loaded: dict[str, Any] | None = None  # a saved state, taken by the next __iter__
         self._slot: _Slot | None = None
+        self._merged: Merged | None = None  # another world size's positions, taken likewise
 
     def slot(self) -> tuple[int, int]:
         """(this reading slot, every rank's slots together)."""
@@ -80,29 +85,18 @@ class Mixture(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         slot, slots = self.slot()
-        readers = [source.reader(slot, slots) for source in self.sources]
-        zeros = [0] * len(readers)
-        state = _Slot(readers, 0, list(zeros), list(zeros))
-        if self._loaded is not None:
-            saved, self._loaded = self._loaded, None
-            state.draws, state.counts, state.passes = (
-                int(saved["draws"]),
-                list(saved["counts"]),
-                list(saved["passes"]),
-            )
-            for reader, kept in zip(readers, saved["readers"] or [None] * len(readers)):
-                if kept is not None:
-                    reader.load_state_dict(kept)
-        self._slot = state
+        state = self._start(slot, slots)
+        self._slot, self._loaded, self._merged = state, None, None
         phase = xxhash.xxh3_64_intdigest(f"{self.seed}/{slot}".encode())
-        samples = [iter(reader) for reader in readers]
+        samples = [iter(reader) for reader in state.readers]
         while True:
             chosen = choose(phase, state.draws, self.bounds)
             sample = next(samples[chosen], _END)
-            if sample is _END:
+            while sample is _END:
+                carried = bool(state.later[chosen])
                 samples[chosen] = self._next_pass(state, chosen, slot, slots)
                 sample = next(samples[chosen], _END)
-                if sample is _END:
+                if sample is _END and not carried:
                     raise ConfigError(
                         f"data.mix: source {self.names[chosen]!r} yields no sample in a whole "
                         f"pass of reading slot {slot} of {slots} (its part for that slot holds "
@@ -113,8 +107,42 @@ class Mixture(IterableDataset[Any]):
             state.counts[chosen] += 1
             yield sample
 
+    def _start(self, slot: int, slots: int) -> _Slot:
+        """Where this slot starts: a saved position of this world size, its part of the merged
+        positions of another (mix_merge.py), or the start."""
+        readers = [source.reader(slot, slots) for source in self.sources]
+        zeros = [0] * len(readers)
+        state = _Slot(readers, 0, list(zeros), list(zeros), [[] for _ in readers])
+        if self._merged is not None:
+            merged = self._merged
+            state.draws = merged.draws[slot] if slot < len(merged.draws) else 0
+            state.counts = list(merged.counts) if slot == 0 else state.counts
+            for index, reader in enumerate(readers):
+                epoch, queue, later = part(merged, index, slot, slots)
+                reader.load_state_dict({**reader.state_dict(), "epoch": epoch, "queue": queue})
+                state.passes[index], state.later[index] = epoch, later
+        elif self._loaded is not None:
+            saved = self._loaded
+            state.draws, state.counts, state.passes = (
+                int(saved["draws"]),
+                list(saved["counts"]),
+                list(saved["passes"]),
+            )
+            state.later = [list(later) for later in saved.get("later") or state.later]
+            for reader, kept in zip(readers, saved["readers"] or [None] * len(readers)):
+                if kept is not None:
+                    reader.load_state_dict(kept)
+        return state
+
     def _next_pass(self, state: _Slot, chosen: int, slot: int, slots: int) -> Iterator[Any]:
-        state.readers[chosen].next_pass()
+        """The source's next pass: the part a merge carried for it, or the reader's own deal."""
+        reader = state.readers[chosen]
+        if state.later[chosen]:
+            queue = state.later[chosen].pop(0)
+            epoch = int(reader.state_dict()["epoch"]) + 1
+            reader.load_state_dict({**reader.state_dict(), "epoch": epoch, "queue": queue})
+        else:
+            reader.next_pass()
         state.passes[chosen] += 1
         log.info(
             "data.mix: source %r ran out in reading slot %d of %d after %d of its samples: "
@@ -125,10 +153,12 @@ class Mixture(IterableDataset[Any]):
             state.counts[chosen],
             state.passes[chosen] + 1,
         )
-        return iter(state.readers[chosen])
+        return iter(reader)
 
     def state_dict(self) -> dict[str, Any]:
         """This slot's position; before it has read, the one it will start from."""
+        if self._slot is None and self._merged is not None:  # a worker's state at its start
+            return self._state(self._start(*self.slot()))
         if self._slot is None:
             if self._loaded is not None:
                 return self._loaded
@@ -140,14 +170,19 @@ class Mixture(IterableDataset[Any]):
                 "passes": zeros,
                 "readers": None,
             }
-        state = self._slot
-        return {
+        return self._state(self._slot)
+
+    def _state(self, state: _Slot) -> dict[str, Any]:
+        saved = {
             "names": self.names,
             "draws": state.draws,
             "counts": list(state.counts),
             "passes": list(state.passes),
             "readers": [reader.state_dict() for reader in state.readers],
         }
+        if any(state.later):  # only after a merge: a state of its own world size is as it was
+            saved["later"] = [[list(map(list, queue)) for queue in later] for later in state.later]
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["names"]) != self.names:
@@ -155,7 +190,14 @@ class Mixture(IterableDataset[Any]):
                 f"the checkpoint mixes the sources {', '.join(state['names'])}; data.mix now "
                 f"names {', '.join(self.names)}"
             )
-        self._loaded, self._slot = state, None
+        self._loaded, self._slot, self._merged = state, None, None
+
+    def load_merged(self, states: list[Any]) -> None:
+        """Every slot's saved state of another world size, merged (mix_merge.py) and dealt again
+        to this run's slots when the workers start; a ValueError says why they cannot be."""
+        for state in states:
+            self.load_state_dict(state)  # the names checked
+        self._loaded, self._slot, self._merged = None, None, merge(self.sources, states)
 
 
 _END = object()

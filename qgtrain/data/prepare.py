@@ -8,24 +8,22 @@ a lock file so that concurrent jobs wait for one another instead of doing the wo
 filesystem has no locks, the rename alone keeps them from corrupting each other).
 
 Documents stream through: the main process reads them and groups about a megabyte of text per batch,
-worker processes tokenize the batches, and the results are written in order, so the output does not
-depend on the number of workers and memory stays bounded by the batches in flight.
+worker processes tokenize the batches (ordered_pool.py), and the results are written in order, so
+the output does not depend on the number of workers and memory stays bounded by the batches in
+flight.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -35,6 +33,7 @@ from ..foundation.errors import ConfigError
 from . import prepare_chat, sources, tokenizer
 from .cache_lock import entry_lock, is_ready, private_temp_dir, seal
 from .corpus import SPLITS, TokenFiles, load
+from .ordered_pool import OrderedPool
 from .progress import Progress
 
 FORMAT_VERSION = 1
@@ -103,20 +102,35 @@ def prepare_configured(
 
 
 def mixed_sources(data: DataConfig) -> list[tuple[str, DataConfig]]:
-    """Each data.mix source's name and the settings that prepare it, as data.files would be."""
+    """Each data.mix source's name and the settings that prepare it, as data.files would be. A split
+    that data.val_files (data.test_files) names is read from those files alone, as beside
+    data.files: no source holds out documents for it; the other split keeps its fraction."""
+    own = replace(
+        data,
+        val_files=(),
+        test_files=(),
+        mix=(),
+        val_fraction=0.0 if data.val_files else data.val_fraction,
+        test_fraction=0.0 if data.test_files else data.test_fraction,
+    )
+    return [(source["name"], replace(own, files=_patterns(source["files"]))) for source in data.mix]
+
+
+def held_out_files(data: DataConfig) -> list[tuple[str, DataConfig]]:
+    """Beside data.mix, each split that data.val_files or data.test_files names, with the settings
+    that prepare its files as an entry of their own: all in its train split, which is then read
+    as the held-out set (one entry whatever the sources: adding a source tokenizes it again
+    nowhere)."""
+    alone = replace(data, val_files=(), test_files=(), val_fraction=0.0, test_fraction=0.0, mix=())
     return [
-        (
-            source["name"],
-            replace(
-                data,
-                files=(source["files"],)
-                if isinstance(source["files"], str)
-                else tuple(source["files"]),
-                mix=(),
-            ),
-        )
-        for source in data.mix
+        (split, replace(alone, files=getattr(data, f"{split}_files")))
+        for split in ("val", "test")
+        if data.mix and getattr(data, f"{split}_files")
     ]
+
+
+def _patterns(files: str | list[str]) -> tuple[str, ...]:
+    return (files,) if isinstance(files, str) else tuple(files)
 
 
 def prepare(data: DataConfig, workers: int = 0, shared: bool = False) -> tuple[TokenFiles, bool]:
@@ -159,7 +173,7 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     if todo.data.format != "text":
         seed, held_out = todo.data.split_seed, todo.held_out
         prepare_chat.tokenize(
-            todo, tmp, lambda path, index: _held_out_split(seed, path, index, held_out)
+            todo, tmp, lambda path, index: _held_out_split(seed, path, index, held_out), workers
         )
         for path in (*sorted(tmp.iterdir()), tmp):
             _fsync(path)
@@ -171,7 +185,9 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
     files_in = [file for _, file in todo.sources()]
     progress = Progress(sum(f.size for f in files_in), len(files_in))
     started = time.time()
-    with _Encoder(todo.data.tokenizer, info.eos_id, workers) as encoder, progress:
+    encode = functools.partial(tokenizer.encode_pieces, todo.data.tokenizer, info.eos_id)
+    byte = todo.data.tokenizer == tokenizer.BYTE  # faster in this process than sent to another
+    with OrderedPool(encode, 1 if byte else workers) as encoder, progress:
 
         def write(done: Iterator[tuple[str, np.ndarray]]) -> None:
             for split, ids in done:
@@ -247,46 +263,6 @@ def _held_out_split(seed: int, path: str, document: int, held_out: dict[str, flo
     if draw < held_out["val"]:
         return "val"
     return "test" if draw < held_out["val"] + held_out["test"] else "train"
-
-
-class _Encoder:
-    """Tokenizes batches in worker processes (or in this one, for one worker), returning them in
-    order."""
-
-    def __init__(self, spec: str, eos_id: int, workers: int) -> None:
-        self.spec, self.eos_id = spec, eos_id
-        self.pool = (
-            ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
-            if workers > 1 and spec != tokenizer.BYTE
-            else None
-        )
-        self.window: deque[tuple[str, Future[np.ndarray]]] = deque()
-        self.limit = 2 * workers
-
-    def __enter__(self) -> _Encoder:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.pool:
-            self.pool.shutdown(cancel_futures=True)
-
-    def submit(
-        self, split: str, texts: list[str], ends: list[bool]
-    ) -> Iterator[tuple[str, np.ndarray]]:
-        if self.pool is None:
-            yield split, tokenizer.encode_pieces(self.spec, self.eos_id, texts, ends)
-            return
-        self.window.append(
-            (split, self.pool.submit(tokenizer.encode_pieces, self.spec, self.eos_id, texts, ends))
-        )
-        while len(self.window) >= self.limit:
-            split, future = self.window.popleft()
-            yield split, future.result()
-
-    def finish(self) -> Iterator[tuple[str, np.ndarray]]:
-        while self.window:
-            split, future = self.window.popleft()
-            yield split, future.result()
 
 
 def _fsync(path: Path) -> None:

@@ -1,14 +1,17 @@
 """Preparing chat and prompt_completion files: records rendered, masked and laid into rows, per
 split.
 
-One process renders the records in the files' order, so the cache is the same whatever
-data.prepare_workers says. Held-out records are drawn as the text format draws documents. At the end
-the log says how many samples were cut to data.seq_len and how many were dropped for having no
-answer token left.
+One process reads the records in the files' order and data.prepare_workers processes render them
+(the chat template and the tokenizer: the costly part), a batch of records at a time handed back in
+order (ordered_pool.py); the rows are laid out in this process in that order, so the cache is byte
+for byte the same whatever the number of workers. Held-out records are drawn as the text format
+draws documents. At the end the log says how many samples were cut to data.seq_len and how many
+were dropped for having no answer token left.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -22,6 +25,7 @@ from ..config import DataConfig
 from ..foundation.errors import ConfigError
 from . import chat, sources
 from .corpus import SPLITS
+from .ordered_pool import OrderedPool
 from .progress import Progress
 from .rows import Counts, RowWriter
 
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from .prepare import Plan
 
 CHAT_FORMAT_VERSION = 2  # text caches keep prepare.FORMAT_VERSION; this names the row layout
+BATCH_RECORDS = 256  # records per batch a worker renders
 log = logging.getLogger("qgtrain")
 
 
@@ -45,10 +50,11 @@ def identity(data: DataConfig) -> dict[str, Any]:
     }
 
 
-def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str]) -> None:
-    """Write every split's rows and the entry's meta.json into tmp."""
+def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str], workers: int = 1) -> None:
+    """Write every split's rows and the entry's meta.json into tmp, rendered in `workers`
+    processes."""
     data, info = todo.data, todo.tokenizer
-    render = chat.renderer(data, info.eos_id)
+    chat.render_batch(data, info.eos_id, [])  # no template: one line before any work (and cached)
     dtype = np.dtype(np.uint16 if info.vocab_size <= 65535 else np.uint32)
     writers = {
         split: RowWriter(tmp, split, data.seq_len, data.packing, info.eos_id, dtype)
@@ -57,11 +63,19 @@ def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str]) -> None
     files_in = [file for _, file in todo.sources()]
     progress = Progress(sum(f.size for f in files_in), len(files_in))
     started = time.time()
-    with progress:
-        for split, ids, trained in _samples(todo, render, split_of, progress):
-            writers[split].add(ids, trained)
-            progress.add_document()
-            progress.add_tokens(len(ids))
+    render = functools.partial(chat.render_batch, data, info.eos_id)
+    with OrderedPool(render, workers) as pool, progress:
+
+        def write(done: Iterator[tuple[list[str], list[chat.Sample]]]) -> None:
+            for splits, samples in done:
+                for split, (ids, trained) in zip(splits, samples, strict=True):
+                    writers[split].add(ids, trained)
+                    progress.add_document()
+                    progress.add_tokens(len(ids))
+
+        for splits, records in _batches(todo, split_of, progress):
+            write(pool.submit(splits, records))
+        write(pool.finish())
     counts = {split: writer.close() for split, writer in writers.items()}
     _report(counts, data.seq_len)
     meta = {
@@ -87,15 +101,21 @@ def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str]) -> None
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _samples(
-    todo: Plan, render: chat.Render, split_of: Callable[[str, int], str], progress: Progress
-) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+def _batches(
+    todo: Plan, split_of: Callable[[str, int], str], progress: Progress
+) -> Iterator[tuple[list[str], list[tuple[dict[str, Any], str]]]]:
+    """BATCH_RECORDS records at a time, in the files' order, each with its split and where it is."""
+    splits: list[str] = []
+    records: list[tuple[dict[str, Any], str]] = []
     for fixed_split, source in todo.sources():
         index = -1
         for index, (row, where, done) in enumerate(sources.records(source, chat.fields(todo.data))):
-            ids, trained = render(row, where)
-            yield fixed_split or split_of(source.path, index), ids, trained
+            splits.append(fixed_split or split_of(source.path, index))
+            records.append((row, where))
             progress.read(done)
+            if len(records) >= BATCH_RECORDS:
+                yield splits, records
+                splits, records = [], []
         if index < 0:
             raise ConfigError(
                 f"{source.path}: the file holds no records; remove it from data.files"
@@ -106,6 +126,8 @@ def _samples(
                 "run again once the file is complete"
             )
         progress.next_file(source.size)
+    if records:
+        yield splits, records
 
 
 def _report(counts: dict[str, Counts], seq_len: int) -> None:

@@ -65,8 +65,12 @@ def cut(files: list[sources.SourceFile]) -> list[Shard]:
     return shards
 
 
-def units(shard: Shard, text_field: str, index: int = 0, byte: int = -1) -> Iterator[Unit]:
-    """The shard's units from unit `index` on, which starts at `byte` where the file is seekable."""
+def units(
+    shard: Shard, text_field: str, index: int = 0, byte: int = -1, unit_bytes: int | None = None
+) -> Iterator[Unit]:
+    """The shard's units from unit `index` on, which starts at `byte` where the file is seekable;
+    a plain-text file's units are about `unit_bytes` (UNIT_BYTES) of whole lines: 1 for a line
+    each, where reading slots share the file a unit each (filestream.py)."""
     if shard.source.kind == "parquet":
         yield from _rows(shard, text_field, index)
         return
@@ -81,8 +85,10 @@ def units(shard: Shard, text_field: str, index: int = 0, byte: int = -1) -> Iter
         elif shard.start > 0:  # the line that starts at `start` or after it is the first
             file.seek(shard.start - 1)
             file.readline()
-        reader = _lines if shard.source.kind == "jsonl" else _text_units
-        yield from reader(shard, file, text_field, index)
+        if shard.source.kind == "jsonl":
+            yield from _lines(shard, file, text_field, index)
+        else:
+            yield from _text_units(shard, file, index, unit_bytes or UNIT_BYTES)
 
 
 def _seekable(file: sources.SourceFile) -> bool:
@@ -109,9 +115,9 @@ def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterato
         index += 1
 
 
-def _text_units(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterator[Unit]:
-    """Whole lines, about UNIT_BYTES at a time; the file's last unit ends its one document (a unit
-    is held back until the next is read, to know whether it is the last)."""
+def _text_units(shard: Shard, file: BinaryIO, index: int, unit_bytes: int) -> Iterator[Unit]:
+    """Whole lines, about `unit_bytes` at a time; the file's last unit ends its one document (an
+    empty one where the last lines filled a unit)."""
     position = held_start = file.tell()
     held: list[bytes] = []
     size = 0
@@ -121,7 +127,7 @@ def _text_units(shard: Shard, file: BinaryIO, text_field: str, index: int) -> It
             break
         held.append(line)
         position, size = position + len(line), size + len(line)
-        if size >= UNIT_BYTES:
+        if size >= unit_bytes:
             yield Unit(b"".join(held).decode("utf-8", "replace"), False, 0, index, held_start)
             held, size, held_start, index = [], 0, position, index + 1
     ends = shard.last

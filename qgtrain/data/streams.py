@@ -7,8 +7,8 @@ StatefulDataLoader, whose state holds every worker's. A dataset with state_dict/
 is put back from that state, saved in the rank's own checkpoint file; one without is read again
 from the start of its epoch past the samples this rank had consumed (timed in the log), never
 started over. A checkpoint of another world size hands every rank's state to a dataset with
-load_merged (streamed data files: filestream.py), which deals the positions again; any other
-stream resumes on the world size it was saved with.
+load_merged (streamed data files: filestream.py; a mixture of them: mix.py), which deals the
+positions again; any other stream resumes on the world size it was saved with.
 
 Streams end unevenly across ranks and workers, and a rank that stepped alone would wait forever in
 DDP's all-reduce. So every step the ranks agree (one small all-reduce on a gloo group of their own,
@@ -171,7 +171,9 @@ class StreamBatches:
         try:
             if "ranks" in pending:
                 # saved by another world size: every rank's positions, dealt again (filestream.py)
-                self.loader.dataset.set_epoch(position.epoch)
+                set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+                if callable(set_epoch):  # a mixture has none: it never ends
+                    set_epoch(position.epoch)
                 states = [
                     found
                     for rank in pending["ranks"]

@@ -34,8 +34,9 @@ class Task:
         `model(batch).loss`, as Hugging Face models compute it when given labels).
     metrics: metrics(model, batch) -> {name: (sum, count)} on validation and test batches; each is
         all-reduced over ranks and reported as val_<name> and test_<name> = sum / count.
-    tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s (must not synchronize a
-        GPU, e.g. a shape product). Without it only samples/s is reported.
+    tokens: tokens(batch) -> how many tokens a batch holds, for tokens/s and tokens_seen. It is
+        called on the batch as the loader gives it, before it moves to the device, so reading a
+        tensor (a mask's sum) waits for no GPU. Without it only samples/s is reported.
     tokenizer: anything with save_pretrained (a Hugging Face tokenizer), exported beside the model.
     flops_per_sample: training FLOPs (forward and backward) per sample, for model FLOPs utilisation
         (`mfu` in the metrics, on GPUs whose peak is known).

@@ -112,13 +112,14 @@ def doctor(args: argparse.Namespace) -> int:
 
 def data_prepare(args: argparse.Namespace) -> int:
     from ..config.model import with_pretrained_tokenizer
-    from ..data.prepare import mixed_sources, prepare_configured
+    from ..data.prepare import held_out_files, mixed_sources, prepare_configured
     from ..runtime.log import setup_console
     from ..runtime.rendezvous import DistEnv
 
     cfg = with_pretrained_tokenizer(load_args_config(args))  # as train tokenizes
     setup_console(DistEnv(), cfg.logging.level)
     targets = [(f" (data.mix source {name})", data) for name, data in mixed_sources(cfg.data)]
+    targets += [(f" (data.{split}_files)", data) for split, data in held_out_files(cfg.data)]
     for source, data in targets or [("", cfg.data)]:
         files, made = prepare_configured(data, args.workers, cfg.logging.shared)
         counts = ", ".join(f"{split} {count:,}" for split, count in files.tokens.items())

@@ -132,7 +132,12 @@ def training_flops(model: torch.nn.Module, seq_len: int) -> float:
 
 
 def batch_tokens(batch: torch.Tensor | dict[str, torch.Tensor]) -> int:
-    """Tokens the model reads (padding included, as the FLOPs of a row of seq_len count it)."""
+    """The real tokens of a batch, for tokens/s and tokens_seen: padded chat rows (data.packing
+    false) carry an attention_mask that is 0 on padding, which is not counted. Called on the host
+    batch (training/report.py), so the mask's sum syncs no GPU. MFU stays with training_flops: a
+    padded row still costs a whole row of compute."""
+    if isinstance(batch, dict) and "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
     return (batch["input_ids"] if isinstance(batch, dict) else batch).numel()
 
 

@@ -6,16 +6,21 @@ Each source is its own cache entry, keyed by its own files, so adding a source o
 tokenizes nothing again. Validation and test are each source's held-out fractions of its documents,
 pooled into one split (every source's held-out windows, each evaluated once), so val_loss stays
 comparable between runs with other weights. A streamed source holds out the same fractions of its
-documents (data/heldout.py reads them into memory), pooled the same way.
+documents (data/heldout.py reads them into memory), pooled the same way. data.val_files
+(data.test_files) beside the mix are that split instead, one fixed set to compare runs by: prepared
+as an entry of their own (or read into memory, streamed), while no source holds out documents for
+it (prepare.mixed_sources).
 
-A streamed source is read in whole shards (a file, or 16 MB of a plain-text or JSON Lines file) and
-every reading slot draws from every source, so each source needs a shard per slot: fewer is refused
-at the start, naming the source, rather than a slot finding its part of a source empty mid-run.
+Every reading slot draws from every source, so a streamed source with fewer shards than slots (a
+small curated file) is shared: slots read its lines or rows by a stride (filestream.deal); a part
+that would hold no window for some slot is refused at the start, naming the file, rather than
+found empty mid-run.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ import xxhash
 from torch.utils.data import ConcatDataset, Dataset
 
 from ..config import DataConfig
-from ..data import corpus, filestream, heldout, prepare, shards, sources, tokenizer
+from ..data import corpus, filestream, heldout, prepare, sources, tokenizer
 from ..data.cached import CachedReader
 from ..data.mix import Mixture, Source
 from ..data.tokens import TokenWindows
@@ -38,9 +43,12 @@ def prepare_sources(data: DataConfig, shared: bool = False) -> list[str]:
     mixed = prepare.mixed_sources(data)
     for index, (name, settings) in enumerate(mixed):
         sources.find(settings.files, _key(index, name))
+    named = prepare.held_out_files(data)  # data.val_files, data.test_files: after the sources
+    for split, settings in named:
+        sources.find(settings.files, f"data.{split}_files")
     return [
         str(prepare.prepare(settings, data.prepare_workers, shared)[0].folder)
-        for _, settings in mixed
+        for _, settings in (*mixed, *named)
     ]
 
 
@@ -69,6 +77,9 @@ def mixture_splits(
                 held_out[split].append(
                     TokenWindows(str(files.path(split)), files.dtype, data.seq_len)
                 )
+    for (split, _), files in zip(prepare.held_out_files(data), prepared[len(data.mix) :]):
+        windows = TokenWindows(str(files.path("train")), files.dtype, data.seq_len)
+        held_out[split].append(named_split(data, split, windows))
     val, test = pooled(data, held_out)
     return Mixture(mixed, seed, rank, world), val, test, prepared[0]
 
@@ -83,35 +94,21 @@ def streamed_splits(data: DataConfig, seed: int) -> tuple[Mixture, Any, Any, int
     ]
     mixed: list[Source] = []
     held_out: dict[str, list[Dataset[Any]]] = {"val": [], "test": []}
+    own = replace(data, val_files=(), test_files=())  # the named files are read once, below
     for index, (entry, plan) in enumerate(zip(data.mix, plans)):
         name = entry["name"]
-        check_source(plan, _key(index, name), world, slots)
+        filestream.check(plan, world, slots)
         reader = functools.partial(filestream.slot_reader, plan)
         mixed.append(Source(name, float(entry["weight"]), reader))
-        for split, windows in heldout.held_out(data, plan).items():
+        for split, windows in heldout.held_out(own, plan).items():
             if len(windows):  # a small source may hold out nothing
                 held_out[split].append(windows)
+    for split, _ in prepare.held_out_files(data):
+        windows = heldout.from_files(data, split, plans[0])
+        held_out[split].append(named_split(data, split, windows))
     val, test = pooled(data, held_out)
     vocab = tokenizer.describe(data.tokenizer).vocab_size
     return Mixture(mixed, seed, rank, world), val, test, vocab
-
-
-def check_source(plan: filestream.StreamPlan, key: str, world: int, slots: int) -> None:
-    """A streamed source every reading slot can draw from, or one line saying why not."""
-    if len(plan.shards) < slots:
-        raise ConfigError(
-            f"{key}: {len(plan.shards)} shard(s) for {slots} reading slots ({world} rank(s) x "
-            f"{slots // world} loader worker(s)), and each slot reads whole shards of every "
-            f"source (a file, or {shards.SHARD_BYTES >> 20} MB of a plain-text or JSON Lines "
-            f"file); give the source at least {slots} files, use fewer data.num_workers, or set "
-            "data.stream: false"
-        )
-    if next(iter(filestream.FileReader(plan, 0, 1)), None) is None:
-        raise ConfigError(
-            f"{key}: the stream yields nothing: no file holds data.seq_len={plan.seq_len} tokens "
-            "of training documents (every document empty, or held out); check its files and "
-            "data.text_field"
-        )
 
 
 def reading(data: DataConfig) -> tuple[int, int, int]:
@@ -138,6 +135,18 @@ def pooled(
             "seq_len"
         )
     return _joined(held_out["val"]), _joined(held_out["test"])
+
+
+def named_split(data: DataConfig, split: str, windows: Dataset[Any]) -> Dataset[Any]:
+    """The held-out set data.val_files (data.test_files) names beside the mix, or one line saying
+    it holds not one window."""
+    if not len(windows):  # type: ignore[arg-type]
+        raise ConfigError(
+            f"data.{split}_files: fewer than data.seq_len={data.seq_len} tokens"
+            + (f" in the first {heldout.HELD_OUT_BYTES >> 20} MB read" if data.stream else "")
+            + "; use more text or a shorter seq_len"
+        )
+    return windows
 
 
 def _joined(windows: list[Dataset[Any]]) -> ConcatDataset[Any] | None:

@@ -42,9 +42,13 @@ class Reporter:
         self.samples_per_step, self.max_steps = samples_per_step, max_steps
         self.pending_tokens = 0  # this rank's tokens since they were last summed over ranks
 
-    def count_tokens(self, micro_batches: list[Any]) -> None:
-        if self.task.tokens is not None:
-            self.pending_tokens += sum(int(self.task.tokens(batch)) for batch in micro_batches)
+    def tokens_in(self, micro_batches: list[Any]) -> int:
+        """The tokens of a step's micro-batches as the loader gave them, before they move to the
+        device: a count that reads a tensor (an attention mask's sum) then waits for no GPU. Added
+        to pending_tokens once the step is taken (a dropped batch counts nothing)."""
+        if self.task.tokens is None:
+            return 0
+        return sum(int(self.task.tokens(batch)) for batch in micro_batches)
 
     def settle_tokens(self, state: TrainState) -> None:
         """Sum what every rank has pending into the run's count (a collective: before a

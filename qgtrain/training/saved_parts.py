@@ -16,7 +16,7 @@ from typing import Any
 from ..data.dispatch import DispatchedBatches
 from ..data.loaders import TrainBatches
 from ..data.streams import StreamBatches
-from ..foundation.errors import CheckpointError
+from ..foundation.errors import CheckpointError, ConfigError
 from ..runtime.rendezvous import DistEnv
 from ..state.stateful import (
     ModelState,
@@ -73,9 +73,37 @@ class StreamState:
         """Saved by another world size, each rank's part is every rank's: {"ranks": [...]}, for
         a stream that deals them again (data/streams.py refuses one that cannot)."""
         saved = self.facts.saved_world_size
-        if saved != self.env.world_size:
+        if saved != self.env.world_size or self._other_workers(state_dict):
             state_dict = {"ranks": every_rank("stream", saved)}
         self.batches.restore(state_dict, source())
+
+    def _other_workers(self, state_dict: dict[str, Any]) -> bool:
+        """Saved with another data.num_workers: the reading slots (ranks x workers) changed as
+        with another world size, so a stream that deals its slots' positions again (load_merged)
+        takes every rank's; any other is refused in one line (torchdata's loader would assert)."""
+        if not isinstance(self.batches, StreamBatches):
+            return False
+        loader = self.batches.loader
+        workers, now = saved_workers(state_dict.get("loader")), loader.num_workers
+        if workers is None or workers == now:
+            return False
+        if callable(getattr(loader.dataset, "load_merged", None)):
+            return True
+        raise ConfigError(
+            f"{self.batches.label}: {source()} was saved with data.num_workers={workers}, this "
+            f"run has {now}, and the stream cannot deal its workers' positions again (it has no "
+            f"load_merged). HINT: resume with data.num_workers={workers}, or set "
+            "checkpoint.resume: never"
+        )
+
+
+def saved_workers(loader_state: Any) -> int | None:
+    """The loader workers a StatefulDataLoader's state was saved with (None: no such state)."""
+    if not isinstance(loader_state, dict):
+        return None
+    if "_snapshot" in loader_state:
+        return int(loader_state["_snapshot"]["_main_snapshot"]["_num_workers"])
+    return 0 if "_num_yielded" in loader_state else None
 
 
 def saved_parts(

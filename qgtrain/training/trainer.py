@@ -137,16 +137,15 @@ class Trainer:
             if agreeing:
                 self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
             lr = self.lr.set(self.state)
-            micro_batches = [
-                to_device(batch, self.device)
-                for batch in self.batches.step(self.state, train.grad_accum_steps)
-            ]
+            read = self.batches.step(self.state, train.grad_accum_steps)
+            tokens = self.reporter.tokens_in(read)  # on the host: counting syncs no device
+            micro_batches = [to_device(batch, self.device) for batch in read]
             self.timer.data_ready()
             loss_sum, grad_norm = self._forward_backward(micro_batches)
             agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
             if agreeing:
                 self._act_on(agreed, step)
-            if not self._apply_update(step, micro_batches, loss_sum):
+            if not self._apply_update(step, tokens, loss_sum):
                 # the batch was dropped: what was agreed is acted on when the step is taken again
                 self.agreement.hold(agreed)
                 rollback.if_due(self)  # under train.spike_action: rollback
@@ -198,7 +197,7 @@ class Trainer:
             as_of = agreed.as_of if not unused else step
             self._fail(as_of, not unused, bool(self.health.bad_loss.item()))
 
-    def _apply_update(self, step: int, micro_batches: list[Any], loss_sum: torch.Tensor) -> bool:
+    def _apply_update(self, step: int, tokens: int, loss_sum: torch.Tensor) -> bool:
         """The update, skipped on the device after non-finite gradients or for a dropped batch (a
         loss spike, train.skip_steps): then False, and the step is taken again with the next
         batch."""
@@ -210,7 +209,7 @@ class Trainer:
             return False
         self.state.step = step
         self.parts.metrics.advance(step)
-        self.reporter.count_tokens(micro_batches)
+        self.reporter.pending_tokens += tokens
         return True
 
     def report_step(self, done: StepResult, evaluated: bool) -> None:
