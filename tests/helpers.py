@@ -439,3 +439,69 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for name, tensor in a.items():
         assert torch.equal(tensor, b[name]), name
+
+
+def assert_resumed_equals(reference: Path, run: Path, context: str, max_steps: int = 16) -> None:
+    """The promise, compared one way everywhere: a resumed `run` equals the uninterrupted
+    `reference` in every step's loss and validation, and in the final weights and optimizer state,
+    bit for bit. `context` says where it was stopped (a seed, a step)."""
+    expected, got = records(reference), records(run)
+    assert [r["step"] for r in got] == list(range(1, max_steps + 1)), context
+    for want, have in zip(expected, got):
+        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), (
+            f"step {want['step']} {context}"
+        )
+    final = f"step-{max_steps}"
+    want_state, have_state = (checkpoint_state(r / "checkpoints" / final) for r in (reference, run))
+    assert_same_tensors(want_state, have_state)
+
+
+# Mixtures and streams of data files, as the mix and stream tests build them.
+MIX_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+
+
+def write_mix_source(path: Path, count: int, seed: int, length: tuple[int, int] = (20, 40)) -> None:
+    """A mixture's source: `count` JSON Lines documents named by the file and their index."""
+    rng = random.Random(seed)
+    with open(path, "w") as out:
+        for index in range(count):
+            words = " ".join(rng.choices(MIX_WORDS, k=rng.randint(*length)))
+            out.write(json.dumps({"text": f"{path.stem} {index}: {words}"}) + "\n")
+
+
+def mix_setting(
+    folder: Path, code: str | None = None, web: str | None = None, weights: str = "6, 3"
+) -> str:
+    """--set data.mix= of two sources, web and code (folder/web.jsonl, folder/code.jsonl)."""
+    code = code or str(folder / "code.jsonl")
+    web = web or str(folder / "web.jsonl")
+    heavy, light = weights.split(", ")
+    return (
+        f"data.mix=[{{name: web, files: ['{web}'], weight: {heavy}}}, "
+        f"{{name: code, files: ['{code}'], weight: {light}}}]"
+    )
+
+
+def stream_settings(data: Path, *more: str, batch: int = 2) -> list[str]:
+    """A streamed run over `data`/part-*.jsonl as the stream tests train it: 2 loader workers, the
+    recording model (which writes the sample ids each rank trains on)."""
+    return [
+        "--set",
+        "data.name=files",
+        f"data.files=[{data}/part-*.jsonl]",
+        "data.stream=true",
+        "data.seq_len=16",
+        "data.val_fraction=0.1",
+        "data.test_fraction=0",
+        f"train.batch_size={batch}",
+        "data.num_workers=2",
+        "model.factory=tests.stream_tasks:recording_lm",
+        "train.log_every=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=8",
+        "logging.tensorboard=false",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "train.eval_every=100",
+        *more,
+    ]

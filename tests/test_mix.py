@@ -12,7 +12,6 @@ stream); a streamed mixture's resize is tests/test_mix_resize.py's."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import re
@@ -35,32 +34,17 @@ from qgtrain.data.mix import Mixture, Source, bounds, choose
 from qgtrain.data.tokens import TokenWindows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.mixture import streamed_splits
-from tests.helpers import cli, records, wait_for
+from tests.helpers import (
+    assert_resumed_equals,
+    cli,
+    mix_setting,
+    records,
+    wait_for,
+    write_mix_source,
+)
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, wait_ranks
-from tests.test_streams import same_run
 
 MAX_STEPS = 16
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
-
-
-def write_source(path: Path, count: int, seed: int, length: tuple[int, int] = (20, 40)) -> None:
-    rng = random.Random(seed)
-    with open(path, "w") as out:
-        for index in range(count):
-            words = " ".join(rng.choices(WORDS, k=rng.randint(*length)))
-            out.write(json.dumps({"text": f"{path.stem} {index}: {words}"}) + "\n")
-
-
-def mix(
-    folder: Path, code: str | None = None, web: str | None = None, weights: str = "6, 3"
-) -> str:
-    code = code or str(folder / "code.jsonl")
-    web = web or str(folder / "web.jsonl")
-    heavy, light = weights.split(", ")
-    return (
-        f"data.mix=[{{name: web, files: ['{web}'], weight: {heavy}}}, "
-        f"{{name: code, files: ['{code}'], weight: {light}}}]"
-    )
 
 
 def train(folder: Path, run: Path, *sets: str) -> list[str]:
@@ -70,7 +54,7 @@ def train(folder: Path, run: Path, *sets: str) -> list[str]:
         str(run),
         "--set",
         "data.name=files",
-        mix(folder),
+        mix_setting(folder),
         f"data.cache_dir={folder / 'cache'}",
         f"train.max_steps={MAX_STEPS}",
         "train.batch_size=4",
@@ -93,14 +77,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """web: about 60 windows per slot, never exhausted; code: 4 or 5 per slot, read about 3 times;
     both prepared by `qgtrain data prepare`."""
     folder = tmp_path_factory.mktemp("mix")
-    write_source(folder / "web.jsonl", 120, 1)
-    write_source(folder / "code.jsonl", 9, 2)
+    write_mix_source(folder / "web.jsonl", 120, 1)
+    write_mix_source(folder / "code.jsonl", 9, 2)
     prepared = cli(
         "data",
         "prepare",
         "--set",
         "data.name=files",
-        mix(folder),
+        mix_setting(folder),
         f"data.cache_dir={folder / 'cache'}",
         cwd=folder,
     )
@@ -161,7 +145,7 @@ def killed_and_resumed(args: list[str], run: Path, tmp_path: Path) -> str:
 def test_a_mixture_killed_at_a_random_step_resumes_bit_for_bit(data, uninterrupted, tmp_path):
     run = tmp_path / "killed"
     context = killed_and_resumed(train(data, run), run, tmp_path)
-    same_run(uninterrupted, run, context)
+    assert_resumed_equals(uninterrupted, run, context)
     counts = [
         [(r["samples_web"], r["samples_code"]) for r in records(path)]
         for path in (uninterrupted, run)
@@ -219,19 +203,19 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
         str(tmp_path / "a"),
         "--set",
         "data.name=synthetic",
-        mix(data),
+        mix_setting(data),
         cwd=tmp_path,
     )
     missing = cli(
         *train(data, tmp_path / "b", "data.num_workers=0"),
         "--set",
-        mix(data, code=str(tmp_path / "nothing*.jsonl")),
+        mix_setting(data, code=str(tmp_path / "nothing*.jsonl")),
         cwd=tmp_path,
     )
     streamed = cli(
         *train(data, tmp_path / "c", "data.num_workers=0", "data.stream=true"),
         "--set",
-        mix(data, code=str(tmp_path / "nothing*.jsonl")),
+        mix_setting(data, code=str(tmp_path / "nothing*.jsonl")),
         cwd=tmp_path,
     )
     lines = []
@@ -257,7 +241,7 @@ def test_data_info_shows_each_source_its_weight_and_files_then_the_caches(data, 
         "info",
         "--set",
         "data.name=files",
-        mix(data),
+        mix_setting(data),
         f"data.cache_dir={data / 'cache'}",
         cwd=tmp_path,
     )
@@ -275,7 +259,7 @@ def test_data_info_shows_each_source_its_weight_and_files_then_the_caches(data, 
         "--set",
         "data.name=files",
         "data.stream=true",
-        mix(data, code=str(tmp_path / "none*.jsonl")),
+        mix_setting(data, code=str(tmp_path / "none*.jsonl")),
         f"data.cache_dir={tmp_path / 'never'}",
         cwd=tmp_path,
     )
@@ -380,7 +364,7 @@ def test_a_dispatched_mixture_reads_on_rank_0_and_resumes_bit_for_bit(data, tmp_
     )
     assert codes == [0, 0], (tmp_path / "ref-0.out").read_text()[-3000:]
     context = killed_and_resumed(train(data, run, "data.dispatch=true"), run, tmp_path)
-    same_run(reference, run, context)
+    assert_resumed_equals(reference, run, context)
     got = records(run)
     assert [(r["samples_web"], r["samples_code"]) for r in got] == [
         (r["samples_web"], r["samples_code"]) for r in records(reference)
@@ -404,9 +388,9 @@ def streamed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]
     the `qgtrain train` arguments, and their run."""
     folder = tmp_path_factory.mktemp("streamed")
     for part in range(4):
-        write_source(folder / f"web-{part}.jsonl", 30, 10 + part)
-    write_source(folder / "code.jsonl", 16, 20, length=(4, 8))
-    sources = mix(folder, web=f"{folder}/web-*.jsonl", weights="3, 1")
+        write_mix_source(folder / f"web-{part}.jsonl", 30, 10 + part)
+    write_mix_source(folder / "code.jsonl", 16, 20, length=(4, 8))
+    sources = mix_setting(folder, web=f"{folder}/web-*.jsonl", weights="3, 1")
     args = train(folder, folder / "run", "data.stream=true", "data.test_fraction=0", sources)
     codes = wait_ranks(start_cli_ranks(2, args, folder, log_prefix="ref"), 240)
     assert codes == [0, 0], (folder / "ref-0.out").read_text()[-3000:]
@@ -442,7 +426,7 @@ def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit(streamed
     run = tmp_path / "killed"
     killed = [str(run) if arg == str(folder / "run") else arg for arg in args]
     context = killed_and_resumed(killed, run, tmp_path)
-    same_run(folder / "run", run, context)
+    assert_resumed_equals(folder / "run", run, context)
     assert [(r["samples_web"], r["samples_code"]) for r in records(run)] == [
         (r["samples_web"], r["samples_code"]) for r in records(folder / "run")
     ], context
@@ -450,10 +434,10 @@ def test_a_streamed_mixture_killed_at_a_random_step_resumes_bit_for_bit(streamed
 
 
 def test_a_one_file_source_is_shared_by_the_slots_and_one_of_zero_bytes_refused(tmp_path):
-    write_source(tmp_path / "code.jsonl", 30, 2)
+    write_mix_source(tmp_path / "code.jsonl", 30, 2)
     (tmp_path / "empty.jsonl").write_bytes(b"")
     for part in range(2):
-        write_source(tmp_path / f"web-{part}.jsonl", 30, part)
+        write_mix_source(tmp_path / f"web-{part}.jsonl", 30, part)
     data = DataConfig(
         name="files",
         stream=True,

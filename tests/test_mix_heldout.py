@@ -15,9 +15,8 @@ import torch
 from qgtrain.state.train_state import Outcome
 from qgtrain.tasks.build import build_task
 from qgtrain.training.evaluation import evaluate
-from tests.helpers import records
+from tests.helpers import mix_setting, records, write_mix_source
 from tests.seam import build_trainer, config, one_rank_group
-from tests.test_mix import mix, write_source
 
 SEQ_LEN = 32
 
@@ -33,13 +32,13 @@ def file_windows(path: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_shared_val_file_beside_a_mix_is_the_validation_set(tmp_path, stream):
-    write_source(tmp_path / "web.jsonl", 40, 1)
-    write_source(tmp_path / "code.jsonl", 20, 2)
+    write_mix_source(tmp_path / "web.jsonl", 40, 1)
+    write_mix_source(tmp_path / "code.jsonl", 20, 2)
     shared = tmp_path / "shared.jsonl"
-    write_source(shared, 6, 3)
+    write_mix_source(shared, 6, 3)
     cfg = config(
         "data.name=files",
-        mix(tmp_path),
+        mix_setting(tmp_path),
         f"data.val_files=['{shared}']",
         f"data.cache_dir={tmp_path / 'cache'}",
         f"data.stream={str(stream).lower()}",
@@ -77,12 +76,12 @@ def test_a_shared_val_file_without_one_window_is_one_line_naming_it(tmp_path, st
     from qgtrain.foundation.errors import ConfigError
     from qgtrain.tasks import mixture
 
-    write_source(tmp_path / "web.jsonl", 10, 1)
-    write_source(tmp_path / "code.jsonl", 10, 2)
+    write_mix_source(tmp_path / "web.jsonl", 10, 1)
+    write_mix_source(tmp_path / "code.jsonl", 10, 2)
     (tmp_path / "tiny.jsonl").write_text('{"text": "hi"}\n')
     data = config(
         "data.name=files",
-        mix(tmp_path),
+        mix_setting(tmp_path),
         f"data.val_files=['{tmp_path / 'tiny.jsonl'}']",
         f"data.cache_dir={tmp_path / 'cache'}",
         f"data.seq_len={SEQ_LEN}",

@@ -19,15 +19,14 @@ from typing import Any
 from qgtrain.config import DataConfig
 from qgtrain.data import filestream
 from qgtrain.data.mix import Mixture, Source
-from tests.helpers import records, wait_for
+from tests.helpers import records, stream_settings, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
-from tests.test_stream_files import sets
 
 FIRST, THREE, ONE = 6, 8, 10  # the last step on 2 ranks (killed before it), then on 3, then on 1
 BATCH = 2
 
 
-def write_source(folder: Path, name: str, files: int, documents: int) -> None:
+def write_mix_source(folder: Path, name: str, files: int, documents: int) -> None:
     """`files` files of `documents` documents, each 15 bytes + the end-of-text token = one sample
     of 16 tokens whose first 6 bytes are its id: source letter, file, index."""
     for part in range(files):
@@ -79,8 +78,8 @@ def read(mixture: Mixture, count: int, seen: Counter[tuple[str, int, str]]) -> d
 def test_slots_at_different_passes_merged_to_three_then_one_read_every_window_once(tmp_path):
     """code (weight 3) has 4 files of 3-9 windows: the slots run through it at their own pace and
     sit at different passes, with carried passes after the first merge."""
-    write_source(tmp_path, "web", 4, 30)
-    write_source(tmp_path, "code", 4, 3)
+    write_mix_source(tmp_path, "web", 4, 30)
+    write_mix_source(tmp_path, "code", 4, 3)
     seen: Counter[tuple[str, int, str]] = Counter()
     states = [read(m, n, seen) for m, n in zip(mixtures(tmp_path, 2), (20, 40))]
     passes = [int(s["readers"][1]["epoch"]) for s in states]
@@ -119,7 +118,11 @@ def train(data: Path, run: Path, max_steps: int) -> list[str]:
         f"data.mix=[{{name: web, files: ['{data}/web-*.jsonl'], weight: 2}}, "
         f"{{name: code, files: ['{data}/code-*.jsonl'], weight: 1}}]"
     )
-    more = [arg for arg in sets(data) if not arg.startswith(("data.files", "data.val_fraction"))]
+    more = [
+        arg
+        for arg in stream_settings(data)
+        if not arg.startswith(("data.files", "data.val_fraction"))
+    ]
     return [
         "train",
         "--run-dir",
@@ -144,8 +147,8 @@ def test_a_streamed_mixture_killed_on_2_ranks_resumes_on_3_then_1_training_each_
     file the start of its own uninterrupted read (a shard is read in order: a skip leaves a gap)."""
     data, run = tmp_path / "data", tmp_path / "run"
     data.mkdir()
-    write_source(data, "web", 6, 12)
-    write_source(data, "code", 6, 8)
+    write_mix_source(data, "web", 6, 12)
+    write_mix_source(data, "code", 6, 8)
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(3, FIRST)
     env = {"QGTRAIN_TEST_IDS": str(tmp_path / "ids-killed")}

@@ -25,38 +25,15 @@ import torch
 from qgtrain.config import DataConfig
 from qgtrain.data import filestream, heldout, shards
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import checkpoint_state, cli, records, wait_for
+from tests.helpers import checkpoint_state, cli, records, stream_settings, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 FIRST, ONE, THREE = 6, 10, 14  # the last step on 2 ranks, then on 1, then on 3
 BATCH = 2  # per rank: the 32 samples at step ONE do not divide by 3 ranks (no need to)
 
 
-def sets(data: Path, *more: str) -> list[str]:
-    return [
-        "--set",
-        "data.name=files",
-        f"data.files=[{data}/part-*.jsonl]",
-        "data.stream=true",
-        "data.seq_len=16",
-        "data.val_fraction=0.1",
-        "data.test_fraction=0",
-        f"train.batch_size={BATCH}",
-        "data.num_workers=2",
-        "model.factory=tests.stream_tasks:recording_lm",
-        "train.log_every=1",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep_last=8",
-        "logging.tensorboard=false",
-        "optim.warmup_steps=0",
-        "optim.schedule=constant",
-        "train.eval_every=100",
-        *more,
-    ]
-
-
 def train(run: Path, data: Path, max_steps: int) -> list[str]:
-    return ["train", "--run-dir", str(run), *sets(data, f"train.max_steps={max_steps}")]
+    return ["train", "--run-dir", str(run), *stream_settings(data, f"train.max_steps={max_steps}")]
 
 
 def ranks(count: int, args: list[str], cwd: Path, prefix: str, ids: str = "") -> list[int]:

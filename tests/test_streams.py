@@ -20,7 +20,7 @@ import pytest
 import torch
 from pyarrow import parquet
 
-from tests.helpers import checkpoint_state, records, wait_for
+from tests.helpers import assert_resumed_equals, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 MAX_STEPS = 16
@@ -53,21 +53,6 @@ def two_ranks(args: list[str], cwd: Path, prefix: str) -> list[int]:
     return wait_ranks(start_cli_ranks(2, args, cwd, log_prefix=prefix), 180)
 
 
-def same_run(reference: Path, run: Path, context: str) -> None:
-    """Every step's loss, the validations and the final weights and optimizer state, bit for bit."""
-    expected, got = records(reference), records(run)
-    assert [r["step"] for r in got] == list(range(1, MAX_STEPS + 1)), context
-    for want, have in zip(expected, got):
-        assert (have["loss"], have.get("val_loss")) == (want["loss"], want.get("val_loss")), (
-            f"step {want['step']} {context}"
-        )
-    final = f"step-{MAX_STEPS}"
-    want_state, have_state = (checkpoint_state(r / "checkpoints" / final) for r in (reference, run))
-    assert want_state.keys() == have_state.keys()
-    for name, tensor in want_state.items():
-        assert torch.equal(tensor, have_state[name]), f"{name} {context}"
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Each stream's uninterrupted run, trained once."""
@@ -98,7 +83,7 @@ def test_a_stream_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, uninterr
     kill_ranks(procs)
     assert two_ranks(args, tmp_path, "resumed") == [0, 0], (tmp_path / "resumed-0.out").read_text()
     context = f"(seed {seed}: killed at step {kill_at})"
-    same_run(reference, run, context)
+    assert_resumed_equals(reference, run, context)
     logs = [(run / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)]
     skipped = [
         re.findall(r"skipped (\d+) samples of the stream in ([\d.]+) s", log) for log in logs
@@ -135,7 +120,7 @@ def test_a_hugging_face_stream_of_parquet_files_trains_on_two_ranks_and_resumes(
     args = train("hub_parquet", run, *hub)
     assert wait_ranks(start_cli_ranks(2, args, tmp_path, env, "resumed"), 180) == [0, 0]
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text().split("step 9/")[-1]
-    same_run(tmp_path / "run", run, "(resumed at step 9)")
+    assert_resumed_equals(tmp_path / "run", run, "(resumed at step 9)")
     assert records(run)[-1]["epoch"] >= 1
 
 
