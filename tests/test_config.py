@@ -70,6 +70,9 @@ def test_overlays_merge_key_by_key_and_set_wins(tmp_path):
         ),
         ("slurm.time=90", "slurm.time", "90"),
         ("train.precision=bf16", "train.precision", "bf16"),
+        ("model.compile=true", "model.compile", True),
+        ("model.compile=off", "model.compile", False),
+        ("model.compile=auto", "model.compile", "auto"),
     ],
 )
 def test_set_converts_text_to_the_field_type(assignment, key, expected):

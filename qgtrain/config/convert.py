@@ -59,10 +59,17 @@ def convert(
 
 
 def _to_choice(raw: Any, choices: tuple[Any, ...], where: str, from_text: bool) -> Any:
+    """A choice among text and booleans (model.compile: auto, true, false): `--set` gives text,
+    YAML a boolean, and a number is never a boolean (1 == True in Python)."""
     text = str(raw).strip() if from_text else raw
+    if True in choices and from_text and str(text).lower() in _TRUE | _FALSE:
+        text = str(text).lower() in _TRUE
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = str(text)
     if text not in choices:
         raise ConfigError(
-            f"{where}: {raw!r} is not allowed; choose one of {', '.join(map(str, choices))}."
+            f"{where}: {raw!r} is not allowed; choose one of "
+            f"{', '.join(str(c).lower() if isinstance(c, bool) else c for c in choices)}."
             + did_you_mean(str(text), [str(a) for a in choices])
         )
     return text

@@ -32,7 +32,11 @@ class ModelConfig:
     heads: int = setting(4, "attention heads per block", min=1)
     hidden: int = setting(128, "width of the residual stream", min=8)
     dropout: float = setting(0.0, "dropout probability in every block", min=0.0, max=0.9)
-    compile: bool = setting(False, "torch.compile the model before wrapping it in DDP")
+    compile: Literal["auto", True, False] = setting(
+        "auto",
+        "torch.compile the model (each repeated block where it has them); auto: on CUDA, "
+        "falling back to eager with a warning if it fails; true: anywhere, failing loudly",
+    )
     adapter: Literal["none", "lora"] = setting(
         "none",
         "none: train every weight; lora: freeze the model and train LoRA adapters (peft); "

@@ -1,11 +1,11 @@
 """Wrapping the user's module for data-parallel training: DDP (a replica per rank) or FSDP2
-(shards), with torch.compile where asked. What changes the model itself (adapters, SyncBatchNorm,
-activation checkpointing) has been applied before (transforms.py)."""
+(shards), with torch.compile where model.compile asks for it on this device (compiling.py). What
+changes the model itself (adapters, SyncBatchNorm, activation checkpointing) has been applied
+before (transforms.py)."""
 
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import TrainConfig
 from ..runtime import distributed, mesh
 from ..runtime.rendezvous import DistEnv
-from . import initial_shards, replicas, sharding
+from . import compiling, initial_shards, replicas, sharding
 
 log = logging.getLogger("qgtrain")
 
@@ -23,7 +23,7 @@ def wrap(
     model: nn.Module,
     env: DistEnv,
     device: torch.device,
-    compile_model: bool,
+    compile_setting: compiling.Setting,
     train: TrainConfig,
     precision: str,
 ) -> nn.Module:
@@ -51,11 +51,12 @@ def wrap(
         sharding.shard(model, blocks, precision, device, mesh.device_mesh(train, env, device))
         initial_shards.fill(model, full, device)
         return model
-    compiled = cast(nn.Module, torch.compile(model)) if compile_model else model
+    blocks = compiling.repeated_blocks(model, train.shard_modules)
+    compiling.apply(model, device, compile_setting, blocks)
     if env.world_size == 1:
-        return compiled
+        return model
     return DDP(
-        compiled,
+        model,
         device_ids=distributed.ddp_device_ids(device),
         find_unused_parameters=train.find_unused_parameters,
         gradient_as_bucket_view=True,

@@ -1,0 +1,140 @@
+"""model.compile: whether the model is compiled on this device (`compile_plan`, a plain function of
+the setting and the environment, tested as a table), and compiling it (`apply`): each repeated
+block where the model has them, the whole model otherwise.
+
+Per block (regional compilation, as torchtitan's apply_compile does per TransformerBlock): the
+blocks share one code object, so dynamo compiles one block and reuses it for the others, and a
+large model compiles in seconds rather than minutes; the step keeps most of the whole-model speed.
+Compiling in place (`Module.compile`, which sets `_compiled_call_impl`) leaves the module and its
+state-dict keys as they are, and DDP wraps it as before (dynamo sees the DDP forward around it).
+
+A compile failure surfaces at the first call, not at torch.compile(), so with `auto` each compiled
+module's first call is guarded: on an error every module goes back to eager and one line says why.
+torch._dynamo.config.suppress_errors is never set: it would hide failures everywhere, for good.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..foundation.errors import ConfigError
+from ..runtime import compile_cache
+from . import sharding
+
+log = logging.getLogger("qgtrain")
+
+Setting = bool | str  # model.compile: "auto", True or False
+
+
+@dataclass(frozen=True)
+class Plan:
+    compile: bool
+    regional: bool  # block by block, not the whole model
+    strict: bool  # a failure stops the run (model.compile: true) instead of running eager
+    why: str
+
+
+def compile_plan(
+    setting: Setting,
+    device_type: str,
+    parallel: str = "ddp",
+    has_blocks: bool = False,
+    capability: tuple[int, int] | None = None,
+) -> Plan:
+    """What model.compile means here. `auto` compiles on CUDA only: on the CPU inductor's C++
+    build costs more start than the step gains on the models one trains there, and the suite must
+    not compile. Triton, inductor's GPU code generator, needs compute capability 7.0 (inductor's
+    scheduler raises GPUTooOldForTriton below it). fsdp is eager for now (config refuses `true`)."""
+    regional = has_blocks
+    if setting is False:
+        return Plan(False, False, False, "model.compile: false")
+    if setting is True:
+        return Plan(True, regional, True, "model.compile: true")
+    if device_type != "cuda":
+        return Plan(False, False, False, f"model.compile: auto, eager on {device_type}")
+    if capability is not None and capability < (7, 0):
+        why = f"eager on compute capability {capability[0]}.{capability[1]} (Triton needs 7.0)"
+        return Plan(False, False, False, f"model.compile: auto, {why}")
+    if parallel != "ddp":
+        return Plan(False, False, False, f"model.compile: auto, eager with {parallel} for now")
+    return Plan(True, regional, False, "model.compile: auto, compiled on cuda")
+
+
+def repeated_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The blocks compiled one by one: those named (train.shard_modules) or the model's
+    _no_split_modules (how transformers models name their decoder layers); none where neither
+    finds any, and then the whole model is compiled."""
+    try:
+        return sharding.find_blocks(model, names)
+    except ConfigError:
+        return []
+
+
+def apply(
+    model: nn.Module, device: torch.device, setting: Setting, blocks: Sequence[nn.Module]
+) -> Plan:
+    """Compile `model` in place as `compile_plan` decides for `device`; says what it did."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    plan = compile_plan(setting, device.type, "ddp", bool(blocks), capability)
+    if plan.compile:
+        compile_cache.claim()
+        compile_in_place(list(blocks) if plan.regional else [model], plan.strict)
+        where = f"{len(blocks)} {type(blocks[0]).__name__} blocks" if plan.regional else "model"
+        log.info("%s: compiling the %s", plan.why, where)
+    return plan
+
+
+def compile_in_place(targets: Sequence[nn.Module], strict: bool, backend: Any = "inductor") -> None:
+    """Compile each target's call. Unless `strict`, a failure at a target's first call sends
+    every target back to eager, once, with one line saying why."""
+    if strict:
+        for target in targets:
+            target.compile(backend=backend)
+        return
+    fallback = _Fallback(targets)
+    for target in targets:
+        compiled = torch.compile(target._call_impl, backend=backend)
+        target._compiled_call_impl = _FirstCall(target, compiled, fallback)
+
+
+class _Fallback:
+    def __init__(self, targets: Sequence[nn.Module]) -> None:
+        self.targets = list(targets)
+
+    def to_eager(self, exc: BaseException) -> None:
+        if self.targets:
+            # dynamo's own line ("backend='inductor' raised:") is followed by the cause's
+            first = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:2])
+            log.warning(
+                "model.compile: auto: torch.compile failed (%s: %s); training eager",
+                type(exc).__name__,
+                first[:300],
+            )
+        for target in self.targets:
+            target._compiled_call_impl = None
+        self.targets = []
+
+
+class _FirstCall:
+    """A compiled call until its first success, after which the compiled call replaces it."""
+
+    def __init__(
+        self, target: nn.Module, compiled: Callable[..., Any], fallback: _Fallback
+    ) -> None:
+        self.target, self.compiled, self.fallback = target, compiled, fallback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = self.compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 torch.compile raises bare Exceptions
+            self.fallback.to_eager(exc)
+            return self.target._call_impl(*args, **kwargs)
+        if self.target._compiled_call_impl is self:
+            self.target._compiled_call_impl = self.compiled
+        return out

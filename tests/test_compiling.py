@@ -1,0 +1,120 @@
+"""model.compile: the decision as a table (setting x device x blocks), the blocks found in a
+transformers model, and the fall back to eager when compiling fails at the first call. Only the
+fallback tests compile, with a backend that fails or with dynamo's eager backend: no inductor."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from qgtrain.runtime import compile_cache
+from qgtrain.training import compiling
+from qgtrain.training.compiling import compile_plan
+
+
+@pytest.mark.parametrize(
+    "setting, device, blocks, compiles, regional, strict",
+    [
+        ("auto", "cuda", True, True, True, False),
+        ("auto", "cuda", False, True, False, False),
+        ("auto", "cpu", True, False, False, False),
+        ("auto", "cpu", False, False, False, False),
+        ("auto", "mps", True, False, False, False),
+        (True, "cuda", True, True, True, True),
+        (True, "cuda", False, True, False, True),
+        (True, "cpu", True, True, True, True),
+        (True, "cpu", False, True, False, True),
+        (False, "cuda", True, False, False, False),
+        (False, "cpu", False, False, False, False),
+    ],
+)
+def test_compile_plan_by_setting_device_and_blocks(
+    setting, device, blocks, compiles, regional, strict
+):
+    plan = compile_plan(setting, device, "ddp", blocks, (9, 0) if device == "cuda" else None)
+    assert (plan.compile, plan.regional, plan.strict) == (compiles, regional, strict)
+    assert plan.why.startswith(f"model.compile: {str(setting).lower()}")
+
+
+@pytest.mark.parametrize(
+    "parallel, capability, compiles",
+    [("ddp", (7, 0), True), ("ddp", (6, 1), False), ("fsdp", (9, 0), False), ("hsdp", None, False)],
+)
+def test_auto_stays_eager_where_triton_or_fsdp_cannot_follow(parallel, capability, compiles):
+    assert compile_plan("auto", "cuda", parallel, True, capability).compile is compiles
+
+
+def test_a_transformers_model_compiles_its_decoder_layers_and_a_plain_model_whole():
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    blocks = compiling.repeated_blocks(model, ())
+    assert blocks == list(model.transformer.h)
+    assert compiling.repeated_blocks(nn.Sequential(nn.Linear(2, 2)), ()) == []
+
+
+def _failing_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+class _Block(nn.Module):  # torch.nn's own modules are not traced as the frame compiled
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_auto_falls_back_to_eager_with_one_line_when_the_first_call_fails(caplog):
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(2, 4)
+    expected = model(x)
+    compiling.compile_in_place(list(model.layers), strict=False, backend=_failing_backend)
+    with caplog.at_level(logging.WARNING, logger="qgtrain"):
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+    lines = [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert len(lines) == 1 and "this backend cannot compile anything" in lines[0]
+    assert all(layer._compiled_call_impl is None for layer in model.layers)
+
+
+def test_true_fails_loudly_and_a_compiled_model_computes_what_eager_does():
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(2, 4)
+    expected = model(x)
+    compiling.compile_in_place([model], strict=True, backend=_failing_backend)
+    with pytest.raises(Exception, match="this backend cannot compile anything"):
+        model(x)
+    torch._dynamo.reset()
+    again = _Blocks()
+    again.load_state_dict(model.state_dict())
+    compiling.compile_in_place(list(again.layers), strict=False, backend="eager")
+    assert torch.equal(again(x), expected)
+    assert all(layer._compiled_call_impl is not None for layer in again.layers)
+    assert set(again.state_dict()) == set(model.state_dict())  # no _orig_mod. prefixes
+    torch._dynamo.reset()
+
+
+def test_the_cache_folder_is_made_only_when_something_compiles(tmp_path: Path):
+    with compile_cache.in_run_dir(tmp_path, 3) as folder:
+        assert not folder.exists()  # model.compile: auto on the CPU compiles nothing
+        assert compile_cache.claim() == folder and folder.is_dir()
+        assert compile_cache.claim() == folder
+    assert compile_cache.claim() is None
