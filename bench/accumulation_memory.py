@@ -28,8 +28,8 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.tasks.build import build_task
     from qgtrain.training.gradients import accumulate_gradients
     from qgtrain.training.initial_shards import builds_empty
-    from qgtrain.training.optim import adamw, apply_update
     from qgtrain.training.parallel import wrap
+    from qgtrain.training.update import adamw, apply_update
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
     cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are kept for reuse

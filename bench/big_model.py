@@ -96,8 +96,8 @@ def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
     from qgtrain.tasks.empty_weights import building_empty
     from qgtrain.training import sharding
     from qgtrain.training.initial_shards import builds_empty
-    from qgtrain.training.optim import adamw
     from qgtrain.training.parallel import wrap
+    from qgtrain.training.update import adamw
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
     before, started = status_bytes("VmRSS:"), time.perf_counter()
@@ -180,6 +180,7 @@ def resume_rank(env: Any, root: str, layers: int, repeats: int) -> dict[str, lis
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.fsdp import fully_shard
 
+    from qgtrain.config import CheckpointConfig
     from qgtrain.runtime.distributed import broadcast_from_main
     from qgtrain.state import sharded, verify_ranks
     from qgtrain.state.checkpoint import read_manifest
@@ -198,7 +199,7 @@ def resume_rank(env: Any, root: str, layers: int, repeats: int) -> dict[str, lis
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()
-    saver = Checkpointer(Path(root), "bench", env, keep_last=2, async_save=False)
+    saver = Checkpointer(Path(root), "bench", env, CheckpointConfig(keep_last=2))
     saver.save(
         1,
         dict,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import alternate, report
+from qgtrain.config import CheckpointConfig
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.state import checkpoint, verify_ranks
@@ -57,7 +58,7 @@ def main() -> None:
     print(f"writing to {root}")
     env = DistEnv()
     with process_group(env, torch.device("cpu"), 60, 600):
-        saver = Checkpointer(root / "checkpoints", "bench", env, keep_last=2, async_save=False)
+        saver = Checkpointer(root / "checkpoints", "bench", env, CheckpointConfig(keep_last=2))
         step = iter(range(1, 10**6))
 
         def qgtrain_save() -> None:

@@ -66,7 +66,7 @@ def checkpoint_rank(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from qgtrain.config import ModelConfig, TrainConfig
+    from qgtrain.config import CheckpointConfig, ModelConfig, TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.state.checkpointer import Checkpointer
@@ -85,7 +85,10 @@ def checkpoint_rank(
         optimizer.step()
         savers = {
             kind: Checkpointer(
-                Path(root, kind), "bench", env, keep_last=2, async_save=kind == "async"
+                Path(root, kind),
+                "bench",
+                env,
+                CheckpointConfig(keep_last=2, async_save=kind == "async"),
             )
             for kind in ("sync", "async")
         }

@@ -41,7 +41,7 @@ from .tasks.build import TaskSource, build_task, naming_the_task
 from .training import initial_shards, parallel, trackers
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
-from .training.parts import Parts, Settings
+from .training.parts import LoopParts, Settings
 from .training.profiling import StepProfiler
 from .training.trainer import Trainer
 from .training.transforms import transformed
@@ -235,10 +235,9 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
         run.checkpoints,
         claim.run_id,
         env,
-        cfg.checkpoint.keep_last,
-        cfg.checkpoint.async_save,
-        run_files,
-        cfg.train.collective_timeout_s,
+        cfg.checkpoint,
+        run_files=run_files,
+        timeout_s=cfg.train.collective_timeout_s,
     )
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
@@ -248,11 +247,11 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
         task.test,
         task.collate,
         env,
-        cfg.train.batch_size,
-        cfg.data.num_workers,
-        device,
-        cfg.train.seed,
-        f"task.factory: the train split of {cfg.task.factory}",
+        batch_size=cfg.train.batch_size,
+        num_workers=cfg.data.num_workers,
+        device=device,
+        seed=cfg.train.seed,
+        label=f"task.factory: the train split of {cfg.task.factory}",
         dispatch=cfg.data.dispatch,
     )
     optimizer = build_optimizer(task, cfg.optim, device)
@@ -261,24 +260,21 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
     profiler = StepProfiler(
         cfg.train.profile_steps, run.profiles, env.rank, device, cfg.train.memory_snapshot
     )
-    parts = Parts(
-        task,
-        wrapped,
-        optimizer,
-        precision.grad_scaler(resolved, device),
-        loaders,
-        checkpointer,
-        metrics,
-        ctx.stop,
-        ctx.deadline,
-        profiler,
+    parts = LoopParts(
+        task=task,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scaler=precision.grad_scaler(resolved, device),
+        loaders=loaders,
+        checkpointer=checkpointer,
+        metrics=metrics,
+        stop=ctx.stop,
+        deadline=ctx.deadline,
+        profiler=profiler,
     )
     # pins an async save's host buffers in the background
     checkpointer.prepare(model, parts.optimizer)
-    settings = Settings(
-        cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, resolved, cfg.export.on_finish
-    )
-    return Trainer(parts, settings, env, device)
+    return Trainer(parts, Settings.of(cfg, resolved), env, device)
 
 
 def _after_stop(ctx: RunContext, path: Path, requeue_on_stop: bool) -> int:

@@ -6,6 +6,7 @@ group over an in-memory store, so nothing listens on a port and nothing is left 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from qgtrain.runtime.signals import StopFlag
 from qgtrain.state.checkpointer import Checkpointer
 from qgtrain.training.metrics import MetricsLog
 from qgtrain.training.optimizers import build_optimizer
-from qgtrain.training.parts import Parts, Settings
+from qgtrain.training.parts import LoopParts, Settings
 from qgtrain.training.profiling import StepProfiler
 from qgtrain.training.trainer import Trainer
 
@@ -96,10 +97,10 @@ def build_trainer(
         cfg.train.seed,
     )
     checkpointer = Checkpointer(
-        run / "checkpoints", "seam", ONE_RANK, cfg.checkpoint.keep_last, async_save=False
+        run / "checkpoints", "seam", ONE_RANK, dataclasses.replace(cfg.checkpoint, async_save=False)
     )
     metrics = MetricsLog(run, True, False, None)
-    parts = Parts(
+    parts = LoopParts(
         task,
         task.model,
         build_optimizer(task, cfg.optim, CPU),
@@ -111,5 +112,5 @@ def build_trainer(
         Deadline(None, None, 0.0),
         StepProfiler((), run, 0, CPU, False),
     )
-    settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, cfg.checkpoint, "fp32")
+    settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, "fp32")
     return Trainer(parts, settings, ONE_RANK, CPU)

@@ -146,6 +146,7 @@ def test_imports_point_down_the_layers():
 # concern, never to fit the count.
 ONE_CONCERN = {
     "ops.doctor": "every check of `qgtrain doctor`, node-local then across nodes, one checklist",
+    "training.trainer": "the whole loop, a step's end included, read top to bottom in one place",
 }
 
 

@@ -13,7 +13,7 @@ import torch
 
 from qgtrain.foundation.errors import CheckpointError
 from qgtrain.state import checkpoint, rotation
-from qgtrain.state.checkpointer import CpuSnapshot
+from qgtrain.state.host_copy import HostCopy
 from tests.helpers import records, tiny_config
 from tests.ranks import run_ranks, train_rank
 
@@ -208,7 +208,7 @@ def test_an_async_snapshot_is_a_private_copy_that_keeps_tied_weights_tied_and_re
         "optim.pt": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1}]},
         "config": b"x: 1",
     }
-    snapshots = CpuSnapshot()
+    snapshots = HostCopy()
     first = snapshots.copy(state)
     with torch.no_grad():
         tied.weight.add_(1.0)  # training goes on while the snapshot is written
@@ -291,6 +291,7 @@ def save_while_rank_0_stays_away(root: str) -> float | None:
     minutes have passed). Rank 1 returns how long its save took to fail."""
     import time
 
+    from qgtrain.config import CheckpointConfig
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.state.checkpointer import Checkpointer
@@ -298,7 +299,9 @@ def save_while_rank_0_stays_away(root: str) -> float | None:
     env = from_environ(os.environ)
     done = Path(root, "rank-1-done")
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        saver = Checkpointer(Path(root, "checkpoints"), "run", env, 2, False, timeout_s=3)
+        saver = Checkpointer(
+            Path(root, "checkpoints"), "run", env, CheckpointConfig(keep_last=2), timeout_s=3
+        )
         if env.rank == 0:
             deadline = time.monotonic() + 120
             while not done.exists() and time.monotonic() < deadline:

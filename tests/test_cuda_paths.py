@@ -25,7 +25,7 @@ def snapshot_of_a_gpu_shard(folder: str) -> dict[str, Any]:
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.state import sharded
-    from qgtrain.state.checkpointer import CpuSnapshot
+    from qgtrain.state.host_copy import HostCopy
 
     env = from_environ(os.environ)
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
@@ -43,7 +43,7 @@ def snapshot_of_a_gpu_shard(folder: str) -> dict[str, Any]:
             DTensor.from_local(local, gpu_mesh, [Shard(0)], run_check=False)
         except (RuntimeError, AssertionError) as exc:
             moved = str(exc)
-        snapshot = CpuSnapshot()
+        snapshot = HostCopy()
         copy = snapshot.copy({"model": {"w": shard}})
         again = snapshot.copy({"model": {"w": shard}})["model"]["w"]
         w = copy["model"]["w"]
@@ -100,7 +100,7 @@ def cpu_twin_of_an_hsdp_mesh() -> dict[str, Any]:
 
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.state.checkpointer import CpuSnapshot
+    from qgtrain.state.host_copy import HostCopy
 
     env = from_environ(os.environ)
     with distributed.process_group(env, torch.device("cpu"), 60, 60):
@@ -115,7 +115,7 @@ def cpu_twin_of_an_hsdp_mesh() -> dict[str, Any]:
         spec = DTensorSpec(
             gpu_mesh, (Replicate(), Shard(0)), TensorMeta(torch.Size([4]), (1,), torch.float32)
         )
-        twin = CpuSnapshot(timeout_s=7).copy({"w": DTensor(local, spec, requires_grad=False)})["w"]
+        twin = HostCopy(timeout_s=7).copy({"w": DTensor(local, spec, requires_grad=False)})["w"]
         groups = [twin.device_mesh.get_group(name) for name in ("replicate", "shard")]
         return {
             "mesh": twin.device_mesh.device_type,

@@ -12,7 +12,7 @@ import pytest
 
 from qgtrain.foundation.errors import EXIT_STOPPED
 from qgtrain.runtime.deadline import Deadline
-from qgtrain.training.planning import Planner, Schedule
+from qgtrain.training.planning import Cadence, Planner
 from qgtrain.training.timing import StepTimer
 from tests.helpers import records
 from tests.ranks import start_cli_ranks, wait_ranks
@@ -38,7 +38,7 @@ def planner(
     return Planner(
         deadline,
         timer,
-        Schedule(
+        Cadence(
             max_steps=1000,
             agree_every=1,
             eval_every=100,

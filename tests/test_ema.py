@@ -132,7 +132,7 @@ def test_an_update_not_taken_leaves_the_average_where_it_was():
     """Non-finite gradients skipped on the device, and fp16's GradScaler finding them: the flag
     apply_update returns stops the average in the same call, without the host reading it."""
     from qgtrain.training.ema import Ema
-    from qgtrain.training.optim import apply_update
+    from qgtrain.training.update import apply_update
 
     model = torch.nn.Linear(3, 2)
     ema = Ema(model, 0.9)

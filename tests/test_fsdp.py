@@ -58,9 +58,9 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
     from qgtrain.config import OptimConfig, TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.optim import adamw
     from qgtrain.training.parallel import wrap
     from qgtrain.training.sharding import local_numel
+    from qgtrain.training.update import adamw
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 60):

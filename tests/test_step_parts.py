@@ -14,7 +14,7 @@ from tests.ranks import run_ranks
 def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm():
     """Clipping to infinity would multiply each gradient by 1.0 in place: a pass over all of them
     per step (the version counter shows the in-place write)."""
-    from qgtrain.training.optim import clip_gradients
+    from qgtrain.training.update import clip_gradients
 
     model = torch.nn.Linear(4, 3)
     model(torch.ones(2, 4)).pow(2).sum().backward()
@@ -33,7 +33,7 @@ def test_a_model_without_gradients_reports_norm_0_on_the_ranks_device():
     """The report stacks the norm with device tensors: torch's norm of no tensors is a CPU tensor,
     which a CUDA run cannot stack (shown here with the meta device, which CPU tensors do not mix
     with)."""
-    from qgtrain.training.optim import clip_gradients
+    from qgtrain.training.update import clip_gradients
 
     norm = clip_gradients(torch.nn.Linear(4, 3), 1.0, torch.device("meta"))
     assert norm.device == torch.device("meta") and norm.dim() == 0
@@ -81,7 +81,7 @@ def test_an_update_from_non_finite_gradients_is_skipped_on_the_device_by_fused_o
     """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count;
     another optimizer skips by reading the flag. Either way the weights and the state stay as they
     were."""
-    from qgtrain.training.optim import apply_update
+    from qgtrain.training.update import apply_update
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for fused in (True, False):
@@ -136,7 +136,7 @@ def fused_update_over_shards() -> tuple[bool, bool]:
 
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.optim import apply_update
+    from qgtrain.training.update import apply_update
 
     with process_group(from_environ(os.environ), torch.device("cpu"), 60, 60):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

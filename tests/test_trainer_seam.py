@@ -106,3 +106,21 @@ def test_padded_rows_count_their_real_tokens_not_the_padding(tmp_path):
     assert trainer.state.tokens_seen == logged[-1]["tokens_seen"] == sum(real) == 17
     assert sum(r["tokens_per_s"] for r in logged) > 0
     assert batch_tokens({"input_ids": torch.zeros(2, 8)}) == 16, "no mask: every token is real"
+
+
+def test_the_validator_and_the_checkpointer_say_when_they_are_due(tmp_path):
+    """Each part owns its cadence: train.eval_every is the validator's, checkpoint.every_steps and
+    checkpoint.every_minutes (rank 0's clock since the last save) the checkpointer's."""
+    sets = ("train.max_steps=12", "train.eval_every=3", "checkpoint.every_steps=4")
+    with one_rank_group():
+        trainer = build_trainer(
+            tmp_path, linear_task(), config(*sets, "checkpoint.every_minutes=1")
+        )
+        saver = trainer.parts.checkpointer
+        assert [step for step in range(1, 13) if trainer.validator.due(step)] == [3, 6, 9, 12]
+        assert [step for step in range(1, 13) if saver.due(step)] == [4, 8, 12]
+        assert not saver.due_by_clock(), "no minute has passed since the start"
+        saver._saved_at -= 61  # the clock as it reads a minute after the last save
+        assert saver.due_by_clock()
+        saver.save(1, dict, {}, {}, blocking=True)
+        assert not saver.due_by_clock(), "a save starts the minute again"

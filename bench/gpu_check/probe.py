@@ -2,7 +2,7 @@
 directly, at any world size, including 1, where qgtrain itself wraps nothing (training/parallel.py).
 
 Each layout takes three steps of two micro-batches through qgtrain's own pieces (gradients.
-accumulate_gradients, optim.clip_gradients and apply_update) and is held against a plain model
+accumulate_gradients, update.clip_gradients and apply_update) and is held against a plain model
 stepped the same way on the whole global batch: the loss, the first step's gradients and the weights
 after. The reference runs first and is kept on the host, so the rank's GPU memory after a step is
 the layout's alone (memory.py says what it should be). fp32 without TF32, and AdamW with eps 1e-3 so
@@ -33,7 +33,7 @@ from qgtrain.runtime import distributed, mesh
 from qgtrain.training import sharding
 from qgtrain.training.agreement import Agreement, Flags
 from qgtrain.training.gradients import accumulate_gradients
-from qgtrain.training.optim import adamw, apply_update, clip_gradients
+from qgtrain.training.update import adamw, apply_update, clip_gradients
 
 STEPS, ACCUM, BATCH, VOCAB = 3, 2, 4, 257
 OPTIM = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.1)

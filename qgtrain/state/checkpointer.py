@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.checkpoint import CheckpointConfig
 from ..foundation.errors import CheckpointWriteError, TrainingError
 from ..runtime import objects
 from ..runtime.distributed import gather_to_main
@@ -52,18 +53,20 @@ class Checkpointer:
         root: Path,
         run_id: str,
         env: DistEnv,
-        keep_last: int,
-        async_save: bool,
+        cfg: CheckpointConfig,
         run_files: dict[str, bytes] | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        """`run_files` (the resolved config, the model's own config) go into every checkpoint as
-        they are. `timeout_s` bounds each of the saver's collectives, as train.collective_timeout_s
-        bounds training's: without it gloo waits half an hour, and a rank cut off in the middle of a
-        save would outlive the others by that much."""
+        """`cfg`, its own section of the config: how many kept, written in the background or not,
+        and when a save is due (due, due_by_clock). `run_files` (the resolved config, the model's
+        own config) go into every checkpoint as they are. `timeout_s` bounds each of the saver's
+        collectives, as train.collective_timeout_s bounds training's: without it gloo waits half an
+        hour, and a rank cut off in the middle of a save would outlive the others by that much."""
         self.root, self.run_id, self.env = root, run_id, env
         self.run_files = run_files or {}
-        self.keep_last, self.async_save = keep_last, async_save
+        self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
+        self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
+        self._saved_at = time.monotonic()
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
@@ -73,9 +76,22 @@ class Checkpointer:
             for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
+    def due(self, step: int) -> bool:
+        """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every
+        rank gives the same answer."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_clock(self) -> bool:
+        """checkpoint.every_minutes since the last save, by rank 0's clock: the ranks' clocks
+        differ, so the trainer agrees on rank 0's answer (the others say False)."""
+        every = 60 * self.every_minutes
+        return self.env.is_main and bool(every) and time.monotonic() - self._saved_at >= every
+
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """At start, for asynchronous saves: pin the host buffers in the background (host_copy.py),
-        so the first save does not stall on it."""
+        """At start: checkpoint.every_minutes counts from here (building the parts trained nothing
+        worth saving); for asynchronous saves, pin the host buffers in the background
+        (host_copy.py), so the first save does not stall on it."""
+        self._saved_at = time.monotonic()
         if self.async_save:
             self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))
 
@@ -101,21 +117,21 @@ class Checkpointer:
         allocation): the new checkpoint replaces it.
         """
         self.wait()
-        if step == self.last_step and not again:
-            return
-        files = {**replicated(), **self.run_files} if self.env.is_main else {}
-        files[rank_file(self.env.rank)] = per_rank
-        if shards is not None:
-            files[sharded.FOLDER] = shards
-        if self.async_save and not blocking:
-            self._background(self._write_and_settle, step, self._snapshot.copy(files), meta)
-        else:
-            ckpt, names = self._write(step, files, meta)
-            if blocking:
-                self._settle(ckpt, names)
+        if step != self.last_step or again:
+            files = {**replicated(), **self.run_files} if self.env.is_main else {}
+            files[rank_file(self.env.rank)] = per_rank
+            if shards is not None:
+                files[sharded.FOLDER] = shards
+            if self.async_save and not blocking:
+                self._background(self._write_and_settle, step, self._snapshot.copy(files), meta)
             else:
-                self._background(self._settle, ckpt, names)
-        self.last_step = step
+                ckpt, names = self._write(step, files, meta)
+                if blocking:
+                    self._settle(ckpt, names)
+                else:
+                    self._background(self._settle, ckpt, names)
+            self.last_step = step
+        self._saved_at = time.monotonic()  # checkpoint.every_minutes counts from here
 
     def save_parts(
         self,

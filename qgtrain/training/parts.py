@@ -1,5 +1,6 @@
-"""What the training loop runs (its parts, built by qgtrain/run.py) and how it is set up (its
-settings, never the whole config); how it ends is state/train_state.py's Outcome, saved with it."""
+"""What the training loop runs (its LoopParts, built by qgtrain/run.py; state/named.py's Parts are a
+checkpoint's named states) and how it is set up (its settings, never the whole config); how it ends
+is state/train_state.py's Outcome, saved with it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..config import CheckpointConfig, EarlyStoppingConfig, OptimConfig, TrainConfig
+from ..config import EarlyStoppingConfig, OptimConfig, RunConfig, TrainConfig
 from ..data.loaders import Loaders
 from ..foundation.task import ReadyTask
 from ..runtime.deadline import Deadline
@@ -20,7 +21,7 @@ from .profiling import StepProfiler
 
 
 @dataclass
-class Parts:
+class LoopParts:
     """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
     `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints."""
 
@@ -41,9 +42,13 @@ class Settings:
     train: TrainConfig
     optim: OptimConfig
     early_stopping: EarlyStoppingConfig
-    checkpoint: CheckpointConfig
     precision: str  # resolved: fp32, bf16 or fp16
     export_on_finish: bool = False  # part of the final work that must fit before the time limit
+
+    @classmethod
+    def of(cls, cfg: RunConfig, precision: str) -> Settings:
+        """The loop's sections of the run's config, with the precision resolved for the device."""
+        return cls(cfg.train, cfg.optim, cfg.early_stopping, precision, cfg.export.on_finish)
 
 
 class StepResult(NamedTuple):

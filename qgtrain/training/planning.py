@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..data.loaders import Loaders
 from ..runtime.deadline import Deadline
+from .parts import Settings
 from .timing import StepTimer
 
 log = logging.getLogger("qgtrain")
@@ -25,8 +27,9 @@ EXPORT_START_S = 20.0
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """The loop's shape, as far as the deadline needs it."""
+class Cadence:
+    """The loop's shape, as far as the deadline needs it: how often it agrees and validates, and
+    what its final work holds (not the learning-rate schedule: schedule.py)."""
 
     max_steps: int
     agree_every: int
@@ -36,10 +39,25 @@ class Schedule:
     early_stopping: bool
     export_on_finish: bool
 
+    @classmethod
+    def of(cls, loaders: Loaders, settings: Settings) -> Cadence:
+        """The loop's cadence from its settings and the batches its loaders hold."""
+        train = settings.train
+        val = len(loaders.val) if loaders.val is not None else 0
+        return cls(
+            train.max_steps,
+            train.agree_every,
+            train.eval_every,
+            min(val, train.eval_batches) if train.eval_batches else val,
+            len(loaders.test) if loaders.test is not None else 0,
+            settings.early_stopping.patience > 0,
+            settings.export_on_finish,
+        )
+
 
 class Planner:
-    def __init__(self, deadline: Deadline, timer: StepTimer, schedule: Schedule) -> None:
-        self.deadline, self.timer, self.schedule = deadline, timer, schedule
+    def __init__(self, deadline: Deadline, timer: StepTimer, cadence: Cadence) -> None:
+        self.deadline, self.timer, self.cadence = deadline, timer, cadence
         self._warned = False
 
     def out_of_time(self, step: int) -> bool:
@@ -73,7 +91,7 @@ class Planner:
         return fits
 
     def _work_from(self, step: int) -> tuple[float, list[str]]:
-        s, timer = self.schedule, self.timer
+        s, timer = self.cadence, self.timer
         window = range(step, min(step + 3 * s.agree_every, s.max_steps + 1))
         validations = sum(
             1 for v in window if s.eval_every and v % s.eval_every == 0 and v < s.max_steps
@@ -100,13 +118,13 @@ class Planner:
         test_s = (
             self.timer.test_s
             if self.timer.test_s is not None
-            else self._batch_s() * self.schedule.test_batches
+            else self._batch_s() * self.cadence.test_batches
         )
-        export_s = EXPORT_START_S + 3 * save_s if self.schedule.export_on_finish else 0.0
+        export_s = EXPORT_START_S + 3 * save_s if self.cadence.export_on_finish else 0.0
         return self._validation_s() + test_s + save_s + export_s
 
     def _validation_s(self) -> float:
-        return self._batch_s() * self.schedule.validation_batches
+        return self._batch_s() * self.cadence.validation_batches
 
     def _batch_s(self) -> float:
         """An evaluation batch as measured; before any, half a training step (a forward without

@@ -35,7 +35,7 @@ from ..state.checkpoint import Checkpoint, read_manifest
 from ..state.checkpointer import Checkpointer
 from ..state.resume import Candidates, resume_candidates
 from ..state.train_state import TrainState
-from .parts import Parts
+from .parts import LoopParts
 from .report import Reporter
 from .spikes import Spike, Spikes
 from .timing import StepTimer
@@ -47,7 +47,7 @@ class Rewinding(Protocol):
     """What a rollback changes of the trainer."""
 
     state: TrainState
-    parts: Parts
+    parts: LoopParts
     batches: TrainBatches | StreamBatches | DispatchedBatches
     spikes: Spikes
     reporter: Reporter

@@ -31,7 +31,7 @@ from ..state.stateful import (
 from ..state.train_state import Progress, TrainState
 from .ema import Ema
 from .horizon import LearningRate
-from .parts import Parts, Settings
+from .parts import LoopParts, Settings
 from .spikes import Spikes
 
 
@@ -107,7 +107,7 @@ def saved_workers(loader_state: Any) -> int | None:
 
 
 def saved_parts(
-    parts: Parts,
+    parts: LoopParts,
     settings: Settings,
     env: DistEnv,
     state: TrainState,

@@ -3,9 +3,11 @@ by all.
 
 A step reads top to bottom in phases: agree (started now, read after the backward), the
 micro-batches, forward and backward, act on what the ranks agreed, the update, then the after-step
-work (validate, log, checkpoint, stop). Early stopping is decided on rank 0 from the all-reduced
-validation metric and broadcast. No rank ever raises, returns or skips a collective alone. The
-trainer receives its parts (built by qgtrain/run.py) and the settings of the loop, never the config.
+work (validate, log, checkpoint, stop), each part saying when it is due (the validator, the
+checkpointer). The last step ends with the final work (validation, test, checkpoint) if it fits in
+the allocation. Early stopping is decided on rank 0 from the all-reduced validation metric and
+broadcast. No rank ever raises, returns or skips a collective alone. The trainer receives its parts
+(built by qgtrain/run.py) and the settings of the loop, never the config.
 """
 
 from __future__ import annotations
@@ -18,27 +20,28 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import to_device
-from ..data.loaders import Loaders, train_batches
+from ..data.loaders import train_batches
 from ..data.mix import source_counts
 from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.train_state import Outcome, TrainState
-from . import ending, replicas, rollback
+from . import replicas, rollback
 from .agreement import Agreement, Flags, Health
 from .ema import Ema
 from .flops import device_peak
 from .gradients import accumulate_gradients, without_gradients
 from .horizon import LearningRate
-from .optim import apply_update, clip_gradients
+from .metrics import format_metrics, prefixed
 from .optimizers import check_resumed, name_of
-from .parts import Parts, Settings, StepResult
-from .planning import Planner, Schedule
+from .parts import LoopParts, Settings, StepResult
+from .planning import Cadence, Planner
 from .report import Reporter
 from .saved_parts import saved_parts
 from .spikes import Spikes
 from .timing import StepTimer
+from .update import apply_update, clip_gradients
 from .validation import Validator
 
 log = logging.getLogger("qgtrain")
@@ -46,7 +49,7 @@ log = logging.getLogger("qgtrain")
 
 class Trainer:
     def __init__(
-        self, parts: Parts, settings: Settings, env: DistEnv, device: torch.device
+        self, parts: LoopParts, settings: Settings, env: DistEnv, device: torch.device
     ) -> None:
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
@@ -60,7 +63,7 @@ class Trainer:
             settings.train.collective_timeout_s,
         )
         self.timer = StepTimer(0)
-        self.planner = Planner(parts.deadline, self.timer, _schedule(parts.loaders, settings))
+        self.planner = Planner(parts.deadline, self.timer, Cadence.of(parts.loaders, settings))
         self.ema = Ema(self.model, settings.train.ema_decay)
         self.validator = Validator(
             self.model,
@@ -74,6 +77,7 @@ class Trainer:
             device,
             self.timer,
             weights=self.ema.in_use if settings.train.eval_ema else None,
+            every=settings.train.eval_every,
         )
         self.agreement, self.health = Agreement(device), Health(device)
         self.spikes = Spikes(settings.train, parts.metrics, device)
@@ -94,7 +98,6 @@ class Trainer:
         )
         # of this start: always logged, and where unused parameters are looked for
         self.first_step = 1
-        self._last_save = time.monotonic()
 
     def fit(self) -> Outcome:
         """Train; a failure we can explain becomes a TrainingError naming its cause, step and
@@ -118,7 +121,7 @@ class Trainer:
 
     def _loop(self) -> Outcome:
         train = self.settings.train
-        if (ended := ending.already_ended(self.state, train.max_steps)) is not None:
+        if (ended := _already_ended(self.state, train.max_steps)) is not None:
             return ended
         # A rank that makes no progress this long (a stuck loader, a deadlock) dumps its stacks and
         # exits.
@@ -127,7 +130,7 @@ class Trainer:
         self.timer.restart(self.state.step)
         # trained to the end, the final work left for this allocation
         if self.state.step == train.max_steps:
-            return ending.at_the_end(self, None, Flags())
+            return self._at_the_end(None, Flags())
         while self.state.step < train.max_steps:
             step = self.state.step + 1
             watchdog.progress()
@@ -153,18 +156,15 @@ class Trainer:
             self.parts.profiler.step_done(step)
             done = StepResult(step, lr, loss_sum, grad_norm)
             if step == train.max_steps:
-                return ending.at_the_end(self, done, agreed)
-            if (outcome := ending.after_step(self, done, agreed)) is not None:
+                return self._at_the_end(done, agreed)
+            if (outcome := self._after_step(done, agreed)) is not None:
                 return outcome
         raise AssertionError("the loop ends at its last step")
 
     def _what_this_rank_knows(self, step: int) -> Flags:
-        every = 60 * self.settings.checkpoint.every_minutes
         return Flags(
             stop_requested=self.parts.stop.requested,
-            checkpoint_due=self.env.is_main
-            and bool(every)
-            and time.monotonic() - self._last_save >= every,
+            checkpoint_due=self.parts.checkpointer.due_by_clock(),
             save_failed=self.parts.checkpointer.failed,
             out_of_time=self.env.is_main and self.planner.out_of_time(step),
         )
@@ -212,7 +212,70 @@ class Trainer:
         self.reporter.pending_tokens += tokens
         return True
 
-    def report_step(self, done: StepResult, evaluated: bool) -> None:
+    def _after_step(self, done: StepResult, agreed: Flags) -> Outcome | None:
+        """Every step but the last: validate, report, checkpoint and stop, each when due."""
+        step, state = done.step, self.state
+        validated = self.validator.due(step)
+        early_stop = self.validator.validate(state) if validated else False
+        if early_stop:
+            self.validator.test(state)
+            state.outcome = Outcome.EARLY_STOPPED
+        if validated or step == self.first_step or step % self.settings.train.log_every == 0:
+            self._report(done, validated)
+        due = agreed.checkpoint_due or self.parts.checkpointer.due(step)
+        if agreed.stop or early_stop or due:
+            self._save(validated, blocking=agreed.stop or early_stop)
+        if agreed.stop:
+            return self._stop_to_resume(step, agreed)
+        if early_stop:
+            self.agreement.finish()  # the group outlives no collective of ours
+            log.info(
+                "early stopping at step %d: %s has not improved for %d validations (best %.4f)",
+                step,
+                self.settings.early_stopping.metric,
+                state.evals_since_best,
+                state.best_metric,
+            )
+            return Outcome.EARLY_STOPPED
+        return None
+
+    def _at_the_end(self, done: StepResult | None, agreed: Flags) -> Outcome:
+        """The last step (`done`; None when an earlier allocation trained it): the final validation,
+        test and checkpoint if they fit before the time limit, else a checkpoint now and that work
+        in the next one."""
+        state = self.state
+        fits = distributed.broadcast_from_main(
+            self.planner.final_work_fits() if self.env.is_main else None
+        )
+        if agreed.stop or not fits:
+            if done is not None:
+                self._report(done, False)
+                self._save(False, blocking=True)
+            return self._stop_to_resume(state.step, agreed)
+        self.validator.validate(state)
+        self.validator.test(state)
+        state.outcome = Outcome.FINISHED
+        if done is not None:
+            self._report(done, True)
+        else:
+            self.reporter.report_evaluation(state)
+        self._save(True, blocking=True, again=done is None)
+        self.agreement.finish()
+        metrics = {**prefixed("val", state.val_metrics), **prefixed("test", state.test_metrics)}
+        log.info("finished at step %d: %s", state.step, format_metrics(metrics))
+        return Outcome.FINISHED
+
+    def _stop_to_resume(self, step: int, agreed: Flags) -> Outcome:
+        self.agreement.finish()
+        cause = ", ".join(self.parts.stop.received) or (
+            "the time limit"
+            if agreed.out_of_time or not agreed.stop
+            else "a signal that reached another rank"
+        )
+        log.warning("stopping at step %d on %s: checkpoint saved", step, cause)
+        return Outcome.STOPPED_TO_RESUME
+
+    def _report(self, done: StepResult, evaluated: bool) -> None:
         self.reporter.report(
             self.state,
             done.lr,
@@ -222,14 +285,21 @@ class Trainer:
             evaluated,
         )
 
-    def save_step(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
-        settled = self.agreement.settle(self.health.bad_grads, self.state.step)
-        if settled.bad_loss or settled.bad_grads:  # not yet read: a checkpoint must not hold it
+    def _save(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
+        """Checkpoint the step just taken, once what the ranks agreed is settled (a checkpoint must
+        not hold a non-finite value not yet read) and the replicas agree."""
+        state, es = self.state, self.settings.early_stopping
+        settled = self.agreement.settle(self.health.bad_grads, state.step)
+        if settled.bad_loss or settled.bad_grads:
             self._fail(settled.as_of, True, bool(self.health.bad_loss.item()))
         saving = time.perf_counter()
-        self.save(evaluated, blocking=blocking, again=again)
+        replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
+        self.reporter.settle_tokens(state)
+        facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
+        self.parts.checkpointer.save_parts(
+            state.step, self.saved, facts, blocking=blocking, again=again
+        )
         self.timer.saved(saving)
-        self._last_save = time.monotonic()
 
     def _has_unused(self) -> bool:
         """DDP would wait forever for their gradients (unless told to look for unused ones, at a
@@ -247,30 +317,23 @@ class Trainer:
             raise diagnose.non_finite_loss(step, self.settings.train.agree_every, ranks)
         raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
 
-    def save(self, evaluated: bool, blocking: bool = False, again: bool = False) -> None:
-        state, es = self.state, self.settings.early_stopping
-        replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
-        self.reporter.settle_tokens(state)
-        facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
-        self.parts.checkpointer.save_parts(
-            state.step, self.saved, facts, blocking=blocking, again=again
-        )
-
     def restore(self, ckpt: Checkpoint) -> None:
         self.parts.checkpointer.restore(ckpt, self.saved)
         check_resumed(self.state, self.parts.optimizer)
         log.info("resumed from %s: step %d, epoch %d", ckpt.path, self.state.step, self.state.epoch)
 
 
-def _schedule(loaders: Loaders, settings: Settings) -> Schedule:
-    train = settings.train
-    val = len(loaders.val) if loaders.val is not None else 0
-    return Schedule(
-        train.max_steps,
-        train.agree_every,
-        train.eval_every,
-        min(val, train.eval_batches) if train.eval_batches else val,
-        len(loaders.test) if loaders.test is not None else 0,
-        settings.early_stopping.patience > 0,
-        settings.export_on_finish,
-    )
+def _already_ended(state: TrainState, max_steps: int) -> Outcome | None:
+    """A run that ended before (finished, early stopped) has nothing to do, unless train.max_steps
+    was raised since it finished."""
+    if state.outcome is Outcome.FINISHED and state.step < max_steps:
+        state.outcome = None  # train.max_steps was raised: carry on from the final checkpoint
+    if state.outcome:
+        log.warning(
+            "this run already ended at step %d (%s); nothing to do. HINT: raise "
+            "train.max_steps to train on, or start afresh with checkpoint.resume: never or "
+            "another train.run_name",
+            state.step,
+            state.outcome.value,
+        )
+    return state.outcome

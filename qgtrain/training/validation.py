@@ -42,9 +42,11 @@ class Validator:
         device: torch.device,
         timer: StepTimer,
         weights: WeightsInUse | None = None,
+        every: int = 0,
     ) -> None:
         """`weights`: what puts the weights to evaluate in the model and takes them out again (the
-        EMA's, train.eval_ema); none: the training weights as they are."""
+        EMA's, train.eval_ema); none: the training weights as they are. `every`: train.eval_every,
+        the steps between validations (0 = only the final one)."""
         self.model, self.wrapped, self.task, self.loaders, self.early_stopping = (
             model,
             wrapped,
@@ -59,7 +61,12 @@ class Validator:
             device,
             timer,
         )
-        self.weights = weights or contextlib.nullcontext
+        self.weights, self.every = weights or contextlib.nullcontext, every
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` ends with a validation (the last step's final one is not this
+        cadence's: the run's end does it); a function of the step, the same on every rank."""
+        return bool(self.every) and step % self.every == 0
 
     def validate(self, state: TrainState) -> bool:
         """Evaluate the validation split; whether early stopping says stop (the same on every

@@ -1,5 +1,5 @@
-"""Global-norm gradient clipping and the update, with its skip of non-finite steps (optimizers.py
-builds the optimizer)."""
+"""Global-norm gradient clipping and the update, with its skip of non-finite steps: a step's use of
+the optimizer (optimizers.py builds it, from config/optim.py's section)."""
 
 from __future__ import annotations
 
