@@ -2,7 +2,8 @@
 saved by transformers, one template with {% generation %} marks and one without), masked so that the
 loss counts only the answers, packed into rows whose samples do not attend to each other (checked on
 real gpt2 and llama models), or padded; then real `qgtrain` processes train on it, are SIGKILLed and
-resume."""
+resume. Streamed (data.stream), the rows are the cache's, resume from any position, and a bad line
+deep in the file stops both ranks in one line."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from qgtrain.data import chat, prepare
 from qgtrain.data.rows import ChatRows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.models import build_model, lm_loss
-from tests.helpers import checkpoint_state, cli, records, wait_for
+from tests.helpers import assert_resumed_equals, checkpoint_state, cli, records, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 MARKED = (
@@ -457,3 +458,98 @@ def test_chat_data_on_a_pretrained_folder_uses_its_tokenizer_without_data_tokeni
     assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"model.pretrained: {bare} has no tokenizer (tokenizer.json)" in errors[0]
     assert not (tmp_path / "run2" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_streamed_chat_rows_are_the_cached_rows_and_resume_from_any_position(
+    tmp_path, monkeypatch, packing
+):
+    """One file, nothing held out: the stream's rows (rendered and packed in the reader) are the
+    cache's, batch for batch; cut into many shards, a reader put back at any saved state goes on
+    as the uninterrupted one; a line without messages is one line naming the file and line."""
+    from qgtrain.data import filestream, shards
+
+    files = write_jsonl(tmp_path / "talk.jsonl", conversations(40, 3))
+    cfg = data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED)))
+    cfg = replace(cfg, seq_len=64, packing=packing)
+    cached, _ = prepare.prepare(cfg, 1)
+    rows = ChatRows(cached.folder, "train", cached.dtype, cfg.seq_len, packing)
+    streamed = list(filestream.FileReader(filestream.plan(replace(cfg, stream=True), 0), 0, 1))
+    assert len(streamed) == len(rows)
+    for index, row in enumerate(streamed):
+        assert row.keys() == rows[index].keys()
+        assert all(torch.equal(row[key], rows[index][key]) for key in row), index
+    monkeypatch.setattr(shards, "SHARD_BYTES", 700)
+    plan = filestream.plan(replace(cfg, stream=True, val_fraction=0.2), 0)
+    whole = list(filestream.FileReader(plan, 0, 1))
+    assert len(plan.shards) > 4 and len(whole) < len(rows), "cut, and some records held out"
+    for stop in range(0, len(whole), 3):
+        reader = filestream.FileReader(plan, 0, 1)
+        head = [row for _, row in zip(range(stop), reader)]
+        again = filestream.FileReader(plan, 0, 1)
+        again.load_state_dict(reader.state_dict())
+        resumed = head + list(again)
+        assert len(resumed) == len(whole), stop
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(resumed, whole) for k in a), stop
+    lines = files.read_text().splitlines()
+    files.write_text("\n".join([*lines[:30], '{"text": "hi"}', *lines[30:]]) + "\n")
+    with pytest.raises(ConfigError, match=r"talk.jsonl:31: no field 'messages' \(fields there"):
+        list(filestream.FileReader(filestream.plan(replace(cfg, stream=True), 0), 0, 1))
+
+
+STREAM_STEPS = 12
+
+
+def stream_args(tmp_path: Path, run: Path, steps: int) -> list[str]:
+    more = ["data.stream=true", "data.num_workers=2", "train.eval_every=6"]
+    return [*train_args(tmp_path, run), *more, f"train.max_steps={steps}"]
+
+
+def test_streamed_chat_learns_the_answers_resumes_bit_for_bit_and_refuses_a_bad_line(tmp_path):
+    """2 ranks x 2 loader workers stream chat records (rendered in the workers, held out by the
+    stream's hash): SIGKILLed at a random step, the run resumes bit for bit; the uninterrupted one,
+    taken further, reaches a line without messages: one line naming it, exit 2, and the
+    checkpoints it had are left as they were."""
+    from qgtrain.data import filestream
+
+    tokenizer_folder(tmp_path / "tok", MARKED)
+    talks = conversations(600, 6)
+    bad = 400  # read by slot 0 (line k by slot k mod 4) long after step STREAM_STEPS
+    while True:  # a line held out would be read at the start: the bad one is a training line
+        path = write_jsonl(tmp_path / "talk.jsonl", [*talks[:bad], {"text": "hi"}, *talks[bad:]])
+        cfg = data(tmp_path, path, val_fraction=0.1, seq_len=96, stream=True)
+        byte = len("".join(json.dumps(talk) + "\n" for talk in talks[:bad]).encode())
+        plan = filestream.plan(cfg, 0)
+        if plan.split_of(plan.shards[0].source.path, byte) == "train":
+            break
+        bad += 4
+    reference, run = tmp_path / "reference", tmp_path / "killed"
+    args = stream_args(tmp_path, reference, STREAM_STEPS)
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="ref"), 300) == [0, 0], (
+        tmp_path / "ref-0.out"
+    ).read_text()[-3000:]
+    losses = [r["loss"] for r in records(reference) if "loss" in r]
+    assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:2]), losses
+    assert records(reference)[-1]["val_loss"] is not None
+    seed = int(time.time())
+    kill_at = random.Random(seed).randrange(4, 11)
+    args = stream_args(tmp_path, run, STREAM_STEPS)
+    procs = start_cli_ranks(2, args, tmp_path, log_prefix="killed")
+    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
+    kill_ranks(procs)
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="resumed"), 300) == [0, 0]
+    assert_resumed_equals(reference, run, f"(seed {seed}: killed at {kill_at})", STREAM_STEPS)
+    assert not list(tmp_path.glob("cache/**/meta.json")), "a stream builds no cache"
+
+    def digests() -> dict[str, bytes]:
+        found = (reference / "checkpoints").rglob("*")
+        return {str(p): p.read_bytes() for p in found if p.is_file()}
+
+    before = digests()
+    args = [*stream_args(tmp_path, reference, 200), "checkpoint.keep_last=50"]  # none rotated
+    codes = wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="bad"), 300)
+    out = (tmp_path / "bad-0.out").read_text()
+    errors = [line for line in out.splitlines() if line.startswith("qgtrain: error: ")]
+    assert codes[0] == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert f"talk.jsonl:{bad + 1}: no field 'messages' (fields there: text)" in errors[0]
+    assert {name: digests()[name] for name in before} == before

@@ -56,8 +56,8 @@ class DataConfig:
     )
     stream: bool = setting(
         False,
-        "with name=files: read, tokenize and pack the files while training, no cache first "
-        "(resumes exactly, also on another world size; with data.mix on the same one)",
+        "with name=files: read, tokenize (chat: render) and pack the files while training, no "
+        "cache first (resumes exactly, also on another world size; with data.mix on the same one)",
     )
     text_field: str = setting(
         "text", "the JSON field or parquet/arrow column that holds each document's text"
@@ -131,11 +131,6 @@ def data_rules(cfg: RunConfig) -> Problem:
     if cfg.data.stream and cfg.data.name != "files":
         return "data.stream", (
             f"streams data files; set data.name: files (data.name is {cfg.data.name})"
-        )
-    if cfg.data.stream and cfg.data.format != "text":
-        return "data.stream", (
-            f"streams documents of text; data.format {cfg.data.format} is read from the "
-            "cache (data.stream: false)"
         )
     if cfg.data.format != "text" and cfg.data.name != "files":
         return "data.format", (

@@ -61,7 +61,17 @@ def renderer(data: DataConfig, eos_id: int) -> Render:
     return render
 
 
-_renderers: dict[str, Render] = {}  # a process's renderer, made once for its many batches
+_renderers: dict[str, Render] = {}  # a process's renderer, made once for its many records
+
+
+def process_renderer(data: DataConfig, eos_id: int) -> Render:
+    """This process's renderer (a preparation worker's, a stream's loader worker's): the tokenizer
+    is loaded once per process, not per batch of records."""
+    key = repr((data, eos_id))
+    if key not in _renderers:
+        _renderers.clear()
+        _renderers[key] = renderer(data, eos_id)
+    return _renderers[key]
 
 
 def render_batch(
@@ -70,11 +80,7 @@ def render_batch(
     """Records rendered in a preparation worker (prepare_chat.py): each one's (ids, trained). It
     lives here, beside the renderer, so a worker imports neither torch nor the cache's layout (a
     tokenizer without a template starts in a fraction of a second)."""
-    key = repr((data, eos_id))
-    if key not in _renderers:
-        _renderers.clear()
-        _renderers[key] = renderer(data, eos_id)
-    render = _renderers[key]
+    render = process_renderer(data, eos_id)
     return [render(row, where) for row, where in records]
 
 

@@ -42,11 +42,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..foundation.errors import ConfigError
 from . import shards, tokenizer
+from .chat_stream import rows as chat_rows
 from .readers import SampleReader
 from .stream_plan import StreamPlan as StreamPlan
 from .stream_plan import plan as plan
 
 log = logging.getLogger("qgtrain")
+Sample = torch.Tensor | dict[str, torch.Tensor]  # a window of tokens; a row of chat records
 
 
 def deal(plan: StreamPlan, epoch: int, slot: int, slots: int) -> list[list[int]]:
@@ -85,7 +87,7 @@ class FileReader:
         self.plan, self.slot, self.slots, self.epoch = plan, slot, slots, epoch
         self.queue = deal(plan, epoch, slot, slots)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Sample]:
         while self.queue:
             shard, index, byte, taken, part, parts = entry(self.queue[0])
             where = (self.plan.shards[shard], index, byte, taken, part, parts)
@@ -115,10 +117,13 @@ class FileReader:
 
     def _samples(
         self, shard: shards.Shard, index: int, byte: int, taken: int, part: int, parts: int
-    ) -> Iterator[tuple[torch.Tensor, list[int]]]:
+    ) -> Iterator[tuple[Sample, list[int]]]:
         """Windows of the shard's train documents (of this slot's part), each with the position
-        just past it."""
+        just past it; chat records' rows where the plan renders records (chat_stream.py)."""
         seq_len, plan = self.plan.seq_len, self.plan
+        if plan.records is not None:
+            yield from chat_rows(plan, shard, index, byte, part, parts)
+            return
         buffer = np.zeros(0, dtype=np.uint32)
         lines = 1 if parts > 1 else None  # a shared plain-text file: a line a unit
         for unit in shards.units(shard, plan.text_field, index, byte, lines):
@@ -158,7 +163,7 @@ def check_state(plan: StreamPlan, state: Any) -> None:
         raise ValueError("the position names a part of a shared shard that is not there")
 
 
-class FileStream(IterableDataset[torch.Tensor]):
+class FileStream(IterableDataset[Sample]):
     """The train split of data files as a stream: this rank's slots, one per loader worker."""
 
     stream_label = "data.files (data.stream: true)"
@@ -173,7 +178,7 @@ class FileStream(IterableDataset[torch.Tensor]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._reader, self._merged = epoch, None, None
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Sample]:
         return iter(self.reader())
 
     def reader(self) -> FileReader:

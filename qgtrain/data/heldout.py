@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ..config import DataConfig
 from . import shards, sources, tokenizer
-from .filestream import StreamPlan
+from .stream_plan import StreamPlan
 
 HELD_OUT_BYTES = 8 << 20
 

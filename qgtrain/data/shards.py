@@ -15,6 +15,7 @@ position saved by one world size names the same shard in another.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -51,6 +52,18 @@ class Unit:
     byte: int  # its first byte in the file (-1: not seekable)
 
 
+@dataclass(frozen=True)
+class Record:
+    """A record of data.format chat or prompt_completion, and where it starts (as Unit)."""
+
+    row: dict[str, Any]
+    where: str  # for messages: file and line, item or row (a line at a byte: at_line numbers it)
+    key: int
+    index: int
+    byte: int
+    after: int  # the byte after it (-1: not seekable)
+
+
 def cut(files: list[sources.SourceFile]) -> list[Shard]:
     shards = []
     for file in files:
@@ -79,16 +92,57 @@ def units(
             if number >= index:
                 yield Unit(piece.text, piece.ends_document, piece.document, number, -1)
         return
+    with _entered(shard, byte) as file:
+        if shard.source.kind == "jsonl":
+            yield from _lines(shard, file, text_field, index)
+        else:
+            yield from _text_units(shard, file, index, unit_bytes or UNIT_BYTES)
+
+
+def records(
+    shard: Shard, fields: tuple[str, ...], index: int = 0, byte: int = -1
+) -> Iterator[Record]:
+    """The shard's records (data.format chat, prompt_completion) from record `index` on, which
+    starts at `byte` where the file is seekable: as units() reads documents, keyed the same way."""
+    path = shard.source.path
+    if shard.source.kind == "parquet":
+        yield from _parquet_records(shard, fields, index)
+    elif not shard.seekable or shard.source.kind == "text":  # text: refused by sources.records
+        for number, (row, where, _) in enumerate(sources.records(shard.source, fields)):
+            if number >= index:
+                yield Record(row, where, number, number, -1, -1)
+    else:
+        with _entered(shard, byte) as file:
+            for row, start, after, where in _objects(shard, file):
+                if not isinstance(row, dict):
+                    found = ConfigError(
+                        f"{where}: expected a JSON object, got {type(row).__name__}"
+                    )
+                    raise at_line(found, where, path, start)
+                yield Record(row, where, start, index, start, after)
+                index += 1
+
+
+def at_line(error: ConfigError, where: str, path: str, byte: int) -> ConfigError:
+    """The error with `where` (a line named by its byte) named by its file and line number,
+    counted only now: a shard entered mid-file does not know its line numbers."""
+    line = 1
+    with open_regular(path) as file:
+        while byte > 0 and (chunk := file.read(min(byte, 1 << 20))):
+            line, byte = line + chunk.count(b"\n"), byte - len(chunk)
+    return ConfigError(str(error).replace(where, f"{path}:{line}", 1))
+
+
+@contextmanager
+def _entered(shard: Shard, byte: int) -> Iterator[BinaryIO]:
+    """A seekable shard's file at `byte`, or at the first line that starts in the shard."""
     with open_regular(shard.source.path) as file:
         if byte >= 0:
             file.seek(byte)
         elif shard.start > 0:  # the line that starts at `start` or after it is the first
             file.seek(shard.start - 1)
             file.readline()
-        if shard.source.kind == "jsonl":
-            yield from _lines(shard, file, text_field, index)
-        else:
-            yield from _text_units(shard, file, index, unit_bytes or UNIT_BYTES)
+        yield file
 
 
 def _seekable(file: sources.SourceFile) -> bool:
@@ -101,6 +155,14 @@ def _seekable(file: sources.SourceFile) -> bool:
 
 
 def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterator[Unit]:
+    for row, start, _, where in _objects(shard, file):
+        yield Unit(sources._field(row, text_field, where), True, start, index, start)
+        index += 1
+
+
+def _objects(shard: Shard, file: BinaryIO) -> Iterator[tuple[Any, int, int, str]]:
+    """Each JSON line that starts in the shard: the value, its first byte, the byte after it, and
+    where it is for messages."""
     position = file.tell()
     while position < shard.end:
         line = file.readline()
@@ -110,9 +172,11 @@ def _lines(shard: Shard, file: BinaryIO, text_field: str, index: int) -> Iterato
         if not line.strip():
             continue
         where = f"{shard.source.path}: the line at byte {start}"
-        row = sources.json_line(line, where)
-        yield Unit(sources._field(row, text_field, where), True, start, index, start)
-        index += 1
+        try:
+            value = sources.json_line(line, where)
+        except ConfigError as exc:
+            raise at_line(exc, where, shard.source.path, start) from None
+        yield value, start, position, where
 
 
 def _text_units(shard: Shard, file: BinaryIO, index: int, unit_bytes: int) -> Iterator[Unit]:
@@ -170,5 +234,25 @@ def _rows(shard: Shard, text_field: str, index: int) -> Iterator[Unit]:
             texts = column_texts(values[skip:], text_field, shard.source.path, row + skip)
             for offset, text in enumerate(texts, start=row + skip):
                 yield Unit(text, True, offset, number, -1)
+                number += 1
+        skip, row = max(skip - rows, 0), row + rows
+
+
+def _parquet_records(shard: Shard, fields: tuple[str, ...], index: int) -> Iterator[Record]:
+    """The shard's rows of `fields` from row `index` of the shard on, each keyed by its row in the
+    file (as _rows)."""
+    file = _parquet(shard.source)
+    for name in fields:
+        check_column(file.schema_arrow.names, name, shard.source.path)
+    row = sum(file.metadata.row_group(g).num_rows for g in range(shard.start))
+    number, skip = index, index
+    for group in range(shard.start, shard.end):
+        rows = file.metadata.row_group(group).num_rows
+        if skip < rows:
+            columns = file.read_row_group(group, columns=list(fields)).columns
+            values = zip(*(column.to_pylist()[skip:] for column in columns))
+            for offset, found in enumerate(values, start=row + skip):
+                where = f"{shard.source.path}: row {offset}"
+                yield Record(dict(zip(fields, found)), where, offset, number, -1, -1)
                 number += 1
         skip, row = max(skip - rows, 0), row + rows

@@ -13,7 +13,7 @@ import xxhash
 
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
-from . import shards, sources, tokenizer
+from . import chat, prepare_chat, shards, sources, tokenizer
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class StreamPlan:
     digest: str
     key: str = "data.files"  # the setting that names the files, in messages
     workers: int = 0  # data.num_workers: a rank's reading slots (not in the digest)
+    records: DataConfig | None = None  # chat, prompt_completion: what renders them (chat_stream)
 
     def split_of(self, path: str, key: int) -> str:
         """prepare.py's draw for the cache, but keyed by a document's byte offset where the file
@@ -48,6 +49,8 @@ def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
     for file in files:  # the cache refuses it too (sources.py): here it would just yield nothing
         if file.size == 0:
             raise ConfigError(f"{file.path}: the file is empty (0 bytes); remove it from {key}")
+        if data.format != "text" and file.kind == "text":  # its one line: records are not text
+            next(sources.records(file, chat.fields(data)))
     held_out = tuple(
         0.0 if getattr(data, f"{s}_files") else getattr(data, f"{s}_fraction")
         for s in ("val", "test")
@@ -63,6 +66,9 @@ def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
         data.split_seed,
         held_out,
     ]
+    if data.format != "text":  # a text stream's digest stays as it was: its positions still load
+        template = None if data.tokenizer == tokenizer.BYTE else chat.template_of(data.tokenizer)
+        identity.append([prepare_chat.identity(data), template])
     digest = xxhash.xxh3_64_hexdigest(json.dumps(identity).encode())
     return StreamPlan(
         cut,
@@ -76,4 +82,5 @@ def plan(data: DataConfig, seed: int, key: str = "data.files") -> StreamPlan:
         digest,
         key,
         data.num_workers,
+        None if data.format == "text" else data,
     )

@@ -13,7 +13,8 @@ positions again; any other stream resumes on the world size it was saved with.
 Streams end unevenly across ranks and workers, and a rank that stepped alone would wait forever in
 DDP's all-reduce. So every step the ranks agree (one small all-reduce on a gloo group of their own,
 off the accelerator) whether any rank's stream has ended: then no rank takes that step, the epoch
-counter advances, set_epoch(e) is called where the dataset has it, and every rank starts again.
+counter advances, set_epoch(e) is called where the dataset has it, and every rank starts again;
+or any rank failed to read (a bad record deep in a file): then every rank raises its error.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class StreamBatches:
     def step(self, position: Position, micro_batches: int) -> list[Any]:
         """The next step's micro-batches; where any rank's stream ends first, the next epoch's."""
         while True:
+            failure = None
             if self._batches is None and self._pending is not None:
                 drawn = (
                     agreed(lambda: self._resume(position, micro_batches))
@@ -73,8 +75,9 @@ class StreamBatches:
             else:
                 if self._batches is None:
                     self._start(position.epoch)
-                drawn = self._draw(micro_batches)
-            if not self._any_ended(drawn is None):
+                draw = lambda: self._draw(micro_batches)  # noqa: E731
+                drawn, failure = (draw(), None) if self.group is None else distributed.attempt(draw)
+            if not self._any_ended(drawn is None, failure):
                 assert drawn is not None
                 position.samples_in_epoch += micro_batches * self.samples
                 self._consumed += micro_batches * self.loader.batch_size
@@ -160,10 +163,19 @@ class StreamBatches:
             except StopIteration:
                 return None
             except ConfigError as exc:  # from a worker, with its traceback: its last line says it
+                self._close()
                 raise ConfigError(
                     str(exc).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]
                 ) from None
         return drawn
+
+    def _close(self) -> None:
+        """Shut the loader's workers down now: they ignore SIGTERM (loaders.ignore_stop_signals),
+        which the interpreter's exit sends them, so the rank would wait for them forever."""
+        shutdown = getattr(self._batches, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        self._batches = None
 
     def _resume(self, position: Position, micro_batches: int) -> list[Any] | None:
         pending, where = self._pending or {}, f"{self._resumed_from}"
@@ -230,11 +242,15 @@ class StreamBatches:
             time.perf_counter() - started,
         )
 
-    def _any_ended(self, ended: bool) -> bool:
+    def _any_ended(self, ended: bool, failure: str | None = None) -> bool:
+        """Whether any rank's stream ended; a rank's `failure` to read (distributed.attempt) is
+        raised on every rank, so none waits for it in the next step's collectives."""
         if self.group is None:
             return ended
-        flag = torch.tensor([int(ended)], dtype=torch.int32)
+        flag = torch.tensor([2 if failure else int(ended)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() == 2:
+            distributed.fail_together(failure, "stream")
         return bool(flag.item())
 
 

@@ -7,7 +7,7 @@ factory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import DataConfig, RunConfig
-from ..data import corpus, filestream, heldout, prepare, tokenizer
-from ..data.rows import ChatRows
+from ..data import chat_stream, corpus, filestream, heldout, prepare, tokenizer
+from ..data.rows import ChatArray, ChatRows
 from ..data.tokens import SyntheticTokens, TokenWindows
 from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
@@ -169,12 +169,15 @@ def _prepared_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed:
 
 def _files_splits(data: DataConfig, prepared: corpus.TokenFiles | None, seed: int) -> Splits:
     """The cached files' windows, or with data.stream the files read while training: held-out
-    splits in memory (heldout.py), the train split a stream (filestream.py)."""
+    splits in memory (heldout.py; chat records' rows: chat_stream.py), the train split a stream
+    (filestream.py)."""
     if not data.stream:
         return _prepared_splits(data, prepared, seed)
     plan = filestream.plan(data, seed)
     filestream.check(plan)
-    held = heldout.held_out(data, plan)
+    held: Mapping[str, heldout.TokenArray | ChatArray] = (
+        heldout.held_out(data, plan) if data.format == "text" else chat_stream.held_out(data, plan)
+    )
     for split, dataset in held.items():
         if (getattr(data, f"{split}_files") or getattr(data, f"{split}_fraction")) and len(
             dataset
