@@ -27,16 +27,16 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
     from qgtrain.training.gradients import accumulate_gradients
-    from qgtrain.training.initial_shards import builds_empty
-    from qgtrain.training.parallel import wrap
+    from qgtrain.training.strategy import strategy_for
     from qgtrain.training.update import adamw, apply_update
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
     cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are kept for reuse
     rng.seed_everything(cfg.train.seed)
-    model = build_task(cfg, empty=builds_empty(cfg.train, env, True)).model
+    strategy = strategy_for(cfg.train, env, cpu)
+    model = build_task(cfg, empty=strategy.builds_empty(True)).model
     model._apply(lambda t: torch.empty_like(t, device=cpu) if t.is_meta else t)
-    wrap(model, env, cpu, False, cfg.train, "fp32")
+    strategy.wrap(model, False, "fp32")
     optimizer, scaler = adamw(model, cfg.optim, cpu), torch.amp.GradScaler("cpu", enabled=False)
     before = status_bytes("VmRSS:")
     batches = [
@@ -45,7 +45,7 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     ]
     for _ in range(2):
         with _deferred_reduction(model, micro) if deferred else contextlib.nullcontext():
-            accumulate_gradients(model, _loss, batches, "fp32", scaler, cpu)
+            accumulate_gradients(model, _loss, batches, "fp32", scaler, cpu, strategy=strategy)
         apply_update(optimizer, scaler, torch.tensor(False))
         optimizer.zero_grad(set_to_none=True)
     return {"peak": (status_bytes("VmHWM:") - before) / 1e6}

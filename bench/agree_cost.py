@@ -64,9 +64,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.tasks.models import build_model, lm_loss
     from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.strategy import strategy_for
     from qgtrain.training.update import adamw
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
+    strategy = strategy_for(cfg.train, env, device)
     shape = {
         "hidden": cfg.model.hidden,
         "layers": cfg.model.layers,
@@ -114,7 +116,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
                     )
                     if way == "fold":
                         hook_state["flags"] = torch.tensor(flags, dtype=torch.float32)
-                    accumulate_gradients(ddp, lm_loss, [batch], "fp32", scaler, device)
+                    accumulate_gradients(
+                        ddp, lm_loss, [batch], "fp32", scaler, device, strategy=strategy
+                    )
                     if finish is not None:
                         finish().tolist()
                     elif way == "fold":

@@ -95,11 +95,11 @@ def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
     from qgtrain.tasks.build import build_task
     from qgtrain.tasks.empty_weights import building_empty
     from qgtrain.training import sharding
-    from qgtrain.training.initial_shards import builds_empty
-    from qgtrain.training.parallel import wrap
+    from qgtrain.training.strategy import strategy_for
     from qgtrain.training.update import adamw
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
+    strategy = strategy_for(cfg.train, env, cpu)
     before, started = status_bytes("VmRSS:"), time.perf_counter()
     rng.seed_everything(cfg.train.seed)
     if mode == "today":
@@ -108,13 +108,13 @@ def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
     elif mode == "meta-init":  # torchtitan's way: no rank builds, each initialises its own shards
         with building_empty(meta=True):
             model = build_task(cfg).model
-        wrap(model, env, cpu, False, cfg.train, "fp32")
+        strategy.wrap(model, False, "fp32")
         with torch.no_grad():
             for module in model.modules():
                 model._init_weights(module)
     else:
-        model = build_task(cfg, empty=builds_empty(cfg.train, env, False)).model
-        wrap(model, env, cpu, False, cfg.train, "fp32")
+        model = build_task(cfg, empty=strategy.builds_empty(False)).model
+        strategy.wrap(model, False, "fp32")
     took, at_start = time.perf_counter() - started, status_bytes("VmHWM:") - before
     sums = torch.stack([fingerprint(t.to_local()) for t in model.state_dict().values()])
     dist.all_reduce(sums)

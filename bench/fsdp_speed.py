@@ -72,13 +72,13 @@ def checkpoint_rank(
     from qgtrain.state.checkpointer import Checkpointer
     from qgtrain.state.sharded import sharded_state
     from qgtrain.tasks.models import build_model
-    from qgtrain.training.parallel import wrap
+    from qgtrain.training.strategy import strategy_for
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 600):
         torch.manual_seed(0)
         model = build_model(ModelConfig(layers=8, heads=8, hidden=512), 257, 128, 256)
-        wrap(model, env, cpu, False, TrainConfig(parallel="fsdp"), "fp32")
+        strategy_for(TrainConfig(parallel="fsdp"), env, cpu).wrap(model, False, "fp32")
         optimizer = torch.optim.AdamW(model.parameters())
         ids = torch.randint(0, 257, (2, 64))
         model(input_ids=ids, labels=ids).loss.backward()

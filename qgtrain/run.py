@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import RunConfig
-from .config.load import config_to_dict
 from .config.model import with_pretrained_tokenizer
-from .data.loaders import build_loaders
+from .data.loaders import loaders_for
 from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .foundation.task import ReadyTask
 from .ops.export.on_finish import export_on_finish
@@ -38,11 +35,12 @@ from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
 from .tasks.build import TaskSource, build_task, naming_the_task
-from .training import initial_shards, parallel, trackers
+from .training import trackers
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import LoopParts, Settings
 from .training.profiling import StepProfiler
+from .training.strategy import Strategy, strategy_for
 from .training.trainer import Trainer
 from .training.transforms import transformed
 
@@ -90,13 +88,7 @@ def train(
         # tasks.
         with (
             StopFlag([cfg.slurm.signal, "TERM"]) as stop,
-            distributed.process_group(
-                env,
-                device,
-                cfg.train.startup_timeout_s,
-                cfg.train.collective_timeout_s,
-                cfg.train.socket_ifname,
-            ),
+            distributed.process_group_for(env, device, cfg.train),
         ):
             timeline.mark("process group")
             ctx = RunContext(cfg, env, device, stop, deadline, timeline, task)
@@ -138,9 +130,10 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     # an adapter run's checkpoint holds no base: it is built (or read) again as at the start
     holds_all = ckpt is not None and cfg.model.adapter == "none"
-    task = build_task(cfg, ctx.task, empty=initial_shards.builds_empty(cfg.train, env, holds_all))
+    strategy = strategy_for(cfg.train, env, ctx.device)  # how the ranks hold the model
+    task = build_task(cfg, ctx.task, empty=strategy.builds_empty(holds_all))
     # adapters and the other transforms, drawn with the same seed on every rank
-    task = dataclasses.replace(task, model=transformed(task.model, cfg, env, ctx.device))
+    task = dataclasses.replace(task, model=transformed(task.model, cfg, strategy))
     # dropout differs per rank, reproducibly
     rng.seed_everything(rng.rank_seed(cfg.train.seed, env.rank))
     if ckpt is not None and env.is_main and (changed := data_change(ckpt, task.facts)):
@@ -153,7 +146,7 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
         sum(p.numel() for p in task.model.parameters()) / 1e6,
         sum(p.numel() for p in task.model.parameters() if p.requires_grad) / 1e6,
     )
-    metrics = _metrics_log(ctx, claim, ckpt)
+    metrics = trackers.metrics_log(cfg, claim.path, env, ckpt.step if ckpt else None, ctx.timeline)
     outcome = None
     try:
         with (
@@ -161,7 +154,7 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
             if cfg.model.compile
             else contextlib.nullcontext()
         ):
-            trainer = _trainer(ctx, claim, task, metrics)
+            trainer = _trainer(ctx, claim, task, metrics, strategy)
             ctx.timeline.mark("wrapping and loaders")
             if ckpt is not None:
                 trainer.restore(ckpt)
@@ -185,81 +178,22 @@ def _log_start(ctx: RunContext, claim: Claim) -> None:
         env.num_nodes,
         ctx.device,
     )
-    logger.info(
-        "rank %d on node %s (local rank %d), rendezvous %s:%d (port %s)%s",
-        env.rank,
-        env.node_name,
-        env.local_rank,
-        env.master_addr,
-        env.master_port,
-        env.port_source,
-        f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else "",
-    )
+    logger.info("%s", log.where_this_rank_runs(env))
 
 
-def _metrics_log(ctx: RunContext, claim: Claim, ckpt: checkpoint.Checkpoint | None) -> MetricsLog:
-    cfg, env = ctx.cfg, ctx.env
-    trackers.check_installed(cfg.logging.trackers)
-    bar = cfg.logging.progress == "bar" or (cfg.logging.progress == "auto" and sys.stderr.isatty())
-    opened = (
-        trackers.open_trackers(cfg.logging, claim.path, claim.path.name, config_to_dict(cfg))
-        if env.is_main
-        else []
-    )
-    return MetricsLog(
-        claim.path,
-        env.is_main,
-        cfg.logging.tensorboard or "tensorboard" in cfg.logging.trackers,
-        ckpt.step if ckpt else None,
-        progress_bar=bar,
-        max_steps=cfg.train.max_steps,
-        memory_warn_gb=cfg.logging.memory_warn_gb,
-        timeline=ctx.timeline,
-        trackers=opened,
-    )
-
-
-def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog) -> Trainer:
+def _trainer(
+    ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog, strategy: Strategy
+) -> Trainer:
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
-    model = task.model
     run = RunDir(claim.path)
-    facts = {"class": type(model).__name__, **task.facts}
-    # rank 0's record: the ranks' copies cannot differ
-    run_files = {
-        layout.CONFIG: run.config.read_bytes(),
-        layout.MODEL_FACTS: json.dumps(facts).encode(),
-    }
-    if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
-        run_files[layout.HF_CONFIG] = model.config.to_json_string().encode()
-    checkpointer = Checkpointer(
-        run.checkpoints,
-        claim.run_id,
-        env,
-        cfg.checkpoint,
-        run_files=run_files,
-        timeout_s=cfg.train.collective_timeout_s,
-    )
+    run_files = layout.run_files(run.config.read_bytes(), task.model, task.facts)
+    checkpointer = Checkpointer.for_run(run, claim.run_id, env, cfg, run_files)
     resolved = precision.resolve(cfg.train.precision, device)
-    wrapped = parallel.wrap(model, env, device, cfg.model.compile, cfg.train, resolved)
-    loaders = build_loaders(
-        task.train,
-        task.val,
-        task.test,
-        task.collate,
-        env,
-        batch_size=cfg.train.batch_size,
-        num_workers=cfg.data.num_workers,
-        device=device,
-        seed=cfg.train.seed,
-        label=f"task.factory: the train split of {cfg.task.factory}",
-        dispatch=cfg.data.dispatch,
-    )
+    wrapped = strategy.wrap(task.model, cfg.model.compile, resolved)
+    loaders = loaders_for(task, cfg, env, device)
     optimizer = build_optimizer(task, cfg.optim, device)
     whose = " (the task's)" if task.optimizer else ""
     logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)
-    profiler = StepProfiler(
-        cfg.train.profile_steps, run.profiles, env.rank, device, cfg.train.memory_snapshot
-    )
     parts = LoopParts(
         task=task,
         wrapped=wrapped,
@@ -270,10 +204,11 @@ def _trainer(ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog
         metrics=metrics,
         stop=ctx.stop,
         deadline=ctx.deadline,
-        profiler=profiler,
+        profiler=StepProfiler.for_run(cfg.train, run, env.rank, device),
+        strategy=strategy,
     )
     # pins an async save's host buffers in the background
-    checkpointer.prepare(model, parts.optimizer)
+    checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())
     return Trainer(parts, Settings.of(cfg, resolved), env, device)
 
 

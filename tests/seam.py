@@ -27,6 +27,7 @@ from qgtrain.training.metrics import MetricsLog
 from qgtrain.training.optimizers import build_optimizer
 from qgtrain.training.parts import LoopParts, Settings
 from qgtrain.training.profiling import StepProfiler
+from qgtrain.training.strategy import strategy_for
 from qgtrain.training.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -111,6 +112,7 @@ def build_trainer(
         stop or StopFlag([]),
         Deadline(None, None, 0.0),
         StepProfiler((), run, 0, CPU, False),
+        strategy_for(cfg.train, ONE_RANK, CPU),
     )
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, "fp32")
     return Trainer(parts, settings, ONE_RANK, CPU)

@@ -58,17 +58,17 @@ def build_as_training_does(sets: list[str], gather: bool) -> dict[str, Any]:
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.tasks.build import build_task
-    from qgtrain.training.initial_shards import builds_empty
-    from qgtrain.training.parallel import wrap
+    from qgtrain.training.strategy import strategy_for
 
     cfg, env, cpu = load_config([], sets), from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 60):
         before = rss()
         rng.seed_everything(cfg.train.seed)
-        task = build_task(cfg, empty=builds_empty(cfg.train, env, resuming=False))
+        strategy = strategy_for(cfg.train, env, cpu)
+        task = build_task(cfg, empty=strategy.builds_empty(resuming=False))
         drawn = torch.rand(4)  # where the generator stands after the build
         empty = any(p.is_meta for p in task.model.parameters())
-        wrap(task.model, env, cpu, False, cfg.train, "fp32")
+        strategy.wrap(task.model, False, "fp32")
         grown = peak_rss() - before
         full = (
             get_model_state_dict(

@@ -12,10 +12,12 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qgtrain.config import TrainConfig
 from qgtrain.runtime.distributed import process_group
-from qgtrain.runtime.rendezvous import from_environ
+from qgtrain.runtime.rendezvous import DistEnv, from_environ
 from qgtrain.tasks.models import lm_loss
 from qgtrain.training.gradients import accumulate_gradients
+from qgtrain.training.strategy import strategy_for
 from tests.helpers import rank_log, records, tiny_config, tiny_gpt2
 from tests.ranks import run_ranks, train_rank
 
@@ -47,6 +49,7 @@ def ddp_gradients(micro_batches_per_rank: int, samples_per_micro: int) -> dict[s
                 "fp32",
                 torch.amp.GradScaler("cpu", enabled=False),
                 torch.device("cpu"),
+                strategy=strategy_for(TrainConfig(), env, torch.device("cpu")),
             )
         reduces = sum(
             1 for event in prof.events() if "allreduce" in event.name.replace("_", "").lower()
@@ -63,6 +66,7 @@ def single_process_gradients(samples: int) -> dict[str, torch.Tensor]:
         "fp32",
         torch.amp.GradScaler("cpu", enabled=False),
         torch.device("cpu"),
+        strategy=strategy_for(TrainConfig(), DistEnv(), torch.device("cpu")),
     )
     return grads(model)
 

@@ -131,11 +131,14 @@ def test_bad_ema_settings_and_exporting_an_ema_that_is_not_there_are_refused_in_
 def test_an_update_not_taken_leaves_the_average_where_it_was():
     """Non-finite gradients skipped on the device, and fp16's GradScaler finding them: the flag
     apply_update returns stops the average in the same call, without the host reading it."""
+    from qgtrain.config import TrainConfig
+    from qgtrain.runtime.rendezvous import DistEnv
     from qgtrain.training.ema import Ema
+    from qgtrain.training.strategy import strategy_for
     from qgtrain.training.update import apply_update
 
     model = torch.nn.Linear(3, 2)
-    ema = Ema(model, 0.9)
+    ema = Ema(model, 0.9, strategy_for(TrainConfig(), DistEnv(), torch.device("cpu")))
     first = {name: a.clone() for name, a in ema.averages.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     for scaling, bad in ((False, True), (True, True), (True, False)):

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from qgtrain.config import TrainConfig
 from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import TrainingError
 from qgtrain.runtime.distributed import broadcast_from_main, diverged, process_group
-from qgtrain.runtime.rendezvous import from_environ
+from qgtrain.runtime.rendezvous import DistEnv, from_environ
 from qgtrain.training import replicas
+from qgtrain.training.strategy import strategy_for
 from tests.ranks import run_ranks, train_rank
 
 CPU = torch.device("cpu")
@@ -66,7 +68,7 @@ def batchnorm_under_ddp() -> dict[str, object]:
         train_steps(ddp, range(1, 4), env.rank)
         out["differ_between_forwards"] = diverged(list(model.named_buffers()), CPU)
         # does not raise: DDP repairs those at the next forward
-        replicas.agree_before_save(model, ddp, 3, CPU)
+        replicas.check_replicas_agree(model, ddp, 3, CPU)
         # model.pt: rank 0's, read by all
         own, checkpoint = state(model), broadcast_from_main(state(model))
         train_steps(ddp, range(4, 7), env.rank)
@@ -83,7 +85,7 @@ def batchnorm_under_ddp() -> dict[str, object]:
             out[f"resumed from {name} equals"] = all(
                 torch.equal(mine[k], v) for k, v in uninterrupted.items()
             )
-        replicas.agree_before_evaluation(model, ddp)
+        replicas.take_main_values(replicas.broadcast_by_ddp(ddp))
         main = broadcast_from_main(state(model))
         out["evaluates with rank 0's"] = all(
             torch.equal(main[k], v) for k, v in state(model).items()
@@ -93,7 +95,7 @@ def batchnorm_under_ddp() -> dict[str, object]:
             with torch.no_grad():
                 tensors[what].add_(env.rank)
             try:
-                replicas.agree_before_save(model, ddp, 7, CPU)
+                replicas.check_replicas_agree(model, ddp, 7, CPU)
                 out[what] = None
             except TrainingError as exc:
                 out[what] = str(exc)
@@ -123,12 +125,18 @@ def test_batchnorm_buffers_are_rank_0s_in_checkpoints_evaluation_and_resume_whil
 
 
 def test_the_choices_for_sync_batchnorm():
-    assert replicas.sync_batchnorm_problem("ddp", "cuda", 8) is None
+    def problem(parallel: str, device: str, world_size: int) -> str | None:
+        strategy = strategy_for(
+            TrainConfig(parallel=parallel), DistEnv(world_size=world_size), torch.device(device)
+        )
+        return strategy.sync_batchnorm_problem()
+
+    assert problem("ddp", "cuda", 8) is None
     # one rank: nothing to synchronize
-    assert replicas.sync_batchnorm_problem("ddp", "cpu", 1) is None
-    assert replicas.sync_batchnorm_problem("fsdp", "cuda", 1) is None
-    assert "SyncBatchNorm runs on GPUs only" in replicas.sync_batchnorm_problem("ddp", "cpu", 2)
-    assert "applies to train.parallel: ddp" in replicas.sync_batchnorm_problem("fsdp", "cuda", 2)
+    assert problem("ddp", "cpu", 1) is None
+    assert problem("fsdp", "cuda", 1) is None
+    assert "SyncBatchNorm runs on GPUs only" in (problem("ddp", "cpu", 2) or "")
+    assert "applies to train.parallel: ddp" in (problem("fsdp", "cuda", 2) or "")
 
 
 def test_sync_batchnorm_converts_in_place_keeping_names_and_tensors():

@@ -40,18 +40,21 @@ def test_a_model_without_gradients_reports_norm_0_on_the_ranks_device():
 
 
 def autocast_while_computing_loss() -> dict[str, bool]:
+    from qgtrain.config import TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.training.gradients import accumulate_gradients
     from qgtrain.training.sharding import find_blocks, shard
+    from qgtrain.training.strategy import Shards, Strategy
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     seen = {}
     with process_group(env, cpu, 60, 60):
         for layout in ("replicated", "sharded"):
-            model = tiny_gpt2()
+            model, strategy = tiny_gpt2(), Strategy(TrainConfig(), env, cpu)
             if layout == "sharded":
                 model = shard(model, find_blocks(model, []), "bf16", cpu)
+                strategy = Shards(TrainConfig(parallel="fsdp"), env, cpu)
 
             def loss(m: torch.nn.Module, ids: torch.Tensor, layout: str = layout) -> torch.Tensor:
                 seen[layout] = torch.is_autocast_enabled("cpu")
@@ -59,7 +62,7 @@ def autocast_while_computing_loss() -> dict[str, bool]:
 
             ids = torch.randint(0, 200, (2, 16))
             scaler = torch.amp.GradScaler("cpu", enabled=False)
-            accumulate_gradients(model, loss, [ids], "bf16", scaler, cpu)
+            accumulate_gradients(model, loss, [ids], "bf16", scaler, cpu, strategy=strategy)
     return seen
 
 

@@ -1,5 +1,5 @@
 """One torchrun rank of the wrapper check: DDP, fsdp and (on 2+ ranks) hsdp built and stepped
-directly, at any world size, including 1, where qgtrain itself wraps nothing (training/parallel.py).
+directly, at any world size, including 1, where qgtrain itself wraps nothing (training/strategy.py).
 
 Each layout takes three steps of two micro-batches through qgtrain's own pieces (gradients.
 accumulate_gradients, update.clip_gradients and apply_update) and is held against a plain model
@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qgtrain.config import OptimConfig
+from qgtrain.config import OptimConfig, TrainConfig
 from qgtrain.runtime import distributed, mesh
+from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.training import sharding
 from qgtrain.training.agreement import Agreement, Flags
 from qgtrain.training.gradients import accumulate_gradients
+from qgtrain.training.strategy import KINDS
 from qgtrain.training.update import adamw, apply_update, clip_gradients
 
 STEPS, ACCUM, BATCH, VOCAB = 3, 2, 4, 257
@@ -139,6 +141,7 @@ def stepped(
     after_wrap = torch.cuda.memory_allocated(device) - baseline if cuda else 0
     inner = wrapped.module if isinstance(wrapped, DDP) else wrapped
     optimizer = adamw(inner, OPTIM, device)
+    strategy = KINDS[layout](TrainConfig(parallel=layout), from_environ(os.environ), device)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     skip = torch.zeros((), dtype=torch.bool, device=device)
     losses, grads, after_step = [], {}, 0
@@ -146,7 +149,9 @@ def stepped(
         micro = [
             global_batch(step, m, world, seq).chunk(world)[rank].to(device) for m in range(ACCUM)
         ]
-        loss = accumulate_gradients(wrapped, loss_fn, micro, "fp32", scaler, device)
+        loss = accumulate_gradients(
+            wrapped, loss_fn, micro, "fp32", scaler, device, strategy=strategy
+        )
         if step == 1:
             grads = {n: full(p.grad) for n, p in inner.named_parameters() if p.grad is not None}
         clip_gradients(inner, OPTIM.grad_clip, device)

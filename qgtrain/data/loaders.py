@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..config import RunConfig
 from ..foundation.errors import ConfigError
+from ..foundation.task import ReadyTask
 from ..runtime.rendezvous import DistEnv
 from .dispatch import DispatchedBatches
 from .stream_kinds import for_this_rank, is_stream
@@ -38,6 +40,23 @@ class Loaders:
     seed: int = 0  # of the training loader
     label: str = "the task's train split"  # in messages about it
     dispatch: bool = False  # data.dispatch: rank 0 reads the stream and sends each rank its batches
+
+
+def loaders_for(task: ReadyTask, cfg: RunConfig, env: DistEnv, device: torch.device) -> Loaders:
+    """The task's loaders from the run's train and data sections."""
+    return build_loaders(
+        task.train,
+        task.val,
+        task.test,
+        task.collate,
+        env,
+        batch_size=cfg.train.batch_size,
+        num_workers=cfg.data.num_workers,
+        device=device,
+        seed=cfg.train.seed,
+        label=f"task.factory: the train split of {cfg.task.factory}",
+        dispatch=cfg.data.dispatch,
+    )
 
 
 def build_loaders(

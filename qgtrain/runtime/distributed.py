@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import TrainConfig
 from ..foundation.errors import JoinError, QgtrainError, first_line
 from . import comms, devices, joining, objects, wire
 from .once import main_works_long as main_works_long  # where callers have always found it
@@ -96,6 +97,15 @@ def process_group(
     finally:
         _release_users()
         _destroy()
+
+
+def process_group_for(
+    env: DistEnv, device: torch.device, train: TrainConfig
+) -> contextlib.AbstractContextManager[None]:
+    """`process_group` from the train section: its timeouts and network interface."""
+    return process_group(
+        env, device, train.startup_timeout_s, train.collective_timeout_s, train.socket_ifname
+    )
 
 
 def _release_users() -> None:

@@ -48,6 +48,15 @@ def add_rank_file(env: DistEnv, path: Path, level: str) -> None:
     logging.getLogger(LOGGER).addHandler(handler)
 
 
+def where_this_rank_runs(env: DistEnv) -> str:
+    """Each rank's first line in its own log: where it runs and how it found the others."""
+    job = f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else ""
+    return (
+        f"rank {env.rank} on node {env.node_name} (local rank {env.local_rank}), rendezvous "
+        f"{env.master_addr}:{env.master_port} (port {env.port_source}){job}"
+    )
+
+
 def close() -> None:
     logger = logging.getLogger(LOGGER)
     for handler in list(logger.handlers):

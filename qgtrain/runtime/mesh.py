@@ -54,13 +54,16 @@ def hsdp_layout(node_of_rank: list[int], shard_group_size: int) -> list[list[int
     return [ordered[i : i + size] for i in range(0, world, size)]
 
 
-def device_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
-    """The mesh FSDP2 shards on: 1-D over every rank (fsdp, or hsdp with one group), else 2-D (a
-    collective)."""
+def flat_mesh(world_size: int, device: torch.device) -> Any:
+    """The mesh fsdp shards on: 1-D over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if train.parallel != "hsdp":
-        return init_device_mesh(device.type, (env.world_size,))
+    return init_device_mesh(device.type, (world_size,))
+
+
+def hsdp_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
+    """The mesh hsdp shards on: 2-D, one row per shard group, or 1-D with one group (a
+    collective)."""
     nodes: list[int] = objects.all_gather(env.node_rank, what="node number")
     rows = hsdp_layout(nodes, train.shard_group_size)
     if len(rows) == 1:
@@ -68,7 +71,7 @@ def device_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
             "hsdp: one shard group of %d ranks, so the model is sharded as under fsdp",
             env.world_size,
         )
-        return init_device_mesh(device.type, (env.world_size,))
+        return flat_mesh(env.world_size, device)
     log.info(
         "hsdp: %d replicas of the model, each sharded over %d ranks (%s)",
         len(rows),

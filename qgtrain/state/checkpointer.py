@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig
 from ..config.checkpoint import CheckpointConfig
 from ..foundation.errors import CheckpointWriteError, TrainingError
 from ..runtime import objects
@@ -35,6 +36,7 @@ from ..runtime.rendezvous import DistEnv
 from . import checkpoint, layout, named, rotation, sharded
 from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
+from .rundir import RunDir
 
 log = logging.getLogger("qgtrain")
 
@@ -76,6 +78,15 @@ class Checkpointer:
             for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
+    @classmethod
+    def for_run(
+        cls, run: RunDir, run_id: str, env: DistEnv, cfg: RunConfig, files: dict[str, bytes]
+    ) -> Checkpointer:
+        """The run's checkpointer from its own sections; `files` (layout.run_files) go in each."""
+        return cls(
+            run.checkpoints, run_id, env, cfg.checkpoint, files, cfg.train.collective_timeout_s
+        )
+
     def due(self, step: int) -> bool:
         """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every
         rank gives the same answer."""
@@ -87,13 +98,15 @@ class Checkpointer:
         every = 60 * self.every_minutes
         return self.env.is_main and bool(every) and time.monotonic() - self._saved_at >= every
 
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, copies_here: bool
+    ) -> None:
         """At start: checkpoint.every_minutes counts from here (building the parts trained nothing
-        worth saving); for asynchronous saves, pin the host buffers in the background
-        (host_copy.py), so the first save does not stall on it."""
+        worth saving); for asynchronous saves that copy on this rank (`copies_here`), pin the host
+        buffers in the background (host_copy.py), so the first save does not stall on it."""
         self._saved_at = time.monotonic()
         if self.async_save:
-            self._snapshot.prepare(saved_layouts(model, optimizer, self.env.is_main))
+            self._snapshot.prepare(saved_layouts(model, optimizer, copies_here))
 
     def save(
         self,

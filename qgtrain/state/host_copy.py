@@ -43,14 +43,14 @@ def is_pinned_copy(tensor: torch.Tensor) -> bool:
 def saved_layouts(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    is_main: bool,
+    copies_here: bool,
     pinned: Callable[[torch.Tensor], bool] = is_pinned_copy,
 ) -> list[Layout]:
-    """The buffers to pin for what this rank's saves will copy, as far as it is known before
-    training: rank 0's replicated files, or every rank's shards under FSDP (their local parts). One
-    per distinct tensor (tied weights share one); the optimizer's state predicted where it is not
-    made yet."""
-    if not (is_main or sharded.is_sharded_model(model)):
+    """The buffers to pin for what this rank's saves will copy (`copies_here`: rank 0's replicated
+    files, or every rank's shards under FSDP, their local parts), as far as it is known before
+    training. One per distinct tensor (tied weights share one); the optimizer's state predicted
+    where it is not made yet."""
+    if not copies_here:
         return []
     made = [
         *saved_state(model).values(),

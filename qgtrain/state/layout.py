@@ -26,8 +26,10 @@ entry of one above, and the files written before it are read as they were.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
@@ -103,3 +105,13 @@ def top_level(world_size: int, sharded: bool, ema: bool, hf_config: bool) -> set
     names |= {HF_CONFIG} if hf_config else set()
     names |= {SHARDED} if sharded else {MODEL, OPTIM}
     return names | ({EMA} if ema and not sharded else set())
+
+
+def run_files(config: bytes, model: Any, facts: dict[str, Any]) -> dict[str, bytes]:
+    """What every checkpoint of a run carries as it is: the resolved config, the model's class and
+    the task's facts, and a Hugging Face model's own config."""
+    described = {"class": type(model).__name__, **facts}
+    files = {CONFIG: config, MODEL_FACTS: json.dumps(described).encode()}
+    if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
+        files[HF_CONFIG] = model.config.to_json_string().encode()
+    return files

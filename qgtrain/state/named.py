@@ -115,7 +115,7 @@ def _read(ckpt: Checkpoint, file: str, read: dict[str, Any]) -> Any:
 
 def _by_shards(parts: Parts) -> bool:
     model = parts.get("model")
-    return isinstance(model, ModelState) and sharded.is_sharded_model(model.model)
+    return isinstance(model, ModelState) and model.by_shards
 
 
 def _load_by_dcp(ckpt: Checkpoint, name: str, part: Stateful, parts: Parts) -> None:

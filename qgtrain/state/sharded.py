@@ -31,13 +31,6 @@ def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
     return SHARDED_METADATA in ckpt.manifest.get("files", {})
 
 
-def is_sharded_model(model: nn.Module) -> bool:
-    """Asked without importing FSDP (about half a second at every start): a model can be sharded
-    only once FSDP has been loaded."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
-
-
 def shard_of(tensor: Any) -> Any:
     """A DTensor (a shard with its place in the full tensor), or None; asked without importing
     DTensor."""

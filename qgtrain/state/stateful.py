@@ -26,7 +26,7 @@ from ..runtime import rng
 from ..runtime.rendezvous import DistEnv
 from .checkpoint import Checkpoint, load_file
 from .layout import OPTIM, PLACES, rank_file
-from .sharded import is_sharded_model, shard_options
+from .sharded import shard_options
 from .weights import adapter_of, check_base, load_weights, saved_state, strip_wrapper_prefixes
 
 log = logging.getLogger("qgtrain")
@@ -71,16 +71,14 @@ def every_rank(name: str, world_size: int) -> list[Any]:
 
 class ModelState:
     """ "model": the unwrapped model's weights (an adapted model's trainable ones only: its base
-    comes from where it was built); under fsdp this rank's shards."""
+    comes from where it was built); a sharded model's are ShardedModelState's."""
+
+    by_shards = False  # the route: rank 0's model.pt, or every rank's shards by DCP (named.py)
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        if is_sharded_model(self.model):
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-            return get_model_state_dict(self.model, options=shard_options(self.model))
         return saved_state(self.model)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -88,18 +86,13 @@ class ModelState:
 
 
 class OptimizerState:
-    """ "optimizer": its state by parameter index (torch's own), under fsdp by parameter name."""
+    """ "optimizer": its state by parameter index (torch's own); a sharded model's by name
+    (ShardedOptimizerState)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        if is_sharded_model(self.model):
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            return get_optimizer_state_dict(
-                self.model, self.optimizer, options=shard_options(self.model)
-            )
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -111,6 +104,28 @@ class OptimizerState:
             self.optimizer.load_state_dict(state_dict)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
             raise _does_not_fit(exc) from None
+
+
+class ShardedModelState(ModelState):
+    """ "model" of a sharded model (training/strategy.py chooses it): this rank's shards."""
+
+    by_shards = True
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=shard_options(self.model))
+
+
+class ShardedOptimizerState(OptimizerState):
+    """ "optimizer" of a sharded model: its state by parameter name, this rank's shards."""
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            self.model, self.optimizer, options=shard_options(self.model)
+        )
 
 
 class ScalerState:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,15 +23,16 @@ import torch
 from torch import nn
 
 from ..state import ema_files
-from ..state.sharded import is_sharded_model, shard_of
+from ..state.sharded import shard_of
 from ..state.stateful import source, source_step
+from .strategy import Strategy
 
 log = logging.getLogger("qgtrain")
 
 
 class Ema:
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.model, self.decay, self.sharded = model, decay, is_sharded_model(model)
+    def __init__(self, model: nn.Module, decay: float, strategy: Strategy) -> None:
+        self.model, self.decay, self.strategy = model, decay, strategy
         named = model.named_parameters() if decay else iter(())
         trained = [(name, p) for name, p in named if p.requires_grad]
         self._params = [p for _, p in trained]
@@ -68,7 +68,7 @@ class Ema:
 
     @torch.no_grad()
     def _swap_in(self) -> list[torch.Tensor | None]:
-        self._drop_gathered()
+        self.strategy.release_gathered(self.model)
         kept: list[torch.Tensor | None] = []
         for param, average in zip(self._params, self.averages.values()):
             weights, held = _local(param), _local(average)
@@ -82,7 +82,7 @@ class Ema:
 
     @torch.no_grad()
     def _swap_out(self, kept: list[torch.Tensor | None]) -> None:
-        self._drop_gathered()
+        self.strategy.release_gathered(self.model)
         for param, average, own in zip(self._params, self.averages.values(), kept):
             weights, held = _local(param), _local(average)
             if own is None:
@@ -91,13 +91,6 @@ class Ema:
                 held.copy_(own)
             else:  # weights of another dtype than fp32: put back from their copy
                 weights.copy_(own)
-
-    def _drop_gathered(self) -> None:
-        fsdp = sys.modules.get("torch.distributed.fsdp")
-        if self.sharded and fsdp is not None:
-            for module in self.model.modules():
-                if isinstance(module, fsdp.FSDPModule):
-                    module.reshard()
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's "ema": the average by parameter name, under fsdp this rank's shards

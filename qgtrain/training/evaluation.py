@@ -21,7 +21,7 @@ from ..config import EarlyStoppingConfig
 from ..data.batches import to_device
 from ..foundation.errors import TaskError
 from ..runtime import objects
-from .sharding import autocast_for
+from ..runtime.precision import autocast
 
 
 @torch.no_grad()
@@ -41,7 +41,8 @@ def evaluate(
     cannot match. A sharded (FSDP) model gathers its weights in every forward, so there all ranks
     run in `lockstep`: as many batches as the largest shard, a rank whose shard has ended repeating
     a batch whose results it drops. A collective: every rank calls it, also one whose shard is
-    empty.
+    empty. `precision_name` is what autocast computes in: the strategy's (strategy.py), fp32 for a
+    sharded model, which computes in its FSDP policy's dtype.
     """
     sizes = _batch_sizes(loader)
     own = min(len(sizes), max_batches) if max_batches else len(sizes)
@@ -57,7 +58,7 @@ def evaluate(
                 batch = to_device(next(batches), device)
             elif batch is None:  # an empty shard: any sample will do, its results are dropped
                 batch = to_device(loader.collate_fn([loader.dataset[0]]), device)
-            with autocast_for(model, precision_name, device):
+            with autocast(precision_name, device):
                 loss = loss_fn(model, batch)
                 reported = metrics_fn(model, batch) if metrics_fn is not None else {}
             if index >= own:

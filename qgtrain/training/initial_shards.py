@@ -22,25 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TrainConfig
 from ..runtime import distributed
-from ..runtime.rendezvous import DistEnv
 from ..state.weights import within_budget
 from ..tasks.empty_weights import to_meta
 
 log = logging.getLogger("qgtrain")
-SHARDED_MODES = ("fsdp", "hsdp")
 GROUP_BYTES = 64 << 20  # full tensors sent per call: each call costs a pass over the model's state
-
-
-def is_sharded_run(train: TrainConfig, world_size: int) -> bool:
-    return train.parallel in SHARDED_MODES and world_size > 1
-
-
-def builds_empty(train: TrainConfig, env: DistEnv, resuming: bool) -> bool:
-    """Whether this rank builds its task's model without weights: every rank of a sharded run but
-    rank 0, and rank 0 too when a checkpoint will fill the shards."""
-    return is_sharded_run(train, env.world_size) and (resuming or not env.is_main)
 
 
 def set_aside_full_weights(model: nn.Module) -> dict[str, Any]:

@@ -18,12 +18,14 @@ from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
 from .metrics import MetricsLog
 from .profiling import StepProfiler
+from .strategy import Strategy
 
 
 @dataclass
 class LoopParts:
     """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
-    `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints."""
+    `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints;
+    `strategy` how the ranks hold it (strategy.py), asked wherever that matters."""
 
     task: ReadyTask
     wrapped: nn.Module
@@ -35,6 +37,7 @@ class LoopParts:
     stop: StopFlag
     deadline: Deadline  # rank 0's; the others follow its agreed decision
     profiler: StepProfiler
+    strategy: Strategy
 
 
 @dataclass(frozen=True)

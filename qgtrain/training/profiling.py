@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from ..config import TrainConfig
 from ..foundation.files import temp_name
+from ..state.rundir import RunDir
 
 log = logging.getLogger("qgtrain")
 
@@ -49,6 +51,13 @@ class StepProfiler:
                 "profile is written without it",
                 device.type,
             )
+
+    @classmethod
+    def for_run(
+        cls, train: TrainConfig, run: RunDir, rank: int, device: torch.device
+    ) -> StepProfiler:
+        """From the train section: train.profile_steps, train.memory_snapshot."""
+        return cls(train.profile_steps, run.profiles, rank, device, train.memory_snapshot)
 
     @property
     def _name(self) -> str:

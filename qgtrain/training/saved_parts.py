@@ -19,8 +19,6 @@ from ..data.streams import StreamBatches
 from ..foundation.errors import CheckpointError, ConfigError
 from ..runtime.rendezvous import DistEnv
 from ..state.stateful import (
-    ModelState,
-    OptimizerState,
     RngState,
     RunFacts,
     ScalerState,
@@ -129,8 +127,8 @@ def saved_parts(
         table["stream"] = StreamState(batches, facts, env)
     table.update(
         {
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, parts.optimizer),
+            "model": parts.strategy.model_state(model),
+            "optimizer": parts.strategy.optimizer_state(model, parts.optimizer),
             "scaler": ScalerState(parts.scaler),
             "ema": ema,
             "spikes": spikes,

@@ -13,7 +13,6 @@ checkpoints and export) stay what they are without it, and it works the same und
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..foundation.errors import ConfigError
-from ..runtime import precision as precisions
 from ..runtime.precision import DTYPES
-from ..state.sharded import is_sharded_model
 
 
 def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -104,15 +101,6 @@ def shard(
         )
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
-
-
-def autocast_for(
-    model: nn.Module, precision: str, device: torch.device
-) -> contextlib.AbstractContextManager[object]:
-    """Autocast for a replicated model; none for a sharded one, which computes in its FSDP
-    MixedPrecisionPolicy's param_dtype (`shard`). FSDP's documentation: autocast on top of it casts
-    every weight again and keeps a second low-precision copy."""
-    return precisions.autocast("fp32" if is_sharded_model(model) else precision, device)
 
 
 def local_numel(tensors: Sequence[torch.Tensor]) -> int:

@@ -22,17 +22,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import LoggingConfig
+from ..config import LoggingConfig, RunConfig
+from ..config.load import config_to_dict
 from ..foundation.errors import ConfigError, first_line
 from ..foundation.files import write_atomic
 from ..foundation.redact import mask_setting, mask_text
+from ..runtime.rendezvous import DistEnv
 from ..state.rundir import RunDir
+from .metrics import MetricsLog
+
+if TYPE_CHECKING:
+    from ..runtime.startup import Timeline
 
 log = logging.getLogger("qgtrain")
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
@@ -118,6 +125,28 @@ def check_installed(names: tuple[str, ...]) -> None:
                 f"logging.trackers: {name} is not installed here; pip install 'qgtrain[{name}]' "
                 f"(or {module}), or remove it from logging.trackers"
             )
+
+
+def metrics_log(
+    cfg: RunConfig, run_dir: Path, env: DistEnv, resume_step: int | None, timeline: Timeline
+) -> MetricsLog:
+    """The run's metrics log, from its logging section, with rank 0's trackers opened."""
+    given = cfg.logging
+    check_installed(given.trackers)
+    opened = open_trackers(given, run_dir, run_dir.name, config_to_dict(cfg)) if env.is_main else []
+    bar = given.progress == "bar" or (given.progress == "auto" and sys.stderr.isatty())
+    tensorboard = given.tensorboard or "tensorboard" in given.trackers
+    return MetricsLog(
+        run_dir,
+        env.is_main,
+        tensorboard,
+        resume_step,
+        progress_bar=bar,
+        max_steps=cfg.train.max_steps,
+        memory_warn_gb=given.memory_warn_gb,
+        timeline=timeline,
+        trackers=opened,
+    )
 
 
 def open_trackers(

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import to_device
 from ..data.loaders import train_batches
@@ -27,7 +26,7 @@ from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.train_state import Outcome, TrainState
-from . import replicas, rollback
+from . import rollback
 from .agreement import Agreement, Flags, Health
 from .ema import Ema
 from .flops import device_peak
@@ -41,7 +40,7 @@ from .report import Reporter
 from .saved_parts import saved_parts
 from .spikes import Spikes
 from .timing import StepTimer
-from .update import apply_update, clip_gradients
+from .update import apply_update
 from .validation import Validator
 
 log = logging.getLogger("qgtrain")
@@ -64,10 +63,11 @@ class Trainer:
         )
         self.timer = StepTimer(0)
         self.planner = Planner(parts.deadline, self.timer, Cadence.of(parts.loaders, settings))
-        self.ema = Ema(self.model, settings.train.ema_decay)
+        self.ema = Ema(self.model, settings.train.ema_decay, parts.strategy)
         self.validator = Validator(
             self.model,
             parts.wrapped,
+            parts.strategy,
             parts.task,
             parts.loaders,
             settings.early_stopping,
@@ -178,9 +178,10 @@ class Trainer:
             self.settings.precision,
             parts.scaler,
             self.device,
+            strategy=parts.strategy,
         )
         parts.scaler.unscale_(parts.optimizer)
-        grad_norm = clip_gradients(self.model, self.settings.optim.grad_clip, self.device)
+        grad_norm = parts.strategy.clip_gradients(self.model, self.settings.optim.grad_clip)
         # with fp16, non-finite gradients are the loss scaler's to skip
         self.health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
         return loss_sum, grad_norm
@@ -293,7 +294,7 @@ class Trainer:
         if settled.bad_loss or settled.bad_grads:
             self._fail(settled.as_of, True, bool(self.health.bad_loss.item()))
         saving = time.perf_counter()
-        replicas.agree_before_save(self.model, self.parts.wrapped, state.step, self.device)
+        self.parts.strategy.agree_before_save(self.model, self.parts.wrapped, state.step)
         self.reporter.settle_tokens(state)
         facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
         self.parts.checkpointer.save_parts(
@@ -305,7 +306,7 @@ class Trainer:
         """DDP would wait forever for their gradients (unless told to look for unused ones, at a
         cost)."""
         return (
-            isinstance(self.parts.wrapped, DDP)
+            self.parts.strategy.needs_every_gradient
             and not self.settings.train.find_unused_parameters
             and bool(without_gradients(self.model))
         )

@@ -5,8 +5,8 @@ A transform takes the task's model and returns the model to train (the same obje
 as all of these do, so the names in checkpoints stay the model's own). They run on every rank with
 the same seed, before the ranks' random streams part, so anything a transform draws (LoRA's initial
 adapters) is the same everywhere. torch.compile is not among them: it returns a new module that only
-forward and backward go through, so it stays with the parallel wrap (parallel.py). A new transform
-is a function here, a row in the table and the setting that turns it on.
+forward and backward go through, so it stays with the wrap (strategy.py). A new transform is a
+function here, a row in the table and the setting that turns it on.
 """
 
 from __future__ import annotations
@@ -14,38 +14,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ..config import RunConfig
 from ..foundation.errors import ConfigError
-from ..runtime.rendezvous import DistEnv
 from . import replicas, sharding
 from .adapters import apply_adapter
+from .strategy import Strategy
 
 log = logging.getLogger("qgtrain")
 
-Transform = Callable[[nn.Module, RunConfig, DistEnv, torch.device], nn.Module]
+Transform = Callable[[nn.Module, RunConfig, Strategy], nn.Module]
 
 
-def _adapter(model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+def _adapter(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Module:
     return apply_adapter(model, cfg)
 
 
-def _sync_batchnorm(
-    model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device
-) -> nn.Module:
-    problem = replicas.sync_batchnorm_problem(cfg.train.parallel, device.type, env.world_size)
+def _sync_batchnorm(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Module:
+    problem = strategy.sync_batchnorm_problem()
     if problem:
         raise ConfigError(problem)
-    if env.world_size > 1:
-        replicas.to_sync_batchnorm(model, env.world_size)
+    if strategy.env.world_size > 1:
+        replicas.to_sync_batchnorm(model, strategy.env.world_size)
     return model
 
 
-def _activation_checkpointing(
-    model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device
-) -> nn.Module:
+def _activation_checkpointing(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Module:
     sharding.checkpoint_activations(sharding.find_blocks(model, cfg.train.shard_modules))
     return model
 
@@ -61,12 +56,12 @@ TRANSFORMS: dict[str, tuple[Callable[[RunConfig], bool], Transform]] = {
 }
 
 
-def transformed(model: nn.Module, cfg: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+def transformed(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Module:
     """The task's model with every transform the config asks for applied, in TRANSFORMS' order."""
     applied = []
     for name, (asked, transform) in TRANSFORMS.items():
         if asked(cfg):
-            model = transform(model, cfg, env, device)
+            model = transform(model, cfg, strategy)
             applied.append(name)
     if applied:
         log.info("model transforms: %s", ", ".join(applied))

@@ -18,10 +18,9 @@ from ..foundation.errors import ConfigError
 from ..foundation.task import ReadyTask
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from ..state.sharded import is_sharded_model
 from ..state.train_state import TrainState
-from . import replicas
 from .evaluation import decide_early_stop, evaluate
+from .strategy import Strategy
 from .timing import StepTimer
 
 # puts the weights to evaluate in the model while it is open (the EMA's)
@@ -33,6 +32,7 @@ class Validator:
         self,
         model: nn.Module,
         wrapped: nn.Module,
+        strategy: Strategy,
         task: ReadyTask,
         loaders: Loaders,
         early_stopping: EarlyStoppingConfig,
@@ -62,6 +62,7 @@ class Validator:
             timer,
         )
         self.weights, self.every = weights or contextlib.nullcontext, every
+        self.strategy = strategy
 
     def due(self, step: int) -> bool:
         """Whether step `step` ends with a validation (the last step's final one is not this
@@ -99,7 +100,7 @@ class Validator:
             return {}
         started = time.perf_counter()
         # what the saved model gives, on every rank
-        replicas.agree_before_evaluation(self.model, self.wrapped)
+        self.strategy.agree_before_evaluation(self.model, self.wrapped)
         with self.weights():
             metrics = evaluate(
                 self.model,
@@ -107,9 +108,9 @@ class Validator:
                 self.task.loss,
                 self.task.metrics,
                 self.device,
-                self.precision,
+                self.strategy.autocast_precision(self.precision),
                 max_batches,
-                lockstep=is_sharded_model(self.model),
+                lockstep=self.strategy.evaluates_in_lockstep,
             )
         self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)
         return metrics
