@@ -19,6 +19,7 @@ import torch
 from .config import RunConfig
 from .config.model import with_pretrained_tokenizer
 from .data.loaders import loaders_for
+from .evals.downstream import downstream_for
 from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .foundation.task import ReadyTask
 from .ops.export.on_finish import export_on_finish
@@ -206,6 +207,9 @@ def _trainer(
         deadline=ctx.deadline,
         profiler=StepProfiler.for_run(cfg.train, run, env.rank, device),
         strategy=strategy,
+        downstream=downstream_for(
+            cfg, task.model, task.facts, strategy, resolved, run.eval, metrics.write_samples
+        ),
     )
     # pins an async save's host buffers in the background
     checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())

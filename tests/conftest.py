@@ -34,6 +34,7 @@ LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 # fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
 SHARED_FIXTURE_MODULES = (
+    "tests/test_evals.py",
     "tests/test_export.py",
     "tests/test_molecules.py",
     "tests/test_resume.py",
@@ -46,6 +47,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_streams.py",
     "tests/test_mix.py",
     "tests/test_stream_files.py",
+    "tests/test_lm_shape.py",
 )
 
 

@@ -82,6 +82,15 @@ def test_an_evaluation_never_measured_counts_half_a_step_per_batch_and_the_expor
     )
 
 
+def test_the_downstream_tasks_count_with_the_validation_they_run_beside():
+    plan = planner(40.0, step_s=0.5, eval_batch_s=1.0, save_s=2.0)
+    # a validation due at step 100: 10 x 1 s, a checkpoint 2 s, two steps 1 s
+    assert not plan.out_of_time(99)
+    plan.timer.downstream_s = 30.0  # eval.tasks took 30 s last time
+    assert plan.out_of_time(99), "43 s of work is due before the next chance to stop"
+    assert not plan.out_of_time(150), "no validation, no downstream tasks"
+
+
 def test_evaluations_longer_than_a_whole_allocation_are_no_reason_to_stop(caplog):
     """Stopping for them would requeue forever: the run goes on and says why; steps still count."""
     # final work: 152 s

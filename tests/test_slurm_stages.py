@@ -123,12 +123,20 @@ def test_a_job_broken_after_submit_and_requeued_mid_run_completes_with_the_submi
     assert "this is not Python" in (tmp_path / "my_task.py").read_text()
 
 
-def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tmp_path):
+def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights_then_scores_it(
+    tmp_path,
+):
     first_steps = overlay(tmp_path, 2000)  # about 13 s of training on one rank: time to preempt it
     # lr 0: the second stage's weights stay those it started from
     (tmp_path / "tune.yaml").write_text(
         f"model: {{pretrained: {tmp_path / 'runs' / 'cpu' / 'export'}}}\n"
         "optim: {lr: 0, min_lr: 0, warmup_steps: 0}\ntrain: {max_steps: 1, eval_every: 0}\n"
+    )
+    (tmp_path / "qa.jsonl").write_text('{"context": "def", "choices": [" f", " g"], "label": 0}\n')
+    (tmp_path / "text.jsonl").write_text('{"text": "import os"}\n')
+    (tmp_path / "score.yaml").write_text(  # an evaluation stage: only an eval: section
+        f"eval: {{tasks: [{{name: qa, kind: multiple_choice, files: [{tmp_path / 'qa.jsonl'}]}}, "
+        f"{{name: text, kind: perplexity, files: [{tmp_path / 'text.jsonl'}]}}]}}\n"
     )
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", first_steps]
     result = cli(
@@ -136,13 +144,15 @@ def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tm
         *[a for c in configs for a in ("--config", str(c))],
         "--then",
         "tune.yaml",
+        "--then",
+        "score.yaml",
         "--set",
         *ONE_RANK,
         "export.on_finish=true",
         cwd=tmp_path,
     )
     first_job = submitted(result)
-    assert "submitted stage 1 of 2" in result.stdout and "runs cpu, cpu-stage2" in result.stdout
+    assert "submitted stage 1 of 3" in result.stdout, result.stdout
     run, chain = tmp_path / "runs" / "cpu", tmp_path / "runs" / "cpu" / "stages"
     wait_until(lambda: logged_step(run) >= 100, 120, "the first stage to pass step 100")
     subprocess.run(["scancel", "--signal=USR2", first_job], check=True)
@@ -162,9 +172,18 @@ def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights(tm
     assert exported and all(
         torch.equal(t, started[f"model.{name}"]) for name, t in exported.items()
     ), "stage 2 began with stage 1's weights"
+    wait_until(lambda: (chain / "3.submitted").exists(), 30, "the evaluation's submission")
+    third_job = json.loads((chain / "3.submitted").read_text())["job_id"]
+    assert wait_finished(third_job, timeout=180) == "COMPLETED"
+    scored = (second / "eval" / "results.jsonl").read_text().splitlines()
+    assert [(json.loads(x)["step"], json.loads(x)["task"]) for x in scored] == [
+        (1, "qa"),
+        (1, "text"),
+    ]
     table = runs_table(tmp_path)
-    assert f"chain cpu: stage 1/2 cpu: job {first_job}: finished" in table, table
-    assert f"chain cpu: stage 2/2 cpu-stage2: job {second_job}: finished" in table, table
+    assert f"chain cpu: stage 1/3 cpu: job {first_job}: finished" in table, table
+    assert f"chain cpu: stage 2/3 cpu-stage2: job {second_job}: finished" in table, table
+    assert f"chain cpu: stage 3/3 cpu-stage2: job {third_job}: 2 result(s)" in table, table
 
 
 def test_a_failed_first_stage_never_submits_the_second_and_records_why(tmp_path):

@@ -10,6 +10,7 @@ absent: the scheduler supplies them (rendezvous.py).
 from .checkpoint import CheckpointConfig
 from .data import DataConfig
 from .early_stopping import EarlyStoppingConfig
+from .eval import EvalConfig
 from .export import ExportConfig
 from .fields import MAX_TIMEOUT_S, setting
 from .logging import LoggingConfig
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "EarlyStoppingConfig",
+    "EvalConfig",
     "ExportConfig",
     "LoggingConfig",
     "ModelConfig",

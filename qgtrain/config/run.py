@@ -10,6 +10,7 @@ from ..foundation.errors import ConfigError
 from .checkpoint import CheckpointConfig, checkpoint_rules
 from .data import DataConfig, data_rules
 from .early_stopping import EarlyStoppingConfig, early_stopping_rules
+from .eval import EvalConfig, eval_rules
 from .export import ExportConfig, export_rules
 from .logging import LoggingConfig, logging_rules
 from .model import ModelConfig, model_rules
@@ -27,6 +28,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -44,6 +46,7 @@ RULES = (
     training_rules,
     spike_rules,
     early_stopping_rules,
+    eval_rules,
     checkpoint_rules,
     export_rules,
     logging_rules,

@@ -82,6 +82,12 @@ def encode_pieces(spec: str, eos_id: int, texts: list[str], ends: list[bool]) ->
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
+def load(spec: str) -> tokenizers.Tokenizer:
+    """The tokenizer data.tokenizer names (or an export folder's), to encode and decode text piece
+    by piece: downstream evaluation."""
+    return byte_level() if spec == BYTE else _load_folder(spec)
+
+
 def byte_level() -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -87,7 +87,41 @@ def _training_commands(sub: Any) -> None:
     )
     submit.set_defaults(func=submitting.submit)
     _export_command(sub)
+    _eval_command(sub)
     _recover_command(sub)
+
+
+def _eval_command(sub: Any) -> None:
+    evaluate = sub.add_parser(
+        "eval",
+        help="score the downstream tasks of eval.tasks on a run's checkpoints or an export "
+        "(1 process, or one rank per srun/torchrun task)",
+    )
+    evaluate.add_argument(
+        "source", type=Path, help="a run directory (its latest checkpoint) or an export folder"
+    )
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the checkpoint of step N")
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every kept checkpoint, each once (a killed eval started again goes on)",
+    )
+    _config_args(evaluate)
+    evaluate.add_argument(
+        "--harness",
+        metavar="TASK[,TASK]",
+        help="an export: lm-evaluation-harness's tasks instead (pip install 'qgtrain[eval]')",
+    )
+    evaluate.add_argument(
+        "--include-path", type=Path, metavar="DIR", help="--harness: a folder of local task YAMLs"
+    )
+    evaluate.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="import the factories the run's config names even if the run is not yours",
+    )
+    evaluate.set_defaults(func=commands.evaluate)
 
 
 def _export_command(sub: Any) -> None:
@@ -104,7 +138,13 @@ def _export_command(sub: Any) -> None:
     )
     which = export.add_mutually_exclusive_group()
     which.add_argument(
-        "--best", action="store_true", help="the checkpoint with the lowest validation loss"
+        "--best",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="METRIC",
+        help="the best checkpoint by early_stopping.metric, or by METRIC (val_loss, "
+        "eval_<task>_acc, ...: lowest for a loss or ppl, else highest)",
     )
     which.add_argument("--step", type=int, help="the checkpoint of step N")
     export.add_argument(

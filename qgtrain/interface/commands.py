@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..config import RunConfig
+from ..foundation.errors import ConfigError
 from ..foundation.files import owner_writes_only
 
 
@@ -53,6 +54,30 @@ def export(args: argparse.Namespace) -> int:
         f"exported {done.checkpoint} to {done.folder} in {done.dtype}; reloaded and compared with "
         "the checkpoint, " + how
     )
+    return 0
+
+
+@owner_writes_only()
+def evaluate(args: argparse.Namespace) -> int:
+    from ..ops import evaluate as scoring
+    from ..runtime.rendezvous import from_environ
+
+    if args.harness:
+        if args.step is not None or args.all:
+            raise ConfigError(
+                "eval --harness scores an export folder; --step and --all choose checkpoints"
+            )
+        tasks = [task.strip() for task in args.harness.split(",") if task.strip()]
+        cfg = load_args_config(args)
+        lines = scoring.evaluate_harness(args.source, tasks, args.include_path, cfg.eval.batch_size)
+        print(scoring.table(lines))
+        return 0
+    env = from_environ(os.environ)
+    lines = scoring.evaluate(
+        args.source, env, args.config or [], args.set, args.step, args.all, args.trust_code
+    )
+    if env.is_main:
+        print(scoring.table(lines))
     return 0
 
 

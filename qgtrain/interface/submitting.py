@@ -100,12 +100,15 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
         )
         sys.stdout.write(
             "".join(
-                f"# stage {s.index}: run {s.cfg.train.run_name} from {s.source}\n" for s in planned
+                f"# stage {s.index}: {'evaluate' if s.evaluates else 'run'} "
+                f"{s.cfg.train.run_name} from {s.source}\n"
+                for s in planned
             )
         )
         return 0
     job_id, folder = stages.submit_chain(planned, Path.cwd())
-    names = ", ".join(s.cfg.train.run_name for s in planned)
+    names = ", ".join(s.cfg.train.run_name for s in planned if not s.evaluates)
+    names += " (then evaluated)" if planned[-1].evaluates else ""
     print(
         f"submitted stage 1 of {len(planned)} as job {job_id}; each next stage is submitted "
         f"when the one before finishes; runs {names}; chain in {folder}"

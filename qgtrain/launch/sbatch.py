@@ -91,20 +91,23 @@ def render(
     array: str | None = None,
     code: str | None = None,
     after: str = "",
+    command: str = "train",
 ) -> str:
     """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another.
     With `array` (e.g. '0-3%2') it is a job array whose task i trains with
     `config_path`/task-<i>.yaml. `code`: the lines that move the job into its code snapshot
     (runfrom.shell_lines), taken at submit; without them, with slurm.snapshot, the script takes one
     at its first start. `after`: lines run once the training steps are over, with their exit code in
-    $status (the next stage of a chain)."""
+    $status (the next stage of a chain). `command`: what each step runs, `qgtrain train` or (a
+    chain's evaluation stage) `qgtrain eval RUN --all`, shell-quoted by the caller."""
     validate(slurm)
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
     default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
     first_start = FIRST_START_SNAPSHOT if runs_from_snapshot(slurm) else ""
     moves = code if code is not None else first_start
-    return _script(header, setup, default, slurm.max_restarts, launch_lines(slurm), moves, after)
+    launch = launch_lines(slurm)
+    return _script(header, setup, default, slurm.max_restarts, launch, moves, after, command)
 
 
 def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
@@ -189,6 +192,7 @@ def _script(
     launch: tuple[str, str, str],
     code: str,
     after: str,
+    command: str = "train",
 ) -> str:
     """The script's text: no rank, address or port logic; srun steps until the run is done or
     requeued. `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
@@ -213,7 +217,7 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 RECOVER_PYTHON=${recover}
 {code}recover_args=("${{args[@]}}")
 {retry_steps(max_restarts)}
-run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain train "${{args[@]}}"
+run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
 {f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
 """  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 

@@ -5,7 +5,9 @@ Slurm's `--dependency=afterok` is not used: a requeued job's dependents wait on 
 coming back, and a dependency on a job that failed is never satisfied. Instead every stage is
 planned and checked at submit (all configs, all scripts), and the job whose training finished
 submits the next stage from its batch shell, after its last training step (`qgtrain next-stage`): a
-requeue, a retried step or a preemption never gets there, since only a finished run does. The
+requeue, a retried step or a preemption never gets there, since only a finished run does. A last
+stage whose file holds only an eval: section is an evaluation: `qgtrain eval` on every kept
+checkpoint of the stage before, with that stage's config and the file's tasks. The
 submission is claimed by creating `<first run dir>/stages/<n>.submitted` exclusively (O_EXCL) before
 sbatch, so it happens at most once whatever ran before; a stage that failed writes
 `<n>.not-submitted` with the reason instead. No torch here.
@@ -16,12 +18,15 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import subprocess
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from ..config import RunConfig
 from ..config.load import config_to_dict, dump_yaml, load_config, with_overrides
@@ -43,6 +48,7 @@ class Stage:
     index: int  # 1 for the first stage
     source: str  # what made it: the first stage's config, or its --then file
     cfg: RunConfig
+    evaluates: bool = False  # `qgtrain eval` on the stage before's run, not a training run
 
 
 def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
@@ -54,8 +60,10 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
         base = Path(tmp) / "first-stage.yaml"
         base.write_text(dump_yaml(first))
         for index, file in enumerate(files, start=2):
-            stages.append(Stage(index, str(file), _stage_config(first, base, file, index)))
-    names = [s.cfg.train.run_name for s in stages]
+            stage = Stage(index, str(file), _stage_config(first, base, file, index))
+            stages.append(_as_evaluation(stage, stages[-1], Path(tmp)) or stage)
+    _evaluation_last(stages)
+    names = [s.cfg.train.run_name for s in stages if not s.evaluates]
     if len(set(names)) != len(names):
         raise ConfigError(
             f"--then: two stages would share a run directory ({names}); give each "
@@ -64,6 +72,32 @@ def plan(first: RunConfig, files: list[Path]) -> list[Stage]:
     for before, stage in zip(stages, stages[1:]):
         _check_weights(before, stage)
     return stages
+
+
+def _as_evaluation(stage: Stage, before: Stage, tmp: Path) -> Stage | None:
+    """A stage whose file holds only an eval: section scores the stage before (its config, the
+    file's tasks) instead of training; None for any other."""
+    raw = yaml.safe_load(Path(stage.source).read_text())
+    if not isinstance(raw, dict) or set(raw) != {"eval"}:
+        return None
+    base = tmp / f"stage-{before.index}.yaml"
+    base.write_text(dump_yaml(before.cfg))
+    cfg = load_config([base, Path(stage.source)])
+    if not cfg.eval.tasks:
+        raise ConfigError(
+            f"--then {stage.source}: an evaluation stage (a file with only an eval: section) "
+            "needs eval.tasks to score"
+        )
+    return Stage(stage.index, stage.source, cfg, evaluates=True)
+
+
+def _evaluation_last(stages: list[Stage]) -> None:
+    for stage in stages[:-1]:
+        if stage.evaluates:
+            raise ConfigError(
+                f"--then {stage.source}: holds only an eval: section, which makes it an "
+                "evaluation stage, and an evaluation ends a chain; put it last"
+            )
 
 
 def _stage_config(first: RunConfig, base: Path, file: Path, index: int) -> RunConfig:
@@ -142,9 +176,16 @@ def submit_chain(
         config = folder / f"stage-{stage.index}.yaml"
         write_atomic(config, dump_yaml(cfg))
         after = epilogue(folder, stage.index, chain_id) if stage.index < len(stages) else ""
+        evaluated = shlex.quote(str(default_run_dir(stage.cfg).resolve()))
         write_atomic(
             folder / f"stage-{stage.index}.sbatch",
-            render(cfg.slurm, str(config), code=shell_lines(code) if code else None, after=after),
+            render(
+                cfg.slurm,
+                str(config),
+                code=shell_lines(code) if code else None,
+                after=after,
+                command=f"eval {evaluated} --all" if stage.evaluates else "train",
+            ),
         )
     record = {
         "id": chain_id,
@@ -156,6 +197,7 @@ def submit_chain(
                 "source": s.source,
                 "run_name": s.cfg.train.run_name,
                 "run_dir": str(default_run_dir(s.cfg).resolve()),
+                "evaluates": s.evaluates,
             }
             for s in stages
         ],
@@ -267,6 +309,10 @@ def describe(folder: Path) -> list[str]:
                 "job ended before sbatch answered): see squeue, or submit it by hand: cd "
                 f"{chain['submit_dir']} && sbatch {folder / f'stage-{index}.sbatch'}"
             )
+        elif submitted and stage.get("evaluates"):
+            results = RunDir(run).eval / "results.jsonl"
+            lines_in = len(results.read_text().splitlines()) if results.is_file() else 0
+            where = f"job {submitted.get('job_id')}: {lines_in} result(s) in {results}"
         elif submitted:
             state = rundir.read_status(run).get("status", "queued")
             where = f"job {submitted.get('job_id')}: {state}"

@@ -55,6 +55,12 @@ class Checkpoint:
             return float(score["value"]) * (-1.0 if score.get("mode") == "max" else 1.0)
         return None if "score" in self.manifest else self.val_loss
 
+    def metric(self, name: str) -> float | None:
+        """The value of a validation or downstream metric (val_loss, eval_qa_acc, ...) at this
+        checkpoint, where it ended a validation; none for one without."""
+        value = (self.manifest.get("metrics") or {}).get(name)
+        return float(value) if isinstance(value, (int, float)) else None
+
 
 def staging_dir(root: Path, step: int, run_id: str) -> Path:
     return root / layout.staging_folder(step, run_id)

@@ -9,6 +9,7 @@
     tb/                TensorBoard events
     checkpoints/       step-<N>/ folders (layout.py draws one)
     profiles/          torch.profiler traces of train.profile_steps
+    eval/              downstream tasks' samples (step-<N>.jsonl) and results.jsonl
     .lock              held by the rank 0 that is training in it
     slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
     code/              the code snapshot jobs run from (slurm.snapshot)
@@ -94,6 +95,10 @@ class RunDir:
     @property
     def trackers(self) -> Path:
         return self.path / "trackers.json"
+
+    @property
+    def eval(self) -> Path:
+        return self.path / "eval"
 
     @property
     def export(self) -> Path:

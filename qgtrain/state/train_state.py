@@ -34,6 +34,8 @@ class TrainState:
     # the latest validation: loss, ...
     val_metrics: dict[str, float | None] = field(default_factory=dict)
     test_metrics: dict[str, float | None] = field(default_factory=dict)  # set when the run ends
+    # the latest downstream tasks' figures, by their full names: eval_<task>_<metric>
+    eval_metrics: dict[str, float | None] = field(default_factory=dict)
     outcome: Outcome | None = None  # set by the step that ends the run (finished or stopped early)
     optimizer: str | None = None  # the optimizer's class, as module.Name
 
@@ -41,14 +43,28 @@ class TrainState:
 def manifest_facts(state: TrainState, evaluated: bool, metric: str, mode: str) -> dict[str, Any]:
     """What a checkpoint's manifest says of it: `qgtrain runs`, rotation and export --best read
     these."""
-    score = state.val_metrics.get(metric.removeprefix("val_")) if evaluated else None
+    score = metric_value(state, metric) if evaluated else None
     return {
         "epoch": state.epoch,
         "val_loss": state.val_metrics.get("loss") if evaluated else None,
         "tokens_seen": state.tokens_seen,
         "outcome": state.outcome.value if state.outcome else None,
         "score": None if score is None else {"metric": metric, "mode": mode, "value": score},
+        # every figure of the validation, for `export --best METRIC`
+        "metrics": {
+            **{f"val_{name}": value for name, value in state.val_metrics.items()},
+            **state.eval_metrics,
+        }
+        if evaluated
+        else None,
     }
+
+
+def metric_value(state: TrainState, metric: str) -> float | None:
+    """The latest value of early_stopping.metric: val_<name> or a downstream eval_<task>_<m>."""
+    if metric.startswith("eval_"):
+        return state.eval_metrics.get(metric)
+    return state.val_metrics.get(metric.removeprefix("val_"))
 
 
 class Progress:

@@ -118,6 +118,8 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
             fail(f"has {part}={type(value).__name__}, which cannot be called")
     # the config asks for what the task lacks: a config error, as either may change
     es = cfg.early_stopping
+    if es.metric.startswith("eval_"):  # eval.tasks' figures: checked against them by the config
+        return
     if task.val is None and (es.patience or es.metric != "val_loss"):
         raise ConfigError(
             f"early_stopping: the task of {spec} has no val dataset, but early "

@@ -103,16 +103,32 @@ class MetricsLog:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if (tb := self._tensorboard()) is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    tb.add_scalar(_tb_tag(key), value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def write_samples(self, step: int, task: str, samples: list[dict[str, Any]]) -> None:
+        """A generate task's sample outputs as TensorBoard text (rank 0's run folder keeps the
+        jsonl), one markdown block per prompt."""
+        if not self.is_main or (tb := self._tensorboard()) is None:
+            return
+        blocks = [
+            f"**{s['prompt']}** {s['output']}"
+            + (f" *(answer: {s['answer']})*" if s["answer"] is not None else "")
+            for s in samples
+        ]
+        tb.add_text(f"eval/{task}", "\n\n".join(blocks), step)
+
+    def _tensorboard(self) -> Any:
+        """The TensorBoard writer, opened at its first use (None: logging.tensorboard is off)."""
         if self._tb_dir is not None and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self._tb_dir[0]), purge_step=self._tb_dir[1])
-        if self._tb is not None:
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(_tb_tag(key), value, record["step"])
-        for tracker in self.trackers:
-            tracker.log(record)
+        return self._tb
 
     def close(self, finished: bool = False) -> None:
         for tracker in self.trackers:

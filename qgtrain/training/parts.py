@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import EarlyStoppingConfig, OptimConfig, RunConfig, TrainConfig
 from ..data.loaders import Loaders
+from ..evals.downstream import Downstream
 from ..foundation.task import ReadyTask
 from ..runtime.deadline import Deadline
 from ..runtime.signals import StopFlag
@@ -38,6 +39,7 @@ class LoopParts:
     deadline: Deadline  # rank 0's; the others follow its agreed decision
     profiler: StepProfiler
     strategy: Strategy
+    downstream: Downstream | None = None  # eval.tasks, scored beside every validation
 
 
 @dataclass(frozen=True)

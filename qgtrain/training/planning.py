@@ -124,7 +124,8 @@ class Planner:
         return self._validation_s() + test_s + save_s + export_s
 
     def _validation_s(self) -> float:
-        return self._batch_s() * self.cadence.validation_batches
+        """Its batches, and the downstream tasks beside it as they last took."""
+        return self._batch_s() * self.cadence.validation_batches + self.timer.downstream_s
 
     def _batch_s(self) -> float:
         """An evaluation batch as measured; before any, half a training step (a forward without

@@ -69,6 +69,7 @@ class Reporter:
             "step": state.step,
             "epoch": state.epoch,
             **prefixed("val", state.val_metrics),
+            **state.eval_metrics,
             **prefixed("test", state.test_metrics),
             "time": time.time(),
         }
@@ -77,7 +78,9 @@ class Reporter:
             "step %d/%d %s",
             state.step,
             self.max_steps,
-            format_metrics({k: v for k, v in record.items() if k.startswith(("val", "test"))}),
+            format_metrics(
+                {k: v for k, v in record.items() if k.startswith(("val", "eval", "test"))}
+            ),
         )
 
     def report(
@@ -121,8 +124,9 @@ class Reporter:
             **utilised,
         )
         self.metrics.warn_memory(self.env.rank, state.step, record)
+        evaluation = {**prefixed("val", state.val_metrics), **state.eval_metrics}
         if evaluated:
-            record.update(prefixed("val", state.val_metrics))
+            record.update(evaluation)
         if state.outcome:
             record.update(prefixed("test", state.test_metrics))
         self.metrics.write(record)
@@ -135,7 +139,7 @@ class Reporter:
             self.max_steps,
             state.epoch,
             record["loss"],
-            f" {format_metrics(prefixed('val', state.val_metrics))}" if evaluated else "",
+            f" {format_metrics(evaluation)}" if evaluated else "",
             lr,
             speed,
         )

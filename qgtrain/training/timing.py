@@ -30,6 +30,8 @@ class StepTimer:
         # per batch, from the last validation or test evaluation
         self.eval_batch_s: float | None = None
         self.test_s: float | None = None
+        # the downstream tasks' whole time, the last time they ran (eval.tasks)
+        self.downstream_s = 0.0
         self._reported_at = step
         self._busy_s = self._data_s = 0.0
         self._started = 0.0
@@ -63,6 +65,9 @@ class StepTimer:
 
     def saved(self, started: float) -> None:
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
+
+    def downstream_done(self, started: float) -> None:
+        self.downstream_s = time.perf_counter() - started
 
     def evaluated(self, started: float, batches: int, test: bool) -> None:
         took = time.perf_counter() - started

@@ -78,6 +78,7 @@ class Trainer:
             self.timer,
             weights=self.ema.in_use if settings.train.eval_ema else None,
             every=settings.train.eval_every,
+            downstream=parts.downstream,
         )
         self.agreement, self.health = Agreement(device), Health(device)
         self.spikes = Spikes(settings.train, parts.metrics, device)

@@ -14,11 +14,12 @@ from torch import nn
 
 from ..config import EarlyStoppingConfig
 from ..data.loaders import Loaders
+from ..evals.downstream import Downstream
 from ..foundation.errors import ConfigError
 from ..foundation.task import ReadyTask
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from ..state.train_state import TrainState
+from ..state.train_state import TrainState, metric_value
 from .evaluation import decide_early_stop, evaluate
 from .strategy import Strategy
 from .timing import StepTimer
@@ -43,10 +44,12 @@ class Validator:
         timer: StepTimer,
         weights: WeightsInUse | None = None,
         every: int = 0,
+        downstream: Downstream | None = None,
     ) -> None:
         """`weights`: what puts the weights to evaluate in the model and takes them out again (the
         EMA's, train.eval_ema); none: the training weights as they are. `every`: train.eval_every,
-        the steps between validations (0 = only the final one)."""
+        the steps between validations (0 = only the final one). `downstream`: eval.tasks, scored
+        at every validation."""
         self.model, self.wrapped, self.task, self.loaders, self.early_stopping = (
             model,
             wrapped,
@@ -62,6 +65,7 @@ class Validator:
             timer,
         )
         self.weights, self.every = weights or contextlib.nullcontext, every
+        self.downstream = downstream
         self.strategy = strategy
 
     def due(self, step: int) -> bool:
@@ -74,21 +78,33 @@ class Validator:
         rank)."""
         es = self.early_stopping
         state.val_metrics = self._evaluate(self.loaders.val, self.eval_batches)
+        state.eval_metrics = self._downstream(state.step)
         name = es.metric.removeprefix("val_")
-        if self.loaders.val is not None and name not in state.val_metrics:
+        watched = es.metric.startswith("val_")
+        if watched and self.loaders.val is not None and name not in state.val_metrics:
             raise ConfigError(
                 f"early_stopping.metric: {es.metric} is not reported by the task (it reports "
                 f"{', '.join('val_' + n for n in state.val_metrics)}); name one of those"
             )
         decision = (
             decide_early_stop(
-                es, state.val_metrics.get(name), state.best_metric, state.evals_since_best
+                es, metric_value(state, es.metric), state.best_metric, state.evals_since_best
             )
             if self.env.is_main
             else None
         )
         state.best_metric, state.evals_since_best, stop = distributed.broadcast_from_main(decision)
         return bool(stop)
+
+    def _downstream(self, step: int) -> dict[str, float | None]:
+        if self.downstream is None:
+            return {}
+        started = time.perf_counter()
+        self.strategy.agree_before_evaluation(self.model, self.wrapped)
+        with self.weights():
+            metrics = self.downstream.evaluate(step)
+        self.timer.downstream_done(started)
+        return metrics
 
     def test(self, state: TrainState) -> None:
         state.test_metrics = self._evaluate(self.loaders.test, 0, test=True)

@@ -20,7 +20,7 @@ from ...training.metrics import read_metrics
 log = logging.getLogger("qgtrain")
 
 
-def select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint:
+def select(source: Path, best: bool | str, step: int | None) -> checkpoint.Checkpoint:
     """The checkpoint to export: the first of the candidates that verifies, newest first."""
     candidates = _candidates(source, best, step)
     for ckpt in candidates:
@@ -38,7 +38,7 @@ def select(source: Path, best: bool, step: int | None) -> checkpoint.Checkpoint:
     raise CheckpointError(f"export: no checkpoint in {source} verifies (see the warnings above)")
 
 
-def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.Checkpoint]:
+def _candidates(source: Path, best: bool | str, step: int | None) -> list[checkpoint.Checkpoint]:
     if not source.exists():
         raise QgtrainError(
             f"export: {source} does not exist; give a run directory or a checkpoint folder"
@@ -65,12 +65,29 @@ def _candidates(source: Path, best: bool, step: int | None) -> list[checkpoint.C
             raise QgtrainError(
                 f"export: no checkpoint at step {step} in {root}; there are: {steps}"
             )
+    elif isinstance(best, str) and best:
+        committed = [_best_by(committed, best, root)]
     elif best:
         scored = [c for c in committed if c.score is not None]
         if not scored:
             raise QgtrainError(f"export --best: no checkpoint in {root} records a validation score")
         committed = [min(scored, key=lambda c: (c.score, -c.step))]
     return list(reversed(committed))
+
+
+def _best_by(
+    committed: list[checkpoint.Checkpoint], metric: str, root: Path
+) -> checkpoint.Checkpoint:
+    """The best checkpoint by `metric`, the latest among equals: lowest for a loss or perplexity,
+    highest for anything else (accuracy, exact match)."""
+    scored = [c for c in committed if c.metric(metric) is not None]
+    if not scored:
+        raise QgtrainError(
+            f"export --best {metric}: no checkpoint in {root} records it (checkpoints record "
+            "the figures of the validation they ended: val_loss, val_<name>, eval_<task>_<metric>)"
+        )
+    sign = 1.0 if metric.endswith(("loss", "ppl")) else -1.0
+    return min(scored, key=lambda c: (sign * (c.metric(metric) or 0.0), -c.step))
 
 
 def check_weights(ckpt: checkpoint.Checkpoint, weights: str) -> None:

@@ -56,7 +56,7 @@ def export_run(
     source: Path,
     out: Path,
     *,
-    best: bool = False,
+    best: bool | str = False,
     step: int | None = None,
     force: bool = False,
     dtype: str | None = None,
@@ -130,7 +130,7 @@ def _reported(done: Exported) -> Exported:
 def _opened(
     source: Path,
     out: Path,
-    best: bool,
+    best: bool | str,
     step: int | None,
     force: bool,
     dtype: str | None,
@@ -145,7 +145,7 @@ def _opened(
     if (refused := target.refusal(out, force)) is not None:
         raise QgtrainError(refused)
     saved = origin.yaml_config(ckpt)
-    _require_trusted(saved, source, ckpt.path / layout.CONFIG, trust_code)
+    require_trusted(saved, source, ckpt.path / layout.CONFIG, trust_code)
     return ckpt, saved, export_dtype(dtype or saved.export.dtype, origin.trained_precision(ckpt))
 
 
@@ -256,7 +256,9 @@ def _export_adapter(
     return Exported(out, ckpt.path, diff, kind, "fp32" if not merge else chosen)
 
 
-def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: bool) -> None:
+def require_trusted(
+    saved: RunConfig, source: Path, config: Path, trust_code: bool, what: str = "export"
+) -> None:
     """The code the config names is imported if built in, if the run is yours, or if trusted."""
     named = config_code(saved)
     if trust_code or all(n.builtin() for n in named):
@@ -267,7 +269,7 @@ def _require_trusted(saved: RunConfig, source: Path, config: Path, trust_code: b
             named,
             config,
             why_not=why_not,
-            what="export",
+            what=what,
             fix="--trust-code (trust_code=True in Python)",
         )
 

@@ -24,9 +24,9 @@ from torch import nn
 
 META = "qgtrain_model.json"
 # Where the run was trained, not what was trained: tracker servers and projects, the runs folder
-# (logging), the Slurm account, partition, setup lines and images (slurm), and the export's own
-# folder (export).
-PRIVATE_SECTIONS = ("logging", "slurm", "export")
+# (logging), the Slurm account, partition, setup lines and images (slurm), the export's own folder
+# (export), and the paths of the downstream tasks' files (eval).
+PRIVATE_SECTIONS = ("logging", "slurm", "export", "eval")
 SHARD_SIZE = "2GB"
 ONE_FILE = 2**62
 FORMAT = 1

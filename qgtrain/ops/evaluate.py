@@ -1,0 +1,269 @@
+"""`qgtrain eval`: eval.tasks on a finished run's checkpoints, or on an export.
+
+On 1 or N ranks (torchrun, srun: the same rendezvous as `train`), each rank holding the whole model
+and scoring its share of the items (evals/downstream.py). A checkpoint's model is rebuilt as export
+rebuilds it and its weights read from the checkpoint of either kind (rank 0's files or DCP shards),
+the EMA's under train.eval_ema, as the loop would have scored it. Results go to
+<run>/eval/results.jsonl, one line per checkpoint and task, written by rank 0 as each task ends: a
+killed `--all` started again skips every (step, task) already there, so each is scored once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..config.load import config_files, load_config
+from ..data import tokenizer
+from ..evals.downstream import Downstream, downstream_for
+from ..foundation.errors import QgtrainError
+from ..foundation.files import open_append
+from ..runtime import distributed, log, precision
+from ..runtime.rendezvous import DistEnv
+from ..state import checkpoint, layout
+from ..state.rundir import RunDir
+from ..training.strategy import Strategy
+from .export import ema, origin, rebuild, safetensors_io
+from .export.pipeline import require_trusted
+from .export.writer import META
+from .load_model import load_model
+
+logger = logging.getLogger("qgtrain")
+
+
+def evaluate(
+    source: Path,
+    env: DistEnv,
+    configs: list[Path],
+    sets: list[str],
+    step: int | None = None,
+    every: bool = False,
+    trust_code: bool = False,
+) -> list[dict[str, Any]]:
+    """Score eval.tasks on `source` (a run directory's latest checkpoint, step N, or each kept one
+    with `every`; or an export folder); the result lines, the new and those already kept. The
+    code a run's config names is imported only as export imports it (built in, yours, or
+    `trust_code`)."""
+    export = (source / META).is_file()
+    cfg = _config(source, export, configs, sets)
+    if not export:
+        require_trusted(cfg, source, RunDir(source).config, trust_code, what="eval")
+    if not cfg.eval.tasks:
+        raise QgtrainError(
+            f"eval: no eval.tasks to score on {source}; name them in a --config file (see "
+            "jobs/eval.yaml) or with --set eval.tasks=[...]"
+        )
+    log.setup_console(env, cfg.logging.level)
+    device = distributed.pick_device(env, cfg.train.device)
+    try:
+        with distributed.process_group(
+            env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s
+        ):
+            if export:
+                return _evaluate_export(source, cfg, env, device, trust_code)
+            return _evaluate_checkpoints(source, cfg, env, device, _chosen(source, step, every))
+    finally:
+        log.close()
+
+
+def evaluate_harness(
+    folder: Path, tasks: list[str], include_path: Path | None, batch_size: int
+) -> list[dict[str, Any]]:
+    """lm-evaluation-harness's `tasks` on an export folder, one process; its lines appended to the
+    folder's eval/results.jsonl beside qgtrain's own."""
+    from .harness import harness_results
+
+    if not (folder / META).is_file():
+        raise QgtrainError(
+            f"eval --harness: {folder} is not an export folder (no {META}); export the run first "
+            "(qgtrain export RUN --out FOLDER; a LoRA run with --merge)"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = harness_results(folder, tasks, include_path, batch_size, device)
+    with _appending(folder / "eval" / "results.jsonl") as out:
+        out.write("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
+
+
+def _config(source: Path, export: bool, configs: list[Path], sets: list[str]) -> RunConfig:
+    """The run's own config (an export's: the built-in defaults), the given files and --set on top.
+    The tasks' files are the caller's: read relative to the working directory."""
+    given = config_files(configs) if configs else []
+    if export:
+        return load_config(given, sets)
+    saved = RunDir(source).config
+    if not saved.is_file():
+        raise QgtrainError(
+            f"eval: {source} is neither a run directory (no {layout.CONFIG}) nor an export "
+            f"folder (no {META})"
+        )
+    return load_config([saved, *given], sets)
+
+
+def _chosen(source: Path, step: int | None, every: bool) -> list[checkpoint.Checkpoint]:
+    committed = checkpoint.list_committed(RunDir(source).checkpoints)
+    if not committed:
+        raise QgtrainError(f"eval: {source} holds no committed checkpoint")
+    if step is not None:
+        chosen = [c for c in committed if c.step == step]
+        if not chosen:
+            steps = ", ".join(str(c.step) for c in committed)
+            raise QgtrainError(
+                f"eval: no checkpoint at step {step} in {source}; there are: {steps}"
+            )
+        return chosen
+    return committed if every else committed[-1:]
+
+
+def _evaluate_checkpoints(
+    source: Path,
+    cfg: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    chosen: list[checkpoint.Checkpoint],
+) -> list[dict[str, Any]]:
+    if cfg.model.adapter != "none":
+        raise QgtrainError(
+            f"eval: {source} trained adapters (model.adapter: {cfg.model.adapter}); export it "
+            "merged (qgtrain export RUN --merge --out FOLDER) and evaluate the folder"
+        )
+    results = RunDir(source).eval / "results.jsonl"
+    kept = _kept(results)
+    names = [task["name"] for task in cfg.eval.tasks]
+    for ckpt in chosen:
+        done = {(row["step"], row["task"]) for row in kept}
+        left = [name for name in names if (ckpt.step, name) not in done]
+        if not left:
+            logger.info("eval: step %d already scored on every task", ckpt.step)
+            continue
+        problem = checkpoint.verify(ckpt)
+        if problem is not None:
+            raise QgtrainError(f"eval: {problem}")
+        model, facts = _checkpoint_model(ckpt, cfg)
+        downstream = _downstream(cfg, model, facts, env, device, RunDir(source).eval)
+        kept += _score(downstream, ckpt.step, left, results, {"checkpoint": ckpt.path.name}, env)
+    return kept
+
+
+def _checkpoint_model(
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The checkpoint's model on the CPU in fp32 with its weights (the EMA's under
+    train.eval_ema), rebuilt as export rebuilds it; and its task's facts."""
+    facts = origin.model_facts(ckpt)
+    model = rebuild.rebuild_lm(ckpt.path, cfg, facts)
+    wanted = safetensors_io.tensors_to_write(model)
+    read = safetensors_io.checkpoint_reader(ckpt)
+    if cfg.train.eval_ema:
+        origin.check_weights(ckpt, "ema")
+        read = ema.averaged(ckpt, model, read)
+    model.load_state_dict(read(wanted), strict=False)  # tied partners are filled through theirs
+    return model, facts
+
+
+def _evaluate_export(
+    folder: Path, cfg: RunConfig, env: DistEnv, device: torch.device, trust_code: bool
+) -> list[dict[str, Any]]:
+    meta = json.loads((folder / META).read_text())
+    if not (folder / "tokenizer.json").is_file():
+        raise QgtrainError(f"eval: {folder} holds no tokenizer.json to write the tasks' text with")
+    model = load_model(folder, trust_code=trust_code)
+    facts = {
+        **meta.get("model_facts", {}),
+        "tokenizer": str(folder),
+        "eos_id": tokenizer.describe(str(folder)).eos_id,
+    }
+    downstream = _downstream(cfg, model, facts, env, device, folder / "eval")
+    results = folder / "eval" / "results.jsonl"
+    names = [task["name"] for task in cfg.eval.tasks]
+    return _score(downstream, None, names, results, {"export": str(folder)}, env)
+
+
+def _downstream(
+    cfg: RunConfig,
+    model: nn.Module,
+    facts: dict[str, Any],
+    env: DistEnv,
+    device: torch.device,
+    samples_dir: Path,
+) -> Downstream:
+    resolved = precision.resolve(cfg.train.precision, device)
+    whole = Strategy(cfg.train, env, device)  # every rank holds the whole model: no lockstep
+    found = downstream_for(cfg, model.to(device), facts, whole, resolved, samples_dir)
+    if found is None:
+        raise AssertionError("eval.tasks was checked to be set")
+    return found
+
+
+def _score(
+    downstream: Downstream,
+    step: int | None,
+    names: list[str],
+    results: Path,
+    where: dict[str, Any],
+    env: DistEnv,
+) -> list[dict[str, Any]]:
+    """Each task in turn, its line appended (and flushed) by rank 0 as soon as it is scored."""
+    lines = []
+    for name in names:
+        started = time.perf_counter()
+        metrics = downstream.evaluate(step or 0, only={name})
+        took = round(time.perf_counter() - started, 3)
+        line = {"step": step, **where, "task": name, **metrics, "seconds": took}
+        lines.append(line)
+        if env.is_main:
+            with _appending(results) as out:
+                out.write(json.dumps(line) + "\n")
+            logger.info("eval %s step %s: %s", name, step, _figures(metrics))
+    return lines
+
+
+@contextlib.contextmanager
+def _appending(results: Path) -> Iterator[Any]:
+    results.parent.mkdir(mode=0o700, exist_ok=True)
+    torn = results.is_file() and not results.read_bytes().endswith(b"\n") and results.stat().st_size
+    with open_append(results) as out:
+        if torn:  # a line cut by a kill: the next one starts on its own
+            out.write("\n")
+        yield out
+        out.flush()
+
+
+def _kept(results: Path) -> list[dict[str, Any]]:
+    """The lines a run's results file holds (a line torn by a kill is dropped)."""
+    if not results.is_file():
+        return []
+    kept = []
+    for line in results.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict) and "task" in row and "step" in row:
+                kept.append(row)
+    return kept
+
+
+def _figures(metrics: dict[str, float | None]) -> str:
+    return " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items())
+
+
+def table(lines: list[dict[str, Any]]) -> str:
+    """The results as the console shows them: one row per checkpoint and task."""
+    rows = [("step", "task", "metrics")] + [
+        (
+            str(line.get("step", "-")),
+            line["task"],
+            _figures({k: v for k, v in line.items() if k.startswith("eval_")}),
+        )
+        for line in lines
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows)
