@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qgtrain"
@@ -263,3 +264,47 @@ def test_the_package_type_checks_strictly():
         [sys.executable, "-m", "mypy"], cwd=PACKAGE.parent, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+def _docstring_lines(tree: ast.Module, lines: list[str]) -> Iterator[list[tuple[int, str]]]:
+    """Each docstring of a module as its numbered source lines."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str) and first.end_lineno:
+                    span = range(first.lineno, first.end_lineno + 1)
+                    yield [(n, lines[n - 1]) for n in span]
+
+
+def _orphaned_tail(before: str, line: str) -> bool:
+    """A paragraph's last line of a word or two that fits on the line before it."""
+    text = line.strip()
+    indent = len(line) - len(line.lstrip())
+    return (
+        bool(before.strip())
+        and not before.rstrip().endswith('"""')
+        and indent == len(before) - len(before.lstrip())
+        and not text.startswith(('"""', "|", "-", "*", ">>>"))
+        and 1 <= len(text.replace('"""', "").split()) <= 2
+        and len(before.rstrip()) + 1 + len(text) <= 100
+    )
+
+
+def test_docstrings_keep_their_layout():
+    """What a reformat must not do to a docstring, checked line by line (text compared with its
+    whitespace collapsed cannot see layout): a table keeps one width, row by row, and no paragraph
+    ends in a word or two that fit on the line before (a wrapped line's orphaned tail)."""
+    problems = []
+    for path in MODULES:
+        lines = path.read_text().splitlines()
+        for doc in _docstring_lines(ast.parse("\n".join(lines)), lines):
+            rows = [(n, line.count("|")) for n, line in doc if line.strip().startswith("|")]
+            for (n, cells), (previous, width) in zip(rows[1:], rows):
+                if n == previous + 1 and cells != width:
+                    problems.append(f"{dotted(path)}:{n}: a table row of another width")
+            for (_, before), (n, line) in zip(doc, doc[1:]):
+                ends = line.rstrip().endswith('"""') or n == len(lines) or not lines[n].strip()
+                if ends and _orphaned_tail(before, line):
+                    problems.append(f"{dotted(path)}:{n}: {line.strip()!r} fits on the line before")
+    assert not problems, problems

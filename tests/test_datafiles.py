@@ -24,7 +24,15 @@ import torch
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
 from qgtrain.foundation.errors import ConfigError, QgtrainError
-from tests.helpers import checkpoint_state, cli, data, documents, records, wait_for, write_jsonl
+from tests.helpers import (
+    assert_resumed_equals,
+    cli,
+    data,
+    documents,
+    records,
+    wait_for,
+    write_jsonl,
+)
 from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
 
 
@@ -486,15 +494,7 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     assert wait_ranks(
         start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300
     ) == [0, 0]
-    context = f"(seed {seed}: killed at step {kill_at})"
-    expected, got = records(reference), records(run)
-    assert [r["step"] for r in got] == list(range(1, 25)), context
-    assert [(r["loss"], r.get("val_loss")) for r in got] == [
-        (r["loss"], r.get("val_loss")) for r in expected
-    ], context
-    step = reference / "checkpoints" / "step-24", run / "checkpoints" / "step-24"
-    want, have = checkpoint_state(step[0]), checkpoint_state(step[1])
-    assert all(torch.equal(tensor, have[name]) for name, tensor in want.items()), context
+    assert_resumed_equals(reference, run, f"(seed {seed}: killed at step {kill_at})", 24)
 
 
 @pytest.mark.slow

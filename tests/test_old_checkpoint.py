@@ -18,6 +18,7 @@ from tests.helpers import rank_log, records
 from tests.ranks import start_cli_ranks, wait_ranks
 
 OLD = Path(__file__).parent / "data" / "checkpoint-26ab7a7"
+OLD_FSDP = Path(__file__).parent / "data" / "checkpoint-e69861d-fsdp"
 # The settings the old run was made with (README.md there), minus its run directory
 SETS = [
     "train.max_steps=8",
@@ -64,6 +65,18 @@ def digest(folder: Path) -> str:
     return h.hexdigest()
 
 
+def sharded_digest(folder: Path) -> str:
+    """Of a sharded checkpoint's weights and optimizer state, every bit, read whole from its DCP
+    shards (a fixture of our own: DCP's reader is trusted here)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = folder.parent / f"{folder.name}-whole.pt"
+    dcp_to_torch_save(folder / "sharded", whole)
+    h = hashlib.sha256()
+    _feed(h, torch.load(whole, weights_only=True))
+    return h.hexdigest()
+
+
 def rng_digest(folder: Path, rank: int) -> str:
     """Of a rank's saved random streams."""
     h = hashlib.sha256()
@@ -101,3 +114,28 @@ def test_a_checkpoint_written_by_26ab7a7_resumes_bit_for_bit_from_a_copy(tmp_pat
     assert digest(step_8) == old["weights_and_optimizer_sha256"]
     assert [rng_digest(step_8, rank) for rank in (0, 1)] == old["rng_sha256"]
     assert {f.name: f.stat().st_size for f in step_8.glob("*.pt")} == old["sizes"]
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_written_by_e69861d_resumes_bit_for_bit(tmp_path):
+    """The sharded checkpoint of e69861d's fsdp run (before the strategy object) resumed at step 4
+    on today's code: steps 5 to 8 and the final sharded checkpoint equal e69861d's uninterrupted
+    run's, bit for bit."""
+    reference = json.loads((OLD_FSDP / "reference.json").read_text())
+    run = tmp_path / "run"
+    shutil.copytree(OLD_FSDP / "run", run)
+    args = ["train", "--set", *SETS, "train.parallel=fsdp", "--run-dir", str(run)]
+    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 300) == [0, 0], (
+        tmp_path / "rank-0.out"
+    ).read_text()[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4, epoch 0" in rank_log(run, 0)
+    logged = {r["step"]: r for r in records(run) if "loss" in r}
+    assert {
+        str(step): {key: logged[step][key] for key in ("loss", "lr", "grad_norm")}
+        for step in range(5, 9)
+    } == reference["steps"]
+    final = [r for r in records(run) if "test_loss" in r][-1]
+    assert final["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-7)
+    assert final["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-7)
+    step_8 = reference["step_8"]["weights_and_optimizer_sha256"]
+    assert sharded_digest(run / "checkpoints" / "step-8") == step_8

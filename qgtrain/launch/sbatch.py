@@ -272,8 +272,7 @@ def submit(script: Path, run: Runner = subprocess.run) -> str:
 
 
 def code_of(script: Path) -> str | None:
-    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit`
-    prints)."""
+    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit` prints)."""
     try:
         match = re.search(
             r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(), re.MULTILINE

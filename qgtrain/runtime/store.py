@@ -64,8 +64,7 @@ def _master_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
 
 def exchange(store: Any, name: str, mine: str, env: DistEnv) -> list[str]:
     """Every rank's string for `name`, in rank order: each sets its own key and reads the others'
-    (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not
-    guard.
+    (waiting up to the store's timeout). Strings, never pickles: store.py binds, but does not guard.
 
     Rank 0 hosts the store, so it returns only once every rank has read: a rank 0 that went on to
     fail (a refusal every rank reaches from the same strings) would otherwise take the store down
