@@ -1,10 +1,12 @@
 """The loop a user would write by hand (nanoGPT-style), the baseline qgtrain is measured against.
 
-Launched once per rank with torchrun's variables. Same model (GPT-2 from a transformers config),
-same token file, batch, sequence length, seed, AdamW, learning-rate schedule (nanoGPT's warmup then
-cosine, with config.yaml's values), clipping and backend as qgtrain's job; on a GPU, the same bf16
-or fp16 autocast (GradScaler for fp16), fused AdamW and optional torch.compile. Prints one JSON line
-per logged step with the wall-clock time. Usage: see bench/train_speed.py.
+Launched once per rank with torchrun's variables. Same model (GPT-2 from a transformers config,
+built as qgtrain builds a new run's: the tanh GELU, SDPA, the byte vocabulary padded to 320 rows and
+the loss over its 257 real ones), same token file, batch, sequence length, seed, AdamW,
+learning-rate schedule (nanoGPT's warmup then cosine, with config.yaml's values), clipping and
+backend as qgtrain's job; on a GPU, the same bf16 or fp16 autocast (GradScaler for fp16), fused
+AdamW and optional torch.compile. Prints one JSON line per logged step with the wall-clock time.
+Usage: see bench/train_speed.py.
 """
 
 import argparse
@@ -26,6 +28,7 @@ STARTED = {"imports": time.time()}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LR, MIN_LR, WARMUP = 2e-3, 2e-4, 50
+VOCAB, PADDED_VOCAB = 257, 320
 
 
 def get_lr(it: int, max_steps: int) -> float:
@@ -67,7 +70,8 @@ def main() -> None:
     torch.manual_seed(1337)
     config = AutoConfig.for_model(
         "gpt2",
-        vocab_size=257,
+        vocab_size=PADDED_VOCAB,
+        activation_function="gelu_pytorch_tanh",
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
@@ -79,7 +83,7 @@ def main() -> None:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = AutoModelForCausalLM.from_config(config).to(device)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     STARTED["task"] = time.time()
     ddp = DDP(
         torch.compile(model) if args.compile else model, device_ids=[local_rank] if cuda else None
@@ -113,7 +117,8 @@ def main() -> None:
         x = x.pin_memory().to(device, non_blocking=True) if cuda else x
         with autocast:
             logits = ddp(input_ids=x).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+            real = logits[:, :-1, :VOCAB].flatten(0, 1)
+            loss = F.cross_entropy(real.float(), x[:, 1:].flatten())
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

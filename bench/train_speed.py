@@ -8,8 +8,11 @@ off so the same work is timed, and it writes TensorBoard events as config.yaml's
 default is the main job's model (config.yaml: 4 layers, 128 wide) on 2 gloo ranks on the CPU;
 `--preset gpt2-124m --device cuda --world 1` is GPT-2 124M's shape (12 layers, 768 wide, 1024
 tokens) in bf16 with fused AdamW on one GPU (NCCL), where model FLOPs utilisation is reported too.
-Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m] [--device
-       cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile] [--peak-tflops 989]
+qgtrain runs with its own model.compile default (auto: compiled on CUDA, eager on the CPU) unless
+--compile says otherwise, and the hand-written loop is compiled when qgtrain is: compared the same
+way. Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m]
+       [--device cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile [auto|true|false]]
+       [--peak-tflops 989]
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
             f"train.batch_size={shape['batch']}",
             f"train.device={args.device}",
             f"train.precision={args.precision}",
-            f"model.compile={str(args.compile).lower()}",
+            *([] if args.compile == "auto" else [f"model.compile={args.compile}"]),
             *args.set,
         ],
         work,
@@ -145,7 +148,7 @@ def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[
             *[f"--{key}={value}" for key, value in shape.items()],
             f"--device={args.device}",
             f"--precision={args.precision}",
-            *(["--compile"] if args.compile else []),
+            *(["--compile"] if compiles(args) else []),
         ],
         work,
         args.world,
@@ -154,6 +157,12 @@ def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[
     return measure(
         [json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps
     )
+
+
+def compiles(args: argparse.Namespace) -> bool:
+    """Whether qgtrain compiles the model under --compile (training/compiling.py's plan for one
+    GPU or the CPU), so the hand-written loop is run the same way."""
+    return args.compile == "true" or (args.compile == "auto" and args.device == "cuda")
 
 
 def flops_per_token(shape: dict[str, int]) -> float:
@@ -172,7 +181,13 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (processes) on this machine")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the model on both sides"
+        "--compile",
+        nargs="?",
+        const="true",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="qgtrain's model.compile (bare: true; left out: its default, auto), the hand-written "
+        "loop compiled alike",
     )
     parser.add_argument(
         "--peak-tflops",
@@ -215,7 +230,8 @@ def main() -> None:
     tokens_per_step = shape["batch"] * shape["seq"] * args.world
     print(
         f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, "
-        f"compile={args.compile}, median of {args.rounds} alternated rounds"
+        f"compile={args.compile} ({'compiled' if compiles(args) else 'eager'}), median of "
+        f"{args.rounds} alternated rounds"
     )
     print(
         f"steps/s: qgtrain {q['steps_per_s']:.3f}, hand-written {h['steps_per_s']:.3f}, ratio "

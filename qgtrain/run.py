@@ -35,6 +35,7 @@ from .state.lifecycle import Lifecycle
 from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
+from .tasks import warm_imports
 from .tasks.build import TaskSource, build_task, naming_the_task
 from .training import trackers
 from .training.metrics import MetricsLog
@@ -84,6 +85,7 @@ def train(
         cpu.set_cpu_threads(env, cfg.train.cpu_threads)
         cpu.keep_freed_memory()
     cfg = naming_the_task(with_pretrained_tokenizer(cfg), task)
+    warm_imports.start(cfg)  # transformers, while the group forms (the task build joins it)
     try:
         # The stop handlers stay until after the requeue: `scontrol requeue` SIGTERMs this job's own
         # tasks.
@@ -132,7 +134,12 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     # an adapter run's checkpoint holds no base: it is built (or read) again as at the start
     holds_all = ckpt is not None and cfg.model.adapter == "none"
     strategy = strategy_for(cfg.train, env, ctx.device)  # how the ranks hold the model
-    task = build_task(cfg, ctx.task, empty=strategy.builds_empty(holds_all))
+    task = build_task(
+        cfg,
+        ctx.task,
+        empty=strategy.builds_empty(holds_all),
+        resumed_from=ckpt.path if ckpt else None,  # the model the run began with
+    )
     # adapters and the other transforms, drawn with the same seed on every rank
     task = dataclasses.replace(task, model=transformed(task.model, cfg, strategy))
     # dropout differs per rank, reproducibly

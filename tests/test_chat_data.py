@@ -521,10 +521,10 @@ def test_streamed_chat_learns_the_answers_resumes_bit_for_bit_and_refuses_a_bad_
         tmp_path / "ref-0.out"
     ).read_text()[-3000:]
     losses = [r["loss"] for r in records(reference) if "loss" in r]
-    # at optim.lr 0.01 one step may spike (where depends on the draw of the weights): learnt is
-    # a loss well below the start among the last three
-    assert min(losses[-3:]) < 0.9 * np.mean(losses[:2]), losses
-    assert records(reference)[-1]["val_loss"] is not None
+    # at optim.lr 0.01 a training step may spike (where depends on the draw of the weights):
+    # learnt is the held-out loss at the end well below the first steps'
+    final_val = records(reference)[-1]["val_loss"]
+    assert final_val is not None and final_val < 0.9 * np.mean(losses[:2]), (final_val, losses)
     seed = int(time.time())
     kill_at = random.Random(seed).randrange(4, 11)
     args = stream_args(tmp_path, run, STREAM_STEPS)

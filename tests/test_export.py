@@ -52,6 +52,7 @@ def trained(tmp_path_factory) -> Path:
 
 
 def checkpoint_logits(ckpt_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The checkpoint model's logits on the real vocabulary (its embedding is padded: lm_shape)."""
     import transformers
 
     hf = json.loads((ckpt_dir / "hf_config.json").read_text())
@@ -59,7 +60,8 @@ def checkpoint_logits(ckpt_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     )
     model.load_state_dict(torch.load(ckpt_dir / "model.pt", weights_only=True))
-    return model.eval()(input_ids=tokens).logits
+    vocab = json.loads((ckpt_dir / "model.json").read_text())["vocab_size"]
+    return model.eval()(input_ids=tokens).logits[..., :vocab]
 
 
 def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained, tmp_path):
@@ -77,6 +79,7 @@ def test_the_export_reloads_with_transformers_and_matches_the_checkpoint(trained
     } <= names
     tokens = torch.tensor([list(b"def main():\n    return 0")])
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.config.vocab_size == 257  # the tokenizer's: exported unpadded
     with torch.no_grad():
         diff = (
             (reloaded(input_ids=tokens).logits - checkpoint_logits(done.checkpoint, tokens))

@@ -25,6 +25,7 @@ from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
 from ..foundation.task import ReadyTask, Task
 from ..runtime import distributed
+from . import lm_shape, warm_imports
 from .empty_weights import building_empty, to_meta
 
 logger = logging.getLogger("qgtrain")
@@ -32,11 +33,17 @@ TaskSource = Task | Callable[[RunConfig], Task]
 
 
 def build_task(
-    cfg: RunConfig, given: TaskSource | None = None, *, empty: bool = False
+    cfg: RunConfig,
+    given: TaskSource | None = None,
+    *,
+    empty: bool = False,
+    resumed_from: Path | None = None,
 ) -> ReadyTask:
     """The task of `cfg.task.factory` (or the Task or task function given in Python), checked, with
     its defaults filled in. `empty`: its model's parameters on the meta device
-    (empty_weights.py)."""
+    (empty_weights.py). `resumed_from`: the checkpoint a run resumes, whose model facts build the
+    built-in model as the run began (lm_shape.py)."""
+    warm_imports.wait()
     if given is None:
         spec = cfg.task.factory
         factory = load_factory(spec, "task.factory")
@@ -47,7 +54,9 @@ def build_task(
             else getattr(given, "__qualname__", repr(given))
         )
         factory = (lambda _: given) if isinstance(given, Task) else given
-    made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg), cfg)
+    resumed = lm_shape.saved_facts(resumed_from) if resumed_from else None
+    with lm_shape.resuming(resumed):
+        made = _fail_together(lambda: _call_empty(factory, cfg) if empty else factory(cfg), cfg)
     if not isinstance(made, Task):
         raise TaskError(
             f"task.factory: {spec} returned {type(made).__name__}, not a "

@@ -23,7 +23,7 @@ from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
 from ..foundation.task import Task
 from ..runtime import distributed
-from . import mixture
+from . import lm_shape, mixture
 from .models import build_model, lm_loss
 
 
@@ -62,7 +62,8 @@ def causal_lm(cfg: RunConfig) -> Task:
     if not cfg.data.mix:
         splits = build_splits(cfg.data, prepared, cfg.train.seed)
     eos_id = _eos_id(cfg.data, prepared)
-    model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id)
+    shape = lm_shape.for_run(cfg.model)  # a resumed run's model as it began
+    model = build_model(cfg.model, splits.vocab_size, cfg.data.seq_len, eos_id, shape)
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     if embeddings is not None and embeddings.num_embeddings < splits.vocab_size:
         raise ConfigError(
@@ -82,6 +83,7 @@ def causal_lm(cfg: RunConfig) -> Task:
         "eos_id": eos_id,
         "tokenizer": tokenizer_spec,
         "data": str(prepared.folder) if prepared else None,
+        **lm_shape.facts_of(model),
     }
     return Task(
         model=model,

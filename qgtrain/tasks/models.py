@@ -2,7 +2,8 @@
 user factory.
 
 Whatever the source, a model maps input_ids (batch, seq) to logits (batch, seq, vocab) and the loss
-is computed here, so user factories need no Hugging Face conventions.
+is computed here, so user factories need no Hugging Face conventions. A model built from a config
+is built the fast way its shape allows (lm_shape.py), as its run's model facts say.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
+from . import lm_shape
+from .lm_shape import LMShape
 from .pretrained import load_pretrained
 
 _DROPOUT_FIELDS = (
@@ -31,8 +34,17 @@ _DROPOUT_FIELDS = (
 )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | None) -> nn.Module:
-    """Build the configured model on the CPU, in fp32, with weights from the current torch RNG."""
+def build_model(
+    cfg: ModelConfig,
+    vocab_size: int,
+    seq_len: int,
+    eos_id: int | None,
+    shape: LMShape = lm_shape.NEW,
+) -> nn.Module:
+    """Build the configured model on the CPU, in fp32, with weights from the current torch RNG:
+    drawn on the CPU whatever device trains it, so a seed gives the same weights on any device.
+    `shape` says how a model built from a config is built (a resumed run's: lm_shape.from_facts);
+    a pretrained folder and a factory's model are built as they are."""
     if cfg.factory:
         model = load_factory(cfg.factory, "model.factory")(vocab_size=vocab_size, seq_len=seq_len)
         if not isinstance(model, nn.Module):
@@ -48,7 +60,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
     try:
         config = transformers.AutoConfig.for_model(
             cfg.arch,
-            vocab_size=vocab_size,
+            vocab_size=shape.rows(vocab_size),
             hidden_size=cfg.hidden,
             num_hidden_layers=cfg.layers,
             num_attention_heads=cfg.heads,
@@ -66,7 +78,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_id: int | N
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, cfg.dropout)
     try:
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return lm_shape.built(config, shape, vocab_size)
     except ValueError as exc:
         raise ConfigError(
             f"model.arch: {cfg.arch!r} has no causal-LM head in transformers ({exc})"

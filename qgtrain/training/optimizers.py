@@ -9,7 +9,7 @@ ranks, as task.factory is, and its optim.args are checked against its signature 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -77,8 +77,7 @@ def _make(
 ) -> torch.optim.Optimizer:
     given: dict[str, Any] = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
     kwargs = {key: value for key, value in given.items() if key in passed}
-    # fused=False would also switch off torch's default multi-tensor (foreach) kernels: none on CPU
-    if device.type == "cuda" and "fused" in takes and not {"fused", "foreach"} & set(optim.args):
+    if asks_fused(device.type, takes, optim.args):
         kwargs["fused"] = True
     try:
         made: torch.optim.Optimizer = cls(
@@ -90,6 +89,14 @@ def _make(
             f"{optim.args or 'its arguments'}: {first_line(exc)}"
         ) from None
     return made
+
+
+def asks_fused(device_type: str, takes: Collection[str], args: Mapping[str, Any]) -> bool:
+    """fused=True (one kernel updates every parameter: AdamW's, Adam's, SGD's) on CUDA, where the
+    class takes it and optim.args choose no kernel themselves. Elsewhere the default: fused=False
+    would also switch off torch's multi-tensor (foreach) kernels, and a CPU run keeps the update,
+    to the bit, that its checkpoints were written with."""
+    return device_type == "cuda" and "fused" in takes and not {"fused", "foreach"} & set(args)
 
 
 def builtin(name: str) -> Builder:

@@ -123,7 +123,7 @@ def _adapted_base(
     adapters (or their EMA)."""
     from peft import get_peft_model
 
-    base = rebuild.rebuild_task(cfg).model
+    base = rebuild.rebuild_task(cfg, checkpoint=ckpt.path).model
     _check_base(ckpt, cfg, saved, base_identity(base, cfg))
     base_path = str(Path(cfg.model.pretrained).resolve()) if cfg.model.pretrained else ""
     model = get_peft_model(

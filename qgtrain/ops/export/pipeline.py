@@ -86,6 +86,8 @@ def export_run(
     tensors, read = safetensors_io.tensors_to_write(model), safetensors_io.checkpoint_reader(ckpt)
     if weights == "ema":
         read = ema.averaged(ckpt, model, read)
+    if task is None:  # a padded vocabulary is exported with its real rows only
+        model, tensors, read = rebuild.unpadded(ckpt.path, saved, model_facts, tensors, read, model)
     kind = writer.kind_of(model)
     lm = builtin and kind == "transformers"
     staging = target.staging(out)

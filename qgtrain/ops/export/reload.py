@@ -50,7 +50,7 @@ def outputs(
     model = (
         rebuild.rebuild_task(cfg).model
         if task is not None
-        else rebuild.rebuild_lm(ckpt.path, cfg, facts)
+        else rebuild.rebuild_lm(ckpt.path, cfg, facts, as_exported=True)
     )
     as_exported = {
         name: safetensors_io.converted(t, dtype).to(t.dtype) for name, t in read(weights).items()
