@@ -493,7 +493,9 @@ STREAM_STEPS = 12
 
 
 def stream_args(tmp_path: Path, run: Path, steps: int) -> list[str]:
-    more = ["data.stream=true", "data.num_workers=2", "train.eval_every=6"]
+    # optim.lr 0.005: at 0.01 a step may spike, and which one depends on the held-out lines (the
+    # stream's hash of the file's path)
+    more = ["data.stream=true", "data.num_workers=2", "train.eval_every=6", "optim.lr=0.005"]
     return [*train_args(tmp_path, run), *more, f"train.max_steps={steps}"]
 
 
@@ -521,9 +523,8 @@ def test_streamed_chat_learns_the_answers_resumes_bit_for_bit_and_refuses_a_bad_
         tmp_path / "ref-0.out"
     ).read_text()[-3000:]
     losses = [r["loss"] for r in records(reference) if "loss" in r]
-    # at optim.lr 0.01 a training step may spike (where depends on the draw of the weights):
-    # learnt is the held-out loss at the end well below the first steps'
     final_val = records(reference)[-1]["val_loss"]
+    assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:2]), losses
     assert final_val is not None and final_val < 0.9 * np.mean(losses[:2]), (final_val, losses)
     seed = int(time.time())
     kill_at = random.Random(seed).randrange(4, 11)
