@@ -107,7 +107,7 @@ def _eval_command(sub: Any) -> None:
         action="store_true",
         help="every kept checkpoint, each once (a killed eval started again goes on)",
     )
-    _config_args(evaluate)
+    _config_args(evaluate, "a config file on top of the run's own (an export's: the defaults)")
     evaluate.add_argument(
         "--harness",
         metavar="TASK[,TASK]",
@@ -317,14 +317,11 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return EXIT_USAGE
 
 
-def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        action="append",
-        type=Path,
-        metavar="FILE",
-        help="config file; repeat to overlay (default: ./config.yaml if present)",
-    )
+def _config_args(
+    parser: argparse.ArgumentParser,
+    config_help: str = "config file; repeat to overlay (default: ./config.yaml if present)",
+) -> None:
+    parser.add_argument("--config", action="append", type=Path, metavar="FILE", help=config_help)
     parser.add_argument(
         "--set",
         action="extend",
