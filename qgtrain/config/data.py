@@ -4,11 +4,10 @@ how they are split, tokenized and loaded."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .fields import MAX_TIMEOUT_S, Problem, factory_problem, setting
+from .fields import MAX_TIMEOUT_S, Problem, factory_problem, name_problem, setting
 
 if TYPE_CHECKING:
     from .run import RunConfig
@@ -179,11 +178,8 @@ def _source_problem(where: str, source: object, seen: set[str]) -> Problem:
         found = sorted(source) if isinstance(source, dict) else type(source).__name__
         return where, f"each source is {{name, files, weight}}, got {found}"
     name, files, weight = source["name"], source["files"], source["weight"]
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        return f"{where}.name", f"{name!r} is not a name of letters, digits, _ . -"
-    if name in seen:
-        return f"{where}.name", f"source {name!r} is named twice; each name once"
-    seen.add(name)
+    if problem := name_problem(where, "source", name, seen):
+        return problem
     if isinstance(files, str):
         files = [files]
     if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):

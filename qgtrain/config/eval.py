@@ -6,12 +6,11 @@ key (eval_<name>_acc, ...), so names follow the rules of data.mix's source names
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..foundation.task import BUILTIN_LM
-from .fields import Problem, setting
+from .fields import Problem, name_problem, setting
 
 if TYPE_CHECKING:
     from .run import RunConfig
@@ -70,11 +69,8 @@ def _task_problem(where: str, task: object, seen: set[str]) -> Problem:
         found = sorted(task) if isinstance(task, dict) else type(task).__name__
         return where, f"each task is {{name, kind, files}}, got {found}"
     name, kind, files = task["name"], task["kind"], task["files"]
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        return f"{where}.name", f"{name!r} is not a name of letters, digits, _ . -"
-    if name in seen:
-        return f"{where}.name", f"task {name!r} is named twice; each name once"
-    seen.add(name)
+    if problem := name_problem(where, "task", name, seen):
+        return problem
     if kind not in TASK_KINDS:
         return f"{where}.kind", f"{kind!r} is not a kind; choose one of {', '.join(TASK_KINDS)}"
     if isinstance(files, str):

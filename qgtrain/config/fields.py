@@ -4,6 +4,7 @@ config.yaml's comments to the same words."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import field
 from typing import Any
 
@@ -20,6 +21,17 @@ def setting(default: Any, doc: str, *, min: float | None = None, max: float | No
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def name_problem(where: str, kind: str, name: object, seen: set[str]) -> Problem:
+    """A name that keys metrics (a mix source's samples_<name>, a task's eval_<name>_<metric>):
+    letters, digits, _ . -, and each once among `seen` (which it joins)."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        return f"{where}.name", f"{name!r} is not a name of letters, digits, _ . -"
+    if name in seen:
+        return f"{where}.name", f"{kind} {name!r} is named twice; each name once"
+    seen.add(name)
+    return None
 
 
 def factory_problem(key: str, value: str | None) -> Problem:
