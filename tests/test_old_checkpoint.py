@@ -84,26 +84,33 @@ def rng_digest(folder: Path, rank: int) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.slow
-def test_a_checkpoint_written_by_26ab7a7_resumes_bit_for_bit_from_a_copy(tmp_path):
-    """The old run directory is copied elsewhere (the format holds no absolute path) and resumed at
-    its step 4: steps 5 to 8 and the final checkpoint equal 26ab7a7's uninterrupted run's, and the
-    files a checkpoint holds keep their sizes."""
-    reference = json.loads((OLD / "reference.json").read_text())
-    run = tmp_path / "moved" / "run"
-    shutil.copytree(OLD / "run", run)
-    args = ["train", "--set", *SETS, "--run-dir", str(run)]
+def resumed_old_run(fixture: Path, run: Path, tmp_path: Path, *more: str) -> dict[str, Any]:
+    """The fixture's run copied to `run` and resumed at its step 4 on 2 ranks of today's code: its
+    steps 5 to 8 must be the old uninterrupted run's (reference.json); returns that reference and
+    the final evaluation record."""
+    reference = json.loads((fixture / "reference.json").read_text())
+    shutil.copytree(fixture / "run", run)
+    args = ["train", "--set", *SETS, *more, "--run-dir", str(run)]
     assert wait_ranks(start_cli_ranks(2, args, tmp_path), 300) == [0, 0], (
         tmp_path / "rank-0.out"
     ).read_text()[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4, epoch 0" in rank_log(run, 0)
-
     logged = {r["step"]: r for r in records(run) if "loss" in r}
     assert {
         str(step): {key: logged[step][key] for key in ("loss", "lr", "grad_norm")}
         for step in range(5, 9)
     } == reference["steps"]
-    final = [r for r in records(run) if "test_loss" in r][-1]
+    return {**reference, "final": [r for r in records(run) if "test_loss" in r][-1]}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_26ab7a7_resumes_bit_for_bit_from_a_copy(tmp_path):
+    """The old run directory is copied elsewhere (the format holds no absolute path) and resumed at
+    its step 4: steps 5 to 8 and the final checkpoint equal 26ab7a7's uninterrupted run's, and the
+    files a checkpoint holds keep their sizes."""
+    run = tmp_path / "moved" / "run"
+    reference = resumed_old_run(OLD, run, tmp_path)
+    final = reference["final"]
     assert final["test_loss"] == reference["test_loss"]
     # The weights it is computed from are equal (below); today's evaluation reduces its sums in
     # another order than 26ab7a7's, which moves the last bits of this mean (so does today's
@@ -121,20 +128,9 @@ def test_an_fsdp_checkpoint_written_by_e69861d_resumes_bit_for_bit(tmp_path):
     """The sharded checkpoint of e69861d's fsdp run (before the strategy object) resumed at step 4
     on today's code: steps 5 to 8 and the final sharded checkpoint equal e69861d's uninterrupted
     run's, bit for bit."""
-    reference = json.loads((OLD_FSDP / "reference.json").read_text())
     run = tmp_path / "run"
-    shutil.copytree(OLD_FSDP / "run", run)
-    args = ["train", "--set", *SETS, "train.parallel=fsdp", "--run-dir", str(run)]
-    assert wait_ranks(start_cli_ranks(2, args, tmp_path), 300) == [0, 0], (
-        tmp_path / "rank-0.out"
-    ).read_text()[-3000:]
-    assert f"resumed from {run / 'checkpoints' / 'step-4'}: step 4, epoch 0" in rank_log(run, 0)
-    logged = {r["step"]: r for r in records(run) if "loss" in r}
-    assert {
-        str(step): {key: logged[step][key] for key in ("loss", "lr", "grad_norm")}
-        for step in range(5, 9)
-    } == reference["steps"]
-    final = [r for r in records(run) if "test_loss" in r][-1]
+    reference = resumed_old_run(OLD_FSDP, run, tmp_path, "train.parallel=fsdp")
+    final = reference["final"]
     assert final["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-7)
     assert final["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-7)
     step_8 = reference["step_8"]["weights_and_optimizer_sha256"]
