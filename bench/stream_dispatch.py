@@ -58,10 +58,18 @@ class SlowReader:
         self.inner.load_state_dict(state)
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, folder: str,
-              out: Any) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def rank_main(
+    rank: int, world: int, port: int, args: argparse.Namespace, folder: str, out: Any
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     from qgtrain.data.dispatch import DispatchedBatches
     from qgtrain.data.loaders import stream_loader
     from qgtrain.data.mix import Mixture, Source
@@ -76,23 +84,35 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, folder
         group = dist.new_group(backend="gloo")
 
         def mixture(reader_rank: int, readers: int) -> Mixture:
-            sources = [Source(name, weight, functools.partial(
-                SlowReader, args.decode_us,
-                TokenWindows(str(Path(folder, f"{name}.bin")), "uint16", args.seq), seed))
-                for seed, (name, weight) in enumerate((("web", 2.0), ("code", 1.0)))]
+            sources = [
+                Source(
+                    name,
+                    weight,
+                    functools.partial(
+                        SlowReader,
+                        args.decode_us,
+                        TokenWindows(str(Path(folder, f"{name}.bin")), "uint16", args.seq),
+                        seed,
+                    ),
+                )
+                for seed, (name, weight) in enumerate((("web", 2.0), ("code", 1.0)))
+            ]
             return Mixture(sources, 0, reader_rank, readers)
 
         def loader(reader_rank: int, readers: int) -> Any:
-            return stream_loader(mixture(reader_rank, readers), args.batch, args.workers, cpu,
-                                 rank, None)
+            return stream_loader(
+                mixture(reader_rank, readers), args.batch, args.workers, cpu, rank, None
+            )
 
         samples = args.batch * world
-        ways = {"per-rank": StreamBatches(loader(rank, world), samples, 0, "bench", group),
-                "dispatched": DispatchedBatches(loader(0, 1), samples, 0, "bench", group)}
+        ways = {
+            "per-rank": StreamBatches(loader(rank, world), samples, 0, "bench", group),
+            "dispatched": DispatchedBatches(loader(0, 1), samples, 0, "bench", group),
+        }
         positions = {way: SimpleNamespace(epoch=0, samples_in_epoch=0) for way in WAYS}
         times: dict[str, list[float]] = {way: [] for way in WAYS}
         for index in range(args.rounds):
-            for way in WAYS[index % 2:] + WAYS[:index % 2]:
+            for way in WAYS[index % 2 :] + WAYS[: index % 2]:
                 dist.barrier(group)
                 for step in range(args.steps):
                     start = time.perf_counter()
@@ -107,8 +127,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, folder
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    for name, default in (("steps", 40), ("rounds", 3), ("workers", 2), ("batch", 8),
-                          ("seq", 512)):
+    for name, default in (("steps", 40), ("rounds", 3), ("workers", 2), ("batch", 8), ("seq", 512)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--decode-us", type=float, default=0.0)
     parser.add_argument("--compute-ms", type=float, default=0.0)
@@ -123,9 +142,11 @@ def main() -> None:
         out = mp.Manager().dict()
         mp.spawn(rank_main, args=(2, port, args, folder, out), nprocs=2)
     speed = {way: args.batch * 2 / out[way] for way in WAYS}
-    print(f"2 gloo ranks x {args.workers} workers, batch {args.batch} x seq {args.seq}, decode "
-          f"{args.decode_us:g} us/sample, compute {args.compute_ms:g} ms/step; medians of "
-          f"{out['n']} steps each")
+    print(
+        f"2 gloo ranks x {args.workers} workers, batch {args.batch} x seq {args.seq}, decode "
+        f"{args.decode_us:g} us/sample, compute {args.compute_ms:g} ms/step; medians of "
+        f"{out['n']} steps each"
+    )
     for way in WAYS:
         print(f"{way:>10}: median step {out[way] * 1e3:.2f} ms, {speed[way]:.0f} samples/s")
     print(f"dispatched / per-rank samples/s: {speed['dispatched'] / speed['per-rank']:.3f}")

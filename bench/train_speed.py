@@ -12,7 +12,8 @@ qgtrain runs with its own model.compile default (auto: compiled on CUDA, eager o
 --compile says otherwise, and the hand-written loop is compiled when qgtrain is: compared the same
 way. Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m]
        [--device cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile [auto|true|false]]
-       [--peak-tflops 989]
+       [--peak-tflops 989] [--batch N]
+Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
 
 
 def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, float]:
-    run, shape = work / name, PRESETS[args.preset]
+    run, shape = work / name, shape_of(args)
     start, procs = launch(
         [
             sys.executable,
@@ -134,7 +135,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
 
 
 def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[str, float]:
-    shape = PRESETS[args.preset]
+    shape = shape_of(args)
     start, procs = launch(
         [
             sys.executable,
@@ -157,6 +158,10 @@ def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[
     return measure(
         [json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps
     )
+
+
+def shape_of(args: argparse.Namespace) -> dict[str, int]:
+    return {**PRESETS[args.preset], **({"batch": args.batch} if args.batch else {})}
 
 
 def compiles(args: argparse.Namespace) -> bool:
@@ -196,6 +201,9 @@ def main() -> None:
         help="the device's dense peak for --precision, for MFU (H100 SXM bf16: 989)",
     )
     parser.add_argument(
+        "--batch", type=int, default=0, help="sequences per step and rank (default: the preset's)"
+    )
+    parser.add_argument(
         "--set", nargs="*", default=[], help="extra qgtrain settings, e.g. train.agree_every=1000"
     )
     args = parser.parse_args()
@@ -226,7 +234,7 @@ def main() -> None:
         a["steps_per_s"] / b["steps_per_s"]
         for a, b in zip(results["qgtrain"], results["hand-written"])
     ]
-    shape = PRESETS[args.preset]
+    shape = shape_of(args)
     tokens_per_step = shape["batch"] * shape["seq"] * args.world
     print(
         f"{args.preset} on {args.world} {args.device} rank(s), {args.precision}, "
@@ -239,17 +247,18 @@ def main() -> None:
         f"tokens/s: qgtrain {q['steps_per_s'] * tokens_per_step:.0f}, hand-written "
         f"{h['steps_per_s'] * tokens_per_step:.0f}"
     )
+    mfu = {
+        name: m["steps_per_s"]
+        * tokens_per_step
+        * flops_per_token(shape)
+        / (args.peak_tflops * 1e12 * args.world)
+        for name, m in med.items()
+    }
     if args.device == "cuda":
-        for name, m in med.items():
-            mfu = (
-                m["steps_per_s"]
-                * tokens_per_step
-                * flops_per_token(shape)
-                / (args.peak_tflops * 1e12 * args.world)
-            )
+        for name, share in mfu.items():
             print(
-                f"model FLOPs utilisation, {name}: {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s per "
-                "GPU"
+                f"model FLOPs utilisation, {name}: {share:.1%} of {args.peak_tflops:.0f} TFLOP/s "
+                "per GPU"
             )
     print(
         f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, hand-written "
@@ -272,6 +281,22 @@ def main() -> None:
                 if key.startswith("start: ")
             )
         )
+    sides = {"qgtrain": q, "hand-written": h}
+    result = {
+        "preset": args.preset,
+        "batch": shape["batch"],
+        "world": args.world,
+        "device": args.device,
+        "precision": args.precision,
+        "compiled": compiles(args),
+        "rounds": args.rounds,
+        "ratio": q["steps_per_s"] / h["steps_per_s"],
+        "tokens_per_s": {k: m["steps_per_s"] * tokens_per_step for k, m in sides.items()},
+        "mfu": mfu if args.device == "cuda" else None,
+        "first_step_s": {k: m["first_step_s"] for k, m in sides.items()},
+        "data_wait": q["data_wait"],
+    }
+    print("result " + json.dumps(result))
 
 
 if __name__ == "__main__":

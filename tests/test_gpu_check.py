@@ -3,6 +3,8 @@ CPU dry run (`python -m bench.gpu_check`, exit 2) takes minutes; these take seco
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +28,7 @@ def test_a_hanging_run_is_a_failure_with_its_log_not_a_crash(tmp_path: Path) -> 
     assert done.code is None and not done.ok and time.monotonic() - began < 40
     assert "timed out after 2 s" in done.describe() and "got this far" in done.describe()
     report = Report("cpu", "x")
-    judge_speed(report, done, "")
+    judge_speed(report, done, "", 64)
     assert report.results[-1].verdict == "FAIL" and "got this far" in report.results[-1].detail
 
 
@@ -117,3 +119,52 @@ def test_probe_checks_fail_on_wrong_facts() -> None:
     report = Report("cpu", "x")
     judge_probe(report, [bad], "cpu")
     assert [r.verdict for r in report.results] == ["FAIL", "FAIL", "PASS", "FAIL"]
+
+
+def speed_result(ratio: float, mfu: float, start_s: float, data_wait: float) -> str:
+    """bench.train_speed's last line, as it prints it."""
+    sides = ("qgtrain", "hand-written")
+    got = {
+        "ratio": ratio,
+        "tokens_per_s": dict(zip(sides, (ratio * 1000.0, 1000.0))),
+        "mfu": dict(zip(sides, (mfu, mfu / ratio))),
+        "first_step_s": dict(zip(sides, (5.0 + start_s, 5.0))),
+        "data_wait": data_wait,
+    }
+    return "steps/s: ...\nresult " + json.dumps(got) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("batch", "reading", "verdicts"),
+    [
+        (64, (0.99, 0.41, 0.5, 0.005), ["PASS"] * 4),
+        (64, (0.97, 0.41, 0.5, 0.005), ["FAIL", "PASS", "PASS", "PASS"]),
+        (64, (0.99, 0.35, 0.5, 0.005), ["PASS", "FAIL", "PASS", "PASS"]),
+        (64, (0.99, 0.41, 1.5, 0.005), ["PASS", "PASS", "FAIL", "PASS"]),
+        (64, (0.99, 0.41, 0.5, 0.012), ["PASS", "PASS", "PASS", "FAIL"]),
+        (16, (0.99, 0.15, 0.5, 0.005), ["PASS"] * 3),  # MFU is held to its goal at batch 64 only
+    ],
+)
+def test_speed_readings_are_held_to_issue_47s_goals(batch, reading, verdicts) -> None:
+    report = Report("cuda", "x")
+    judge_speed(report, procs.Finished(0, 1.0, Path("log")), speed_result(*reading), batch)
+    assert [r.verdict for r in report.results] == verdicts, report.results
+    assert all(r.name.startswith(f"gpt2-124m batch {batch}: ") for r in report.results)
+
+
+def test_train_speeds_own_output_is_what_the_check_reads(tmp_path: Path) -> None:
+    done = procs.run(
+        [sys.executable, "-m", "bench.train_speed", "--preset", "tiny", "--world", "1"]
+        + ["--rounds", "1", "--steps", "30", "--batch", "2"],
+        tmp_path / "speed.log",
+        timeout=300,
+    )
+    report = Report("cpu", "x")
+    judge_speed(report, done, (tmp_path / "speed.log").read_text(), 16)
+    names = [r.name.removeprefix("gpt2-124m batch 16: ") for r in report.results]
+    assert names == [
+        "tokens/s, qgtrain / hand-written compiled alike",
+        "process start to first step",
+        "waiting for data",
+    ], report.results
+    assert re.fullmatch(r"ratio \d+\.\d{3}", report.results[0].figure), report.results[0]

@@ -87,12 +87,15 @@ def trained(
         )
 
 
-def on_gpus(report: Report, count: int, folder: Path) -> None:
+def on_gpus(report: Report, count: int, folder: Path, speed_rounds: int, only_speed: bool) -> None:
+    if only_speed:
+        checks.step_time(report, folder, speed_rounds)
+        return
     checks.auto_precision(report)
     worlds = sorted({1, count})
     for world in worlds:
         checks.wrappers(report, world, "cuda", folder)
-    checks.step_time(report, folder)
+    checks.step_time(report, folder, speed_rounds)
     checks.no_host_sync(report, runs.GPU, folder)
     for world in worlds:
         for parallel, precision in MODES:
@@ -119,7 +122,7 @@ def dry_run(report: Report, folder: Path) -> None:
         checks.wrappers(report, world, "cpu", folder)
     trained(report, 1, runs.CPU, "ddp", "fp32", folder, export=True)
     report.skip(
-        "gpt2-124m step time, qgtrain / hand-written",
+        "gpt2-124m batch 16 and 64: tokens/s, MFU, start and data wait against hand-written",
         "needs CUDA (bench/train_speed.py runs on a CPU "
         "alone: python -m bench.train_speed --preset tiny --world 1)",
     )
@@ -133,6 +136,17 @@ def main() -> int:
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the run folders (printed) for a look after"
+    )
+    parser.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=2,
+        help="alternated rounds of qgtrain and the hand-written loop per gpt2-124m reading",
+    )
+    parser.add_argument(
+        "--only-speed",
+        action="store_true",
+        help="only the gpt2-124m readings (batch 16 and 64), for a short lease of a GPU",
     )
     args = parser.parse_args()
     import torch
@@ -149,7 +163,10 @@ def main() -> int:
     for world in {1, count} if cuda else ():
         (folder / f"w{world}").mkdir()
     try:
-        on_gpus(report, count, folder) if cuda else dry_run(report, folder)
+        if cuda:
+            on_gpus(report, count, folder, args.speed_rounds, args.only_speed)
+        else:
+            dry_run(report, folder)
     finally:
         if args.keep or report.failed:
             print(f"runs kept in {folder}")
