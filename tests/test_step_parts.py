@@ -160,3 +160,51 @@ def test_a_fused_optimizer_over_fsdp_shards_takes_the_skip_flag_as_a_plain_scala
     one-element tensor as replicated (torch/distributed/tensor/_dispatch.py,
     _try_replicate_spec_for_scalar_tensor)."""
     assert run_ranks(1, fused_update_over_shards) == [(True, True)]
+
+
+def casts_and_result(micro_batches: list[torch.Tensor], by_qgtrain: bool) -> tuple[int, list]:
+    """A bf16 step of two linear layers over the micro-batches, by accumulate_gradients or by the
+    plain loop (autocast around each forward): the casts it made, its loss and gradients."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qgtrain.config import TrainConfig
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.strategy import Strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    cpu, scaler = torch.device("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+
+    def loss(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(x).float(), x.sum(1, keepdim=True))
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if by_qgtrain:
+            strategy = Strategy(TrainConfig(), from_environ({}), cpu)
+            total = accumulate_gradients(
+                model, loss, micro_batches, "bf16", scaler, cpu, strategy=strategy
+            )
+        else:
+            total = torch.zeros(())
+            for x in micro_batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    part = loss(model, x) / len(micro_batches)
+                part.backward()
+                total = total + part.detach().float()
+    casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    return casts, [total, *(p.grad for p in model.parameters())]
+
+
+def test_a_steps_micro_batches_cast_each_weight_once_with_the_plain_loops_result():
+    """Three micro-batches: the plain loop casts the four weights and biases in every forward,
+    qgtrain in the first only (precision.weights_cast_once), and the step is the same bit for
+    bit."""
+    micro_batches = [
+        torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    ]
+    ours, theirs = casts_and_result(micro_batches, True), casts_and_result(micro_batches, False)
+    assert theirs[0] - ours[0] == 2 * 4, (ours[0], theirs[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
+    one = casts_and_result(micro_batches[:1], True)
+    assert one[0] == casts_and_result(micro_batches[:1], False)[0]

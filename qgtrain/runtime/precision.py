@@ -121,6 +121,21 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
+def weights_cast_once(
+    precision: str, device: torch.device
+) -> contextlib.AbstractContextManager[object]:
+    """Around a step's micro-batches: each weight cast to `precision` once per step, not once per
+    micro-batch. Autocast keeps the copies it casts of leaf weights until its outermost context
+    exits (torch/amp/autocast_mode.py: __exit__ clears the cache at nesting 0); this outer context,
+    disabled, keeps the nesting above 0 between micro-batches and leaves backward outside autocast,
+    as torch advises. The weights do not change within a step, so the copies are the ones each
+    micro-batch would have made: the same results, bit for bit. (A compiled block casts inside its
+    own graph: this spares the eager runs.)"""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     """Loss scaling is needed for fp16's narrow exponent only; disabled, the scaler is a
     pass-through."""

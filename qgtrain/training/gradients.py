@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..foundation.errors import TaskError
-from ..runtime.precision import autocast
+from ..runtime.precision import autocast, weights_cast_once
 from .strategy import Strategy
 
 
@@ -30,13 +30,16 @@ def accumulate_gradients(
     Returns the step's mean loss as a device tensor, without synchronizing.
     """
     loss_sum: torch.Tensor | None = None
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        with strategy.reduction_deferred(model, not last):
-            with autocast(strategy.autocast_precision(precision_name), device):
-                loss = checked_loss(loss_fn(model, batch)) / len(micro_batches)
-            scaler.scale(loss).backward()
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    precision = strategy.autocast_precision(precision_name)
+    with weights_cast_once(precision, device):
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with strategy.reduction_deferred(model, not last):
+                with autocast(precision, device):
+                    loss = checked_loss(loss_fn(model, batch)) / len(micro_batches)
+                scaler.scale(loss).backward()
+            loss = loss.detach().float()
+            loss_sum = loss if loss_sum is None else loss_sum + loss
     assert loss_sum is not None
     return loss_sum
 
