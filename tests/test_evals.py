@@ -304,6 +304,9 @@ def test_tasks_that_cannot_be_scored_are_refused_by_the_config():
         )
     with pytest.raises(ConfigError, match="eval.tasks\\[0\\].kind: 'essay' is not a kind"):
         load_config([], ["eval.tasks=[{name: a, kind: essay, files: [x.jsonl]}]"])
+    for files in ("[]", "3", "[x.jsonl, 4]"):
+        with pytest.raises(ConfigError, match=r"eval.tasks\[0\].files: task 'a': expected a non"):
+            load_config([], [f"eval.tasks=[{{name: a, kind: perplexity, files: {files}}}]"])
     twice = "[{name: a, kind: perplexity, files: [x.jsonl]}, {name: a, kind: generate, files: [y]}]"
     with pytest.raises(ConfigError, match=r"eval.tasks\[1\].name: task 'a' is named twice"):
         load_config([], [f"eval.tasks={twice}"])

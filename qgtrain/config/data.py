@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .fields import MAX_TIMEOUT_S, Problem, factory_problem, name_problem, setting
+from .fields import MAX_TIMEOUT_S, Problem, factory_problem, files_problem, name_problem, setting
 
 if TYPE_CHECKING:
     from .run import RunConfig
@@ -180,12 +180,8 @@ def _source_problem(where: str, source: object, seen: set[str]) -> Problem:
     name, files, weight = source["name"], source["files"], source["weight"]
     if problem := name_problem(where, "source", name, seen):
         return problem
-    if isinstance(files, str):
-        files = [files]
-    if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-        return f"{where}.files", (
-            f"source {name!r}: expected a non-empty list of globs, files or folders"
-        )
+    if problem := files_problem(where, f"source {name!r}", files, "globs, files or folders"):
+        return problem
     if (
         isinstance(weight, bool)
         or not isinstance(weight, (int, float))

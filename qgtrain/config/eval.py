@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..foundation.task import BUILTIN_LM
-from .fields import Problem, name_problem, setting
+from .fields import Problem, files_problem, name_problem, setting
 
 if TYPE_CHECKING:
     from .run import RunConfig
@@ -73,11 +73,7 @@ def _task_problem(where: str, task: object, seen: set[str]) -> Problem:
         return problem
     if kind not in TASK_KINDS:
         return f"{where}.kind", f"{kind!r} is not a kind; choose one of {', '.join(TASK_KINDS)}"
-    if isinstance(files, str):
-        files = [files]
-    if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-        return f"{where}.files", f"task {name!r}: expected a non-empty list of jsonl files or globs"
-    return None
+    return files_problem(where, f"task {name!r}", files, "jsonl files or globs")
 
 
 def task_metrics(cfg: RunConfig) -> list[str]:

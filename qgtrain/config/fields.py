@@ -34,6 +34,15 @@ def name_problem(where: str, kind: str, name: object, seen: set[str]) -> Problem
     return None
 
 
+def files_problem(where: str, owner: str, files: object, what: str) -> Problem:
+    """A `files` setting (a mix source's, a task's): one string or a non-empty list of them, where
+    `what` says which strings are meant."""
+    listed = [files] if isinstance(files, str) else files
+    if not isinstance(listed, list) or not listed or not all(isinstance(f, str) for f in listed):
+        return f"{where}.files", f"{owner}: expected a non-empty list of {what}"
+    return None
+
+
 def factory_problem(key: str, value: str | None) -> Problem:
     """A 'package.module:function' (or 'path/to/file.py:function') setting of the wrong form."""
     if value and (value.count(":") != 1 or not all(value.split(":"))):
