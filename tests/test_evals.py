@@ -237,6 +237,31 @@ def test_two_ranks_score_in_the_loop_as_one_process_scores_their_checkpoint(trai
 
 
 @pytest.mark.slow
+def test_a_lora_runs_checkpoints_score_as_the_loop_scored_them(trained):
+    """Its checkpoints hold the adapters (and their EMA) only: `qgtrain eval` builds the base again
+    from the seed and puts them on it."""
+    folder, _ = trained
+    run = folder / "lora"
+    lora = [
+        "model.adapter=lora",
+        "train.max_steps=40",
+        "train.ema_decay=0.9",
+        "train.eval_ema=true",
+    ]
+    assert cli(*train_args(folder, run, *lora), cwd=folder).returncode == 0
+    loop = evaluated(run)[40]
+    done = cli("eval", str(run), cwd=folder)
+    assert done.returncode == 0, done.stderr
+    alone = by_step(results(run))[40]
+    for name in METRICS:
+        assert alone[name] == pytest.approx(loop[name], abs=1e-6), name
+    (run / "eval" / "results.jsonl").unlink()
+    trained_only = cli("eval", str(run), "--set", "train.eval_ema=false", cwd=folder)
+    assert trained_only.returncode == 0, trained_only.stderr
+    assert by_step(results(run))[40]["eval_text_loss"] != loop["eval_text_loss"], "the EMA's"
+
+
+@pytest.mark.slow
 def test_a_run_killed_mid_way_resumes_with_the_same_evaluation_records(trained):
     folder, reference = trained
     run = folder / "killed"

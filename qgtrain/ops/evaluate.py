@@ -32,7 +32,7 @@ from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
 from ..state.rundir import RunDir
 from ..training.strategy import Strategy
-from .export import ema, origin, rebuild, safetensors_io
+from .export import adapter, ema, origin, rebuild, safetensors_io
 from .export.pipeline import require_trusted
 from .export.writer import META
 from .load_model import load_model
@@ -131,11 +131,6 @@ def _evaluate_checkpoints(
     device: torch.device,
     chosen: list[checkpoint.Checkpoint],
 ) -> list[dict[str, Any]]:
-    if cfg.model.adapter != "none":
-        raise QgtrainError(
-            f"eval: {source} trained adapters (model.adapter: {cfg.model.adapter}); export it "
-            "merged (qgtrain export RUN --merge --out FOLDER) and evaluate the folder"
-        )
     results = RunDir(source).eval / "results.jsonl"
     kept = _kept(results)
     names = [task["name"] for task in cfg.eval.tasks]
@@ -158,13 +153,17 @@ def _checkpoint_model(
     ckpt: checkpoint.Checkpoint, cfg: RunConfig
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The checkpoint's model on the CPU in fp32 with its weights (the EMA's under
-    train.eval_ema), rebuilt as export rebuilds it; and its task's facts."""
+    train.eval_ema), rebuilt as export rebuilds it (a LoRA run's: its base holding the adapters,
+    unmerged, as the loop scored it); and its task's facts."""
     facts = origin.model_facts(ckpt)
+    if cfg.train.eval_ema:
+        origin.check_weights(ckpt, "ema")
+    if cfg.model.adapter != "none":
+        return adapter.trained_model(ckpt, cfg, "ema" if cfg.train.eval_ema else "model"), facts
     model = rebuild.rebuild_lm(ckpt.path, cfg, facts)
     wanted = safetensors_io.tensors_to_write(model)
     read = safetensors_io.checkpoint_reader(ckpt)
     if cfg.train.eval_ema:
-        origin.check_weights(ckpt, "ema")
         read = ema.averaged(ckpt, model, read)
     model.load_state_dict(read(wanted), strict=False)  # tied partners are filled through theirs
     return model, facts

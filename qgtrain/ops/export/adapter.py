@@ -116,6 +116,13 @@ def _in_memory(
     return diff
 
 
+def trained_model(ckpt: checkpoint.Checkpoint, cfg: RunConfig, weights: str) -> Any:
+    """The run's model as the loop evaluated it (`qgtrain eval`): the base in a PeftModel holding
+    the checkpoint's adapters, or their EMA, unmerged."""
+    saved = checkpoint.load_json(ckpt, layout.STATE).get("adapter") or {}
+    return _adapted_base(ckpt, cfg, saved, weights)[0]
+
+
 def _adapted_base(
     ckpt: checkpoint.Checkpoint, cfg: RunConfig, saved: dict[str, Any], weights: str
 ) -> tuple[Any, str]:
