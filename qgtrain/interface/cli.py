@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import EXIT_USAGE, QgtrainError
-from . import commands, submitting
+from . import collector, commands, submitting
 
 
 def main(argv: list[str] | None = None) -> int:
+    collector.quiet_for_a_command()
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
