@@ -237,6 +237,44 @@ def test_two_ranks_score_in_the_loop_as_one_process_scores_their_checkpoint(trai
 
 
 @pytest.mark.slow
+def test_a_transformers_model_generates_with_its_cache_as_it_does_without(trained):
+    """scoring.generate's two ways on the trained model: each new token forwarded once against the
+    cache of those before it (a transformers model's way), and the whole window forwarded for each
+    token (any other model's): the same outputs, for prompts of three lengths in one batch (padded
+    on the left for the cache)."""
+    import torch
+
+    from qgtrain.data import tokenizer
+    from qgtrain.evals import scoring
+    from qgtrain.ops.load_model import load_model
+
+    folder, run = trained
+    export = folder / "cached"
+    assert cli("export", str(run), "--out", str(export), cwd=folder).returncode == 0
+    module, codec = load_model(export), tokenizer.load(str(export))
+    prompts = ["gold. " * (i % 3) + f"{name} likes" for i, name in enumerate(NAMES)]
+    argument = scoring.cache_argument(module)
+    assert argument in ("cache", "past_key_values"), "transformers' name for it"
+    eos, cpu, outputs = tokenizer.describe(str(export)).eos_id, torch.device("cpu"), {}
+    for way in (None, argument):
+        model = scoring.Model(
+            module,
+            codec,
+            eos,
+            window=32,
+            device=cpu,
+            precision="fp32",
+            batch_size=8,
+            lockstep=False,
+            cache_argument=way,
+        )
+        outputs[way] = scoring.generate(model, prompts, 8, ["."])
+    assert outputs[argument] == outputs[None]
+    right = [out == FAVOURITE[name] for out, name in zip(outputs[None], NAMES)]
+    assert sum(right) >= len(NAMES) // 2, outputs[None]
+
+
+@pytest.mark.slow
 def test_a_lora_runs_checkpoints_score_as_the_loop_scored_them(trained):
     """Its checkpoints hold the adapters (and their EMA) only: `qgtrain eval` builds the base again
     from the seed and puts them on it."""

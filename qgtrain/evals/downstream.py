@@ -175,6 +175,7 @@ def downstream_for(
         cfg.eval.batch_size,
         strategy.evaluates_in_lockstep,
         facts.get("vocab_size"),
+        scoring.cache_argument(module),
     )
     tasks = read_tasks(cfg.eval.tasks, cfg.eval.max_items)
     return Downstream(tasks, model, cfg.eval, strategy.env, samples_dir, sink)

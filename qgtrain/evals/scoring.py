@@ -4,13 +4,14 @@ figures and ours agree on the same model and items.
 
 The model is anything that maps input_ids (batch, seq) to logits (the built-in task's contract), run
 in batches of right-padded rows: in a causal model a row's own positions never see the padding after
-them. Under a sharded model (fsdp) every forward gathers weights, so every rank runs as many
-forwards as the busiest one (`lockstep`), an idle rank forwarding a one-token row whose result it
-drops.
+them. A transformers model generates with its key/value cache, its prompts left-padded and masked.
+Under a sharded model (fsdp) every forward gathers weights, so every rank runs as many forwards as
+the busiest one (`lockstep`), an idle rank forwarding a one-token row whose result it drops.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ class Model:
     batch_size: int
     lockstep: bool
     vocab_size: int | None = None  # the tokenizer's: rows an embedding is padded with never count
+    cache_argument: str | None = None  # how its forward takes a key/value cache (`cache_argument`)
 
     def encode(self, text: str) -> list[int]:
         return list(self.codec.encode(text, add_special_tokens=False).ids)
@@ -54,6 +56,36 @@ class Model:
             out = self.module(input_ids=ids.to(self.device))
         logits = out.logits if hasattr(out, "logits") else out
         return logits[..., : self.vocab_size].float()
+
+    @torch.no_grad()
+    def next_logits(
+        self, ids: torch.Tensor, mask: torch.Tensor, past: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """The logits (rows, vocab) in fp32 of the token after `ids`, which continue the rows
+        `past` holds the keys and values of; `mask` covers both (0: left padding). Returns the
+        cache to pass next time."""
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        with precisions.autocast(self.precision, self.device):
+            out = self.module(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+                **{str(self.cache_argument): past},
+            )
+        return out.logits[:, -1, : self.vocab_size].float(), out.get(self.cache_argument)
+
+
+def cache_argument(module: nn.Module) -> str | None:
+    """The argument under which `module`'s forward takes and returns a key/value cache, where it is
+    a transformers causal LM or a PeftModel around one: `cache`, or `past_key_values` before
+    transformers renamed it. None for any other model, which generates by forwarding its window."""
+    base = getattr(module, "get_base_model", None)  # a PeftModel's
+    inner = base() if callable(base) else module
+    if getattr(getattr(inner, "config", None), "use_cache", None) is None:
+        return None
+    takes = inspect.signature(inner.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in takes), None)
 
 
 def continuation_pair(model: Model, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -107,8 +139,10 @@ def generate(
     model: Model, prompts: Sequence[str], max_new_tokens: int, stop: Sequence[str]
 ) -> list[str]:
     """Greedy continuations of the prompts, each ended by the end-of-text token, a stop string (cut
-    from it, as lm-eval's `until`) or max_new_tokens. Each step forwards the whole window (no cache:
-    any model that maps tokens to logits generates); a prompt is cut on the left to leave room."""
+    from it, as lm-eval's `until`) or max_new_tokens; a prompt is cut on the left to leave room. A
+    transformers model forwards each new token once, with the cache of those before it (as its
+    `generate` does); any other model that maps tokens to logits forwards the whole window for each
+    token."""
     keep = max(model.window - max_new_tokens, 1)
     outputs: list[str] = []
     batches = [prompts[i : i + model.batch_size] for i in range(0, len(prompts), model.batch_size)]
@@ -122,8 +156,20 @@ def _generate_batch(
     model: Model, prompts: Sequence[str], keep: int, max_new_tokens: int, stop: Sequence[str]
 ) -> list[str]:
     rows = [model.encode(prompt)[-keep:] or [model.eos_id or 0] for prompt in prompts]
-    written: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    if model.cache_argument and rows and max_new_tokens < model.window:
+        written = _greedy_with_cache(model, rows, max_new_tokens, stop)
+    else:
+        written = _greedy_by_window(model, rows, max_new_tokens, stop)
+    return [_cut(model.decode(ids), stop) for ids in written]
+
+
+def _greedy_by_window(
+    model: Model, rows: list[list[int]], max_new_tokens: int, stop: Sequence[str]
+) -> list[list[int]]:
+    """The tokens written after each row, each step forwarding every running row's window (an idle
+    rank in lockstep forwards one token)."""
+    written: list[list[int]] = [[] for _ in rows]
+    done = [False] * len(rows)
     for _ in range(max_new_tokens):
         if not _anyone_running(model, not all(done)):
             break
@@ -137,7 +183,38 @@ def _generate_batch(
                 continue
             written[i].append(token)
             done[i] = len(written[i]) == max_new_tokens or _stopped(model, written[i], stop)
-    return [_cut(model.decode(ids), stop) for ids in written]
+    return written
+
+
+def _greedy_with_cache(
+    model: Model, rows: list[list[int]], max_new_tokens: int, stop: Sequence[str]
+) -> list[list[int]]:
+    """The tokens written after each row: the rows left-padded (masked) so that every row's next
+    token is the last column; the first forward reads the prompts, each later one the token each
+    row chose, against the cache. A finished row goes on being fed and is not read."""
+    longest = max(len(row) for row in rows)
+    pad = model.eos_id or 0
+    ids = torch.tensor([[pad] * (longest - len(row)) + row for row in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (longest - len(row)) + [1] * len(row) for row in rows])
+    written: list[list[int]] = [[] for _ in rows]
+    done = [False] * len(rows)
+    past = None
+    for _ in range(max_new_tokens):
+        if not _anyone_running(model, not all(done)):
+            break
+        logits, past = model.next_logits(ids, mask, past)
+        chosen = [int(token) for token in logits.argmax(-1).tolist()]
+        for i, token in enumerate(chosen):
+            if done[i]:
+                continue
+            if token == model.eos_id:
+                done[i] = True
+                continue
+            written[i].append(token)
+            done[i] = len(written[i]) == max_new_tokens or _stopped(model, written[i], stop)
+        ids = torch.tensor(chosen, dtype=torch.long).unsqueeze(1)
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+    return written
 
 
 def _stopped(model: Model, ids: list[int], stop: Sequence[str]) -> bool:
