@@ -43,8 +43,10 @@ class StepTimer:
     def start_step(self) -> None:
         self._started = time.perf_counter()
 
-    def data_ready(self) -> None:
-        self._data_s += time.perf_counter() - self._started
+    def data_read(self, started: float) -> None:
+        """The step's batches are on the device, read since `started`: only that counts as waiting
+        for data (not the agreement's launch or the learning rate's update before it)."""
+        self._data_s += time.perf_counter() - started
 
     def training_done(self) -> None:
         """The step's training (data, forward, backward, update): what the deadline counts as a

@@ -141,10 +141,11 @@ class Trainer:
             if agreeing:
                 self.agreement.start(self._what_this_rank_knows(step), self.health.bad_loss)
             lr = self.lr.set(self.state)
+            reading = time.perf_counter()
             read = self.batches.step(self.state, train.grad_accum_steps)
             tokens = self.reporter.tokens_in(read)  # on the host: counting syncs no device
             micro_batches = [to_device(batch, self.device) for batch in read]
-            self.timer.data_ready()
+            self.timer.data_read(reading)
             loss_sum, grad_norm = self._forward_backward(micro_batches)
             agreed = self.agreement.read(self.health.bad_grads, step) if agreeing else Flags()
             if agreeing:
