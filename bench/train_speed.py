@@ -13,7 +13,8 @@ qgtrain runs with its own model.compile default (auto: compiled on CUDA, eager o
 way. Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m]
        [--device cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile [auto|true|false]]
        [--peak-tflops 989] [--batch N]
-Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge.
+Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge. qgtrain runs
+from the installed package: `PYTHONPATH=<tree> python -m bench.train_speed` times another tree's.
 """
 
 from __future__ import annotations
