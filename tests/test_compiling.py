@@ -35,17 +35,16 @@ from qgtrain.training.compiling import compile_plan
 def test_compile_plan_by_setting_device_and_blocks(
     setting, device, blocks, compiles, regional, strict
 ):
-    plan = compile_plan(setting, device, "ddp", blocks, (9, 0) if device == "cuda" else None)
+    plan = compile_plan(setting, device, blocks, (9, 0) if device == "cuda" else None)
     assert (plan.compile, plan.regional, plan.strict) == (compiles, regional, strict)
     assert plan.why.startswith(f"model.compile: {str(setting).lower()}")
 
 
 @pytest.mark.parametrize(
-    "parallel, capability, compiles",
-    [("ddp", (7, 0), True), ("ddp", (6, 1), False), ("fsdp", (9, 0), False), ("hsdp", None, False)],
+    "capability, compiles", [((7, 0), True), ((9, 0), True), ((6, 1), False), (None, True)]
 )
-def test_auto_stays_eager_where_triton_or_fsdp_cannot_follow(parallel, capability, compiles):
-    assert compile_plan("auto", "cuda", parallel, True, capability).compile is compiles
+def test_auto_stays_eager_where_triton_cannot_follow(capability, compiles):
+    assert compile_plan("auto", "cuda", True, capability).compile is compiles
 
 
 def test_a_transformers_model_compiles_its_decoder_layers_and_a_plain_model_whole():

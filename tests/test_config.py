@@ -189,11 +189,6 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
             r"does not do on sharded gradients; use bf16",
         ),
         (
-            "train:\n  parallel: fsdp\nmodel:\n  compile: true\n",
-            r"model.compile: torch.compile with train.parallel: "
-            r"fsdp is not supported yet",
-        ),
-        (
             "slurm:\n  step_retries: -1\n",
             r"slurm.step_retries: -1 is out of range; expected an integer between 0 and 10",
         ),

@@ -355,32 +355,46 @@ def test_training_flops_count_matrix_products_not_embedding_lookups():
 
 
 @pytest.mark.slow
-def test_a_compiled_model_keeps_its_compile_cache_in_the_run_directory(tmp_path):
-    """Each rank's inductor cache goes under the run directory (a requeue on another node finds it
-    there), and a start that finds it resumes from it."""
-    run = tmp_path / "run"
+def test_a_compiled_sharded_model_trains_as_eager_and_keeps_its_compile_cache_in_the_run(tmp_path):
+    """model.compile under fsdp on 2 ranks: each block compiled, then sharded (FSDP's hooks outside
+    the compiled graphs), the losses those of the eager run to fp32 rounding. Each rank's inductor
+    cache goes under the run directory (a requeue on another node finds it there), and a start on
+    one rank resumes from the checkpoint and from rank 0's cache."""
     sets = [
-        "--set",
         *TINY,
         "model.factory=null",
-        "model.layers=1",
+        "model.layers=2",
         "model.hidden=32",
         "model.heads=2",
-        "model.compile=true",
         "train.eval_every=0",
         "checkpoint.every_steps=0",
+        "train.parallel=fsdp",
     ]
-    assert (
-        cli("train", "--run-dir", str(run), *sets, "train.max_steps=2", cwd=tmp_path).returncode
-        == 0
-    )
-    cached = [p for p in (run / "compile-cache" / "rank-0").rglob("*") if p.is_file()]
-    assert cached, "compiled kernels are kept in the run directory"
-    again = cli("train", "--run-dir", str(run), *sets, "train.max_steps=4", cwd=tmp_path)
-    assert (
-        again.returncode == 0
-        and f"torch.compile caches in {run / 'compile-cache' / 'rank-0'}" in again.stderr
-    )
+    runs = {}
+    for compiled in ("false", "true"):
+        run = tmp_path / f"compile-{compiled}"
+        args = ["train", "--run-dir", str(run), "--set", *sets, "train.max_steps=4"]
+        ranks = start_cli_ranks(
+            2, [*args, f"model.compile={compiled}"], tmp_path, log_prefix=compiled
+        )
+        assert wait_ranks(ranks, 300) == [0, 0], (tmp_path / f"{compiled}-0.out").read_text()[
+            -3000:
+        ]
+        runs[compiled] = run
+    eager, compiled_run = (records(runs[c]) for c in ("false", "true"))
+    assert [r["step"] for r in compiled_run] == [1, 2, 3, 4]
+    for a, b in zip(eager, compiled_run):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+    log = (tmp_path / "true-0.out").read_text()
+    assert "model.compile: true: compiling the 2 GPT2Block blocks" in log, log[-3000:]
+    for rank in (0, 1):
+        cache = runs["true"] / "compile-cache" / f"rank-{rank}"
+        assert [p for p in cache.rglob("*") if p.is_file()], "compiled kernels kept in the run"
+    resumed = [*sets, "model.compile=true", "train.max_steps=6"]
+    again = cli("train", "--run-dir", str(runs["true"]), "--set", *resumed, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"torch.compile caches in {runs['true'] / 'compile-cache' / 'rank-0'}" in again.stderr
+    assert "resuming a 2-rank checkpoint on 1 ranks" in again.stderr
 
 
 def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_directory(tmp_path):

@@ -166,11 +166,6 @@ def training_rules(cfg: RunConfig) -> Problem:
             "fp16 needs loss scaling, which qgtrain does not do on sharded gradients; use "
             f"bf16 with train.parallel: {train.parallel}"
         )
-    if train.parallel != "ddp" and cfg.model.compile is True:
-        return "model.compile", (
-            f"torch.compile with train.parallel: {train.parallel} is not supported yet; use "
-            "ddp to compile, or set model.compile to auto (eager there) or false"
-        )
     if train.shard_group_size and train.parallel != "hsdp":
         return "train.shard_group_size", (
             f"applies to train.parallel: hsdp, not {train.parallel}; set it to 0"

@@ -7,6 +7,9 @@ blocks share one code object, so dynamo compiles one block and reuses it for the
 large model compiles in seconds rather than minutes; the step keeps most of the whole-model speed.
 Compiling in place (`Module.compile`, which sets `_compiled_call_impl`) leaves the module and its
 state-dict keys as they are, and DDP wraps it as before (dynamo sees the DDP forward around it).
+Under fsdp and hsdp each block is compiled before it is sharded, as torchtitan applies compile
+before fully_shard: FSDP2's hooks run outside the compiled graphs (its _dynamo_disable, "skipping
+FSDP hooks", torch/distributed/fsdp/_fully_shard/_fsdp_common.py), which hold the block's forward.
 
 A compile failure surfaces at the first call, not at torch.compile(), so with `auto` each compiled
 module's first call is guarded: on an error every module goes back to eager and one line says why.
@@ -43,14 +46,13 @@ class Plan:
 def compile_plan(
     setting: Setting,
     device_type: str,
-    parallel: str = "ddp",
     has_blocks: bool = False,
     capability: tuple[int, int] | None = None,
 ) -> Plan:
-    """What model.compile means here. `auto` compiles on CUDA only: on the CPU inductor's C++
-    build costs more start than the step gains on the models one trains there, and the suite must
-    not compile. Triton, inductor's GPU code generator, needs compute capability 7.0 (inductor's
-    scheduler raises GPUTooOldForTriton below it). fsdp is eager for now (config refuses `true`)."""
+    """What model.compile means here, under every layout. `auto` compiles on CUDA only: on the CPU
+    inductor's C++ build costs more start than the step gains on the models one trains there, and
+    the suite must not compile. Triton, inductor's GPU code generator, needs compute capability 7.0
+    (inductor's scheduler raises GPUTooOldForTriton below it)."""
     regional = has_blocks
     if setting is False:
         return Plan(False, False, False, "model.compile: false")
@@ -61,8 +63,6 @@ def compile_plan(
     if capability is not None and capability < (7, 0):
         why = f"eager on compute capability {capability[0]}.{capability[1]} (Triton needs 7.0)"
         return Plan(False, False, False, f"model.compile: auto, {why}")
-    if parallel != "ddp":
-        return Plan(False, False, False, f"model.compile: auto, eager with {parallel} for now")
     return Plan(True, regional, False, "model.compile: auto, compiled on cuda")
 
 
@@ -81,7 +81,7 @@ def apply(
 ) -> Plan:
     """Compile `model` in place as `compile_plan` decides for `device`; says what it did."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    plan = compile_plan(setting, device.type, "ddp", bool(blocks), capability)
+    plan = compile_plan(setting, device.type, bool(blocks), capability)
     if plan.compile:
         compile_cache.claim()
         compile_in_place(list(blocks) if plan.regional else [model], plan.strict)

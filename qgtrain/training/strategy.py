@@ -192,6 +192,7 @@ class Shards(Strategy):
             self.env.world_size,
         )
         full = initial_shards.set_aside_full_weights(model) if self.env.is_main else {}
+        compiling.apply(model, self.device, compile_setting, blocks)  # each block, then sharded
         sharding.shard(model, blocks, precision, self.device, self.mesh())
         initial_shards.fill(model, full, self.device)
         return model
