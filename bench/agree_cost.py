@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.common import torchrun_env
+
 PRESETS = {"main": {}, "tiny": {"hidden": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}}
 WAYS = ["none", "sync", "async", "fold"]
 
@@ -48,15 +50,7 @@ def fold_hook(state: dict[str, Any], bucket: dist.GradBucket) -> torch.futures.F
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(torchrun_env(rank, world, port))
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from qgtrain.config import ModelConfig, RunConfig

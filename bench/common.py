@@ -43,3 +43,15 @@ def report(
         f"{med[baseline] * 1e3:.1f} ms, ratio {ratio:.3f} (goal {goal}; n={len(times[candidate])})"
     )
     return ratio
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `world` on this machine, the store on `port`."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }

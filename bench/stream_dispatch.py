@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.common import torchrun_env
+
 WAYS = ["per-rank", "dispatched"]
 
 
@@ -61,15 +63,7 @@ class SlowReader:
 def rank_main(
     rank: int, world: int, port: int, args: argparse.Namespace, folder: str, out: Any
 ) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(torchrun_env(rank, world, port))
     from qgtrain.data.dispatch import DispatchedBatches
     from qgtrain.data.loaders import stream_loader
     from qgtrain.data.mix import Mixture, Source

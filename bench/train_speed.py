@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import torchrun_env
 from qgtrain.config.load import load_config
 from qgtrain.data import corpus
 
@@ -57,15 +58,7 @@ def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, list[subproces
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env={
-                **os.environ,
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            },
+            env={**os.environ, **torchrun_env(r, world, port)},
         )
         for r in range(world)
     ]

@@ -178,11 +178,7 @@ def _greedy_by_window(
         logits = model.logits(windows)
         for position, i in enumerate(live):
             token = int(logits[position, len(windows[position]) - 1].argmax())
-            if token == model.eos_id:
-                done[i] = True
-                continue
-            written[i].append(token)
-            done[i] = len(written[i]) == max_new_tokens or _stopped(model, written[i], stop)
+            _take(model, token, written[i], done, i, max_new_tokens, stop)
     return written
 
 
@@ -205,16 +201,29 @@ def _greedy_with_cache(
         logits, past = model.next_logits(ids, mask, past)
         chosen = [int(token) for token in logits.argmax(-1).tolist()]
         for i, token in enumerate(chosen):
-            if done[i]:
-                continue
-            if token == model.eos_id:
-                done[i] = True
-                continue
-            written[i].append(token)
-            done[i] = len(written[i]) == max_new_tokens or _stopped(model, written[i], stop)
+            if not done[i]:
+                _take(model, token, written[i], done, i, max_new_tokens, stop)
         ids = torch.tensor(chosen, dtype=torch.long).unsqueeze(1)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
     return written
+
+
+def _take(
+    model: Model,
+    token: int,
+    row: list[int],
+    done: list[bool],
+    i: int,
+    max_new_tokens: int,
+    stop: Sequence[str],
+) -> None:
+    """Row i's greedy choice: the end of its text, or one more token written (and perhaps its
+    last: max_new_tokens reached, or a stop string now in it)."""
+    if token == model.eos_id:
+        done[i] = True
+        return
+    row.append(token)
+    done[i] = len(row) == max_new_tokens or _stopped(model, row, stop)
 
 
 def _stopped(model: Model, ids: list[int], stop: Sequence[str]) -> bool:
