@@ -49,10 +49,9 @@ def test_fsdp_trains_like_ddp_on_the_same_model_data_and_seed(tmp_path):
     # recomputed, same
     assert [r["loss"] for r in records(tmp_path / "fsdp-ac")] == [r["loss"] for r in fsdp]
     assert [r["step"] for r in fsdp] == list(range(1, 51))
-    assert (
-        "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks"
-        in (tmp_path / "fsdp-0.out").read_text()
-    )
+    log = (tmp_path / "fsdp-0.out").read_text()
+    assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
+    assert "returned a view tensor" not in log  # the vocabulary cut runs after FSDP's hook
     for a, b in zip(ddp, fsdp):  # the same sums in another order: fp32 rounding, nothing more
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), a["step"]

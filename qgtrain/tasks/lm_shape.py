@@ -52,6 +52,7 @@ ACTIVATION_KEYS = ("activation_function", "hidden_act", "hidden_activation")
 # what transformers' loss functions take beside logits and labels
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 FACTS_ATTRIBUTE = "_qgtrain_lm_facts"
+CUT_ATTRIBUTE = "_qgtrain_vocab_cut"
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def built(config: Any, shape: LMShape, vocab_size: int) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config, **options)
     rows = shape.rows(vocab_size)
     if rows > vocab_size:
-        model.register_forward_hook(_cut_to_vocab(vocab_size), with_kwargs=True)
+        cut = _cut_to_vocab(vocab_size)
+        setattr(model, CUT_ATTRIBUTE, (cut, model.register_forward_hook(cut, with_kwargs=True)))
     facts = {
         "activation": getattr(config, key) if key else None,
         "padded_vocab": rows,
@@ -158,6 +160,18 @@ def built(config: Any, shape: LMShape, vocab_size: int) -> nn.Module:
     }
     setattr(model, FACTS_ATTRIBUTE, facts)
     return model
+
+
+def cut_after_wrappers(model: nn.Module) -> None:
+    """Moves the vocabulary cut behind the forward hooks a wrapper added since the build. FSDP2's
+    post-forward hook registers its pre-backward hook on every output tensor and warns that a view
+    could lose it to an in-place op; the cut logits are such a view. Run after FSDP's hook, the cut
+    hands FSDP the logits the LM head computed, and the view's gradient still reaches them."""
+    installed = getattr(model, CUT_ATTRIBUTE, None)
+    if installed is not None:
+        cut, handle = installed
+        handle.remove()
+        setattr(model, CUT_ATTRIBUTE, (cut, model.register_forward_hook(cut, with_kwargs=True)))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..foundation.errors import ConfigError
 from ..runtime.precision import DTYPES
+from ..tasks.lm_shape import cut_after_wrappers
 
 
 def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -100,6 +101,7 @@ def shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1
         )
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    cut_after_wrappers(model)
     return model
 
 
