@@ -293,10 +293,15 @@ def test_a_lora_runs_checkpoints_score_as_the_loop_scored_them(trained):
     alone = by_step(results(run))[40]
     for name in METRICS:
         assert alone[name] == pytest.approx(loop[name], abs=1e-6), name
-    (run / "eval" / "results.jsonl").unlink()
     trained_only = cli("eval", str(run), "--set", "train.eval_ema=false", cwd=folder)
     assert trained_only.returncode == 0, trained_only.stderr
     assert by_step(results(run))[40]["eval_text_loss"] != loop["eval_text_loss"], "the EMA's"
+    assert len({line["scored_as"] for line in results(run)}) == 6  # 3 tasks, 2 weights
+    (run / "eval" / "results.jsonl").unlink()
+    other_base = cli("eval", str(run), "--set", "train.seed=7", cwd=folder)
+    said = other_base.stderr.strip().splitlines()[-1]
+    assert other_base.returncode == 2 and said.startswith("qgtrain: error: "), said
+    assert "was trained on" in said and "export" not in said
 
 
 @pytest.mark.slow

@@ -5,12 +5,14 @@ and scoring its share of the items (evals/downstream.py). A checkpoint's model i
 rebuilds it and its weights read from the checkpoint of either kind (rank 0's files or DCP shards),
 the EMA's under train.eval_ema, as the loop would have scored it. Results go to
 <run>/eval/results.jsonl, one line per checkpoint and task, written by rank 0 as each task ends: a
-killed `--all` started again skips every (step, task) already there, so each is scored once.
+killed `--all` started again skips every (step, task) already there, so each is scored once; a
+line scored another way (other weights, items or settings: _scored_as) does not count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -25,6 +27,7 @@ from ..config import RunConfig
 from ..config.load import config_files, load_config
 from ..data import tokenizer
 from ..evals.downstream import Downstream, downstream_for
+from ..evals.items import read_tasks
 from ..foundation.errors import QgtrainError
 from ..foundation.files import open_append
 from ..runtime import distributed, log, precision
@@ -132,21 +135,39 @@ def _evaluate_checkpoints(
     chosen: list[checkpoint.Checkpoint],
 ) -> list[dict[str, Any]]:
     results = RunDir(source).eval / "results.jsonl"
-    kept = _kept(results)
-    names = [task["name"] for task in cfg.eval.tasks]
+    scored_as = _scored_as(cfg)
+    kept = [row for row in _kept(results) if row.get("scored_as") == scored_as.get(row["task"])]
     for ckpt in chosen:
         done = {(row["step"], row["task"]) for row in kept}
-        left = [name for name in names if (ckpt.step, name) not in done]
+        left = [name for name in scored_as if (ckpt.step, name) not in done]
         if not left:
-            logger.info("eval: step %d already scored on every task", ckpt.step)
+            logger.info("eval: step %d already scored on every task as now asked", ckpt.step)
             continue
         problem = checkpoint.verify(ckpt)
         if problem is not None:
             raise QgtrainError(f"eval: {problem}")
         model, facts = _checkpoint_model(ckpt, cfg)
         downstream = _downstream(cfg, model, facts, env, device, RunDir(source).eval)
-        kept += _score(downstream, ckpt.step, left, results, {"checkpoint": ckpt.path.name}, env)
+        where = {"checkpoint": ckpt.path.name}
+        kept += _score(downstream, ckpt.step, left, results, where, scored_as, env)
     return kept
+
+
+def _scored_as(cfg: RunConfig) -> dict[str, str]:
+    """Each task's name and what its figures depend on beside the checkpoint (its items, the
+    generation settings, the weights scored, the precision), as a digest. A line kept from an
+    earlier `qgtrain eval` stands for a (step, task) only under the same digest: changing
+    train.eval_ema, a task's file or eval.stop scores the checkpoint again."""
+    asked = (
+        cfg.eval.max_new_tokens,
+        cfg.eval.stop,
+        "ema" if cfg.train.eval_ema else "model",
+        cfg.train.precision,
+    )
+    return {
+        task.name: hashlib.sha256(repr((task.kind, task.items, asked)).encode()).hexdigest()[:16]
+        for task in read_tasks(cfg.eval.tasks, cfg.eval.max_items)
+    }
 
 
 def _checkpoint_model(
@@ -183,8 +204,10 @@ def _evaluate_export(
     }
     downstream = _downstream(cfg, model, facts, env, device, folder / "eval")
     results = folder / "eval" / "results.jsonl"
-    names = [task["name"] for task in cfg.eval.tasks]
-    return _score(downstream, None, names, results, {"export": str(folder)}, env)
+    scored_as = _scored_as(cfg)
+    return _score(
+        downstream, None, list(scored_as), results, {"export": str(folder)}, scored_as, env
+    )
 
 
 def _downstream(
@@ -209,6 +232,7 @@ def _score(
     names: list[str],
     results: Path,
     where: dict[str, Any],
+    scored_as: dict[str, str],
     env: DistEnv,
 ) -> list[dict[str, Any]]:
     """Each task in turn, its line appended (and flushed) by rank 0 as soon as it is scored."""
@@ -218,6 +242,7 @@ def _score(
         metrics = downstream.evaluate(step or 0, only={name})
         took = round(time.perf_counter() - started, 3)
         line = {"step": step, **where, "task": name, **metrics, "seconds": took}
+        line["scored_as"] = scored_as[name]
         lines.append(line)
         if env.is_main:
             with _appending(results) as out:

@@ -156,7 +156,7 @@ def _check_base(
 ) -> None:
     if identity != saved.get("base"):
         raise CheckpointError(
-            f"export: {ckpt.path} was trained on {describe(saved.get('base'))}, "
+            f"{ckpt.path} was trained on {describe(saved.get('base'))}, "
             f"but its config now builds {describe(identity)}; the adapters fit "
             "only their own base"
         )
