@@ -230,10 +230,18 @@ def test_two_ranks_score_in_the_loop_as_one_process_scores_their_checkpoint(trai
     loop = evaluated(run)[40]
     done = cli("eval", str(run), cwd=folder)
     assert done.returncode == 0, done.stderr
-    alone = by_step(results(run))[40]
-    assert alone["eval_facts_acc"] == loop["eval_facts_acc"]
-    assert alone["eval_say_exact_match"] == loop["eval_say_exact_match"]
-    assert alone["eval_text_loss"] == pytest.approx(loop["eval_text_loss"], rel=1e-5)
+    scored = [by_step(results(run))[40]]
+    if parallel == "fsdp":  # again on 2 ranks, each holding its shards of the model
+        (run / "eval" / "results.jsonl").unlink()
+        ranks = start_cli_ranks(2, ["eval", str(run)], folder, log_prefix="eval-fsdp")
+        assert wait_ranks(ranks, 300) == [0, 0], (folder / "eval-fsdp-1.out").read_text()[-2000:]
+        log = (folder / "eval-fsdp-0.out").read_text()
+        assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
+        scored.append(by_step(results(run))[40])
+    for alone in scored:
+        assert alone["eval_facts_acc"] == loop["eval_facts_acc"]
+        assert alone["eval_say_exact_match"] == loop["eval_say_exact_match"]
+        assert alone["eval_text_loss"] == pytest.approx(loop["eval_text_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -59,6 +59,7 @@ def export(args: argparse.Namespace) -> int:
 
 @owner_writes_only()
 def evaluate(args: argparse.Namespace) -> int:
+    from ..ops import eval_results
     from ..ops import evaluate as scoring
     from ..runtime.rendezvous import from_environ
 
@@ -70,14 +71,14 @@ def evaluate(args: argparse.Namespace) -> int:
         tasks = [task.strip() for task in args.harness.split(",") if task.strip()]
         cfg = load_args_config(args)
         lines = scoring.evaluate_harness(args.source, tasks, args.include_path, cfg.eval.batch_size)
-        print(scoring.table(lines))
+        print(eval_results.table(lines))
         return 0
     env = from_environ(os.environ)
     lines = scoring.evaluate(
         args.source, env, args.config or [], args.set, args.step, args.all, args.trust_code
     )
     if env.is_main:
-        print(scoring.table(lines))
+        print(eval_results.table(lines))
     return 0
 
 

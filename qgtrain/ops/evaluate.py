@@ -1,22 +1,18 @@
 """`qgtrain eval`: eval.tasks on a finished run's checkpoints, or on an export.
 
-On 1 or N ranks (torchrun, srun: the same rendezvous as `train`), each rank holding the whole model
-and scoring its share of the items (evals/downstream.py). A checkpoint's model is rebuilt as export
-rebuilds it and its weights read from the checkpoint of either kind (rank 0's files or DCP shards),
-the EMA's under train.eval_ema, as the loop would have scored it. Results go to
-<run>/eval/results.jsonl, one line per checkpoint and task, written by rank 0 as each task ends: a
-killed `--all` started again skips every (step, task) already there, so each is scored once; a
-line scored another way (other weights, items or settings: _scored_as) does not count.
+On 1 or N ranks (torchrun, srun: the same rendezvous as `train`), each rank scoring its share of
+the items (evals/downstream.py) and holding the whole model, or its shards where the run trained
+sharded (_holder). A checkpoint's model is rebuilt as export rebuilds it and its weights read from
+the checkpoint of either kind (rank 0's files or DCP shards), the EMA's under train.eval_ema, as
+the loop would have scored it. Results go to <run>/eval/results.jsonl (eval_results.py): a killed
+`--all` started again skips every (step, task) already scored as now asked, so each is scored once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +23,13 @@ from ..config import RunConfig
 from ..config.load import config_files, load_config
 from ..data import tokenizer
 from ..evals.downstream import Downstream, downstream_for
-from ..evals.items import read_tasks
 from ..foundation.errors import QgtrainError
-from ..foundation.files import open_append
 from ..runtime import distributed, log, precision
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
 from ..state.rundir import RunDir
-from ..training.strategy import Strategy
+from ..training.strategy import Strategy, strategy_for
+from . import eval_results
 from .export import adapter, ema, origin, rebuild, safetensors_io
 from .export.pipeline import require_trusted
 from .export.writer import META
@@ -92,7 +87,7 @@ def evaluate_harness(
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = harness_results(folder, tasks, include_path, batch_size, device)
-    with _appending(folder / "eval" / "results.jsonl") as out:
+    with eval_results.appending(folder / "eval" / "results.jsonl") as out:
         out.write("".join(json.dumps(line) + "\n" for line in lines))
     return lines
 
@@ -135,8 +130,8 @@ def _evaluate_checkpoints(
     chosen: list[checkpoint.Checkpoint],
 ) -> list[dict[str, Any]]:
     results = RunDir(source).eval / "results.jsonl"
-    scored_as = _scored_as(cfg)
-    kept = [row for row in _kept(results) if row.get("scored_as") == scored_as.get(row["task"])]
+    scored_as = eval_results.scored_as(cfg)
+    kept = eval_results.kept(results, scored_as)
     for ckpt in chosen:
         done = {(row["step"], row["task"]) for row in kept}
         left = [name for name in scored_as if (ckpt.step, name) not in done]
@@ -146,42 +141,39 @@ def _evaluate_checkpoints(
         problem = checkpoint.verify(ckpt)
         if problem is not None:
             raise QgtrainError(f"eval: {problem}")
-        model, facts = _checkpoint_model(ckpt, cfg)
-        downstream = _downstream(cfg, model, facts, env, device, RunDir(source).eval)
+        holder = _holder(cfg, env, device)
+        model, facts = _checkpoint_model(ckpt, cfg, empty=holder.builds_empty(resuming=False))
+        downstream = _downstream(cfg, model, facts, holder, RunDir(source).eval)
         where = {"checkpoint": ckpt.path.name}
         kept += _score(downstream, ckpt.step, left, results, where, scored_as, env)
     return kept
 
 
-def _scored_as(cfg: RunConfig) -> dict[str, str]:
-    """Each task's name and what its figures depend on beside the checkpoint (its items, the
-    generation settings, the weights scored, the precision), as a digest. A line kept from an
-    earlier `qgtrain eval` stands for a (step, task) only under the same digest: changing
-    train.eval_ema, a task's file or eval.stop scores the checkpoint again."""
-    asked = (
-        cfg.eval.max_new_tokens,
-        cfg.eval.stop,
-        "ema" if cfg.train.eval_ema else "model",
-        cfg.train.precision,
-    )
-    return {
-        task.name: hashlib.sha256(repr((task.kind, task.items, asked)).encode()).hexdigest()[:16]
-        for task in read_tasks(cfg.eval.tasks, cfg.eval.max_items)
-    }
+def _holder(cfg: RunConfig, env: DistEnv, device: torch.device) -> Strategy:
+    """How the ranks hold each checkpoint's model: sharded over them as the run trained it (fsdp,
+    hsdp; rank 0 reads the weights and sends each rank its shards, as a training start does), so a
+    model too big for one device is scored as the loop scored it; whole on every rank otherwise.
+    A LoRA run's base is rebuilt whole (peft puts the adapters on a full model)."""
+    if cfg.model.adapter != "none" or cfg.train.parallel == "ddp":
+        return Strategy(cfg.train, env, device)
+    return strategy_for(cfg.train, env, device)
 
 
 def _checkpoint_model(
-    ckpt: checkpoint.Checkpoint, cfg: RunConfig
+    ckpt: checkpoint.Checkpoint, cfg: RunConfig, empty: bool = False
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The checkpoint's model on the CPU in fp32 with its weights (the EMA's under
     train.eval_ema), rebuilt as export rebuilds it (a LoRA run's: its base holding the adapters,
-    unmerged, as the loop scored it); and its task's facts."""
+    unmerged, as the loop scored it); and its task's facts. `empty`: no weights (the meta
+    device), for a rank that will be sent its shards."""
     facts = origin.model_facts(ckpt)
     if cfg.train.eval_ema:
         origin.check_weights(ckpt, "ema")
     if cfg.model.adapter != "none":
         return adapter.trained_model(ckpt, cfg, "ema" if cfg.train.eval_ema else "model"), facts
-    model = rebuild.rebuild_lm(ckpt.path, cfg, facts)
+    model = rebuild.rebuild_lm(ckpt.path, cfg, facts, empty=empty)
+    if empty:
+        return model, facts
     wanted = safetensors_io.tensors_to_write(model)
     read = safetensors_io.checkpoint_reader(ckpt)
     if cfg.train.eval_ema:
@@ -202,25 +194,20 @@ def _evaluate_export(
         "tokenizer": str(folder),
         "eos_id": tokenizer.describe(str(folder)).eos_id,
     }
-    downstream = _downstream(cfg, model, facts, env, device, folder / "eval")
+    downstream = _downstream(cfg, model, facts, Strategy(cfg.train, env, device), folder / "eval")
     results = folder / "eval" / "results.jsonl"
-    scored_as = _scored_as(cfg)
+    scored_as = eval_results.scored_as(cfg)
     return _score(
         downstream, None, list(scored_as), results, {"export": str(folder)}, scored_as, env
     )
 
 
 def _downstream(
-    cfg: RunConfig,
-    model: nn.Module,
-    facts: dict[str, Any],
-    env: DistEnv,
-    device: torch.device,
-    samples_dir: Path,
+    cfg: RunConfig, model: nn.Module, facts: dict[str, Any], holder: Strategy, samples_dir: Path
 ) -> Downstream:
-    resolved = precision.resolve(cfg.train.precision, device)
-    whole = Strategy(cfg.train, env, device)  # every rank holds the whole model: no lockstep
-    found = downstream_for(cfg, model.to(device), facts, whole, resolved, samples_dir)
+    resolved = precision.resolve(cfg.train.precision, holder.device)
+    held = holder.wrap(model, False, resolved)
+    found = downstream_for(cfg, held, facts, holder, resolved, samples_dir)
     if found is None:
         raise AssertionError("eval.tasks was checked to be set")
     return found
@@ -245,49 +232,7 @@ def _score(
         line["scored_as"] = scored_as[name]
         lines.append(line)
         if env.is_main:
-            with _appending(results) as out:
+            with eval_results.appending(results) as out:
                 out.write(json.dumps(line) + "\n")
-            logger.info("eval %s step %s: %s", name, step, _figures(metrics))
+            logger.info("eval %s step %s: %s", name, step, eval_results.figures(metrics))
     return lines
-
-
-@contextlib.contextmanager
-def _appending(results: Path) -> Iterator[Any]:
-    results.parent.mkdir(mode=0o700, exist_ok=True)
-    torn = results.is_file() and not results.read_bytes().endswith(b"\n") and results.stat().st_size
-    with open_append(results) as out:
-        if torn:  # a line cut by a kill: the next one starts on its own
-            out.write("\n")
-        yield out
-        out.flush()
-
-
-def _kept(results: Path) -> list[dict[str, Any]]:
-    """The lines a run's results file holds (a line torn by a kill is dropped)."""
-    if not results.is_file():
-        return []
-    kept = []
-    for line in results.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            row = json.loads(line)
-            if isinstance(row, dict) and "task" in row and "step" in row:
-                kept.append(row)
-    return kept
-
-
-def _figures(metrics: dict[str, float | None]) -> str:
-    return " ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in metrics.items())
-
-
-def table(lines: list[dict[str, Any]]) -> str:
-    """The results as the console shows them: one row per checkpoint and task."""
-    rows = [("step", "task", "metrics")] + [
-        (
-            str(line.get("step", "-")),
-            line["task"],
-            _figures({k: v for k, v in line.items() if k.startswith("eval_")}),
-        )
-        for line in lines
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows)
