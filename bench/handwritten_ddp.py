@@ -5,7 +5,8 @@ built as qgtrain builds a new run's: the tanh GELU, SDPA, the byte vocabulary pa
 the loss over its 257 real ones), same token file, batch, sequence length, seed, AdamW,
 learning-rate schedule (nanoGPT's warmup then cosine, with config.yaml's values), clipping and
 backend as qgtrain's job; on a GPU, the same bf16 or fp16 autocast (GradScaler for fp16), fused
-AdamW and optional torch.compile. Prints one JSON line per logged step with the wall-clock time.
+AdamW and optional torch.compile; no key/value cache in the forward (use_cache=False: a training
+step has no use for one). Prints one JSON line per logged step with the wall-clock time.
 Usage: see bench/train_speed.py.
 """
 
@@ -116,7 +117,7 @@ def main() -> None:
         )
         x = x.pin_memory().to(device, non_blocking=True) if cuda else x
         with autocast:
-            logits = ddp(input_ids=x).logits
+            logits = ddp(input_ids=x, use_cache=False).logits
             real = logits[:, :-1, :VOCAB].flatten(0, 1)
             loss = F.cross_entropy(real.float(), x[:, 1:].flatten())
         scaler.scale(loss).backward()

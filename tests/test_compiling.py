@@ -117,3 +117,43 @@ def test_the_cache_folder_is_made_only_when_something_compiles(tmp_path: Path):
         assert compile_cache.claim() == folder and folder.is_dir()
         assert compile_cache.claim() == folder
     assert compile_cache.claim() is None
+
+
+def test_blocks_compile_under_lora_and_activation_checkpointing_to_eager_gradients():
+    """model.compile composes with the transforms as a run applies them (training/transforms.py:
+    LoRA, then each block's forward replaced by its checkpoint; then each block compiled in place):
+    dynamo traces peft's layers inside the checkpointed forward (the training forward builds no
+    key/value cache, whose update there made dynamo run the blocks eager), and the gradients are
+    eager's. Dynamo's eager backend: the graphs are traced, not turned into code."""
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from qgtrain.config.load import load_config
+    from qgtrain.tasks.models import lm_loss
+    from qgtrain.training import sharding
+    from qgtrain.training.adapters import apply_adapter
+
+    cfg = load_config([], ["model.adapter=lora", "train.activation_checkpointing=true"])
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8, resid_pdrop=0.0
+    )
+    config.embd_pdrop = config.attn_pdrop = 0.0  # as model.dropout: dynamo draws other masks
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads = []
+    torch._dynamo.reset()
+    counters.clear()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = apply_adapter(transformers.GPT2LMHeadModel(config), cfg)
+        blocks = sharding.find_blocks(model, ())
+        sharding.checkpoint_activations(blocks)
+        if compiled:
+            compiling.compile_in_place(blocks, strict=True, backend="eager")
+        lm_loss(model, ids).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert counters["stats"]["unique_graphs"] >= 1, "the blocks were traced"
+    torch._dynamo.reset()
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
+    assert any(bool(g.abs().sum()) for g in grads[0].values())
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad)

@@ -243,3 +243,19 @@ def test_qgtrain_train_imports_the_built_in_models_modeling_in_the_background():
     warm_imports.wait()
     assert not warm_imports._started and not thread.is_alive()
     assert "transformers.models.opt.modeling_opt" in sys.modules
+
+
+@pytest.mark.parametrize(
+    "facts, keeps",
+    [
+        (None, False),
+        ({}, True),
+        ({"training_cache": True}, True),
+        ({"training_cache": False}, False),
+    ],
+)
+def test_only_a_run_begun_before_keeps_the_training_forwards_cache(facts, keeps):
+    """A new run (no facts) asks for no key/value cache; one resumed from a checkpoint whose facts
+    predate the choice keeps transformers' default, bit for bit (test_old_checkpoint.py)."""
+    with lm_shape.resuming(facts):
+        assert lm_shape.keeps_default_cache() is keeps

@@ -53,7 +53,8 @@ class Model:
         for index, row in enumerate(rows):
             ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
         with precisions.autocast(self.precision, self.device):
-            out = self.module(input_ids=ids.to(self.device))
+            no_cache = {"use_cache": False} if self.cache_argument else {}
+            out = self.module(input_ids=ids.to(self.device), **no_cache)
         logits = out.logits if hasattr(out, "logits") else out
         return logits[..., : self.vocab_size].float()
 

@@ -7,6 +7,7 @@ factory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,7 @@ def causal_lm(cfg: RunConfig) -> Task:
         if cfg.data.name in ("corpus", "files")
         else None
     )
+    default_cache = lm_shape.keeps_default_cache()  # a run begun before keeps it: bit for bit
     facts = {
         "vocab_size": splits.vocab_size,
         "seq_len": cfg.data.seq_len,
@@ -84,13 +86,14 @@ def causal_lm(cfg: RunConfig) -> Task:
         "tokenizer": tokenizer_spec,
         "data": str(prepared.folder) if prepared else None,
         **lm_shape.facts_of(model),
+        lm_shape.TRAINING_CACHE: default_cache,
     }
     return Task(
         model=model,
         train=splits.train,
         val=splits.val,
         test=splits.test,
-        loss=lm_loss,
+        loss=functools.partial(lm_loss, default_cache=True) if default_cache else lm_loss,
         tokens=batch_tokens,
         facts=facts,
         flops_per_sample=training_flops(model, cfg.data.seq_len),

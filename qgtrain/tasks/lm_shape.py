@@ -22,6 +22,8 @@ checkpoint), and a resumed run is built from its checkpoint's (`resuming`, set b
 Facts without them, written before, give the model as it was built then (`from_facts` of them is
 LEGACY): gelu_new, the vocabulary unpadded, transformers' default attention, the weights drawn twice
 (a LoRA run's frozen base is drawn again on every start, so its values must not change either).
+So does the training forward's key/value cache, for any model the built-in task trains: a new run
+asks for none, a run begun before keeps transformers' default (`keeps_default_cache`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ ACTIVATION_KEYS = ("activation_function", "hidden_act", "hidden_activation")
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 FACTS_ATTRIBUTE = "_qgtrain_lm_facts"
 CUT_ATTRIBUTE = "_qgtrain_vocab_cut"
+TRAINING_CACHE = "training_cache"  # the task's fact: does the training forward build a KV cache
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,13 @@ def for_run(model: ModelConfig) -> LMShape:
     """A new run's shape, or the resumed checkpoint's."""
     facts = _RESUMED.get()
     return new_shape(model) if facts is None else from_facts(facts)
+
+
+def keeps_default_cache() -> bool:
+    """Whether the training forward keeps transformers' default key/value cache (models.lm_loss):
+    only in a run resumed from a checkpoint whose facts predate TRAINING_CACHE."""
+    facts = _RESUMED.get()
+    return facts is not None and facts.get(TRAINING_CACHE, True) is not False
 
 
 def saved_facts(checkpoint_dir: Path) -> dict[str, Any]:

@@ -85,23 +85,35 @@ def build_model(
         ) from None
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+def lm_loss(
+    model: nn.Module,
+    tokens: torch.Tensor | Mapping[str, torch.Tensor],
+    default_cache: bool = False,
+) -> torch.Tensor:
     """Mean next-token cross-entropy over a batch of token windows, or over the counted tokens of a
     batch of chat rows ({input_ids, labels, position_ids(, attention_mask)}, labels -100 where the
     loss does not count): a mean per micro-batch, as for windows, however many tokens it counts.
 
     The labels are shifted, not the logits: slicing the logits' last position off makes a flattened
     copy of them, the largest activation of a language model, before the fp32 copy the loss
-    needs."""
+    needs.
+
+    A transformers model is told use_cache=False. Its default builds a key/value cache in every
+    forward: each layer's keys and values copied into it (torch.cat), held until the forward
+    returns, at its peak of activation memory; under activation checkpointing the cache's update
+    inside a compiled block makes dynamo give up on the block (it runs eager). The copies are what
+    attention then reads, which moves the last bits of its gradients where dropout is on, so a run
+    begun with the default keeps it (`default_cache`, from its model facts: lm_shape.py). Chat
+    rows never had it: without a cache a transformers model builds its causal mask per sample from
+    position ids that reset (masking_utils.find_packed_sequence_indices); with one it ignores
+    them."""
+    hugging_face = hasattr(getattr(model, "module", model), "config")
+    no_cache = {"use_cache": False} if hugging_face else {}
     if isinstance(tokens, Mapping):
         inputs = {k: v for k, v in tokens.items() if k != "labels"}
-        # Without a cache a transformers model builds its causal mask per sample from position ids
-        # that reset (masking_utils.find_packed_sequence_indices); with one it ignores them.
-        hugging_face = hasattr(getattr(model, "module", model), "config")
-        out = model(**inputs, **({"use_cache": False} if hugging_face else {}))
-        targets = tokens["labels"]
+        out, targets = model(**inputs, **no_cache), tokens["labels"]
     else:
-        out, targets = model(input_ids=tokens), tokens
+        out, targets = model(input_ids=tokens, **({} if default_cache else no_cache)), tokens
     logits = out.logits if hasattr(out, "logits") else out
     labels = F.pad(targets[:, 1:], (0, 1), value=-100)  # the last position predicts nothing
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)

@@ -4,8 +4,8 @@ training, in the order of TRANSFORMS, each applied where its setting asks for it
 A transform takes the task's model and returns the model to train (the same object changed in place,
 as all of these do, so the names in checkpoints stay the model's own). They run on every rank with
 the same seed, before the ranks' random streams part, so anything a transform draws (LoRA's initial
-adapters) is the same everywhere. torch.compile is not among them: it returns a new module that only
-forward and backward go through, so it stays with the wrap (strategy.py). A new transform is a
+adapters) is the same everywhere. torch.compile is not among them: it must follow them (it traces
+what they made) and precede sharding, so the wrap applies it (strategy.py). A new transform is a
 function here, a row in the table and the setting that turns it on.
 """
 
