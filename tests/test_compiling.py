@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from qgtrain.runtime import compile_cache
 from qgtrain.training import compiling
@@ -157,3 +158,29 @@ def test_blocks_compile_under_lora_and_activation_checkpointing_to_eager_gradien
     assert any(bool(g.abs().sum()) for g in grads[0].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad)
+
+
+class _CheckpointedBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._broken, x, use_reentrant=False)
+
+    def _broken(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # inside a checkpoint dynamo cannot resume: the call runs eager
+        return self.linear(x)
+
+
+def test_a_block_dynamo_compiles_nothing_of_is_named_in_one_line(caplog):
+    torch._dynamo.reset()
+    blocks = [_CheckpointedBlock(), _CheckpointedBlock()]
+    traced = _Blocks()
+    compiling.compile_in_place(blocks, strict=True, backend="eager")
+    compiling.compile_in_place(list(traced.layers), strict=True, backend="eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="qgtrain"):
+        for block in blocks * 2:
+            block(x).sum().backward()
+        traced(x).sum().backward()
+    torch._dynamo.reset()
+    lines = [r.getMessage() for r in caplog.records if "compiled nothing" in r.getMessage()]
+    assert len(lines) == 1 and "_CheckpointedBlock, which runs eager" in lines[0], lines
+    assert "graph_break()" in lines[0], "dynamo's reason"

@@ -91,21 +91,43 @@ def apply(
 
 
 def compile_in_place(targets: Sequence[nn.Module], strict: bool, backend: Any = "inductor") -> None:
-    """Compile each target's call. Unless `strict`, a failure at a target's first call sends
-    every target back to eager, once, with one line saying why."""
-    if strict:
-        for target in targets:
-            target.compile(backend=backend)
-        return
-    fallback = _Fallback(targets)
+    """Compile each target's call. The first call of any is watched: where dynamo compiled nothing
+    of it, one line says so and why (a graph break it cannot resume from, such as one inside a
+    checkpointed forward, makes it run the whole call eager without a word). Unless `strict`, a
+    failure at a target's first call sends every target back to eager, once, with one line saying
+    why."""
+    first = _FirstCalls(targets, strict)
     for target in targets:
         compiled = torch.compile(target._call_impl, backend=backend)
-        target._compiled_call_impl = _FirstCall(target, compiled, fallback)
+        target._compiled_call_impl = _FirstCall(target, compiled, first)
 
 
-class _Fallback:
-    def __init__(self, targets: Sequence[nn.Module]) -> None:
-        self.targets = list(targets)
+class _FirstCalls:
+    def __init__(self, targets: Sequence[nn.Module], strict: bool) -> None:
+        self.targets, self.strict, self.watched = list(targets), strict, False
+
+    def watch(self, call: Callable[[], Any], target: nn.Module) -> Any:
+        """The first target's first call: the blocks share their code, so what dynamo makes of
+        it, the others reuse."""
+        if self.watched:
+            return call()
+        self.watched = True
+        from torch._dynamo.utils import counters  # 1 s to import: only where something compiles
+
+        graphs = counters["stats"]["unique_graphs"]
+        seen = set(counters["graph_break"]) | set(counters["unimplemented"])
+        out = call()
+        if counters["stats"]["unique_graphs"] == graphs:
+            new = [
+                r for r in (*counters["unimplemented"], *counters["graph_break"]) if r not in seen
+            ]
+            why = " ".join(new[0].split()[:40]) if new else "no graph was captured"
+            log.warning(
+                "model.compile: dynamo compiled nothing of %s, which runs eager (%s)",
+                type(target).__name__,
+                why,
+            )
+        return out
 
     def to_eager(self, exc: BaseException) -> None:
         if self.targets:
@@ -124,16 +146,16 @@ class _Fallback:
 class _FirstCall:
     """A compiled call until its first success, after which the compiled call replaces it."""
 
-    def __init__(
-        self, target: nn.Module, compiled: Callable[..., Any], fallback: _Fallback
-    ) -> None:
-        self.target, self.compiled, self.fallback = target, compiled, fallback
+    def __init__(self, target: nn.Module, compiled: Callable[..., Any], first: _FirstCalls) -> None:
+        self.target, self.compiled, self.first = target, compiled, first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            out = self.compiled(*args, **kwargs)
+            out = self.first.watch(lambda: self.compiled(*args, **kwargs), self.target)
         except Exception as exc:  # noqa: BLE001 torch.compile raises bare Exceptions
-            self.fallback.to_eager(exc)
+            if self.first.strict:
+                raise
+            self.first.to_eager(exc)
             return self.target._call_impl(*args, **kwargs)
         if self.target._compiled_call_impl is self:
             self.target._compiled_call_impl = self.compiled
