@@ -80,6 +80,23 @@ def test_the_built_in_loss_equals_transformers_own_causal_lm_loss():
     torch.testing.assert_close(lm_loss(model, ids), model(input_ids=ids, labels=ids).loss)
 
 
+def test_a_factory_model_holding_a_config_is_not_asked_for_use_cache():
+    """The built-in loss tells a transformers model use_cache=False; a model of one's own that
+    keeps a `config` (as nanoGPT's does) and whose forward takes input_ids alone still trains."""
+    from qgtrain.tasks.models import lm_loss
+
+    class OwnLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = {"vocab": 11}
+            self.embed = torch.nn.Embedding(11, 11)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(input_ids)
+
+    lm_loss(OwnLM(), torch.randint(0, 11, (2, 5))).backward()
+
+
 def test_an_update_from_non_finite_gradients_is_skipped_on_the_device_by_fused_optimizers():
     """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count;
     another optimizer skips by reading the flag. Either way the weights and the state stay as they

@@ -132,6 +132,7 @@ def _evaluate_checkpoints(
     results = RunDir(source).eval / "results.jsonl"
     scored_as = eval_results.scored_as(cfg)
     kept = eval_results.kept(results, scored_as)
+    holder = _holder(cfg, env, device)
     for ckpt in chosen:
         done = {(row["step"], row["task"]) for row in kept}
         left = [name for name in scored_as if (ckpt.step, name) not in done]
@@ -141,7 +142,6 @@ def _evaluate_checkpoints(
         problem = checkpoint.verify(ckpt)
         if problem is not None:
             raise QgtrainError(f"eval: {problem}")
-        holder = _holder(cfg, env, device)
         model, facts = _checkpoint_model(ckpt, cfg, empty=holder.builds_empty(resuming=False))
         downstream = _downstream(cfg, model, facts, holder, RunDir(source).eval)
         where = {"checkpoint": ckpt.path.name}

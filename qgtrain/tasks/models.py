@@ -8,8 +8,11 @@ is built the fast way its shape allows (lm_shape.py), as its run's model facts s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +110,7 @@ def lm_loss(
     rows never had it: without a cache a transformers model builds its causal mask per sample from
     position ids that reset (masking_utils.find_packed_sequence_indices); with one it ignores
     them."""
-    hugging_face = hasattr(getattr(model, "module", model), "config")
-    no_cache = {"use_cache": False} if hugging_face else {}
+    no_cache = {"use_cache": False} if _takes_use_cache(model) else {}
     if isinstance(tokens, Mapping):
         inputs = {k: v for k, v in tokens.items() if k != "labels"}
         out, targets = model(**inputs, **no_cache), tokens["labels"]
@@ -117,3 +119,17 @@ def lm_loss(
     logits = out.logits if hasattr(out, "logits") else out
     labels = F.pad(targets[:, 1:], (0, 1), value=-100)  # the last position predicts nothing
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether the forward takes use_cache: a transformers model's, under DDP or peft too. A model
+    of a factory's may hold a `config` and still take no such argument."""
+    inner = getattr(model, "module", model)  # DDP's
+    base = getattr(inner, "get_base_model", None)  # a PeftModel's
+    forward = type(base() if callable(base) else inner).forward
+    return _takes("use_cache", forward)
+
+
+@functools.cache
+def _takes(name: str, forward: Callable[..., Any]) -> bool:
+    return name in inspect.signature(forward).parameters
