@@ -184,3 +184,47 @@ def test_a_block_dynamo_compiles_nothing_of_is_named_in_one_line(caplog):
     lines = [r.getMessage() for r in caplog.records if "compiled nothing" in r.getMessage()]
     assert len(lines) == 1 and "_CheckpointedBlock, which runs eager" in lines[0], lines
     assert "graph_break()" in lines[0], "dynamo's reason"
+
+
+class _NumberedBlock(_Block):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index  # an int dynamo guards on: each block compiled again
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.index
+
+
+def test_blocks_compiled_one_by_one_to_the_recompile_limit_are_named_in_one_line(caplog):
+    torch._dynamo.reset()
+    blocks = [_NumberedBlock(index) for index in range(1, 11)]
+    compiling.compile_in_place(blocks, strict=True, backend="eager")
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="qgtrain"):
+        for block in blocks * 2:
+            block(x)
+    torch._dynamo.reset()
+    lines = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(lines) == 1 and "each _NumberedBlock on its own" in lines[0], lines
+    assert "at call 9" in lines[0]
+
+
+def test_the_built_in_lms_blocks_compile_into_one_graph(caplog):
+    """A new run's GPT-2 of 12 blocks, forward and backward through the built-in loss: one graph
+    for every block, no break. transformers' default key/value cache (the training forward's
+    before) guarded on each block's layer index: a compile per block, and past the eighth, eager."""
+    from torch._dynamo.utils import counters
+
+    from qgtrain.config import ModelConfig
+    from qgtrain.tasks.models import build_model, lm_loss
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(layers=12, hidden=32, heads=2), 257, 16, None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiling.compile_in_place(compiling.repeated_blocks(model, ()), strict=True, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="qgtrain"):
+        lm_loss(model, torch.randint(0, 257, (2, 16))).backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["unimplemented"])
+    assert not counters["graph_break"] and not caplog.records
+    torch._dynamo.reset()

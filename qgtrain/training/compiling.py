@@ -91,11 +91,9 @@ def apply(
 
 
 def compile_in_place(targets: Sequence[nn.Module], strict: bool, backend: Any = "inductor") -> None:
-    """Compile each target's call. The first call of any is watched: where dynamo compiled nothing
-    of it, one line says so and why (a graph break it cannot resume from, such as one inside a
-    checkpointed forward, makes it run the whole call eager without a word). Unless `strict`, a
-    failure at a target's first call sends every target back to eager, once, with one line saying
-    why."""
+    """Compile each target's call. Each target's first call is watched (_FirstCalls.watch): where
+    dynamo quietly leaves blocks eager, one line says so and why. Unless `strict`, a failure at a
+    target's first call sends every target back to eager, once, with one line saying why."""
     first = _FirstCalls(targets, strict)
     for target in targets:
         compiled = torch.compile(target._call_impl, backend=backend)
@@ -103,31 +101,44 @@ def compile_in_place(targets: Sequence[nn.Module], strict: bool, backend: Any = 
 
 
 class _FirstCalls:
+    """What the targets' first calls share: strictness, the fall back to eager, and the watch on
+    what dynamo made of them."""
+
     def __init__(self, targets: Sequence[nn.Module], strict: bool) -> None:
-        self.targets, self.strict, self.watched = list(targets), strict, False
+        self.targets, self.strict = list(targets), strict
+        self.told: set[str] = set()
+        self.calls = 0
 
     def watch(self, call: Callable[[], Any], target: nn.Module) -> Any:
-        """The first target's first call: the blocks share their code, so what dynamo makes of
-        it, the others reuse."""
-        if self.watched:
-            return call()
-        self.watched = True
+        """Each target's first call. The blocks share their code, so dynamo compiles the first and
+        the others reuse its graph; two things it does without a word are told in one line each:
+        compiling nothing of the first (it runs eager), and compiling a block again for each
+        block until its recompile limit (8), after which the rest run eager."""
         from torch._dynamo.utils import counters  # 1 s to import: only where something compiles
 
         graphs = counters["stats"]["unique_graphs"]
         seen = set(counters["graph_break"]) | set(counters["unimplemented"])
         out = call()
-        if counters["stats"]["unique_graphs"] == graphs:
-            new = [
-                r for r in (*counters["unimplemented"], *counters["graph_break"]) if r not in seen
-            ]
-            why = " ".join(new[0].split()[:40]) if new else "no graph was captured"
-            log.warning(
-                "model.compile: dynamo compiled nothing of %s, which runs eager (%s)",
-                type(target).__name__,
-                why,
+        self.calls += 1
+        new = [r for r in (*counters["unimplemented"], *counters["graph_break"]) if r not in seen]
+        why = " ".join(new[0].split()[:40]) if new else "no graph was captured"
+        name = type(target).__name__
+        if self.calls == 1 and counters["stats"]["unique_graphs"] == graphs:
+            self._tell("nothing", f"dynamo compiled nothing of {name}, which runs eager ({why})")
+        if any("recompile limit" in r.lower() for r in new):
+            self._tell(
+                "limit",
+                f"dynamo compiled each {name} on its own and stopped at its recompile limit at "
+                f"call {self.calls}: the rest run eager (each block's forward differs in "
+                "something dynamo guards on, such as an int attribute; TORCH_LOGS=recompiles "
+                "says which)",
             )
         return out
+
+    def _tell(self, what: str, line: str) -> None:
+        if what not in self.told:
+            self.told.add(what)
+            log.warning("model.compile: %s", line)
 
     def to_eager(self, exc: BaseException) -> None:
         if self.targets:
