@@ -103,13 +103,14 @@ def lm_loss(
 
     A transformers model is told use_cache=False. Its default builds a key/value cache in every
     forward: each layer's keys and values copied into it (torch.cat), held until the forward
-    returns, at its peak of activation memory; under activation checkpointing the cache's update
-    inside a compiled block makes dynamo give up on the block (it runs eager). The copies are what
-    attention then reads, which moves the last bits of its gradients where dropout is on, so a run
-    begun with the default keeps it (`default_cache`, from its model facts: lm_shape.py). Chat
-    rows never had it: without a cache a transformers model builds its causal mask per sample from
-    position ids that reset (masking_utils.find_packed_sequence_indices); with one it ignores
-    them."""
+    returns, at its peak of activation memory; and the cache's update inside a compiled block
+    guards on the block's layer index, so dynamo compiles each block on its own up to its recompile
+    limit (8; the rest run eager), or under activation checkpointing gives up on the block. The
+    copies are what attention then reads, which moves the last bits of its gradients where dropout
+    is on, so a run begun with the default keeps it (`default_cache`, from its model facts:
+    lm_shape.py). Chat rows never had it: without a cache a transformers model builds its causal
+    mask per sample from position ids that reset (masking_utils.find_packed_sequence_indices); with
+    one it ignores them."""
     no_cache = {"use_cache": False} if _takes_use_cache(model) else {}
     if isinstance(tokens, Mapping):
         inputs = {k: v for k, v in tokens.items() if k != "labels"}
