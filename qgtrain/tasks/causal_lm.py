@@ -71,19 +71,12 @@ def causal_lm(cfg: RunConfig) -> Task:
             f"data.tokenizer: {cfg.data.tokenizer} has {splits.vocab_size} tokens but the model "
             f"embeds only {embeddings.num_embeddings}; use the tokenizer the model was trained with"
         )
-    tokenizer_spec = (
-        "byte"
-        if cfg.data.name == "synthetic"
-        else cfg.data.tokenizer
-        if cfg.data.name in ("corpus", "files")
-        else None
-    )
     default_cache = lm_shape.keeps_default_cache()  # a run begun before keeps it: bit for bit
     facts = {
         "vocab_size": splits.vocab_size,
         "seq_len": cfg.data.seq_len,
         "eos_id": eos_id,
-        "tokenizer": tokenizer_spec,
+        "tokenizer": _tokenizer_spec(cfg.data),
         "data": str(prepared.folder) if prepared else None,
         **lm_shape.facts_of(model),
         lm_shape.TRAINING_CACHE: default_cache,
@@ -98,6 +91,14 @@ def causal_lm(cfg: RunConfig) -> Task:
         facts=facts,
         flops_per_sample=training_flops(model, cfg.data.seq_len),
     )
+
+
+def _tokenizer_spec(data: DataConfig) -> str | None:
+    """What writes text as the run's tokens (evaluation's tasks need it): none for a factory's
+    data."""
+    if data.name == "synthetic":
+        return "byte"
+    return data.tokenizer if data.name in ("corpus", "files") else None
 
 
 def _eos_id(data: DataConfig, prepared: corpus.TokenFiles | None) -> int | None:

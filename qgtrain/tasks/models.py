@@ -98,8 +98,7 @@ def lm_loss(
     loss does not count): a mean per micro-batch, as for windows, however many tokens it counts.
 
     The labels are shifted, not the logits: slicing the logits' last position off makes a flattened
-    copy of them, the largest activation of a language model, before the fp32 copy the loss
-    needs.
+    copy of them, the largest activation of a language model, before the fp32 copy the loss needs.
 
     A transformers model is told use_cache=False. Its default builds a key/value cache in every
     forward: each layer's keys and values copied into it (torch.cat), held until the forward
