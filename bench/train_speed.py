@@ -13,7 +13,8 @@ qgtrain runs with its own model.compile default (auto: compiled on CUDA, eager o
 way. Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset main|gpt2-124m]
        [--device cpu|cuda] [--world 2] [--precision fp32|bf16|fp16] [--compile [auto|true|false]]
        [--peak-tflops 989] [--batch N]
-Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge. qgtrain runs
+Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge, with every
+model.compile warning qgtrain logged (a block dynamo left eager). qgtrain runs
 from the installed package: `PYTHONPATH=<tree> python -m bench.train_speed` times another tree's.
 """
 
@@ -128,6 +129,14 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
     return measure([r for r in records if "loss" in r], start, args.steps)
 
 
+def compile_warnings(run: Path) -> set[str]:
+    """The warnings qgtrain's rank 0 logged about model.compile (a block left eager, a failure),
+    without their time stamps."""
+    log = run / "logs" / "rank_0.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return {line.split(" WARNING ", 1)[1] for line in lines if " WARNING model.compile" in line}
+
+
 def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[str, float]:
     shape = shape_of(args)
     start, procs = launch(
@@ -207,6 +216,7 @@ def main() -> None:
     )
     tokens = corpus.prepare(cfg.data).path("train")
     results: dict[str, list[dict[str, float]]] = {"qgtrain": [], "hand-written": []}
+    warned: set[str] = set()
     for index in range(args.rounds):  # ABBA order: drift over the run favours neither side
         for name in ["qgtrain", "hand-written"] if index % 2 == 0 else ["hand-written", "qgtrain"]:
             results[name].append(
@@ -214,6 +224,7 @@ def main() -> None:
                 if name == "qgtrain"
                 else run_handwritten(work, args, tokens)
             )
+        warned |= compile_warnings(work / f"run{index}")
         print(
             f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, hand-written "
             f"{results['hand-written'][-1]}",
@@ -266,6 +277,8 @@ def main() -> None:
         "(goal within 0.3 s)"
     )
     print(f"time waiting for data: {q['data_wait']:.2%} of qgtrain's step time (goal < 1%)")
+    for line in sorted(warned):
+        print(f"qgtrain warned: {line}")
     for name, m in med.items():
         print(
             f"{name}'s start, medians: "
@@ -289,6 +302,7 @@ def main() -> None:
         "mfu": mfu if args.device == "cuda" else None,
         "first_step_s": {k: m["first_step_s"] for k, m in sides.items()},
         "data_wait": q["data_wait"],
+        "compile_warnings": sorted(warned),
     }
     print("result " + json.dumps(result))
 

@@ -121,10 +121,13 @@ def test_probe_checks_fail_on_wrong_facts() -> None:
     assert [r.verdict for r in report.results] == ["FAIL", "FAIL", "PASS", "FAIL"]
 
 
-def speed_result(ratio: float, mfu: float, start_s: float, data_wait: float) -> str:
-    """bench.train_speed's last line, as it prints it."""
+def speed_result(ratio: float, mfu: float, start_s: float, data_wait: float, *warned: str) -> str:
+    """bench.train_speed's last line, as it prints it (compiled, as on a GPU, where warnings are
+    given)."""
     sides = ("qgtrain", "hand-written")
     got = {
+        "compiled": bool(warned) or None,
+        "compile_warnings": [w for w in warned if w],
         "ratio": ratio,
         "tokens_per_s": dict(zip(sides, (ratio * 1000.0, 1000.0))),
         "mfu": dict(zip(sides, (mfu, mfu / ratio))),
@@ -143,6 +146,12 @@ def speed_result(ratio: float, mfu: float, start_s: float, data_wait: float) -> 
         (64, (0.99, 0.41, 1.5, 0.005), ["PASS", "PASS", "FAIL", "PASS"]),
         (64, (0.99, 0.41, 0.5, 0.012), ["PASS", "PASS", "PASS", "FAIL"]),
         (16, (0.99, 0.15, 0.5, 0.005), ["PASS"] * 3),  # MFU is held to its goal at batch 64 only
+        (16, (0.99, 0.15, 0.5, 0.005, ""), ["PASS"] * 4),  # compiled, no warning
+        (
+            16,
+            (0.99, 0.15, 0.5, 0.005, "model.compile: dynamo compiled nothing"),
+            ["PASS"] * 3 + ["FAIL"],
+        ),
     ],
 )
 def test_speed_readings_are_held_to_issue_47s_goals(batch, reading, verdicts) -> None:

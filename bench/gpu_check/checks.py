@@ -174,7 +174,8 @@ def step_time(report: Report, folder: Path, rounds: int) -> None:
 
 def judge_speed(report: Report, done: procs.Finished, output: str, batch: int) -> None:
     """Four checks from train_speed's `result` line: the ratio, MFU at the goals' batch, the start
-    and the data wait."""
+    and the data wait; a fifth where qgtrain compiled: no model.compile warning in its log (a
+    block dynamo left eager, a compile that fell back)."""
     found = re.search(r"^result (\{.*\})$", output, re.MULTILINE)
     name = f"gpt2-124m batch {batch}"
     if not done.ok or found is None:
@@ -211,6 +212,14 @@ def judge_speed(report: Report, done: procs.Finished, output: str, batch: int) -
         f"{got['data_wait']:.2%} of the step",
         f"goal < {GOAL_DATA_WAIT:.0%}",
     )
+    if got.get("compiled"):
+        warned = got.get("compile_warnings", [])
+        report.check(
+            not warned,
+            f"{name}: every block compiled",
+            f"{len(warned)} model.compile warning(s)",
+            "; ".join(warned)[:300] or "none in qgtrain's log",
+        )
 
 
 def no_host_sync(report: Report, plan: runs.Plan, folder: Path) -> None:
