@@ -228,3 +228,34 @@ def test_the_built_in_lms_blocks_compile_into_one_graph(caplog):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["unimplemented"])
     assert not counters["graph_break"] and not caplog.records
     torch._dynamo.reset()
+
+
+def test_evaluation_runs_the_compiled_blocks_eager_and_training_keeps_its_graph():
+    """Generation's key/value cache inside compiled blocks guards on each block's layer index:
+    compiled, dynamo would compile each block again up to its recompile limit, for forwards run
+    once per evaluation. Under run_eager (downstream evaluation's) nothing compiles, and training's
+    graph is there after it."""
+    from torch._dynamo.utils import counters
+
+    from qgtrain.config import ModelConfig
+    from qgtrain.evals.scoring import cache_argument
+    from qgtrain.tasks.models import build_model, lm_loss
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(layers=12, hidden=32, heads=2), 257, 16, None)
+    blocks = compiling.repeated_blocks(model, ())
+    ids = torch.randint(0, 257, (2, 8))
+    torch._dynamo.reset()
+    counters.clear()
+    compiling.compile_in_place(blocks, strict=True, backend="eager")
+    lm_loss(model, ids).backward()
+    with torch.no_grad(), compiling.run_eager(model):
+        cache = model(input_ids=ids, use_cache=True)[cache_argument(model)]
+        for _ in range(3):
+            out = model(input_ids=ids[:, :1], use_cache=True, **{cache_argument(model): cache})
+            cache = out[cache_argument(model)]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["unimplemented"]
+    lm_loss(model, ids).backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    torch._dynamo.reset()

@@ -25,6 +25,7 @@ from ..foundation.errors import ConfigError
 from ..foundation.files import write_atomic
 from ..runtime import objects
 from ..runtime.rendezvous import DistEnv
+from ..training.compiling import run_eager
 from ..training.strategy import Strategy
 from . import scoring
 from .items import Choice, EvalTask, Prompt, Text, read_tasks
@@ -54,9 +55,10 @@ class Downstream:
         try:
             metrics: dict[str, float | None] = {}
             samples: dict[str, list[dict[str, Any]]] = {}
-            for task in self.tasks:
-                if only is None or task.name in only:
-                    metrics.update(self._score(task, samples))
+            with run_eager(self.model.module):
+                for task in self.tasks:
+                    if only is None or task.name in only:
+                        metrics.update(self._score(task, samples))
         finally:
             self.model.module.train(was_training)
         if samples:

@@ -18,8 +18,9 @@ torch._dynamo.config.suppress_errors is never set: it would hide failures everyw
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,22 @@ def apply(
         where = f"{len(blocks)} {type(blocks[0]).__name__} blocks" if plan.regional else "model"
         log.info("%s: compiling the %s", plan.why, where)
     return plan
+
+
+@contextlib.contextmanager
+def run_eager(model: nn.Module) -> Iterator[None]:
+    """Inside, every block compiled in place runs its plain call. Downstream evaluation forwards
+    rows of every length and generation's key/value cache, whose update guards on each block's
+    layer index: compiled, dynamo would compile each block again up to its recompile limit, for
+    forwards that run once per evaluation."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if m._compiled_call_impl]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
 
 
 def compile_in_place(targets: Sequence[nn.Module], strict: bool, backend: Any = "inductor") -> None:
