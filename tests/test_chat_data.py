@@ -384,7 +384,8 @@ def test_two_ranks_learn_the_answers_and_a_killed_run_resumes_bit_for_bit(tmp_pa
     ) == [0, 0]
     expected = records(reference)
     losses = [r["loss"] for r in expected if "loss" in r]
-    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:2]), losses
+    # the median: at optim.lr 0.01 one step may spike, and which one depends on the held-out lines
+    assert np.median(losses[-4:]) < 0.8 * np.mean(losses[:2]), losses
     assert "data: 0 of 400 samples truncated" in (reference / "logs" / "rank_0.log").read_text()
     seed = int(time.time())
     kill_at = random.Random(seed).randrange(5, 13)
