@@ -153,10 +153,12 @@ def _holder(cfg: RunConfig, env: DistEnv, device: torch.device) -> Strategy:
     """How the ranks hold each checkpoint's model: sharded over them as the run trained it (fsdp,
     hsdp; rank 0 reads the weights and sends each rank its shards, as a training start does), so a
     model too big for one device is scored as the loop scored it; whole on every rank otherwise.
-    A LoRA run's base is rebuilt whole (peft puts the adapters on a full model)."""
-    if cfg.model.adapter != "none" or cfg.train.parallel == "ddp":
-        return Strategy(cfg.train, env, device)
-    return strategy_for(cfg.train, env, device)
+    A LoRA run's base is rebuilt whole (peft puts the adapters on a full model). The run's
+    strategy says whether its ranks hold shards: those evaluate in lockstep."""
+    trained = strategy_for(cfg.train, env, device)
+    if trained.evaluates_in_lockstep and cfg.model.adapter == "none":
+        return trained
+    return Strategy(cfg.train, env, device)
 
 
 def _checkpoint_model(
