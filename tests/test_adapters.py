@@ -1,7 +1,8 @@
 """LoRA adapters (model.adapter: lora) on a small Llama saved by the test as the pretrained base:
 two gloo ranks train the adapters only; a SIGKILLed run resumes bit for bit; checkpoints hold the
 adapters, not the base; the PEFT adapter export and the merged export compute the same logits; fsdp
-(with activation checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains;
+(with activation checkpointing, resumed from its sharded checkpoint) trains the adapters ddp trains,
+bit for bit;
 a checkpoint resumed onto another base, unknown target modules and rank 0 are refused in one line;
 on the built-in GPT-2 (drawn from train.seed) only the merged export is written. The merged export
 of a pretrained folder is streamed from its safetensors: peft's merge_and_unload weights, for Llama
@@ -41,6 +42,10 @@ LORA = [
     "logging.tensorboard=false",
     "model.lora_dropout=0.1",
     "train.ema_decay=0.9",  # the adapters' EMA: resumed bit for bit, exported with --weights ema
+    # No clipping: its norm is summed per shard under fsdp and whole under ddp, an order that moves
+    # its last bit, and so the clipped gradients', which Adam at this rate carries into the adapters
+    # (1e-4 apart after 16 steps on some CPUs). Unclipped, fsdp's arithmetic is ddp's, bit for bit.
+    "optim.grad_clip=0",
 ]
 
 
@@ -153,13 +158,11 @@ def test_fsdp_resumed_from_its_shards_trains_the_adapters_ddp_trains(runs):
     assert (runs["fsdp"] / "checkpoints" / f"step-{STEPS}" / "sharded").is_dir()
     expected, got = records(runs["ddp"]), records(runs["fsdp"])
     assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in got if "loss" in r] == pytest.approx(
-        [r["loss"] for r in expected], rel=1e-4
-    )
+    assert [r["loss"] for r in got if "loss" in r] == [r["loss"] for r in expected if "loss" in r]
     want, have = final(runs["ddp"]), final(runs["fsdp"])
     adapters = [k for k in want if k.startswith("model.")]  # the shards hold the adapters, no base
     assert adapters == [k for k in have if k.startswith("model.")]
-    assert all(torch.allclose(want[k], have[k], atol=1e-4) for k in adapters)
+    assert all(torch.equal(want[k], have[k]) for k in adapters)
 
 
 def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_path):
