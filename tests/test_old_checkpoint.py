@@ -149,9 +149,7 @@ def resumed(folder: Path, run: Path, cwd: Path, *more: str) -> dict[str, Any]:
     return outcome(run)
 
 
-def check_against_the_old_code(
-    commit: str, tmp_path: Path, *more: str, loss_ulps: int = 0
-) -> None:
+def check_against_the_old_code(commit: str, tmp_path: Path, *more: str, loss_ulps: int = 0) -> None:
     """`commit`'s own uninterrupted run here, against today's code resuming its step 4.
     `loss_ulps`: how many float32 units in the last place a step's reported loss may move where
     today's loss sums the same terms in another order (its gradients, and so the weights, the
