@@ -21,6 +21,7 @@ from .config.model import with_pretrained_tokenizer
 from .data.loaders import loaders_for
 from .evals.downstream import downstream_for
 from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
+from .foundation.pinned import Pinned
 from .foundation.task import ReadyTask
 from .ops.export.on_finish import export_on_finish
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
@@ -30,7 +31,7 @@ from .runtime.signals import StopFlag
 from .runtime.startup import Timeline
 from .state import checkpoint, layout, rundir
 from .state.checkpointer import Checkpointer
-from .state.claim import Claim, claimed
+from .state.claim import Claim, claimed, pinned_here
 from .state.lifecycle import Lifecycle
 from .state.resume import data_change
 from .state.rundir import RunDir
@@ -110,6 +111,7 @@ def train(
 def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Path]:
     with contextlib.ExitStack() as held:
         claim = claimed(ctx.cfg, ctx.env, ctx.device, run_dir, held)
+        pin = pinned_here(claim, ctx.env.is_main)  # checked before each save and compile
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
@@ -119,12 +121,12 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
             comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
             lifecycle.started()
             with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
-                outcome = _train_in_run(ctx, claim)
+                outcome = _train_in_run(ctx, claim, pin)
         lifecycle.ended(STATUS[outcome])
     return outcome, claim.path
 
 
-def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
+def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned) -> Outcome:
     cfg, env = ctx.cfg, ctx.env
     for warning in claim.warnings if env.is_main else []:
         logger.warning("%s", warning)
@@ -158,11 +160,11 @@ def _train_in_run(ctx: RunContext, claim: Claim) -> Outcome:
     outcome = None
     try:
         with (
-            compile_cache.in_run_dir(claim.path, env.rank)
+            compile_cache.in_run_dir(claim.path, env.rank, pin, claim.run_id)
             if cfg.model.compile
             else contextlib.nullcontext()
         ):
-            trainer = _trainer(ctx, claim, task, metrics, strategy)
+            trainer = _trainer(ctx, claim, pin, task, metrics, strategy)
             ctx.timeline.mark("wrapping and loaders")
             if ckpt is not None:
                 trainer.restore(ckpt)
@@ -190,12 +192,17 @@ def _log_start(ctx: RunContext, claim: Claim) -> None:
 
 
 def _trainer(
-    ctx: RunContext, claim: Claim, task: ReadyTask, metrics: MetricsLog, strategy: Strategy
+    ctx: RunContext,
+    claim: Claim,
+    pin: Pinned,
+    task: ReadyTask,
+    metrics: MetricsLog,
+    strategy: Strategy,
 ) -> Trainer:
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     run = RunDir(claim.path)
     run_files = layout.run_files(run.config.read_bytes(), task.model, task.facts)
-    checkpointer = Checkpointer.for_run(run, claim.run_id, env, cfg, run_files)
+    checkpointer = Checkpointer.for_run(run, claim.run_id, env, cfg, run_files, pin)
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = strategy.wrap(task.model, cfg.model.compile, resolved)
     loaders = loaders_for(task, cfg, env, device)

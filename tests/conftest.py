@@ -39,6 +39,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_molecules.py",
     "tests/test_resume.py",
     "tests/test_trust_checkpoint.py",
+    "tests/test_trust_eval.py",
     "tests/test_spikes.py",
     "tests/test_rollback.py",
     "tests/test_ema.py",

@@ -211,8 +211,15 @@ def test_an_export_scores_as_the_loop_did_and_lm_eval_agrees_on_the_same_items(t
         "target_delimiter: ''\n"
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
     )
-    harness = cli(
-        "eval", str(export), "--harness", "facts_h", "--include-path", str(tasks), cwd=folder
+    harness = cli(  # task YAMLs are code (tests/test_trust_remote.py): these are the test's own
+        "eval",
+        str(export),
+        "--harness",
+        "facts_h",
+        "--include-path",
+        str(tasks),
+        "--trust-code",
+        cwd=folder,
     )
     assert harness.returncode == 0, harness.stderr
     theirs = [line for line in results(export) if line.get("harness") == "lm-eval"][0]

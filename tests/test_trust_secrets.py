@@ -1,20 +1,22 @@
 """What qgtrain publishes: no tracker credential in its console, logs, run files or exported folder,
 no credential accepted into a config, no exported folder that says where the user's machines are,
-run directories private unless shared, and `qgtrain runs` showing other users' files without letting
-them drive the terminal. Runs against: real `qgtrain` processes (train with real W&B offline and
-MLflow stores, export, runs), a real MLflow HTTP client failing on a closed port, and the real
-filesystem's modes."""
+run directories private unless shared, no file holding a token (by its name or its text) in the
+code snapshot, and `qgtrain runs` and `eval` showing other users' files without letting them drive
+the terminal. Runs against: real `qgtrain` processes (train with real W&B offline and MLflow stores,
+export, runs, eval, submit with a stand-in sbatch), a real MLflow HTTP client failing on a closed
+port, real files and git repositories, and the real filesystem's modes."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, cli
+from tests.helpers import TINY, cli, one_error_line, stand_in_sbatch
 from tests.ranks import ROOT
 
 PASSWORD = "s3cret-Pa55word"
@@ -210,3 +212,266 @@ def test_runs_shows_control_characters_from_a_run_directory_escaped(tmp_path):
     assert "evil: boom\\x1b[2J\\r\\nother-run: finished\\u202e" in table.stdout
     assert "7\\x1b]0;owned\\x07" in table.stdout and "n1\\x1b[31m" in table.stdout
     assert json.loads(listed.stdout)[0]["error"] == "boom\x1b[2J\r\nother-run: finished\u202e"
+
+
+def token(prefix: str, body: str) -> str:
+    """A token of a known form, put together when the test runs: this file's own text holds none,
+    so a snapshot of this repository keeps it and no secret scanner flags it."""
+    return prefix + body
+
+
+# what why_left_out calls each kind -> tokens of that kind (AWS's is its documentation's example)
+TOKENS = {
+    "a Hugging Face token": [token("hf_", "aBcDeFgHiJkLmNoPqRsTuVwXyZaBcDeFgH")],
+    "an OpenAI-style API key": [
+        token("sk-", "4bC7dE9fG2hJ5kL8mN3pQ6rS1tU4vW7xY0zA2bC5dE8fG1hJ"),
+        token("sk-proj-", "Zx9_Yw8-Vu7Ts6Rq5Po4Nm3Lk2Ji1Hg0Fe9Dc8Ba7"),
+    ],
+    "an AWS access key id": [token("AKIA", "IOSFODNN7EXAMPLE"), token("ASIA", "Y3FZ2QK7M4R1X8WD")],
+    "a GitHub token": [
+        token(prefix, "A1b2C3d4" * 4 + "E5f6") for prefix in ("ghp_", "gho_", "ghs_", "ghu_")
+    ]
+    + [token("github_pat_", "11AB2CDEFG0hIjKlMnOpQr_StUvWxYz0123456789")],
+    "a Slack token": [token("xoxb-", "2718281828-3141592653-AbCdEfGhIjKlMnOpQrStUv")],
+    "a private key": ["-----BEGIN RSA " + "PRIVATE KEY-----\nMIIEowIBAAKCAQEA\n-----END"],
+}
+EVERY_TOKEN = [(kind, value) for kind, values in TOKENS.items() for value in values]
+# innocent names, and how such a file would hold the value
+INNOCENT = {
+    "env.sh": "export HF_HOME=/scratch/hf\nexport SOME_SETTING={}\n",
+    "notes.txt": "for the cluster: {} (ask Bob)\n",
+    "config.py": "import os\n\nSETTING = {!r}\nprint(SETTING)\n",
+}
+
+
+@pytest.mark.parametrize("name", INNOCENT)
+@pytest.mark.parametrize("kind, value", EVERY_TOKEN, ids=[v[:6] for _, v in EVERY_TOKEN])
+def test_a_file_holding_a_token_is_left_out_of_the_snapshot_whatever_its_name(
+    tmp_path, name, kind, value
+):
+    """A token in code is still a token: a .py file is exempt from the names, not from its text."""
+    from qgtrain.launch.secretfiles import why_left_out
+
+    path = tmp_path / name
+    path.write_text(INNOCENT[name].format(value))
+    assert why_left_out(name, path, ()) == f"holds what looks like {kind}"
+    assert value not in str(why_left_out(name, path, ()))
+
+
+@pytest.mark.parametrize(
+    "name, left_out",
+    [
+        ("kaggle.json", True),
+        ("hf_token.txt", True),
+        ("api_keys.json", True),
+        ("openai-apikey", True),
+        ("my-api-key.yaml", True),
+        ("token", True),
+        ("GITHUB_TOKEN.txt", True),
+        ("credentials", True),
+        (".netrc", True),
+        (".pypirc", True),
+        (".npmrc", True),
+        ("tokenizer.json", False),  # a tokenizer's files are what a model reads
+        ("tokenizer_config.json", False),
+        ("tokens.py", False),  # code the job imports
+        ("api_keys.py", False),
+    ],
+)
+def test_files_named_like_a_credential_are_left_out_by_name(tmp_path, name, left_out):
+    from qgtrain.launch.secretfiles import why_left_out
+
+    path = tmp_path / name
+    path.write_text("{}\n")
+    assert why_left_out(f"conf/{name}", path, ()) == (
+        "named like a credential" if left_out else None
+    )
+
+
+# ordinary text and code that looks a little like a token: each is kept
+LOOK_ALIKES = [
+    "from sklearn import svm\nsk_learn = svm.SVC()\n",
+    "task-queue-of-the-cluster-2024-with-a-long-name\n",  # 'sk-' inside a word
+    "risk-assessment-model-version-12345678901234\n",
+    "sk-learn-compatible-estimator-wrapper-class\n",  # no digit: a kebab-case name
+    "HF_TOKEN = os.environ['HF_TOKEN']  # read from the job's environment\n",
+    "path = hf_hub_download(repo_id='gpt2', filename='config.json')\n",
+    "x = self." + "hf_" + "downloadedmodelcheckpointfolder_name\n",  # continues as an identifier
+    "my" + token("hf_", "aBcDeFgHiJkLmNoPqRsTuVwXyZaBcDeFgH") + "\n",  # a longer word
+    "short: "
+    + token("hf_", "abc")
+    + " "
+    + token("sk-", "proj-1")
+    + " "
+    + token("ghp_", "x1")
+    + "\n",
+    "AKIAEXAMPLE and X" + token("AKIA", "IOSFODNN7EXAMPLE") + " and " + token("AKIA", "ABC") + "\n",
+    token("AKIA", "IOSFODNN7EXAMPLE") + "MORE\n",  # longer than an id
+    "xoxb-not-a-token-at-all\n",
+    "-----BEGIN CERTIFICATE-----\nMIIB\n-----BEGIN PUBLIC KEY-----\n",
+    "digest: sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\n",
+]
+
+
+@pytest.mark.parametrize("text", LOOK_ALIKES)
+@pytest.mark.parametrize("name", ["notes.txt", "model.py"])
+def test_ordinary_text_and_code_that_looks_like_a_token_is_kept(tmp_path, text, name):
+    from qgtrain.launch.secretfiles import why_left_out
+
+    (tmp_path / name).write_text(text)
+    assert why_left_out(name, tmp_path / name, ()) is None
+
+
+def test_qgtrain_and_its_tests_hold_no_token_so_a_snapshot_of_them_keeps_every_file():
+    from qgtrain.launch.secretfiles import secret_in
+
+    found = {str(p): secret_in(p) for p in sorted(ROOT.glob("[qt]*/**/*.py"))}
+    assert len(found) > 100 and not {p: kind for p, kind in found.items() if kind}
+
+
+@pytest.mark.parametrize("before", [0, 1, 5, 33, 200])
+@pytest.mark.parametrize("kind, value", [EVERY_TOKEN[0], EVERY_TOKEN[-1]], ids=["hf", "key"])
+def test_a_token_cut_by_the_read_size_is_found_and_its_word_boundary_kept(
+    tmp_path, kind, value, before
+):
+    """The file is read a piece at a time: a token that starts `before` bytes ahead of the end of
+    the first piece is found whole in the second; one continuing a word across the cut is not."""
+    from qgtrain.launch import secretfiles
+
+    size = secretfiles._CHUNK
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"x" * (size - before - 1) + b" " + value.encode() + b" end\n")
+    assert secretfiles.secret_in(path) == kind
+    path.write_bytes(b"x" * (size - before) + value.encode() + b" end\n")
+    assert secretfiles.secret_in(path) == (kind if kind == "a private key" else None)
+    path.write_bytes(b"x" * 3 * size + b"\n" + b"y" * (size // 2))
+    assert secretfiles.secret_in(path) is None
+
+
+def git_project(root: Path) -> Path:
+    folder = root / "project"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("train: {run_name: demo}\nlogging: {runs_dir: runs}\n")
+    (folder / "my_task.py").write_text("VALUE = 1\n")
+    (folder / ".gitignore").write_text("runs/\n")
+    subprocess.run(["git", "init", "-q"], cwd=folder, check=True)
+    return folder
+
+
+def commit(folder: Path) -> None:
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "-A"], cwd=folder, check=True)
+    subprocess.run([*git, "commit", "-qm", "state"], cwd=folder, check=True)
+
+
+def test_submit_names_each_file_left_out_for_its_text_and_never_the_token(tmp_path):
+    folder = git_project(tmp_path)
+    hf, aws = TOKENS["a Hugging Face token"][0], TOKENS["an AWS access key id"][0]
+    github = TOKENS["a GitHub token"][0]
+    (folder / "env.sh").write_text(f"export HF_TOKEN={hf}\n")
+    (folder / "notes.txt").write_text(f"aws {aws}\n")
+    (folder / "config.py").write_text(f"KEY = {github!r}\n")
+    for name in ("kaggle.json", "hf_token.txt", "api_keys.json", "tokenizer.json"):
+        (folder / name).write_text("{}\n")
+    done = cli("submit", "--config", "config.yaml", cwd=folder, env=stand_in_sbatch(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "leaves out" in line]
+    assert len(said) == 1, done.stderr
+    for named in (
+        "env.sh (holds what looks like a Hugging Face token)",
+        "notes.txt (holds what looks like an AWS access key id)",
+        "config.py (holds what looks like a GitHub token)",
+        "api_keys.json, hf_token.txt, kaggle.json (named like a credential)",
+    ):
+        assert named in said[0], said[0]
+    run = folder / "runs" / "demo"
+    written = {"console": (done.stdout + done.stderr).encode(), **every_file(run)}
+    for where, text in written.items():
+        assert not any(value.encode() in text for value in (hf, aws, github)), where
+    (code,) = [p for p in (run / "code").iterdir() if p.name != "jobs"]
+    copied = {p.name for p in (code / "submit").iterdir()}
+    assert {"my_task.py", "config.yaml", "tokenizer.json"} <= copied
+    assert not copied & {"env.sh", "notes.txt", "config.py", "kaggle.json", "hf_token.txt"}
+
+
+def test_the_recorded_diff_keeps_out_the_files_left_out_and_any_token_in_removed_lines(tmp_path):
+    """snapshot.json keeps `git diff HEAD`: a token added to a tracked file left out is not in it,
+    and a token only in the lines a change removed drops the diff, saying why."""
+    from qgtrain.launch import codesnap
+
+    folder = git_project(tmp_path)
+    (folder / "env.sh").write_text("export HF_HOME=/scratch\n")
+    commit(folder)
+    hf = TOKENS["a Hugging Face token"][0]
+    (folder / "env.sh").write_text(f"export HF_TOKEN={hf}\n")
+    (folder / "my_task.py").write_text("VALUE = 2\n")
+    code = codesnap.take(folder, tmp_path / "run" / "code", 50)
+    record = codesnap.read_record(code.folder)
+    assert "-VALUE = 1\n+VALUE = 2" in str(record["diff"]) and hf not in str(record["diff"])
+    assert record["left_out"] == ["env.sh"]
+    commit(folder)  # the token is in HEAD now, and taken out of the file again
+    (folder / "env.sh").write_text("export HF_HOME=/scratch\n")
+    code = codesnap.take(folder, tmp_path / "run" / "code", 50)
+    record = codesnap.read_record(code.folder)
+    assert record["diff"] == "" and record["left_out"] == []
+    assert record["diff_left_out"] == "it holds what looks like a Hugging Face token"
+    assert not any(hf.encode() in text for text in every_file(code.folder).values())
+
+
+PLANTED = ("\x1b]0;pwned\x07", "\x1b[2J")
+
+
+def test_eval_shows_a_planted_results_line_escaped(tmp_path):
+    """A results line (or a task file) is anyone's text who could write its folder: its task name,
+    metric names and figures and step label are shown escaped, as is the error line a task file's
+    content makes. The run is trained one step; eval finds its checkpoint already scored and
+    prints the table from the file alone."""
+    from qgtrain.config.load import load_config
+    from qgtrain.ops.eval_results import scored_as
+
+    run = tmp_path / "run"
+    trained = cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        *TINY,
+        "train.max_steps=1",
+        "checkpoint.every_steps=1",
+        cwd=tmp_path,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (tmp_path / "text.jsonl").write_text('{"text": "one line of text"}\n')
+    tasks = f"eval.tasks=[{{name: facts, kind: perplexity, files: ['{tmp_path / 'text.jsonl'}']}}]"
+    digest = scored_as(load_config([run / "config.yaml"], [tasks]))["facts"]
+    title, clear = PLANTED
+    lines = [  # the first stands for step 1's task as now asked, so eval scores nothing
+        {"step": 1, "task": "facts", f"eval_{title}loss": clear, "eval_ppl": 1.5},
+        {"step": f"1{clear}", "task": f"facts{title}", "eval_facts_loss": 2.0},
+    ]
+    lines[0]["scored_as"] = digest
+    (run / "eval").mkdir(mode=0o700)
+    (run / "eval" / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = cli("eval", str(run), "--set", tasks, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr
+    assert "eval_\\x1b]0;pwned\\x07loss \\x1b[2J eval_ppl 1.5000" in done.stdout
+    assert "1\\x1b[2J" in done.stdout and "facts\\x1b]0;pwned\\x07" in done.stdout
+    choice = {"context": "c", "choices": f"{title}{clear}", "label": 0}  # not a list: refused
+    (tmp_path / "text.jsonl").write_text(json.dumps(choice) + "\n")
+    asked = tasks.replace("perplexity", "multiple_choice")
+    said = one_error_line(cli("eval", str(run), "--set", asked, cwd=tmp_path))
+    assert "'choices' must be a list" in said and "got \\x1b]0;pwned\\x07\\x1b[2J" in said
+
+
+def test_data_info_shows_a_planted_cache_description_escaped(tmp_path):
+    """A shared data.cache_dir's meta.json is anyone's text who could write the cache."""
+    title, clear = PLANTED
+    entry = tmp_path / "cache" / "entry"
+    entry.mkdir(parents=True)
+    meta = {"tokens": {"train": 10}, "tokenizer": f"gpt2{title}", "corpus": clear, "sources": {}}
+    (entry / "meta.json").write_text(json.dumps(meta))
+    done = cli("data", "info", str(tmp_path / "cache"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\x1b" not in done.stdout + done.stderr, done.stdout
+    assert "tokenizer gpt2\\x1b]0;pwned\\x07," in done.stdout and "\\x1b[2J" in done.stdout

@@ -264,7 +264,7 @@ def test_a_job_record_counts_only_for_this_runs_own_verified_snapshot(tmp_path, 
 def test_a_snapshot_swapped_by_another_user_is_refused_and_their_code_never_runs():
     shared_root = Path(tempfile.mkdtemp(prefix="qgtrain-snap-"))
     try:
-        shared_root.chmod(0o777)
+        shared_root.chmod(0o1777)  # sticky, as /tmp: no one renames what others made there
         folder = project(shared_root, git=False)
         env = stand_in_sbatch(shared_root)
         submitted = cli(
@@ -282,7 +282,8 @@ def test_a_snapshot_swapped_by_another_user_is_refused_and_their_code_never_runs
         subprocess.run(["runuser", "-u", "nobody", "--", "bash", "-c", swap], check=True)
         moves = job_lines(folder / "runs" / "demo" / "slurm" / "job.sbatch")
         done = run_job(folder, moves)
-        refused(done, "belongs to uid 65534, not to you")
+        # the job's check of its run folder comes first: anyone could replace what runs/ holds
+        refused(done, f"{folder / 'runs'} (mode 0777), above {folder / 'runs' / 'demo'}, can be")
         assert not marker.exists()
     finally:
         snapseal.remove(shared_root)

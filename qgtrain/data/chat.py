@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
+from ..foundation.folder_code import remote_code
 from . import tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -51,7 +52,8 @@ def renderer(data: DataConfig, eos_id: int) -> Render:
         return lambda row, where: _concatenated(data, eos_id, row, where)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(data.tokenizer)
+    code = remote_code(data.tokenizer, "data.tokenizer")  # a folder naming code is refused here
+    tok = AutoTokenizer.from_pretrained(data.tokenizer, trust_remote_code=code)
     marked = GENERATION.search(str(tok.chat_template)) is not None
     spans = _marked if marked else _by_prefixes
 

@@ -20,6 +20,9 @@ that someone wrote; importing what they name runs that someone's code as you. `q
 An export folder is never trusted by its owner: it is made to be passed around like a Hugging Face
 folder, and a copy, download or `git clone` belongs to whoever made it, so its owner says nothing of
 who wrote its qgtrain_model.json (a cloned folder in the working directory is even importable).
+
+The same ownership rule keeps a run folder's code the user's (rundir.require_safe), and ssh's rule
+for the folders above ~/.ssh keeps anyone from swapping the run folder itself (`open_above`).
 """
 
 from __future__ import annotations
@@ -109,3 +112,47 @@ def ownership_problem(path: Path, info: os.stat_result) -> str | None:
     bits = ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
     writers = [who for bit, who in bits if info.st_mode & bit]
     return f"{path} is writable by {' and '.join(writers)}" if writers else None
+
+
+def open_above(path: Path) -> tuple[str | None, str | None]:
+    """ssh's rule for the folders above ~/.ssh, for the folders above `path` up to the root:
+    whoever may rename entries of one of them can move `path` away and put a folder of their own
+    in its place after every check of `path` itself. The sticky bit (/tmp's 1777) leaves renaming
+    to an entry's owner. Returns (refusal, warning): refused where every user of the machine may
+    rename; a warning naming the folders where a group, or another user owning the folder, may
+    (a group project folder under umask 002: the run stops if it happens, Pinned)."""
+    warned, fixes = [], []
+    for folder in _above(path):
+        try:
+            info = os.stat(folder)
+        except OSError:
+            continue  # made later, by qgtrain, as the user
+        mode, sticky = stat.S_IMODE(info.st_mode), info.st_mode & stat.S_ISVTX
+        if not sticky and mode & stat.S_IWOTH:
+            return (
+                f"{folder} (mode {mode:04o}), above {path}, can be written by every user of this "
+                f"machine, who could put a folder of their own in place of {path} while qgtrain "
+                f"uses it. HINT: chmod +t {folder} (then only an entry's owner may rename it), or "
+                f"chmod o-w {folder}"
+            ), None
+        if not sticky and mode & stat.S_IWGRP:
+            warned.append(f"{folder} (mode {mode:04o}) is writable by its group")
+            fixes.append(f"chmod +t {folder} (then only an entry's owner may rename it)")
+        elif info.st_uid not in (0, os.getuid()):
+            warned.append(f"{folder} belongs to uid {info.st_uid}")
+            fixes.append("keep runs in a folder of your own")
+    if not warned:
+        return None, None
+    return None, (
+        f"{'; '.join(warned)}, above {path}: whoever can write there could put a folder of their "
+        f"own in place of {path} while qgtrain uses it (a run then stops). "
+        f"HINT: {'; '.join(dict.fromkeys(fixes))}"
+    )
+
+
+def _above(path: Path) -> list[Path]:
+    """The folders above `path` as the kernel resolves it, and above the link itself where
+    `path` is one (the folder holding the link can replace it), nearest first."""
+    real = Path(os.path.realpath(path))
+    holder = Path(os.path.realpath(Path(os.path.abspath(path)).parent))
+    return list(dict.fromkeys([*real.parents, holder, *holder.parents]))

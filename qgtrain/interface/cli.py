@@ -2,6 +2,8 @@
 `submit` answer at once on a login node: nothing here imports torch or transformers at start-up.
 
 A QgtrainError becomes one line on stderr and its exit code; `--debug` shows the traceback instead.
+The line is escaped (foundation/terminal.py): it may quote what others wrote (a task file's line,
+a file's name in a shared folder), and stays one line that cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import EXIT_USAGE, QgtrainError
+from ..foundation.terminal import shown
 from . import collector, commands, submitting
 
 
@@ -27,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except QgtrainError as exc:
         if args.debug:
             raise
-        print(f"qgtrain: error: {exc}", file=sys.stderr)
+        print(f"qgtrain: error: {shown(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
@@ -120,7 +123,17 @@ def _eval_command(sub: Any) -> None:
     evaluate.add_argument(
         "--trust-code",
         action="store_true",
-        help="import the factories the run's config names even if the run is not yours",
+        help="import the factories the run's config names even if the run is not yours, run "
+        "a model folder's own code (auto_map) and --include-path's task code (!function), "
+        "from folders of yours that no one else can write; read that code first",
+    )
+    evaluate.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="a folder of yours for results.jsonl and samples (default: the run's or export's "
+        "eval/ if it is yours, else <logging.runs_dir>/eval-of-<its name>, logging.runs_dir of "
+        "your --config/--set; a run not yours is scored on your eval.tasks only)",
     )
     evaluate.set_defaults(func=commands.evaluate)
 
@@ -174,7 +187,8 @@ def _export_command(sub: Any) -> None:
         "--trust-code",
         action="store_true",
         help="import the factories the run's config names even if the run is not "
-        "yours (owned by you, writable by no one else); read that code first",
+        "yours (owned by you, writable by no one else), and run a model folder's own code "
+        "(auto_map) from a folder of yours that no one else can write; read that code first",
     )
     export.set_defaults(func=commands.export)
 

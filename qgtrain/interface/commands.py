@@ -70,12 +70,21 @@ def evaluate(args: argparse.Namespace) -> int:
             )
         tasks = [task.strip() for task in args.harness.split(",") if task.strip()]
         cfg = load_args_config(args)
-        lines = scoring.evaluate_harness(args.source, tasks, args.include_path, cfg.eval.batch_size)
+        lines = scoring.evaluate_harness(
+            args.source, tasks, args.include_path, cfg, args.out, args.trust_code
+        )
         print(eval_results.table(lines))
         return 0
     env = from_environ(os.environ)
     lines = scoring.evaluate(
-        args.source, env, args.config or [], args.set, args.step, args.all, args.trust_code
+        args.source,
+        env,
+        args.config or [],
+        args.set,
+        args.step,
+        args.all,
+        args.trust_code,
+        args.out,
     )
     if env.is_main:
         print(eval_results.table(lines))
@@ -104,9 +113,10 @@ def recover(args: argparse.Namespace) -> int:
 
 
 def runs(args: argparse.Namespace) -> int:
+    from ..foundation.terminal import shown
     from ..launch.stages import chains
     from ..launch.sweep import swept_values
-    from ..ops.runs import as_json, as_table, find_runs, shown, summarize
+    from ..ops.runs import as_json, as_table, find_runs, summarize
 
     folder = args.folder or Path(load_args_config(args).logging.runs_dir)
     swept = swept_values(folder)

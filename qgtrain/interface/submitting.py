@@ -119,12 +119,10 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 @owner_writes_only()
 def snapshot(args: argparse.Namespace) -> int:
-    from ..launch.runfrom import for_attempt
+    from ..launch.runfrom import for_attempt, verified
 
     if args.verify:
-        from ..launch.snapseal import verify
-
-        verify(args.verify.absolute())
+        verified(args.verify.absolute())
         return 0
     found = for_attempt(load_args_config(args), args.job, Path.cwd())
     if found:

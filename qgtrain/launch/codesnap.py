@@ -6,7 +6,8 @@ qgtrain itself; each attempt would otherwise run whatever is on disk when it sta
 in `<run dir>/code/<hash>/` (`submit/`: the submit directory's files; `lib/qgtrain/`: the package;
 `snapshot.json`: the git commit, the diff and the hash). It is content-addressed: submitting
 unchanged code again finds the folder (after checking it: snapseal.verify) and copies nothing.
-Files that may hold a credential are left out (secretfiles.py). No torch here.
+Files that may hold a credential, by their name or their text, are left out (secretfiles.py).
+No torch here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from ..foundation.errors import ConfigError
 from ..state.rundir import create, is_run_dir
-from .secretfiles import left_out
+from .secretfiles import secret_in_text, why_left_out
 from .snapseal import RECORD as RECORD
 from .snapseal import entries_digest, remove, seal, verify
 
@@ -38,8 +39,8 @@ class Code:
 
     folder: Path
     digest: str
-    # the submit directory's files left out (secretfiles.left_out), for submit to name
-    skipped: tuple[str, ...] = field(default=(), compare=False)
+    # the submit directory's files left out and why (secretfiles.why_left_out), for submit to name
+    skipped: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def workdir(self) -> Path:
@@ -60,7 +61,7 @@ class Files:
 
     entries: list[tuple[str, Path]]
     git: bool
-    skipped: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()  # (name, why it was left out)
 
 
 def package_dir() -> Path:
@@ -73,7 +74,8 @@ def collect(
     """The submit directory's files (with git: tracked and untracked-but-not-ignored ones; without:
     the Python, YAML, shell, JSON and TOML files below it) and qgtrain's. Folders in `leave_out`
     (the runs, Slurm's output) are never code, even when no .gitignore says so; files that may
-    hold a secret, or that `exclude` (slurm.snapshot_exclude) names, are left out and listed."""
+    hold a secret, or that `exclude` (slurm.snapshot_exclude) names, are left out and listed with
+    why."""
     submit_dir = submit_dir.resolve()
     listed = _git_files(submit_dir)
     names = listed if listed is not None else _plain_files(submit_dir)
@@ -83,7 +85,7 @@ def collect(
         for name in names
         if _is_entry(submit_dir / name) and not _under(submit_dir / name, not_code)
     ]
-    secret = {name for name in kept if left_out(name, submit_dir / name, exclude)}
+    secret = {name: why for name in kept if (why := why_left_out(name, submit_dir / name, exclude))}
     entries = [(f"submit/{name}", submit_dir / name) for name in kept if name not in secret]
     package = package_dir()
     entries += [
@@ -91,7 +93,7 @@ def collect(
         for path in _walk(package)
         if path.suffix != ".pyc"
     ]
-    return Files(sorted(entries), listed is not None, tuple(sorted(secret)))
+    return Files(sorted(entries), listed is not None, tuple(sorted(secret.items())))
 
 
 def _is_entry(path: Path) -> bool:
@@ -201,8 +203,8 @@ def take(
             "bytes": size,
             "created": time.time(),
             "git": files.git,
-            "left_out": list(files.skipped),
-            **_git_state(submit_dir),
+            "left_out": [name for name, _ in files.skipped],
+            **_git_state(submit_dir, [name for name, _ in files.skipped]),
         }
         (staging / RECORD).write_text(json.dumps(record, indent=1))
         seal(staging, shared)
@@ -225,8 +227,10 @@ def private_folder(folder: Path, shared: bool) -> None:
     folder.chmod(stat.S_IRWXU | (0o050 if shared else 0))
 
 
-def _git_state(folder: Path) -> dict[str, object]:
-    """The commit and `git diff HEAD` (capped) the snapshot was taken from; empty outside git."""
+def _git_state(folder: Path, left_out: list[str]) -> dict[str, object]:
+    """The commit and `git diff HEAD` (capped) the snapshot was taken from; empty outside git. The
+    diff leaves out the files the snapshot leaves out, and is dropped whole, saying why, if what
+    remains still holds a token (one taken out of a tracked file is in its removed lines)."""
 
     def git(*args: str) -> str | None:
         try:
@@ -245,7 +249,10 @@ def _git_state(folder: Path) -> dict[str, object]:
     commit = git("rev-parse", "HEAD")
     if commit is None:
         return {}
-    diff = git("diff", "HEAD") or ""
+    diff = git("diff", "HEAD", "--", *(f":(exclude,literal){name}" for name in left_out)) or ""
+    if found := secret_in_text(diff.encode()):
+        why = f"it holds what looks like {found}"
+        return {"commit": commit.strip(), "diff": "", "diff_left_out": why}
     return {
         "commit": commit.strip(),
         "diff": diff[:DIFF_CAP],

@@ -30,6 +30,7 @@ from ..config.load import config_from_dict, config_to_dict, dump_yaml
 from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError
 from ..foundation.files import temp_name
+from ..foundation.terminal import shown
 from ..foundation.trust import not_yours
 from ..state.rundir import RunDir, default_run_dir, require_safe
 from .codesnap import Code, check_size, collect, digest, private_folder, take
@@ -81,16 +82,20 @@ def snapshot(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
     return code
 
 
-def say_left_out(names: tuple[str, ...]) -> None:
-    """One line on stderr naming the files the snapshot left out, so a job that needed one fails
-    with its name already on screen."""
-    if not names:
+def say_left_out(skipped: tuple[tuple[str, str], ...]) -> None:
+    """One line on stderr naming the files the snapshot left out and why (a file left out for its
+    text: which kind of token it seems to hold, never the token), so a job that needed one fails
+    with its name already on screen. Names are escaped: a file's name is anyone's text."""
+    if not skipped:
         return
-    listed = ", ".join(names[:NAMED_AT_MOST])
-    more = f" and {len(names) - NAMED_AT_MOST} more" if len(names) > NAMED_AT_MOST else ""
+    grouped: dict[str, list[str]] = {}
+    for name, why in skipped[:NAMED_AT_MOST]:
+        grouped.setdefault(why, []).append(shown(name))
+    listed = "; ".join(f"{', '.join(names)} ({why})" for why, names in grouped.items())
+    more = f"; and {len(skipped) - NAMED_AT_MOST} more" if len(skipped) > NAMED_AT_MOST else ""
     print(
-        f"qgtrain: the code snapshot leaves out {listed}{more} (they may hold secrets, or "
-        "slurm.snapshot_exclude names them); a job reads such files from where they are",
+        f"qgtrain: the code snapshot leaves out {listed}{more}; a job reads such files from "
+        "where they are",
         file=sys.stderr,
     )
 
@@ -151,10 +156,12 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     if not _JOB_ID.fullmatch(job or "local"):
         raise ConfigError(f"--job {job!r}: not a Slurm job id")
     code_dir = RunDir(default_run_dir(job_config_paths(cfg, submit_dir)).resolve()).code
-    require_safe(code_dir.parent)  # its job records and snapshot run as the user
+    pin = require_safe(code_dir.parent)  # its job records and snapshot run as the user
     record = code_dir / "jobs" / f"{job or 'local'}.json"
     known = recorded(record, code_dir)
     if known:
+        if pin is not None:
+            pin.check()  # the folder checked still holds the snapshot the job is sent to
         return known
     code = snapshot(cfg, submit_dir, code_dir)
     config = record.with_suffix(".yaml")
@@ -163,7 +170,20 @@ def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path]
     write_private(config, dump_yaml(job_config(cfg, submit_dir, code)), shared)
     made = {"code": str(code.folder), "hash": code.digest, "config": str(config)}
     write_private(record, json.dumps(made), shared)
+    if pin is not None:
+        pin.check()
     return code, config
+
+
+def verified(folder: Path) -> None:
+    """`qgtrain snapshot --verify`, which a job script runs before it moves into the snapshot:
+    the run folder holding it checked as at a start (its submitit/ pickles too, which submitit
+    unpickles next), the snapshot, and then that the run folder is still the one checked."""
+    run = folder.parent.parent if folder.parent.name == "code" else None
+    pin = require_safe(run) if run is not None else None
+    verify(folder)
+    if pin is not None:
+        pin.check()
 
 
 def recorded(record: Path, code_dir: Path) -> tuple[Code, Path] | None:

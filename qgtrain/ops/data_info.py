@@ -1,5 +1,6 @@
 """`qgtrain data info`: what the token caches in a folder hold, and whether their source files have
-changed."""
+changed. A cache or data folder may be shared, so what its meta.json says and the names of its
+files are shown escaped (foundation/terminal.py); --json escapes them as JSON does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from ..config import DataConfig
 from ..data.sources import SourceFile, find
 from ..foundation.errors import ConfigError
+from ..foundation.terminal import shown
 
 
 def describe(path: Path) -> list[dict[str, Any]]:
@@ -53,11 +55,11 @@ def render(entries: list[dict[str, Any]]) -> str:
             "  tokens:    " + ", ".join(f"{s} {entry['tokens'].get(s, 0):,}" for s in splits)
         )
         for split, files in entry["sources"].items():
-            shown = ", ".join(f["path"] for f in files[:3]) + (
+            named = ", ".join(f["path"] for f in files[:3]) + (
                 f" and {len(files) - 3} more" if len(files) > 3 else ""
             )
             lines.append(
-                f"  {split} files: {len(files)} ({shown})"
+                f"  {split} files: {len(files)} ({named})"
                 if files
                 else f"  {split}: held out of the train files "
                 f"({100 * entry['held_out'].get(split, 0):g}%)"
@@ -84,7 +86,7 @@ def render(entries: list[dict[str, Any]]) -> str:
         "no token caches here (a run with data.stream: true reads its data files while "
         "training, without one)"
     )
-    return "\n".join(lines).rstrip() if lines else streamed
+    return "\n".join(map(shown, lines)).rstrip() if lines else streamed
 
 
 def configured(data: DataConfig) -> list[str]:
@@ -108,7 +110,7 @@ def configured(data: DataConfig) -> list[str]:
 
 
 def _shown(files: list[SourceFile]) -> str:
-    names = ", ".join(Path(f.path).name for f in files[:3])
+    names = ", ".join(shown(Path(f.path).name) for f in files[:3])
     more = f" and {len(files) - 3} more" if len(files) > 3 else ""
     return f"{len(files)} file(s) ({names}{more})"
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..foundation.errors import QgtrainError
+from ..foundation.terminal import shown
 from ..runtime import devices, precision
 from ..runtime.rendezvous import DistEnv
 from ..state.rundir import default_run_dir
@@ -284,6 +285,8 @@ def _huggingface(cfg: RunConfig, environ: Mapping[str, str]) -> list[Check]:
 
 
 def render(checks: list[Check], env: DistEnv) -> str:
+    """The checklist, each line escaped (foundation/terminal.py): a message may quote a mount, a
+    node's name or a library's error text, none of which qgtrain wrote."""
     lines = [
         f"qgtrain doctor on {env.node_name}"
         + (f" (rank 0 of {env.world_size})" if env.world_size > 1 else "")
@@ -292,7 +295,7 @@ def render(checks: list[Check], env: DistEnv) -> str:
         lines.append(f"  {check.level:<8} {check.name:<18} {check.message}")
         if check.fix and check.level != "ok":
             lines.append(f"  {'':<8} {'':<18} fix: {check.fix}")
-    return "\n".join(lines)
+    return "\n".join(map(shown, lines))
 
 
 def exit_code(checks: list[Check]) -> int:

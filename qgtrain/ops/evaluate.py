@@ -6,10 +6,13 @@ sharded (_holder). A checkpoint's model is rebuilt as export rebuilds it and its
 the checkpoint of either kind (rank 0's files or DCP shards), the EMA's under train.eval_ema, as
 the loop would have scored it. Results go to <run>/eval/results.jsonl (eval_results.py): a killed
 `--all` started again skips every (step, task) already scored as now asked, so each is scored once.
+A run or export that is not the user's is scored into a folder of the user's instead, with the
+user's eval.tasks only (eval_out.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,12 +27,13 @@ from ..config.load import config_files, load_config
 from ..data import tokenizer
 from ..evals.downstream import Downstream, downstream_for
 from ..foundation.errors import QgtrainError
+from ..foundation.folder_code import trusting_its_flag
 from ..runtime import distributed, log, precision
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
 from ..state.rundir import RunDir
 from ..training.strategy import Strategy, strategy_for
-from . import eval_results
+from . import eval_out, eval_results
 from .export import adapter, ema, origin, rebuild, safetensors_io
 from .export.pipeline import require_trusted
 from .export.writer import META
@@ -38,6 +42,7 @@ from .load_model import load_model
 logger = logging.getLogger("qgtrain")
 
 
+@trusting_its_flag("--trust-code")  # a model folder's own code (folder_code.py)
 def evaluate(
     source: Path,
     env: DistEnv,
@@ -46,65 +51,104 @@ def evaluate(
     step: int | None = None,
     every: bool = False,
     trust_code: bool = False,
+    out: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Score eval.tasks on `source` (a run directory's latest checkpoint, step N, or each kept one
     with `every`; or an export folder); the result lines, the new and those already kept. The
     code a run's config names is imported only as export imports it (built in, yours, or
-    `trust_code`)."""
+    `trust_code`). Results and samples go to `out`, else the source's own eval/ when it is the
+    user's, else eval_out.default_out."""
     export = (source / META).is_file()
-    cfg = _config(source, export, configs, sets)
+    why = eval_out.whose(source, export)
+    cfg, mine, ignored = _config(source, export, configs, sets, why)
     if not export:
         require_trusted(cfg, source, RunDir(source).config, trust_code, what="eval")
     if not cfg.eval.tasks:
+        theirs = f" (not yours, so its own config's are not read: {why})" if why else ""
         raise QgtrainError(
-            f"eval: no eval.tasks to score on {source}; name them in a --config file (see "
-            "jobs/eval.yaml) or with --set eval.tasks=[...]"
+            f"eval: no eval.tasks to score on {source}{theirs}; name them in a --config file "
+            "(see jobs/eval.yaml) or with --set eval.tasks=[...]"
         )
+    dest = eval_out.destination(source, why, out, mine.logging.runs_dir)
     log.setup_console(env, cfg.logging.level)
+    if env.is_main and why is not None:
+        unread = f"; the {ignored} eval.tasks of its config are ignored, yours are scored"
+        logger.warning(
+            "eval: %s is not yours (%s): results go to %s%s",
+            source,
+            why,
+            dest.folder,
+            unread if ignored else "",
+        )
     device = distributed.pick_device(env, cfg.train.device)
     try:
         with distributed.process_group(
             env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s
         ):
             if export:
-                return _evaluate_export(source, cfg, env, device, trust_code)
-            return _evaluate_checkpoints(source, cfg, env, device, _chosen(source, step, every))
+                return _evaluate_export(source, cfg, env, device, trust_code, dest)
+            chosen = _chosen(source, step, every)
+            return _evaluate_checkpoints(source, cfg, env, device, chosen, dest)
     finally:
         log.close()
 
 
 def evaluate_harness(
-    folder: Path, tasks: list[str], include_path: Path | None, batch_size: int
+    folder: Path,
+    tasks: list[str],
+    include_path: Path | None,
+    cfg: RunConfig,
+    out: Path | None = None,
+    trust_code: bool = False,
 ) -> list[dict[str, Any]]:
     """lm-evaluation-harness's `tasks` on an export folder, one process; its lines appended to the
-    folder's eval/results.jsonl beside qgtrain's own."""
-    from .harness import harness_results
+    results beside qgtrain's own (where evaluate puts them). `include_path` is code: refused first,
+    unless `trust_code` and the folder is the user's alone (harness.py)."""
+    from .harness import harness_results, require_task_code
 
+    require_task_code(include_path, trust_code)
     if not (folder / META).is_file():
         raise QgtrainError(
             f"eval --harness: {folder} is not an export folder (no {META}); export the run first "
             "(qgtrain export RUN --out FOLDER; a LoRA run with --merge)"
         )
+    why = eval_out.whose(folder, export=True)
+    dest = eval_out.destination(folder, why, out, cfg.logging.runs_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lines = harness_results(folder, tasks, include_path, batch_size, device)
-    with eval_results.appending(folder / "eval" / "results.jsonl") as out:
-        out.write("".join(json.dumps(line) + "\n" for line in lines))
+    lines = harness_results(folder, tasks, include_path, cfg.eval.batch_size, device, trust_code)
+    lines = [{**line, **_source(dest)} for line in lines]
+    with eval_results.appending(dest.folder / "results.jsonl") as written:
+        written.write("".join(json.dumps(line) + "\n" for line in lines))
     return lines
 
 
-def _config(source: Path, export: bool, configs: list[Path], sets: list[str]) -> RunConfig:
-    """The run's own config (an export's: the built-in defaults), the given files and --set on top.
-    The tasks' files are the caller's: read relative to the working directory."""
+def _config(
+    source: Path, export: bool, configs: list[Path], sets: list[str], why: str | None
+) -> tuple[RunConfig, RunConfig, int]:
+    """The run's own config (an export's: the built-in defaults), the given files and --set on top;
+    the user's own (the given ones alone where the run is not theirs: its logging.runs_dir places
+    the default --out); and how many eval.tasks of a run not the user's (`why`) were ignored: its
+    tasks are the user's alone, since its config could name any file the user can read. Task
+    files are read relative to the working directory."""
     given = config_files(configs) if configs else []
     if export:
-        return load_config(given, sets)
+        mine = load_config(given, sets)
+        return mine, mine, 0
     saved = RunDir(source).config
     if not saved.is_file():
         raise QgtrainError(
             f"eval: {source} is neither a run directory (no {layout.CONFIG}) nor an export "
             f"folder (no {META})"
         )
-    return load_config([saved, *given], sets)
+    if why is None:
+        cfg = load_config([saved, *given], sets)
+        return cfg, cfg, 0
+    mine = load_config(given, sets)
+    # without its tasks, nor a metric of theirs that early stopping would want reported
+    cfg = load_config([saved, *given], [*sets, "eval.tasks=[]", "early_stopping.metric=val_loss"])
+    ignored = len(load_config([saved]).eval.tasks)
+    tasks = dataclasses.replace(cfg.eval, tasks=mine.eval.tasks)
+    return dataclasses.replace(cfg, eval=tasks), mine, ignored
 
 
 def _chosen(source: Path, step: int | None, every: bool) -> list[checkpoint.Checkpoint]:
@@ -128,10 +172,11 @@ def _evaluate_checkpoints(
     env: DistEnv,
     device: torch.device,
     chosen: list[checkpoint.Checkpoint],
+    dest: eval_out.Destination,
 ) -> list[dict[str, Any]]:
-    results = RunDir(source).eval / "results.jsonl"
+    results = dest.folder / "results.jsonl"
     scored_as = eval_results.scored_as(cfg)
-    kept = eval_results.kept(results, scored_as)
+    kept = eval_results.kept(results, scored_as, dest.source)
     holder = _holder(cfg, env, device)
     for ckpt in chosen:
         done = {(row["step"], row["task"]) for row in kept}
@@ -143,8 +188,8 @@ def _evaluate_checkpoints(
         if problem is not None:
             raise QgtrainError(f"eval: {problem}")
         model, facts = _checkpoint_model(ckpt, cfg, empty=holder.builds_empty(resuming=False))
-        downstream = _downstream(cfg, model, facts, holder, RunDir(source).eval)
-        where = {"checkpoint": ckpt.path.name}
+        downstream = _downstream(cfg, model, facts, holder, dest.folder)
+        where = {"checkpoint": ckpt.path.name, **_source(dest)}
         kept += _score(downstream, ckpt.step, left, results, where, scored_as, env)
     return kept
 
@@ -185,7 +230,12 @@ def _checkpoint_model(
 
 
 def _evaluate_export(
-    folder: Path, cfg: RunConfig, env: DistEnv, device: torch.device, trust_code: bool
+    folder: Path,
+    cfg: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    trust_code: bool,
+    dest: eval_out.Destination,
 ) -> list[dict[str, Any]]:
     meta = json.loads((folder / META).read_text())
     if not (folder / "tokenizer.json").is_file():
@@ -196,12 +246,16 @@ def _evaluate_export(
         "tokenizer": str(folder),
         "eos_id": tokenizer.describe(str(folder)).eos_id,
     }
-    downstream = _downstream(cfg, model, facts, Strategy(cfg.train, env, device), folder / "eval")
-    results = folder / "eval" / "results.jsonl"
+    downstream = _downstream(cfg, model, facts, Strategy(cfg.train, env, device), dest.folder)
+    results = dest.folder / "results.jsonl"
     scored_as = eval_results.scored_as(cfg)
-    return _score(
-        downstream, None, list(scored_as), results, {"export": str(folder)}, scored_as, env
-    )
+    where = {"export": str(folder), **_source(dest)}
+    return _score(downstream, None, list(scored_as), results, where, scored_as, env)
+
+
+def _source(dest: eval_out.Destination) -> dict[str, str]:
+    """What a results line outside the scored folder's own eval/ names: the folder scored."""
+    return {"source": dest.source} if dest.source else {}
 
 
 def _downstream(

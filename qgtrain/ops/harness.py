@@ -5,6 +5,12 @@ local task YAMLs come from --include-path (a task over a local jsonl: `dataset_p
 `dataset_kwargs: {data_files: ...}`), and nothing is downloaded: the hub and datasets are told to
 stay offline before the harness is imported. Its figures land in the same results file as
 qgtrain's own tasks, named eval_<task>_<metric> (its standard errors left out).
+
+An --include-path folder is code, not data: its YAMLs' `!function utils.fn` make lm-eval import the
+folder's Python as you. It is read only with --trust-code, and only from a folder that is the
+user's alone (foundation/folder_code.py), so a colleague's edit to a shared task folder never runs;
+--trust-code is also lm-eval's confirm_run_unsafe_code, and the export's own code (an auto_map)
+runs only as folder_code.remote_code allows.
 """
 
 from __future__ import annotations
@@ -14,15 +20,37 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.errors import QgtrainError
+from ..foundation.folder_code import remote_code, require_trusted, trusting
 
 # read by huggingface_hub, datasets and transformers inside the harness: nothing is downloaded
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def require_task_code(include_path: Path | None, trust_code: bool) -> None:
+    """Refuse an --include-path unless the user trusts its code and the folder is theirs alone:
+    before the harness, the export or any task is read."""
+    if include_path is not None:
+        with trusting(trust_code, "--trust-code"):
+            require_trusted(
+                include_path,
+                f"--include-path {include_path} holds task YAMLs, whose `!function` tags make "
+                "lm-eval import Python from it",
+                "eval --harness",
+            )
+
+
 def harness_results(
-    folder: Path, tasks: list[str], include_path: Path | None, batch_size: int, device: str
+    folder: Path,
+    tasks: list[str],
+    include_path: Path | None,
+    batch_size: int,
+    device: str,
+    trust_code: bool = False,
 ) -> list[dict[str, Any]]:
-    """One result line per harness task (and subtask) scored on the export in `folder`."""
+    """One result line per harness task (and subtask) scored on the export in `folder`; the
+    caller has passed `include_path` through require_task_code."""
+    with trusting(trust_code, "--trust-code"):
+        remote = remote_code(folder, "eval --harness")
     os.environ.update(OFFLINE)
     try:
         import lm_eval
@@ -42,11 +70,12 @@ def harness_results(
         )
     out = lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={folder},dtype=float32",
+        model_args={"pretrained": str(folder), "dtype": "float32", "trust_remote_code": remote},
         tasks=tasks,
         task_manager=manager,
         batch_size=batch_size,
         device=device,
+        confirm_run_unsafe_code=trust_code,  # a task marked unsafe_code runs only if trusted
     )
     return [
         {

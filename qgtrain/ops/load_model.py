@@ -23,24 +23,44 @@ from torch import nn
 
 from ..config.load import config_from_dict
 from ..foundation.errors import CheckpointError
+from ..foundation.folder_code import remote_code, trusting_its_flag
 from ..foundation.trust import Named, config_code, require
 from .export.rebuild import rebuild_model
 from .export.writer import META
 
 
+@trusting_its_flag("trust_code=True")  # and a model folder's own code (folder_code.py)
 def load_model(folder: str | Path, *, trust_code: bool = False) -> nn.Module:
     """The model exported to `folder`, on the CPU in fp32, in eval mode. Code its qgtrain_model.json
     names beyond the built-ins (a task function, a model class of yours) is imported only with
     `trust_code=True`, whoever owns the folder (trust.py): read that code first, as for a Hugging
-    Face folder's trust_remote_code."""
-    folder = Path(folder)
+    Face folder's trust_remote_code. So is code a transformers folder it reads names (auto_map),
+    and then only from a folder of yours that no one else can write (folder_code.py)."""
+    return exported_model(Path(folder), trust_code)
+
+
+def exported_model(folder: Path, trust_code: bool) -> nn.Module:
+    """load_model's model, the code of the folders it reads left to the caller's decision
+    (folder_code.trusting): export reloads the folder it wrote trusting the run's factories, not
+    a model folder's code."""
     meta = read_meta(folder)
     if meta["kind"] == "state_dict":
         model = _rebuild(meta, folder, trust_code)
         load_weights_strictly(model, folder, meta["class"])
-    else:  # transformers or the hub mixin: the class's own from_pretrained
-        model = _exported_class(meta, folder, trust_code).from_pretrained(folder)
+    elif meta["kind"] == "hub":
+        model = _hub_model(_exported_class(meta, folder, trust_code), folder)
+    else:  # transformers: the class's own from_pretrained
+        code = remote_code(folder, "load_model")
+        model = _exported_class(meta, folder, trust_code).from_pretrained(
+            folder, trust_remote_code=code
+        )
     return model.float().eval()
+
+
+def _hub_model(cls: Any, folder: Path) -> Any:
+    """A PyTorchModelHubMixin's from_pretrained: its config.json holds the class's init arguments
+    and names no code, and a trust_remote_code given to it would reach the model's __init__."""
+    return cls.from_pretrained(folder)
 
 
 def _rebuild(meta: dict[str, Any], folder: Path, trust_code: bool) -> nn.Module:

@@ -2,9 +2,9 @@
 Slurm).
 
 Every text it shows was written by whoever could write the run directory (on a shared filesystem:
-anyone allowed to), so the table shows control characters escaped (`\x1b`, `\n`, `\u202e`): a
-status.json cannot move the cursor, recolour or rewrite the terminal, or add lines of its own.
---json escapes them too.
+anyone allowed to), so the table shows control characters escaped (`\x1b`, `\n`, `\u202e`:
+foundation/terminal.py): a status.json cannot move the cursor, recolour or rewrite the terminal, or
+add lines of its own. --json escapes them too.
 
 Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run
 that says "running" while nobody holds its lock was killed before it could say anything else
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..foundation.errors import QgtrainError
+from ..foundation.terminal import shown
 from ..state import checkpoint, rundir
 from ..training.metrics import read_metrics
 
@@ -174,12 +175,3 @@ def as_table(rows: list[RunSummary]) -> str:
         for i, failure in enumerate(r.failures, 1)
     ]
     return "\n".join(lines)
-
-
-def shown(text: str) -> str:
-    """`text` with every character a terminal would act on instead of print (C0 and C1 controls,
-    DEL, line and paragraph separators, bidirectional overrides) written as its Python escape: one
-    row stays one line."""
-    return "".join(
-        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
-    )

@@ -42,12 +42,19 @@ class Finding:
         return f"{stat.S_IMODE(self.info.st_mode):04o}" if self.info else "unknown"
 
 
-def problem(top: Path, walked: tuple[Path, ...], no_links: tuple[Path, ...]) -> Finding | None:
+def problem(
+    top: Path,
+    walked: tuple[Path, ...],
+    no_links: tuple[Path, ...],
+    contained: tuple[Path, ...] = (),
+) -> Finding | None:
     """The first entry of `top` that someone else could have written: `top` itself (a link of the
     user's, e.g. to scratch space, is followed), every entry at its top, and everything below the
     `walked` folders. A walked folder, and anything at or below `no_links`, is never a link (job
-    files are kept there), whoever made it; links the user made elsewhere (checkpoints on scratch
-    space, a link in the code snapshot) are theirs. None for a `top` that does not exist."""
+    files are kept there), whoever made it; below a `contained` folder (code qgtrain does not make
+    itself: inductor's, submitit's pickles) a link must lead back inside it; links the user made
+    elsewhere (checkpoints on scratch space, a link in the code snapshot) are theirs. None for a
+    `top` that does not exist."""
     try:
         link = os.lstat(top)
     except FileNotFoundError:
@@ -59,7 +66,7 @@ def problem(top: Path, walked: tuple[Path, ...], no_links: tuple[Path, ...]) -> 
     path = top
     try:
         for path, info in _entries(top, walked):
-            why = _why(path, info, walked, no_links)
+            why = _why(path, info, walked, no_links) or _leads_out(path, info, contained)
             if why:
                 return Finding(why, path, info)
     except OSError as exc:
@@ -104,3 +111,17 @@ def _why(
     if info.st_uid != os.getuid():
         return f"{path} is a symbolic link made by someone else"
     return None  # the user's own link (checkpoints on scratch space), as the top may be
+
+
+def _leads_out(path: Path, info: os.stat_result, contained: tuple[Path, ...]) -> str | None:
+    """Why a link below a `contained` folder does not count: it leads out of it (a copied run's
+    link to a colleague's file would load that file as the user's)."""
+    if not stat.S_ISLNK(info.st_mode):
+        return None
+    for folder in contained:
+        if folder in path.parents:
+            inside = Path(os.path.realpath(folder))
+            target = Path(os.path.realpath(path))
+            if target != inside and inside not in target.parents:
+                return f"{path} is a symbolic link leading out of {folder} (to {target})"
+    return None

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..config.checkpoint import CheckpointConfig
-from ..foundation.errors import CheckpointWriteError, TrainingError
+from ..foundation.errors import CheckpointWriteError, QgtrainError, TrainingError
+from ..foundation.pinned import FolderReplaced, Pinned
 from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
@@ -41,14 +42,6 @@ from .rundir import RunDir
 log = logging.getLogger("qgtrain")
 
 
-def dcp_error() -> type[BaseException]:
-    """What torch.distributed.checkpoint raises on every rank when one rank's write fails (a
-    BaseException)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
-
-
 class Checkpointer:
     def __init__(
         self,
@@ -58,13 +51,15 @@ class Checkpointer:
         cfg: CheckpointConfig,
         run_files: dict[str, bytes] | None = None,
         timeout_s: float = 300.0,
+        pin: Pinned | None = None,
     ) -> None:
         """`cfg`, its own section of the config: how many kept, written in the background or not,
         and when a save is due (due, due_by_clock). `run_files` (the resolved config, the model's
         own config) go into every checkpoint as they are. `timeout_s` bounds each of the saver's
         collectives, as train.collective_timeout_s bounds training's: without it gloo waits half an
-        hour, and a rank cut off in the middle of a save would outlive the others by that much."""
-        self.root, self.run_id, self.env = root, run_id, env
+        hour, and a rank cut off in the middle of a save would outlive the others by that much.
+        `pin`: the run folder checked at start, which each save first checks is still there."""
+        self.root, self.run_id, self.env, self.pin = root, run_id, env, pin
         self.run_files = run_files or {}
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
         self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
@@ -72,7 +67,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
-        self._failure: str | None = None
+        self._failure: QgtrainError | None = None
         self._snapshot = HostCopy(timeout_s)
         if env.is_main:
             for path in rotation.remove_stale_staging(root, run_id):
@@ -80,12 +75,17 @@ class Checkpointer:
 
     @classmethod
     def for_run(
-        cls, run: RunDir, run_id: str, env: DistEnv, cfg: RunConfig, files: dict[str, bytes]
+        cls,
+        run: RunDir,
+        run_id: str,
+        env: DistEnv,
+        cfg: RunConfig,
+        files: dict[str, bytes],
+        pin: Pinned,
     ) -> Checkpointer:
         """The run's checkpointer from its own sections; `files` (layout.run_files) go in each."""
-        return cls(
-            run.checkpoints, run_id, env, cfg.checkpoint, files, cfg.train.collective_timeout_s
-        )
+        timeout_s = cfg.train.collective_timeout_s
+        return cls(run.checkpoints, run_id, env, cfg.checkpoint, files, timeout_s, pin)
 
     def due(self, step: int) -> bool:
         """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every
@@ -184,17 +184,19 @@ class Checkpointer:
             self._thread = None
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            raise CheckpointWriteError(failure)
+            raise failure
 
     def _background(self, work: Callable[..., None], *args: Any) -> None:
         def run() -> None:
             try:
                 work(*args)
+            except FolderReplaced as exc:  # no write failed: nothing to try again
+                self._failure = exc
             except TrainingError as exc:
-                self._failure = str(exc)
+                self._failure = CheckpointWriteError(str(exc))
             # recorded, so that the next wait reports it instead of success
             except BaseException as exc:
-                self._failure = (
+                self._failure = CheckpointWriteError(
                     f"the background checkpoint writer failed: {type(exc).__name__}: {exc}"
                 )
 
@@ -210,6 +212,7 @@ class Checkpointer:
         """Write this rank's files, commit on rank 0; all ranks learn the outcome (collectives).
         Returns the checkpoint and the names of the files this rank wrote."""
         started = time.perf_counter()
+        self._still_pinned()
         staging = checkpoint.staging_dir(self.root, step, self.run_id)
         error = None
         if self.env.is_main:
@@ -233,12 +236,13 @@ class Checkpointer:
         if shards is not None and staged:
             try:
                 entries.update(sharded.write(staging, shards, self.env.rank, self.group))
-            except (OSError, RuntimeError, dcp_error()) as exc:
+            except (OSError, RuntimeError, sharded.dcp_error()) as exc:
                 why = checkpoint.explain_write_error(exc, staging, shards)
                 error = (
                     error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
                 )
         gathered = gather_to_main((entries, error), group=self.group)
+        self._still_pinned()  # before the commit renames it into checkpoints/
         outcome = (
             self._commit(step, staging, gathered, meta, started) if gathered is not None else None
         )
@@ -250,31 +254,25 @@ class Checkpointer:
             )
         return self.root / layout.step_folder(step), list(entries)
 
+    def _still_pinned(self) -> None:
+        """Rank 0 checks that the run folder is the one checked at start (Pinned), and every rank
+        stops alike if not: nothing more is written into a folder someone put in its place."""
+        line = self.pin.replaced() if self.pin is not None and self.env.is_main else None
+        if line := objects.broadcast(line, self.group, "run folder check"):
+            raise FolderReplaced(line)
+
     def _commit(
         self, step: int, staging: Path, gathered: list[Any], meta: dict[str, Any], started: float
     ) -> str | None:
         errors = [error for _, error in gathered if error]
         if not errors:
             files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
+            done = {**meta, "step": step, "run_id": self.run_id, "world_size": self.env.world_size}
             try:
-                ckpt = checkpoint.commit(
-                    staging,
-                    self.root / layout.step_folder(step),
-                    files,
-                    {
-                        **meta,
-                        "step": step,
-                        "run_id": self.run_id,
-                        "world_size": self.env.world_size,
-                    },
-                )
-                size = sum(entry["size"] for entry in files.values())
-                log.info(
-                    "saved checkpoint %s (%.1f MB written in %.2f s)",
-                    ckpt.path,
-                    size / 1e6,
-                    time.perf_counter() - started,
-                )
+                ckpt = checkpoint.commit(staging, self.root / layout.step_folder(step), files, done)
+                mb = sum(entry["size"] for entry in files.values()) / 1e6
+                took = time.perf_counter() - started
+                log.info("saved checkpoint %s (%.1f MB written in %.2f s)", ckpt.path, mb, took)
                 return None
             except OSError as exc:
                 errors.append(f"rank 0 cannot commit {staging}: {exc.strerror or exc}")

@@ -16,6 +16,7 @@ import torch
 from ..config import RunConfig
 from ..config.load import dump_yaml
 from ..foundation.errors import QgtrainError
+from ..foundation.pinned import Pinned
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from . import rundir, verify_ranks
@@ -33,6 +34,13 @@ class Claim:
     warnings: list[str]  # logged once the run's log file is open
     # what it may resume from, before the ranks check the files
     candidates: Candidates = Candidates([], [])
+    pinned: tuple[int, int] = (0, 0)  # the device and inode of the folder rank 0 checked
+
+
+def pinned_here(claim: Claim, is_main: bool) -> Pinned:
+    """The run folder as this rank holds it: rank 0's is the folder it checked; another rank's (a
+    device is numbered per node) is the one its path names once rank 0 has checked it."""
+    return Pinned(claim.path, *claim.pinned) if is_main else Pinned.now(claim.path)
 
 
 def claimed(
@@ -68,21 +76,25 @@ def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.
     training, and lists the checkpoints it may resume from before it writes anything there: a
     refusal leaves the run as it was."""
     path = (run_dir or rundir.default_run_dir(cfg)).resolve()
+    warnings: list[str] = []
     try:
-        rundir.require_safe(path)
+        checked = rundir.require_safe(path, warnings.append)
         rundir.refuse_foreign(path)
         exposed = rundir.create(path, cfg.logging.shared)
         held.enter_context(
             rundir.exclusive(path, f"Slurm job {env.job_id}" if env.job_id else "qgtrain")
         )
-        warnings: list[str] = [exposed] if exposed else []
+        # the folder checked, still there; one made just now is checked now
+        pin = checked or rundir.require_safe(path, lambda _: None) or Pinned.now(path)
+        pin.check()
+        warnings += [exposed] if exposed else []
         candidates = resume_candidates(
             RunDir(path).checkpoints,
             rundir.read_run_id(path),
             cfg.checkpoint.resume,
             warnings.append,
         )
-        return Claim(path, "", None, warnings, candidates)
+        return Claim(path, "", None, warnings, candidates, (pin.device, pin.inode))
     except OSError as exc:
         raise rundir.unwritable(path, exc) from None
 

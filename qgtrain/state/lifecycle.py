@@ -19,6 +19,7 @@ from typing import Any
 
 from ..foundation.errors import PeerFailure, QgtrainError, summary
 from ..foundation.files import write_atomic
+from ..foundation.pinned import FolderReplaced
 from ..runtime.rendezvous import DistEnv
 from . import rundir
 
@@ -88,6 +89,10 @@ class Lifecycle:
                 "failed", error=str(error), retryable=bool(first[1]["retryable"]) if first else True
             )
             raise error from exc
+        # the path names someone else's folder now: nothing is written there, not even why
+        except FolderReplaced as exc:
+            log.error("%s", exc)
+            raise
         # this rank's own failure: noted for the others before the group goes
         except BaseException as exc:
             self._leave_note(exc)

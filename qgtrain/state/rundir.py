@@ -14,6 +14,8 @@
     slurm/             the job `qgtrain submit` wrote: its config.yaml and job.sbatch
     code/              the code snapshot jobs run from (slurm.snapshot)
     stages/            a chain's later stages (`qgtrain submit --then`)
+    compile-cache/     each rank's inductor cache (runtime/compile_cache.py)
+    submitit/          submitit's pickled jobs and logs (qgtrain.submit)
 
 The directory follows from the config alone (<logging.runs_dir>/<train.run_name>), so a requeued job
 finds it again without being told. A folder that holds anything but a run is refused
@@ -30,15 +32,18 @@ import json
 import os
 import socket
 import stat
+import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import RunConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.files import open_lock, read_holder, try_lock, write_atomic, write_holder
+from ..foundation.pinned import Pinned
+from ..foundation.trust import open_above
 from . import access, layout
 
 
@@ -120,6 +125,14 @@ class RunDir:
     def stages(self) -> Path:
         return self.path / "stages"
 
+    @property
+    def compile_cache(self) -> Path:
+        return self.path / "compile-cache"
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / "submitit"
+
 
 # What qgtrain itself puts in a run directory before run.json records the run: the lock (a start
 # waiting for another, or killed before it recorded the run), the job's files of `qgtrain submit`
@@ -163,15 +176,31 @@ def create(path: Path, shared: bool) -> str | None:
     )
 
 
-def require_safe(path: Path) -> None:
+def require_safe(path: Path, warn: Callable[[str], None] | None = None) -> Pinned | None:
     """Refuse a run directory someone else can write into, before anything is written or run there:
-    its job files (slurm/, stages/, code/) run at every start, requeue and next stage, and qgtrain
-    writes by predictable names all over it. logging.shared lets the group read, never write."""
+    its job files (slurm/, stages/, code/) run at every start, requeue and next stage, so do
+    compile-cache/ (inductor's generated Python) and submitit/ (pickles); and qgtrain writes by
+    predictable names all over it. logging.shared lets the group read, never write. The folders
+    above it are judged as ssh judges those above ~/.ssh (trust.open_above); a warning goes to
+    `warn` (stderr by default). Returns the folder as pinned before it was checked (None where
+    there is none yet): a use that matters checks the path still names it (Pinned.check)."""
     run = RunDir(path)
+    try:
+        pin: Pinned | None = Pinned.now(path)
+    except OSError:
+        pin = None
+    refusal, warning = open_above(path)
+    if refusal:
+        raise QgtrainError(
+            f"the run directory {path} is not safe to write or run jobs in: {refusal}"
+        )
+    if warning:
+        (warn or _say)(warning)
     job_files = (run.slurm, run.stages, run.code / "jobs")  # never a link
-    found = access.problem(path, (run.slurm, run.stages, run.code), job_files)
+    code = (run.compile_cache, run.submitit)  # links lead back inside
+    found = access.problem(path, (run.slurm, run.stages, run.code, *code), job_files, code)
     if found is None:
-        return
+        return pin
     if found.info is None:
         fix = f"check who can read and write {found.path}"
     elif found.info.st_uid != os.getuid():
@@ -185,6 +214,10 @@ def require_safe(path: Path) -> None:
         f"{found.owner}, mode {found.mode}); others could change the job files that a start or "
         f"a requeue runs as you. HINT: {fix}"
     )
+
+
+def _say(line: str) -> None:
+    print(f"qgtrain: warning: {line}", file=sys.stderr)
 
 
 def is_run_dir(path: Path) -> bool:

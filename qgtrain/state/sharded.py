@@ -27,6 +27,14 @@ from .weights import adapter_of, load_weights, strip_wrapper_prefixes
 FOLDER = SHARDED
 
 
+def dcp_error() -> type[BaseException]:
+    """What torch.distributed.checkpoint raises on every rank when one rank's write fails (a
+    BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
 def is_sharded_checkpoint(ckpt: Checkpoint) -> bool:
     return SHARDED_METADATA in ckpt.manifest.get("files", {})
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..foundation.errors import ConfigError, first_line
+from ..foundation.folder_code import remote_code
 from .empty_weights import building_empty, is_building_empty
 
 
@@ -29,10 +30,15 @@ def load_pretrained(path: Path) -> nn.Module:
             f"model.pretrained: {path} has no config.json; expected a folder written by "
             "save_pretrained (e.g. by `qgtrain export`)"
         )
+    code = remote_code(path, "model.pretrained")  # a folder naming code is refused here
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=code
+        )
         with building_empty(meta=True):  # nothing initialised, nothing drawn: as from_pretrained
-            skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            skeleton = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, trust_remote_code=code
+            )
         if is_building_empty():
             return skeleton
         problem = shape_problem(path, dict(skeleton.state_dict()))
@@ -42,7 +48,7 @@ def load_pretrained(path: Path) -> nn.Module:
                 "or fix its config.json to describe its weights"
             )
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32
+            path, local_files_only=True, dtype=torch.float32, trust_remote_code=code
         )
         # from_pretrained gives eval mode, for inference: its dropout would be off
         return model.train()

@@ -27,6 +27,7 @@ import torch
 from ...config import RunConfig
 from ...data import tokenizer
 from ...foundation.errors import CheckpointError, QgtrainError
+from ...foundation.folder_code import remote_code
 from ...foundation.task import BUILTIN_LM
 from ...state import checkpoint, ema_files, layout
 from ...state.weights import describe
@@ -166,8 +167,13 @@ def _adapter_reloaded(model: Any, base_path: str, folder: Path, run: Any) -> flo
     import transformers
     from peft import PeftModel
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    return rebuild.verify(model, PeftModel.from_pretrained(base, folder), run, folder)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        base_path, dtype=torch.float32, trust_remote_code=remote_code(base_path, "model.pretrained")
+    )
+    # peft runs no code an adapter folder names (its config class comes from a fixed table), and
+    # ignores trust_remote_code; given for the rule that every from_pretrained is told
+    adapters = PeftModel.from_pretrained(base, folder, trust_remote_code=False)
+    return rebuild.verify(model, adapters, run, folder)
 
 
 def _merged(model: Any, folder: Path, dtype: torch.dtype, run: Any) -> float:
@@ -179,7 +185,9 @@ def _merged(model: Any, folder: Path, dtype: torch.dtype, run: Any) -> float:
     merging.untie_adapted(model)  # a delta merged into a shared tensor changes its partner
     merged = model.merge_and_unload()
     merged.to(dtype).save_pretrained(folder)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, trust_remote_code=remote_code(folder, "export")
+    )
     if expected is None:
         return rebuild.verify(merged.float(), reloaded, run, folder)
     return rebuild.verify_against(expected, reloaded, run, folder)

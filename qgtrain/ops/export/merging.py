@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ...foundation.errors import QgtrainError
+from ...foundation.folder_code import remote_code
 from ...tasks.empty_weights import building_empty
 from ...tasks.pretrained import safetensors_files
 from ...training.adapters import ADAPTER_NAME
@@ -65,9 +66,14 @@ def write(
     import transformers
     from peft import inject_adapter_in_model
 
-    config = transformers.AutoConfig.from_pretrained(base, local_files_only=True)
+    code = remote_code(base, "model.pretrained")  # a folder naming code is refused here
+    config = transformers.AutoConfig.from_pretrained(
+        base, local_files_only=True, trust_remote_code=code
+    )
     with building_empty(meta=True):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=code
+        )
     aliases = _tie_groups(model)
     inject_adapter_in_model(lora, model, ADAPTER_NAME)
     trained = {n: t for n, t in model.state_dict(keep_vars=True).items() if ".lora_" in n}
@@ -91,7 +97,9 @@ def write(
     if not small:
         reload.check_names(folder, meta, dtype)
         return None
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, trust_remote_code=remote_code(folder, "export")
+    )
     return rebuild.verify_against(outputs, reloaded, run, folder)
 
 
@@ -175,7 +183,8 @@ def _write_folder(
 
     config.dtype = dtype
     config.save_pretrained(folder)
-    if (base / "generation_config.json").is_file():
-        transformers.GenerationConfig.from_pretrained(base).save_pretrained(folder)
+    if (base / "generation_config.json").is_file():  # names no code; read as from_pretrained does
+        generation = json.loads((base / "generation_config.json").read_text(encoding="utf-8"))
+        transformers.GenerationConfig.from_dict(generation).save_pretrained(folder)
     size = writer.size_in_bytes(writer.SHARD_SIZE)
     safetensors_io.write_weights(folder, meta, read, dtype, size)

@@ -25,6 +25,7 @@ from ...config import RunConfig
 from ...config.load import config_to_dict
 from ...data import tokenizer
 from ...foundation.errors import QgtrainError
+from ...foundation.folder_code import trusting_its_flag
 from ...foundation.task import BUILTIN_LM
 from ...foundation.trust import config_code, not_yours, require
 from ...state import checkpoint, layout
@@ -52,6 +53,7 @@ class Exported:
     tensors_checked: int = 0
 
 
+@trusting_its_flag("--trust-code (trust_code=True in Python)")  # folder_code.py
 def export_run(
     source: Path,
     out: Path,

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from ...foundation.errors import QgtrainError
+from ...foundation.folder_code import remote_code
 from ...foundation.task import ReadyTask
 from ...state.checkpoint import Checkpoint
 from ...tasks.empty_weights import building_empty
-from ..load_model import load_model
+from ..load_model import exported_model
 from . import rebuild, safetensors_io
 
 OUTPUTS_CHECKED_UP_TO = 64 << 20  # bytes of the model in fp32
@@ -59,10 +60,13 @@ def outputs(
     model.load_state_dict(as_exported, strict=False)
     model.float().eval()
     reloaded = (
-        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, trust_remote_code=remote_code(folder, "export")
+        )
         if lm
-        else load_model(folder, trust_code=True)
-    )  # export.py decided about the same config's code
+        else exported_model(folder, trust_code=True)
+    )  # export.py decided about the same config's code, and the export's --trust-code about
+    # the code a model folder names (folder_code.py)
     run = (
         rebuild.task_batch(task)
         if task is not None
@@ -74,10 +78,11 @@ def outputs(
 def check_names(folder: Path, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(folder)
+    code = remote_code(folder, "export")
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=code)
     with building_empty(meta=True):
         built = safetensors_io.tensors_to_write(
-            transformers.AutoModelForCausalLM.from_config(config)
+            transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=code)
         )
     differ = sorted(set(built) ^ set(weights))
     differ += [n for n in built if n in weights and built[n].shape != weights[n].shape]
