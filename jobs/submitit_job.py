@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import qgtrain
+from qgtrain.foundation.errors import QgtrainError
 
 
 def main() -> None:
@@ -31,9 +33,13 @@ def main() -> None:
 
         print(json.dumps(executor_parameters(load_config([args.config], args.set)), indent=1))
         return
-    job = qgtrain.submit(
-        args.config, **{key.replace(".", "__"): value for key, value in overrides.items()}
-    )
+    try:
+        job = qgtrain.submit(
+            args.config, **{key.replace(".", "__"): value for key, value in overrides.items()}
+        )
+    except QgtrainError as exc:  # one line, as the CLI says it (no Slurm here, a bad value)
+        print(f"qgtrain: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     print(f"submitted job {job.job_id}; submitit logs in {job.paths.folder}")
     print(job.result(timeout=args.timeout_h * 3600))
 

@@ -18,7 +18,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import QgtrainError
 from qgtrain.launch.sbatch import parse_job_id, render
 from qgtrain.launch.slurm_checks import time_minutes
-from tests.helpers import cli
+from tests.helpers import cli, stand_in_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
@@ -247,28 +247,152 @@ def test_submit_dry_run_prints_the_script_without_importing_torch_or_submitit(tm
     assert result.stdout.startswith("#!/bin/bash") and "#SBATCH --requeue" in result.stdout
 
 
-def test_submit_without_slurm_says_so(tmp_path):
-    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+def user_folder(tmp_path: Path) -> Path:
+    """A user's own folder, outside the repository: a task module, a config, a data file."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "my_task.py").write_text("VALUE = 'as submitted'\n")
+    (folder / "data" / "events.txt").write_text("42\n")
+    (folder / "config.yaml").write_text("train: {run_name: demo}\nlogging: {runs_dir: runs}\n")
+    (folder / "more.yaml").write_text("optim: {lr: 0.0001, min_lr: 0.00001}\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["qgtrain", "submit"],
+        ["qgtrain", "submit", "--launcher", "submitit"],
+        ["qgtrain", "submit", "--sweep", "train.seed=1,2"],
+        ["qgtrain", "submit", "--sweep", "train.seed=1,2", "--launcher", "submitit"],
+        ["qgtrain", "submit", "--then", "more.yaml"],
+        ["python", str(ROOT / "jobs" / "submitit_job.py")],
+    ],
+    ids=["sbatch", "submitit", "sweep", "submitit-sweep", "stages", "submitit_job.py"],
+)
+def test_submit_without_slurm_is_one_line_exit_2_and_writes_nothing(tmp_path, command):
+    """Run as a user runs it from their folder: the venv's own scripts by path, nothing activated,
+    and a PATH without sbatch (nor srun)."""
+    folder = user_folder(tmp_path)
+    bin_dir = Path(sys.executable).parent
+    program = [str(bin_dir / "qgtrain")] if command[0] == "qgtrain" else [sys.executable]
+    before = sorted(tmp_path.rglob("*"))
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qgtrain",
-            "submit",
-            "--config",
-            str(ROOT / "config.yaml"),
-            "--set",
-            f"logging.runs_dir={tmp_path}",
-        ],
+        [*program, *command[1:], "--config", "config.yaml"],
         capture_output=True,
         text=True,
-        env=env,
+        cwd=folder,
+        env={**os.environ, "PATH": str(tmp_path / "no-slurm")},
     )
-    assert (
-        result.returncode == 2
-        and "sbatch is not on PATH" in result.stderr
-        and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr == (
+        "qgtrain: error: submit: no Slurm here (sbatch is not on PATH); nothing was submitted or "
+        "written. HINT: run `qgtrain train` to train here, or submit from a login node\n"
     )
+    assert sorted(tmp_path.rglob("*")) == before, "no snapshot, run folder, submitit/ or jobs/out"
+
+
+SUBMITTER = "/opt/my env/bin/python"  # a venv's interpreter, with a space in its path
+
+
+@pytest.mark.parametrize(
+    "slurm, python, env, venv_here, expected",
+    [
+        (SlurmConfig(), SUBMITTER, {}, False, SUBMITTER),
+        (SlurmConfig(), SUBMITTER, {}, True, SUBMITTER),
+        (SlurmConfig(), SUBMITTER, {"QGTRAIN_PYTHON": "/site/py"}, True, "/site/py"),
+        (SlurmConfig(), None, {}, False, "python3"),
+        (SlurmConfig(), None, {}, True, "{pwd}/.venv/bin/python"),
+        (SlurmConfig(), None, {"QGTRAIN_PYTHON": "/site/py"}, True, "/site/py"),
+        (SlurmConfig(container_image="img"), SUBMITTER, {}, True, "python"),
+    ],
+    ids=[
+        "submitter",
+        "submitter-over-a-venv-here",
+        "QGTRAIN_PYTHON-wins",
+        "train.slurm-node-python3",
+        "train.slurm-venv-here",
+        "train.slurm-QGTRAIN_PYTHON",
+        "container-image-python",
+    ],
+)
+def test_the_job_runs_the_interpreter_that_submitted_it_unless_qgtrain_python_names_one(
+    tmp_path, slurm, python, env, venv_here, expected
+):
+    """The rendered script executed by bash, srun a stand-in that records what it was asked to run:
+    the Python before `-m qgtrain`."""
+    if venv_here:
+        (tmp_path / ".venv" / "bin").mkdir(parents=True)
+        (tmp_path / ".venv" / "bin" / "python").write_text("#!/bin/sh\n")
+        (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
+    script = render(slurm, "config.yaml", python=python)
+    (tmp_path / "rendered.sbatch").write_text(script)
+    shellcheck(tmp_path / "rendered.sbatch")
+    code, args, _ = run_script(script, tmp_path, more_env=env)
+    assert code == 0 and args[args.index("-m") - 1] == expected.format(pwd=tmp_path), args
+
+
+def test_submit_renders_its_own_interpreter_as_a_path_not_resolved_through_links(tmp_path):
+    """A venv's python is a link to the base interpreter; only the link's place makes it the venv's
+    (and its torch), so the script names the link."""
+    shown = cli("submit", "--dry-run", "--config", str(ROOT / "config.yaml"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    itself = os.path.abspath(sys.executable)
+    line = f"PYTHON=${{QGTRAIN_PYTHON:-{itself}}}  # the interpreter that submitted the job\n"
+    assert line in shown.stdout and "[ -x .venv/bin/python ]" not in shown.stdout
+    resolved = os.path.realpath(sys.executable)
+    assert resolved == itself or resolved not in shown.stdout
+
+
+PROBE = (
+    "import os, my_task, qgtrain\n"
+    "package = os.path.dirname(os.path.dirname(qgtrain.__file__))\n"
+    "print(os.getcwd(), my_task.VALUE, package, sep='\\n')\n"
+    "print(open('data/events.txt').read().strip() if os.path.exists('data/events.txt') else '-')"
+)
+
+
+@pytest.mark.parametrize("safe_path", [True, False], ids=["python-3.11+", "python-3.10"])
+def test_a_submitted_job_runs_in_its_submit_folder_with_the_snapshots_code_first(
+    tmp_path, safe_path
+):
+    """`qgtrain submit` (sbatch a stand-in), then the job script executed by bash from elsewhere,
+    its srun a stand-in that runs the step's Python on a probe: where it runs, which my_task and
+    qgtrain it imports (the live my_task edited after submit), and whether the task's relative data
+    path finds the file. A Python without PYTHONSAFEPATH (a wrapper failing that check) runs in the
+    snapshot's copy instead, and says so."""
+    folder = user_folder(tmp_path)
+    submitted = cli("submit", "--config", "config.yaml", cwd=folder, env=stand_in_sbatch(tmp_path))
+    assert submitted.returncode == 0, submitted.stderr
+    (folder / "my_task.py").write_text("VALUE = 'edited after submit'\n")
+    (code,) = (folder / "runs" / "demo" / "code").glob("????????????????")
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    (nodes / "srun").write_text('#!/bin/bash\nshift\necho "$1"\n"$1" -c "$PROBE"\n')
+    old_python = nodes / "python3.10"
+    old_python.write_text(
+        f'#!/bin/bash\n[[ "$*" == *safe_path* ]] && exit 1\nexec {sys.executable} "$@"\n'
+    )
+    for made in (nodes / "srun", old_python):
+        made.chmod(0o755)
+    env = {"PATH": f"{nodes}:/usr/bin:/bin", "SLURM_JOB_ID": "77", "PROBE": PROBE}
+    done = subprocess.run(
+        ["bash", str(folder / "runs" / "demo" / "slurm" / "job.sbatch")],
+        cwd=tmp_path,
+        env=env if safe_path else {**env, "QGTRAIN_PYTHON": str(old_python)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    python, cwd, value, package_from, data = done.stdout.split("\n")[:5]
+    assert python == (os.path.abspath(sys.executable) if safe_path else str(old_python))
+    assert value == "as submitted" and package_from == str(code / "lib")
+    if safe_path:
+        assert (cwd, data) == (str(folder), "42") and "sys.path" not in done.stderr
+    else:
+        assert (cwd, data) == (str(code / "submit"), "-"), "data/ is not code"
+        assert "this Python puts" in done.stderr
 
 
 def test_a_sweep_renders_one_job_array_whose_tasks_train_their_own_configs(tmp_path):
@@ -350,9 +474,11 @@ def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, 
     assert not (tmp_path / ".sweeps").exists()
 
 
-def run_script(script: str, tmp_path: Path, srun_exit: int = 0) -> tuple[int, list[str], str]:
+def run_script(
+    script: str, tmp_path: Path, srun_exit: int = 0, more_env: dict[str, str] | None = None
+) -> tuple[int, list[str], str]:
     """Execute a rendered script with stand-ins for srun (records its arguments) and scontrol; no
-    QGTRAIN_PYTHON, so the script picks its interpreter itself."""
+    QGTRAIN_PYTHON unless `more_env` sets it, so the script picks its interpreter itself."""
     (tmp_path / "job.sbatch").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -370,6 +496,7 @@ def run_script(script: str, tmp_path: Path, srun_exit: int = 0) -> tuple[int, li
         "SLURM_JOB_ID": "77",
         "HOST_ARGS": str(tmp_path / "host"),
         "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python"),
+        **(more_env or {}),
     }
     done = subprocess.run(
         ["bash", str(tmp_path / "job.sbatch")],

@@ -6,6 +6,7 @@ subprocess from a user's folder (tmp_path) holding the task module."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,49 @@ def user_folder(tmp_path: Path, factory: str, max_steps: int) -> list[str]:
     )
     configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", tmp_path / "task.yaml"]
     return [arg for c in configs for arg in ("--config", str(c))]
+
+
+READS_DATA = """
+
+def reads_data(cfg):
+    events = open("data/events.txt").read().split()  # relative to the folder submitted from
+    logging.getLogger("qgtrain").info(f"my_task: read {len(events)} events from data/events.txt")
+    return paced(cfg)
+"""
+
+
+def test_submitted_from_a_users_folder_by_the_venvs_qgtrain_the_job_runs_that_python_there(
+    tmp_path,
+):
+    """No venv activated and a node `python3` without torch (a shim first on PATH): the job runs
+    the interpreter that submitted it, in the folder it was submitted from, so the task reads its
+    data by a relative path."""
+    args = user_folder(tmp_path, "my_task:reads_data", 3)
+    (tmp_path / "my_task.py").write_text(MY_TASK + READS_DATA)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "events.txt").write_text("1.5 2.5 3.5\n")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python3").write_text('#!/bin/sh\necho "no torch" >&2\nexit 1\n')
+    (shim / "python3").chmod(0o755)
+    left_out = ("QGTRAIN_PYTHON", "PYTHONPATH", "VIRTUAL_ENV")  # conftest sets QGTRAIN_PYTHON
+    env = {k: v for k, v in os.environ.items() if k not in left_out}
+    env["PATH"] = f"{shim}:/usr/local/bin:/usr/bin:/bin"  # sbatch, not the venv's bin
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "qgtrain"), "submit", *args, "--set", *ONE_RANK],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    job_id = submitted(result)
+    assert wait_finished(job_id, timeout=120) == "COMPLETED"
+    run = tmp_path / "runs" / "mine"
+    assert "my_task: read 3 events from data/events.txt" in rank_log(run, 0)
+    assert logged_step(run) == 3
+    output = (tmp_path / "jobs" / "out" / f"qgtrain-cpu-{job_id}.out").read_text()
+    assert "no torch" not in output
 
 
 def runs_table(tmp_path: Path) -> str:

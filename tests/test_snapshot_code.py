@@ -139,12 +139,13 @@ def test_a_snapshot_over_the_cap_is_one_line_exit_2_naming_the_largest_file(tmp_
     assert not (folder / "runs" / "demo").exists()
 
 
-def test_the_dry_run_shows_the_job_moving_into_its_snapshot_and_the_opt_out_leaves_it_out(tmp_path):
+def test_the_dry_run_shows_the_job_running_its_snapshot_and_the_opt_out_leaves_it_out(tmp_path):
     folder = submit_dir(tmp_path)
     shown = cli("submit", "--dry-run", "--config", "config.yaml", cwd=folder)
     digest = codesnap.digest(codesnap.collect(folder, (folder / "runs", folder / "jobs" / "out")))
-    assert f"cd {folder}/runs/demo/code/{digest}/submit || exit 1" in shown.stdout, shown.stderr
-    assert f"export PYTHONPATH={folder}/runs/demo/code/{digest}/lib:" in shown.stdout
+    code = f"{folder}/runs/demo/code/{digest}"
+    assert f"\ncd {folder} || exit 1  # submitted here" in shown.stdout, shown.stderr
+    assert f"\nexport PYTHONPATH={code}/lib:{code}/submit" in shown.stdout
     off = cli(
         "submit",
         "--dry-run",
@@ -289,7 +290,10 @@ def test_a_finished_stage_submits_the_next_exactly_once_and_a_failed_one_records
     ]
     script = (chain / "stage-2.sbatch").read_text()
     assert f"qgtrain next-stage '{chain}' --after 2" in script
-    assert "cd " + str(folder / "runs") in script, "the stage runs from the snapshot"
+    code = folder / "runs" / "demo" / "code"
+    assert f"\ncd {folder} || exit 1" in script and f"export PYTHONPATH={code}/" in script, (
+        "the stage runs the snapshot's code in the submit folder"
+    )
     last = (chain / "stage-3.sbatch").read_text()
     assert "next-stage" not in last, "the last stage submits nothing"
 
@@ -301,13 +305,17 @@ def test_submitit_jobs_and_sweeps_run_from_the_snapshot_too(tmp_path):
         "submit", "--launcher", "submitit", "--dry-run", "--config", "config.yaml", cwd=folder
     )
     setup = json.loads(shown.stdout)["slurm_setup"]
-    moved = f"cd {folder}/runs/demo/code/{digest}/submit || exit 1"
-    assert f"{moved}  # the code as submitted (slurm.snapshot)" in setup, setup
+    code = f"{folder}/runs/demo/code/{digest}"
+    first = f"export PYTHONPATH={code}/lib:{code}/submit" + '"${PYTHONPATH:+:$PYTHONPATH}"'
+    assert f"{first}  # the code as submitted (slurm.snapshot)" in setup, setup
+    assert "export PYTHONSAFEPATH=1  # the folder's modules never shadow the snapshot's" in setup
+    assert any(line.startswith(f"cd {folder} || exit 1") for line in setup), setup
     swept = cli(
         "submit", "--dry-run", "--config", "config.yaml", "--sweep", "train.seed=1,2", cwd=folder
     )
-    moved = f"cd {folder}/runs/.sweeps/demo/code/{digest}/submit || exit 1"
-    assert moved in swept.stdout, swept.stderr
+    code = f"{folder}/runs/.sweeps/demo/code/{digest}"
+    assert f"\nexport PYTHONPATH={code}/lib:{code}/submit" in swept.stdout, swept.stderr
+    assert f"\ncd {folder} || exit 1" in swept.stdout
     assert not (folder / "runs" / ".sweeps").exists()
 
 

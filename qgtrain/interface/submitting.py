@@ -19,6 +19,7 @@ from .commands import load_args_config
 def submit(args: argparse.Namespace) -> int:
     from ..launch.sbatch import render, submit_config
     from ..launch.slurm_checks import validate
+    from ..launch.submit_host import require_slurm, submitting_python
     from ..state.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
@@ -45,8 +46,10 @@ def submit(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         code = _planned_code(cfg, run_dir)
-        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=code))
+        python = submitting_python()
+        sys.stdout.write(render(cfg.slurm, str(job_dir / "config.yaml"), code=code, python=python))
         return 0
+    require_slurm("sbatch")
     job_id = submit_config(cfg, job_dir)
     print(
         f"submitted job {job_id}; output in "
@@ -68,7 +71,7 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def _code_note(run_dir: Path) -> str:
-    from ..launch.sbatch import code_of
+    from ..launch.runfrom import code_of
     from ..state.rundir import RunDir
 
     code = code_of(RunDir(run_dir).slurm / "job.sbatch")
@@ -78,6 +81,7 @@ def _code_note(run_dir: Path) -> str:
 def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     from ..foundation.errors import ConfigError
     from ..launch import stages
+    from ..launch.submit_host import require_slurm, submitting_python
     from ..state.rundir import RunDir, default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
@@ -96,6 +100,7 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
                 str(RunDir(run_dir).slurm / "config.yaml"),
                 code=_planned_code(cfg, run_dir),
                 after=stages.epilogue(RunDir(run_dir).stages, 1, "CHAIN-ID"),
+                python=submitting_python(),
             )
         )
         sys.stdout.write(
@@ -106,6 +111,7 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
             )
         )
         return 0
+    require_slurm("sbatch")
     job_id, folder = stages.submit_chain(planned, Path.cwd())
     names = ", ".join(s.cfg.train.run_name for s in planned if not s.evaluates)
     names += " (then evaluated)" if planned[-1].evaluates else ""
@@ -143,6 +149,7 @@ def next_stage(args: argparse.Namespace) -> int:
 def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
     from ..foundation.errors import ConfigError
     from ..launch import sweep
+    from ..launch.submit_host import require_slurm
 
     if not args.sweep:
         raise ConfigError("--max-parallel: only with --sweep")
@@ -150,6 +157,8 @@ def submit_array(args: argparse.Namespace, cfg: RunConfig) -> int:
     if not args.dry_run:
         sweep.check_size(sweep.combinations(axes))
     planned = sweep.expand(cfg, axes)
+    if args.launcher == "sbatch" and not args.dry_run:
+        require_slurm("sbatch")
     if args.launcher == "sbatch" or args.dry_run:
         sys.stdout.write(
             sweep.submit_array(

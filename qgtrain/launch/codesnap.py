@@ -41,6 +41,8 @@ class Code:
     digest: str
     # the submit directory's files left out and why (secretfiles.why_left_out), for submit to name
     skipped: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # the folder it was taken from, which a submitted job runs in (runfrom.shell_lines)
+    submit_dir: Path | None = field(default=None, compare=False)
 
     @property
     def workdir(self) -> Path:
@@ -187,7 +189,7 @@ def take(
     target = code_dir / name
     if os.path.lexists(target):
         verify(target)
-        return Code(target, name, files.skipped)
+        return Code(target, name, files.skipped, submit_dir.resolve())
     create(code_dir.parent, shared)
     private_folder(code_dir, shared)
     staging = code_dir / f".tmp-{secrets.token_hex(6)}"
@@ -214,7 +216,7 @@ def take(
         if not os.path.lexists(target):
             raise
     verify(target)  # another submit may have made the same snapshot first
-    return Code(target, name, files.skipped)
+    return Code(target, name, files.skipped, submit_dir.resolve())
 
 
 def private_folder(folder: Path, shared: bool) -> None:

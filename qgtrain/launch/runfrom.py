@@ -1,13 +1,14 @@
-"""Running a job from its code snapshot: the config it trains with, and the shell lines that move it
-there.
+"""Running a job from its code snapshot: the config it trains with, and the shell lines that put the
+snapshot first on its path.
 
-The job's working directory is the snapshot's copy of the submit directory (Python puts the working
-directory first on sys.path under `python -m`, so the live copy can never shadow the snapshot) and
-PYTHONPATH starts with the snapshot's qgtrain and submit directory. What the config names relative
-to the submit directory (runs, data, caches, exports, pretrained models) is made absolute against it
-at submit, so it still means the same files; a factory given as a file in the submit directory is
-pointed at the snapshot's copy. The job's config is written whole at submit, so an edited config
-file changes nothing after that either.
+The job runs in the folder it was submitted from, so what its task opens by a relative path is
+what it meant at submit, and PYTHONPATH starts with the snapshot's qgtrain and submit directory;
+PYTHONSAFEPATH keeps that folder itself off the front of sys.path, so its live modules never shadow
+the snapshot's (submit_host.snapshot_first). What the config names relative to the submit directory
+(runs, data, caches, exports, pretrained models) is made absolute against it at submit, so it still
+means the same files; a factory given as a file in the submit directory is pointed at the
+snapshot's copy. The job's config is written whole at submit, so an edited config file changes
+nothing after that either.
 
 Whatever a job runs is checked first, where someone else may have written it: the snapshot must hash
 to its name and be the user's alone (snapseal.verify), at submit and at every start, and a job
@@ -35,6 +36,7 @@ from ..foundation.trust import not_yours
 from ..state.rundir import RunDir, default_run_dir, require_safe
 from .codesnap import Code, check_size, collect, digest, private_folder, take
 from .snapseal import HASH_NAME, SnapshotChanged, verify
+from .submit_host import snapshot_first, submitting_python
 
 ALWAYS_PATHS = (
     "logging.runs_dir",
@@ -66,7 +68,7 @@ def planned(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
     check_size(files, cfg.slurm.snapshot_max_mb)
     name = digest(files)
     say_left_out(files.skipped)
-    return Code(code_dir / name, name, files.skipped)
+    return Code(code_dir / name, name, files.skipped, submit_dir.resolve())
 
 
 def snapshot(cfg: RunConfig, submit_dir: Path, code_dir: Path) -> Code:
@@ -136,15 +138,30 @@ def shell_lines(code: Code) -> str:
     """What a batch script runs before its first srun to run from `code`: first `qgtrain snapshot
     --verify` with the batch shell's own Python, from the submit directory (never the snapshot's
     qgtrain, which is what is checked), or the submitting Python where the script names none
-    (submitit's)."""
+    (submitit's); then the job stays in the submit directory, where relative paths mean what they
+    meant at submit, with the snapshot first on sys.path (submit_host.snapshot_first)."""
+    where = code.submit_dir or Path.cwd()  # a snapshot taken here (take, planned) records it
     return (
-        f"verify_python=${{RECOVER_PYTHON:-{shlex.quote(sys.executable)}}}\n"
+        f"verify_python=${{RECOVER_PYTHON:-{shlex.quote(submitting_python())}}}\n"
         f'"$verify_python" -m qgtrain snapshot --verify {shlex.quote(str(code.folder))} || exit 2'
         "  # changed since submit: nothing runs\n"
-        f"cd {shlex.quote(str(code.workdir))} || exit 1"
+        f"cd {shlex.quote(str(where))} || exit 1"
+        "  # submitted here: relative paths mean what they meant then\n"
+        + snapshot_first('"$verify_python"', shlex.quote(str(code.workdir)))
+        + f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"'
         "  # the code as submitted (slurm.snapshot)\n"
-        f'export PYTHONPATH={shlex.quote(code.pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
     )
+
+
+def code_of(script: Path) -> str | None:
+    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit` prints)."""
+    try:
+        match = re.search(
+            r" -m qgtrain snapshot --verify (.+) \|\| exit 2", script.read_text(), re.MULTILINE
+        )
+    except OSError:
+        return None
+    return shlex.split(match.group(1))[0] if match else None
 
 
 def for_attempt(cfg: RunConfig, job: str, submit_dir: Path) -> tuple[Code, Path] | None:

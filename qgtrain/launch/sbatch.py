@@ -21,18 +21,21 @@ from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
 from ..foundation.files import owner_writes_only, write_atomic
 from .slurm_checks import validate
+from .submit_host import snapshot_first, submitting_python
 
 if TYPE_CHECKING:
     from .codesnap import Code
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
+SUBMITTED_PYTHON = "PYTHON=${{QGTRAIN_PYTHON:-{python}}}  # the interpreter that submitted the job"
 HOST_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python3}
 if [ -z "${QGTRAIN_PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; fi"""
 IMAGE_PYTHON = """PYTHON=${QGTRAIN_PYTHON:-python}  # inside the image, which must hold qgtrain
 HOST_PYTHON=${QGTRAIN_HOST_PYTHON:-python3}  # here, for `qgtrain recover` after a failed step
 if [ -z "${QGTRAIN_HOST_PYTHON:-}" ] && [ -x .venv/bin/python ]; then HOST_PYTHON=$PWD/.venv/bin/python; fi"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
-FIRST_START_SNAPSHOT = """job_id=${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}
+FIRST_START_SNAPSHOT = (
+    """job_id=${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-}}
 job_id=$job_id${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
 # every attempt, requeues too, runs the code as it was at the job's first start (slurm.snapshot)
 code=$("$RECOVER_PYTHON" -m qgtrain snapshot "${args[@]}" --job "$job_id") || {
@@ -41,11 +44,13 @@ code=$("$RECOVER_PYTHON" -m qgtrain snapshot "${args[@]}" --job "$job_id") || {
     code=; }
 if [ -n "$code" ]; then
     { read -r workdir; read -r pythonpath; read -r config; } <<< "$code"
-    cd "$workdir" || exit 1
-    export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
+"""
+    + snapshot_first('"$RECOVER_PYTHON"', '"$workdir"', "    ")
+    + """    export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
     args=(--config "$config")
 fi
 """
+)
 
 
 class SubmissionError(QgtrainError):
@@ -56,11 +61,12 @@ def tasks_per_node(slurm: SlurmConfig) -> int:
     return slurm.gpus_per_node or slurm.tasks_per_node or 1
 
 
-def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
+def launch_lines(slurm: SlurmConfig, python: str | None = None) -> tuple[str, str, str]:
     """How the script finds Python, what goes between srun's options and Python (pyxis' options, or
     the apptainer command), and the variable naming the batch shell's own Python (for `qgtrain
     recover`): the ranks run on the host, in a pyxis container or under apptainer, in the working
-    directory either way."""
+    directory either way. On the host, `python` (the submitting interpreter) is the default unless
+    QGTRAIN_PYTHON names another; without it (train.slurm) the job looks for one at its start."""
     mounts = ",".join(slurm.container_mounts)
     if slurm.container_image:
         return (
@@ -82,6 +88,8 @@ def launch_lines(slurm: SlurmConfig) -> tuple[str, str, str]:
             ),
             "HOST_PYTHON",
         )
+    if python is not None:
+        return SUBMITTED_PYTHON.format(python=shlex.quote(python)), "", "PYTHON"
     return HOST_PYTHON, "", "PYTHON"
 
 
@@ -92,6 +100,7 @@ def render(
     code: str | None = None,
     after: str = "",
     command: str = "train",
+    python: str | None = None,
 ) -> str:
     """The batch script for `slurm`, training with `config_path` unless CONFIG or $1 names another.
     With `array` (e.g. '0-3%2') it is a job array whose task i trains with
@@ -99,14 +108,16 @@ def render(
     (runfrom.shell_lines), taken at submit; without them, with slurm.snapshot, the script takes one
     at its first start. `after`: lines run once the training steps are over, with their exit code in
     $status (the next stage of a chain). `command`: what each step runs, `qgtrain train` or (a
-    chain's evaluation stage) `qgtrain eval RUN --all`, shell-quoted by the caller."""
+    chain's evaluation stage) `qgtrain eval RUN --all`, shell-quoted by the caller. `python`: the
+    interpreter the job runs by default (submit's own, submit_host.submitting_python); None for
+    train.slurm, which finds one where it runs."""
     validate(slurm)
     header = "\n".join(f"#SBATCH {option}" for option in _options(slurm, array))
     setup = "".join(f"{line}\n" for line in slurm.setup)
     default = shlex.quote(config_path) + ('/task-"${SLURM_ARRAY_TASK_ID}".yaml' if array else "")
     first_start = FIRST_START_SNAPSHOT if runs_from_snapshot(slurm) else ""
     moves = code if code is not None else first_start
-    launch = launch_lines(slurm)
+    launch = launch_lines(slurm, python)
     return _script(header, setup, default, slurm.max_restarts, launch, moves, after, command)
 
 
@@ -244,7 +255,9 @@ def submit_config(
         code = code or snapshot(cfg, Path.cwd(), RunDir(job_dir.parent).code)
         cfg = job_config(cfg, Path.cwd(), code)
     moves = shell_lines(code) if code else None
-    script = render(cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after)
+    script = render(
+        cfg.slurm, str(job_dir / "config.yaml"), code=moves, after=after, python=submitting_python()
+    )
     create(job_dir.parent, cfg.logging.shared)  # the run directory, private unless logging.shared
     job_dir.mkdir(mode=folder_mode(cfg.logging.shared), exist_ok=True)
     Path(cfg.slurm.output_dir).mkdir(parents=True, exist_ok=True)
@@ -269,17 +282,6 @@ def submit(script: Path, run: Runner = subprocess.run) -> str:
         said = (result.stderr or result.stdout).strip()
         raise SubmissionError(f"sbatch refused {script} (exit {result.returncode}): {said}")
     return parse_job_id(result.stdout)
-
-
-def code_of(script: Path) -> str | None:
-    """The code snapshot a rendered job script runs from, if any (what `qgtrain submit` prints)."""
-    try:
-        match = re.search(
-            r"^cd (.+) \|\| exit 1  # the code as submitted", script.read_text(), re.MULTILINE
-        )
-    except OSError:
-        return None
-    return str(Path(shlex.split(match.group(1))[0]).parent) if match else None
 
 
 def parse_job_id(stdout: str) -> str:

@@ -37,6 +37,7 @@ from ..state import rundir
 from ..state.rundir import RunDir, default_run_dir
 from .runfrom import job_config, shell_lines, snapshot
 from .sbatch import Runner, SubmissionError, render, submit, submit_config
+from .submit_host import submitting_python
 
 CHAIN = "chain.json"
 # early stopping ends training as planned: the next stage follows
@@ -185,6 +186,7 @@ def submit_chain(
                 code=shell_lines(code) if code else None,
                 after=after,
                 command=f"eval {evaluated} --all" if stage.evaluates else "train",
+                python=submitting_python(),
             ),
         )
     record = {

@@ -39,6 +39,7 @@ from ..state.rundir import RunDir, create, default_run_dir, require_safe
 from . import submitit_compat, sweep
 from .runfrom import job_config, snapshot
 from .slurm_checks import time_minutes
+from .submit_host import require_slurm
 from .submitit_params import container_python, executor_parameters, recover_arguments
 from .sweep import Sweep
 
@@ -179,6 +180,7 @@ def submit(
         cfg = with_overrides(config, _sets(overrides)) if overrides else config
     else:
         cfg = load_config(config_files(config), _sets(overrides))
+    require_slurm("sbatch", "srun")  # submitit's Slurm executor runs both; nothing written yet
     target = Path(run_dir or default_run_dir(cfg)).resolve()
     require_safe(target)  # before the snapshot: nothing is written into a foreign run
     code = snapshot(cfg, Path.cwd(), RunDir(target).code) if runs_from_snapshot(cfg.slurm) else None
@@ -221,6 +223,7 @@ def submit_sweep(
         planned = sweep.expand(base, axes)
     # a Sweep given (by the CLI) was checked by its maker
     sweep.array_spec(len(planned.configs), max_parallel)
+    require_slurm("sbatch", "srun")
     where = sweep.folder(planned)
     planned, code = sweep.from_snapshot(planned, where)
     first = planned.configs[0]

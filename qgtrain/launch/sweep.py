@@ -169,25 +169,27 @@ def submit_array(planned: Sweep, max_parallel: int | None, *, dry_run: bool, lau
     """sbatch the job array (or, with dry_run, show its script and tasks); returns what to print."""
     from .runfrom import shell_lines
     from .sbatch import render, submit
+    from .submit_host import submitting_python
 
     tasks = len(planned.configs)
     array, where = array_spec(tasks, max_parallel), folder(planned)
     planned, code = from_snapshot(planned, where, dry_run)
     lines = shell_lines(code) if code else None
-    first = planned.configs[0]
+    first, python = planned.configs[0], submitting_python()
     listing = "".join(
         f"# task {i}: {c.train.run_name}: " + " ".join(f"{k}={v}" for k, v in values.items()) + "\n"
         for i, (c, values) in enumerate(zip(planned.configs, planned.values))
     )
     if dry_run:
         return (
-            render(first.slurm, str(where), array=array, code=lines)
+            render(first.slurm, str(where), array=array, code=lines, python=python)
             if launcher == "sbatch"
             else f"# array {array}\n"
         ) + listing
     write(planned, where)
     Path(first.slurm.output_dir).mkdir(parents=True, exist_ok=True)
-    write_atomic(where / "job.sbatch", render(first.slurm, str(where), array=array, code=lines))
+    script = render(first.slurm, str(where), array=array, code=lines, python=python)
+    write_atomic(where / "job.sbatch", script)
     job_id = submit(where / "job.sbatch")
     return (
         f"submitted job array {job_id} with {tasks} tasks ({array}); configs in {where}; runs in "
