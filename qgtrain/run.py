@@ -121,12 +121,12 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
             comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
             lifecycle.started()
             with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
-                outcome = _train_in_run(ctx, claim, pin)
+                outcome = _train_in_run(ctx, claim, pin, lifecycle)
         lifecycle.ended(STATUS[outcome])
     return outcome, claim.path
 
 
-def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned) -> Outcome:
+def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecycle) -> Outcome:
     cfg, env = ctx.cfg, ctx.env
     for warning in claim.warnings if env.is_main else []:
         logger.warning("%s", warning)
@@ -169,6 +169,7 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned) -> Outcome:
             if ckpt is not None:
                 trainer.restore(ckpt)
                 ctx.timeline.mark("restore")
+            lifecycle.training()  # a failure from here on is the run's, not a refused start
             outcome = trainer.fit()
             trainer.parts.checkpointer.wait()
     finally:

@@ -180,7 +180,31 @@ def downstream_for(
         scoring.cache_argument(module),
     )
     tasks = read_tasks(cfg.eval.tasks, cfg.eval.max_items)
+    _refuse_choices_longer_than_the_window(tasks, model)
     return Downstream(tasks, model, cfg.eval, strategy.env, samples_dir, sink)
+
+
+def _refuse_choices_longer_than_the_window(tasks: list[EvalTask], model: scoring.Model) -> None:
+    """A choice is scored whole, its context cut from the left to fit the window with it (as lm-eval
+    cuts it); a choice longer than the window on its own cannot be scored at all. Refused when the
+    run starts, naming the first such item and the window that would score them all, rather than
+    stopping the run at its first validation."""
+    lengths = [
+        (item.where, len(scoring.continuation_pair(model, item.context, choice)[1]))
+        for task in tasks
+        for item in task.items
+        if isinstance(item, Choice)
+        for choice in item.choices
+    ]
+    too_long = [(where, length) for where, length in lengths if length > model.window]
+    if too_long:
+        where, length = too_long[0]
+        raise ConfigError(
+            f"eval.tasks: {where}: a choice of {length} tokens, longer than the {model.window} "
+            "tokens the model sees (data.seq_len): a choice is scored whole, only its context is "
+            f"cut to fit. HINT: data.seq_len {max(n for _, n in too_long)} or more scores all "
+            f"{len(too_long)} such choice(s) of eval.tasks; or shorten or leave out those items"
+        )
 
 
 def _first_best(scores: list[float]) -> int:

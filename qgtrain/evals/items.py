@@ -8,7 +8,7 @@ kind stops the run before any scoring, in one line naming the file and line.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..data import sources
@@ -23,6 +23,8 @@ class Choice:
     context: str
     choices: tuple[str, ...]
     label: int
+    # file:line, for a refusal that names the item; not part of what it is (nor of its digest)
+    where: str = field(default="", compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def _choice(row: dict[str, Any], where: str) -> Choice:
             f"{where}: 'label' must be the index of the right choice, 0 to {len(choices) - 1}, "
             f"got {label!r}"
         )
-    return Choice(context, tuple(choices), label)
+    return Choice(context, tuple(choices), label, where)
 
 
 def _prompt(row: dict[str, Any], where: str) -> Prompt:

@@ -48,6 +48,17 @@ def add_rank_file(env: DistEnv, path: Path, level: str) -> None:
     logging.getLogger(LOGGER).addHandler(handler)
 
 
+def traceback_to_file(exc: BaseException) -> None:
+    """The whole traceback of why this rank stopped, to its file only: the console and the CLI tell
+    it in one line, which names the file."""
+    logger = logging.getLogger(LOGGER)
+    why = (type(exc), exc, exc.__traceback__)
+    record = logger.makeRecord(LOGGER, logging.ERROR, "", 0, "why this rank stopped:", (), why)
+    for handler in logger.handlers:
+        if isinstance(handler, _RankFile):
+            handler.handle(record)
+
+
 def where_this_rank_runs(env: DistEnv) -> str:
     """Each rank's first line in its own log: where it runs and how it found the others."""
     job = f", Slurm job {env.requeue_id} restart {env.restart_count}" if env.in_slurm_job else ""

@@ -2,9 +2,13 @@
 failure.
 
 Rank 0 records the status (running, then finished, stopped early, preempted, or failed with the
-reason). A rank that fails leaves a note before it leaves the process group; a rank whose collective
-then breaks reads the note, so its message names the rank that failed first and why, not only "a
-peer failed".
+reason). A start refused before training begins for bad input (exit 2: a task that no longer fits
+the checkpoint, a bad option) is not a failure of the run: the status is put back as it was, so a
+finished run refused a restart still reads finished.
+
+A rank that fails leaves a note before it leaves the process group; a rank whose collective then
+breaks reads the note, so its message names the rank that failed first and why, not only "a peer
+failed".
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..foundation.errors import PeerFailure, QgtrainError, summary
+from ..foundation.errors import EXIT_USAGE, PeerFailure, QgtrainError, TrainingError, summary
 from ..foundation.files import write_atomic
 from ..foundation.pinned import FolderReplaced
+from ..foundation.user_code import raised_in_users_code
+from ..runtime.log import traceback_to_file
 from ..runtime.rendezvous import DistEnv
 from . import rundir
 
@@ -48,6 +54,13 @@ def read_note(run: rundir.RunDir, rank: int) -> dict[str, Any] | None:
 class Lifecycle:
     def __init__(self, run_dir: Path, env: DistEnv) -> None:
         self.run_dir, self.run, self.env = run_dir, rundir.RunDir(run_dir), env
+        self._before: bytes | None = None  # status.json before this start (rank 0)
+        if env.is_main:
+            try:
+                self._before = self.run.status.read_bytes()
+            except OSError:
+                pass
+        self._training = False
 
     def started(self) -> None:
         # a note found later is from this attempt
@@ -64,6 +77,10 @@ class Lifecycle:
                 ranks=env.world_size,
                 started=time.time(),
             )
+
+    def training(self) -> None:
+        """The run is built and restored and its steps begin: from here a failure is the run's."""
+        self._training = True
 
     def ended(self, status: str, **facts: object) -> None:
         if self.env.is_main:
@@ -95,24 +112,69 @@ class Lifecycle:
             raise
         # this rank's own failure: noted for the others before the group goes
         except BaseException as exc:
-            self._leave_note(exc)
-            if isinstance(exc, QgtrainError):
-                log.error("%s", exc)  # every rank records why it stopped
-            self.ended(
-                "failed",
-                error=str(exc) if isinstance(exc, QgtrainError) else summary(exc),
-                retryable=is_retryable(exc),
-            )
+            told, gist = self._as_told(exc)
+            self._leave_note(told, gist)
+            if isinstance(told, QgtrainError):
+                log.error("%s", told)  # every rank records why it stopped
+            if self._refused(told):
+                self._status_as_before()
+            else:
+                self.ended(
+                    "failed",
+                    error=str(told) if isinstance(told, QgtrainError) else summary(told),
+                    retryable=is_retryable(told),
+                )
+            if told is not exc:
+                raise told from exc
             raise
 
-    def _leave_note(self, exc: BaseException) -> None:
+    def _as_told(self, exc: BaseException) -> tuple[BaseException, str | None]:
+        """The failure as the user is told of it, and the gist the other ranks are told. What is
+        not a QgtrainError leaves its traceback in this rank's log; where the user's own code
+        raised it (a task function, loss, metrics, collate, a model) it becomes one line naming
+        their function and that log, and the run's own failure: a new attempt would fail the same
+        way."""
+        if isinstance(exc, QgtrainError) or not isinstance(exc, Exception):
+            return exc, None
+        traceback_to_file(exc)
+        where = raised_in_users_code(exc)
+        if where is None:
+            return exc, None
+        gist = f"{summary(exc)}, raised in {where}"
+        told = TrainingError(
+            f"{gist}; its traceback is in {self.run.rank_log(self.env.rank)}. Your code's "
+            "failure, not the machine's: not retried"
+        )
+        return told, gist
+
+    def _refused(self, exc: BaseException) -> bool:
+        """A start refused for its input (exit 2: a config, a checkpoint that does not fit) before
+        training began, in a run that recorded a status before (a new run keeps the refusal as its
+        status: it has nothing else to show). The user's code failing, even before the first step,
+        is the run's failure (exit 1 or 3), and so is the machine's (retryable)."""
+        return (
+            isinstance(exc, QgtrainError)
+            and exc.exit_code == EXIT_USAGE
+            and not is_retryable(exc)
+            and not self._training
+            and self._before is not None
+        )
+
+    def _status_as_before(self) -> None:
+        if self.env.is_main and self._before is not None:
+            try:  # replaced whole, as every status is written
+                write_atomic(self.run.status, self._before)
+            except OSError:
+                pass
+
+    def _leave_note(self, exc: BaseException, gist: str | None = None) -> None:
         """Why this rank stopped, for the ranks whose collectives fail because of it (they cannot be
         told through the process group that is breaking) and for the batch script that decides
         whether to try again. Written before this rank leaves the group."""
         try:  # replaced whole, never written through a link planted at its name
             write_atomic(
                 self.run.failure_note(self.env.rank),
-                json.dumps({"message": summary(exc), "retryable": is_retryable(exc)}),
+                json.dumps({"message": gist or summary(exc), "retryable": is_retryable(exc)}),
             )
         except OSError:
             pass
