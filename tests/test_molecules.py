@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 import qgtrain
 from qgtrain.config.load import config_from_dict
 from qgtrain.foundation.errors import CheckpointError
+from qgtrain.ops.export.bundle import resolved
 from qgtrain.ops.export.pipeline import export_run
 from qgtrain.ops.export.rebuild import rebuild_task
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
@@ -111,7 +112,8 @@ def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_te
         assert reported == {
             k.removeprefix("test_"): v for k, v in records(run)[-1].items() if k.startswith("test_")
         }
-        task = rebuild_task(config_from_dict(meta["config"], "export"))
+        # its task file as the export carries it (named relative to the folder)
+        task = rebuild_task(resolved(config_from_dict(meta["config"], "export"), out))
         # all 499 molecules at once
         batch = task.collate([task.test[i] for i in range(len(task.test))])
         with torch.no_grad():

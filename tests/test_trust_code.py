@@ -101,16 +101,21 @@ def test_your_own_run_exports_without_the_flag_but_its_export_loads_only_with_tr
     assert not os.stat(tmp_path / "run").st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     done = cli("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert imported.exists()
+    # the export carries its own copy of the task file (export/bundle.py), named relative to it,
+    # which the export's check of the reloaded folder imported
+    carried = tmp_path / "out" / "code" / "imported"
+    assert imported.exists() and carried.exists()
     imported.unlink()
+    carried.unlink()
 
     with pytest.raises(QgtrainError) as refused:  # folders are passed around: owners prove nothing
         qgtrain.load_model(tmp_path / "out")
     said, meta = str(refused.value), tmp_path / "out" / "qgtrain_model.json"
-    assert f"load_model: task.factory {spec!r} in {meta} is code outside qgtrain" in said
-    assert "pass trust_code=True" in said and not imported.exists()
+    named = "code/evil.py:build"
+    assert f"load_model: task.factory {named!r} in {meta} is code outside qgtrain" in said
+    assert "pass trust_code=True" in said and not carried.exists() and not imported.exists()
     model = qgtrain.load_model(tmp_path / "out", trust_code=True)
-    assert type(model).__name__ == "Sequential" and imported.exists()
+    assert type(model).__name__ == "Sequential" and carried.exists()
 
 
 WITNESS = """from pathlib import Path

@@ -53,7 +53,8 @@ def eval_rules(cfg: RunConfig) -> Problem:
         return "eval.tasks", (
             f"score a causal language model (the built-in task's); {cfg.task.factory}'s own "
             "model has no tokenizer or generate to score them with. Report your own figures "
-            "from Task.metrics, or remove eval.tasks"
+            "from Task.metrics (scored again on any checkpoint by `qgtrain eval RUN --split "
+            "val,test`), or remove eval.tasks"
         )
     seen: set[str] = set()
     for index, task in enumerate(cfg.eval.tasks):

@@ -1,6 +1,13 @@
 """User extension points: a function named in the config, as 'package.module:function' (importable
 from where qgtrain runs) or as 'path/to/file.py:function' (a file of your own, relative to the
-working directory; nothing needs installing)."""
+working directory; nothing needs installing).
+
+A file imports the modules of its own folder as it would when run as a script (`python file.py`
+puts its folder first on sys.path), wherever qgtrain runs: its folder leads sys.path while the file
+runs, so its own `helpers.py` is the one imported, then stays at the end, where an import inside
+one of its functions still finds it without shadowing anything installed. So a task file and its
+helpers work from any working directory, and from the copy an export carries (export/bundle.py).
+"""
 
 from __future__ import annotations
 
@@ -44,9 +51,15 @@ def _load_file(path: Path) -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
+    finally:
+        sys.path.remove(folder)
+        if folder not in sys.path:
+            sys.path.append(folder)
     return module

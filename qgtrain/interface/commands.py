@@ -61,16 +61,18 @@ def export(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     from ..ops import eval_results
     from ..ops import evaluate as scoring
+    from ..ops.harness import evaluate_harness
     from ..runtime.rendezvous import from_environ
 
     if args.harness:
-        if args.step is not None or args.all:
+        if args.step is not None or args.all or args.split is not None:
             raise ConfigError(
-                "eval --harness scores an export folder; --step and --all choose checkpoints"
+                "eval --harness scores an export folder on lm-eval's tasks; --step and --all "
+                "choose checkpoints, --split the task's own splits"
             )
         tasks = [task.strip() for task in args.harness.split(",") if task.strip()]
         cfg = load_args_config(args)
-        lines = scoring.evaluate_harness(
+        lines = evaluate_harness(
             args.source, tasks, args.include_path, cfg, args.out, args.trust_code
         )
         print(eval_results.table(lines))
@@ -85,6 +87,7 @@ def evaluate(args: argparse.Namespace) -> int:
         args.all,
         args.trust_code,
         args.out,
+        args.split,
     )
     if env.is_main:
         print(eval_results.table(lines))

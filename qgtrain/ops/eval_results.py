@@ -1,8 +1,9 @@
 """<run>/eval/results.jsonl (an export's <folder>/eval/results.jsonl): one JSON line per checkpoint
-and task, appended by rank 0 as each task is scored, so a killed `qgtrain eval --all` loses at most
-the task it was scoring. A line torn by the kill is dropped when read, and the next line starts on
-its own. Each line says how it was scored (`scored_as`), so a line stands for its (step, task) only
-while the tasks are asked the same way; and the console's table of them. The file is read and
+and task (or split: val, test, eval_figures.py), appended by rank 0 as each is scored, so a killed
+`qgtrain eval --all` loses at most the one it was scoring. A line torn by the kill is dropped when
+read, and the next line starts on its own. Each line says how it was scored (`scored_as`), so a
+line stands for its (step, task) only while the tasks are asked the same way; and the console's
+table of them. The file is read and
 appended to only as a plain file, never through a link (eval_out.py checks its folder).
 """
 
@@ -23,6 +24,8 @@ from ..evals.items import read_tasks
 from ..foundation.errors import QgtrainError
 from ..foundation.files import open_append
 from ..foundation.terminal import shown
+
+FIGURES = ("eval_", "val_", "test_")  # what a line's metrics are named: eval.tasks', the splits'
 
 
 def scored_as(cfg: RunConfig) -> dict[str, str]:
@@ -100,13 +103,14 @@ def figures(metrics: dict[str, Any]) -> str:
 
 
 def table(lines: list[dict[str, Any]]) -> str:
-    """The results as the console shows them: one row per checkpoint and task, the text of lines
-    read back from the file (written by whoever could write its folder) escaped."""
+    """The results as the console shows them: one row per checkpoint and task (or split: val, test,
+    with the loop's val_ and test_ figures), the text of lines read back from the file (written by
+    whoever could write its folder) escaped."""
     rows = [("step", "task", "metrics")] + [
         (
             shown(str(line.get("step", "-"))),
             shown(str(line["task"])),
-            figures({k: v for k, v in line.items() if k.startswith("eval_")}),
+            figures({k: v for k, v in line.items() if k.startswith(FIGURES)}),
         )
         for line in lines
     ]

@@ -1,13 +1,14 @@
-"""`qgtrain eval`: eval.tasks on a finished run's checkpoints, or on an export.
+"""`qgtrain eval`: eval.tasks, and the task's own loss and metrics on its val and test splits
+(eval_figures.py), on a finished run's checkpoints, or on an export.
 
 On 1 or N ranks (torchrun, srun: the same rendezvous as `train`), each rank scoring its share of
-the items (evals/downstream.py) and holding the whole model, or its shards where the run trained
-sharded (_holder). A checkpoint's model is rebuilt as export rebuilds it and its weights read from
-the checkpoint of either kind (rank 0's files or DCP shards), the EMA's under train.eval_ema, as
-the loop would have scored it. Results go to <run>/eval/results.jsonl (eval_results.py): a killed
-`--all` started again skips every (step, task) already scored as now asked, so each is scored once.
-A run or export that is not the user's is scored into a folder of the user's instead, with the
-user's eval.tasks only (eval_out.py).
+the items (evals/downstream.py) and of the splits, and holding the whole model, or its shards where
+the run trained sharded (_holder). A checkpoint's model is rebuilt as export rebuilds it and its
+weights read from the checkpoint of either kind (rank 0's files or DCP shards), the EMA's under
+train.eval_ema, as the loop would have scored it. Results go to <run>/eval/results.jsonl
+(eval_results.py): a killed `--all` started again skips every (step, task or split) already scored
+as now asked, so each is scored once. A run or export that is not the user's is scored into a
+folder of the user's instead, with the user's eval.tasks only (eval_out.py).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from ..data import tokenizer
 from ..evals.downstream import Downstream, downstream_for
 from ..foundation.errors import QgtrainError
 from ..foundation.folder_code import trusting_its_flag
+from ..foundation.task import BUILTIN_LM
 from ..runtime import distributed, log, precision
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
 from ..state.rundir import RunDir
 from ..training.strategy import Strategy, strategy_for
-from . import eval_out, eval_results
+from . import eval_figures, eval_out, eval_results
 from .export import adapter, ema, origin, rebuild, safetensors_io
 from .export.pipeline import require_trusted
 from .export.writer import META
@@ -52,23 +54,28 @@ def evaluate(
     every: bool = False,
     trust_code: bool = False,
     out: Path | None = None,
+    split: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Score eval.tasks on `source` (a run directory's latest checkpoint, step N, or each kept one
-    with `every`; or an export folder); the result lines, the new and those already kept. The
-    code a run's config names is imported only as export imports it (built in, yours, or
-    `trust_code`). Results and samples go to `out`, else the source's own eval/ when it is the
-    user's, else eval_out.default_out."""
+    """Score eval.tasks and the splits `split` names (eval_figures.splits_asked) on `source` (a
+    run directory's latest checkpoint, step N, or each kept one with `every`; or an export folder);
+    the result lines, the new and those already kept. The code a run's config names is imported
+    only as export imports it (built in, yours, or `trust_code`). Results and samples go to `out`,
+    else the source's own eval/ when it is the user's, else eval_out.default_out."""
     export = (source / META).is_file()
     why = eval_out.whose(source, export)
     cfg, mine, ignored = _config(source, export, configs, sets, why)
     if not export:
         require_trusted(cfg, source, RunDir(source).config, trust_code, what="eval")
-    if not cfg.eval.tasks:
+    splits = eval_figures.splits_asked(split, bool(cfg.eval.tasks), why is None)
+    if not cfg.eval.tasks and not splits:
         theirs = f" (not yours, so its own config's are not read: {why})" if why else ""
         raise QgtrainError(
             f"eval: no eval.tasks to score on {source}{theirs}; name them in a --config file "
-            "(see jobs/eval.yaml) or with --set eval.tasks=[...]"
+            "(see jobs/eval.yaml) or with --set eval.tasks=[...], or score the task's own "
+            "figures with --split val"
         )
+    # an export's task builds its splits from the export's own config, its code carried inside
+    own = eval_figures.export_config(source, sets, trust_code) if export and splits else cfg
     dest = eval_out.destination(source, why, out, mine.logging.runs_dir)
     log.setup_console(env, cfg.logging.level)
     if env.is_main and why is not None:
@@ -86,40 +93,11 @@ def evaluate(
             env, device, cfg.train.startup_timeout_s, cfg.train.collective_timeout_s
         ):
             if export:
-                return _evaluate_export(source, cfg, env, device, trust_code, dest)
+                return _evaluate_export(source, cfg, own, env, device, trust_code, dest, splits)
             chosen = _chosen(source, step, every)
-            return _evaluate_checkpoints(source, cfg, env, device, chosen, dest)
+            return _evaluate_checkpoints(source, cfg, env, device, chosen, dest, splits)
     finally:
         log.close()
-
-
-def evaluate_harness(
-    folder: Path,
-    tasks: list[str],
-    include_path: Path | None,
-    cfg: RunConfig,
-    out: Path | None = None,
-    trust_code: bool = False,
-) -> list[dict[str, Any]]:
-    """lm-evaluation-harness's `tasks` on an export folder, one process; its lines appended to the
-    results beside qgtrain's own (where evaluate puts them). `include_path` is code: refused first,
-    unless `trust_code` and the folder is the user's alone (harness.py)."""
-    from .harness import harness_results, require_task_code
-
-    require_task_code(include_path, trust_code)
-    if not (folder / META).is_file():
-        raise QgtrainError(
-            f"eval --harness: {folder} is not an export folder (no {META}); export the run first "
-            "(qgtrain export RUN --out FOLDER; a LoRA run with --merge)"
-        )
-    why = eval_out.whose(folder, export=True)
-    dest = eval_out.destination(folder, why, out, cfg.logging.runs_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    lines = harness_results(folder, tasks, include_path, cfg.eval.batch_size, device, trust_code)
-    lines = [{**line, **_source(dest)} for line in lines]
-    with eval_results.appending(dest.folder / "results.jsonl") as written:
-        written.write("".join(json.dumps(line) + "\n" for line in lines))
-    return lines
 
 
 def _config(
@@ -173,11 +151,14 @@ def _evaluate_checkpoints(
     device: torch.device,
     chosen: list[checkpoint.Checkpoint],
     dest: eval_out.Destination,
+    splits: list[str],
 ) -> list[dict[str, Any]]:
     results = dest.folder / "results.jsonl"
-    scored_as = eval_results.scored_as(cfg)
+    scored_as = eval_figures.scored_as(cfg, splits, eval_results.scored_as(cfg))
     kept = eval_results.kept(results, scored_as, dest.source)
     holder = _holder(cfg, env, device)
+    resolved = precision.resolve(cfg.train.precision, holder.device)
+    figures = None
     for ckpt in chosen:
         done = {(row["step"], row["task"]) for row in kept}
         left = [name for name in scored_as if (ckpt.step, name) not in done]
@@ -187,10 +168,12 @@ def _evaluate_checkpoints(
         problem = checkpoint.verify(ckpt)
         if problem is not None:
             raise QgtrainError(f"eval: {problem}")
-        model, facts = _checkpoint_model(ckpt, cfg, empty=holder.builds_empty(resuming=False))
-        downstream = _downstream(cfg, model, facts, holder, dest.folder)
+        if figures is None and set(left) & set(splits):  # the task's datasets, built once
+            figures = eval_figures.Figures(cfg, splits, holder, resolved, ckpt.path)
+        module, facts = _checkpoint_model(ckpt, cfg, empty=holder.builds_empty(resuming=False))
+        model = _Model(module, holder.wrap(module, False, resolved), facts, holder, resolved)
         where = {"checkpoint": ckpt.path.name, **_source(dest)}
-        kept += _score(downstream, ckpt.step, left, results, where, scored_as, env)
+        kept += _score(model, ckpt.step, left, figures, cfg, dest, scored_as, where)
     return kept
 
 
@@ -218,7 +201,11 @@ def _checkpoint_model(
         origin.check_weights(ckpt, "ema")
     if cfg.model.adapter != "none":
         return adapter.trained_model(ckpt, cfg, "ema" if cfg.train.eval_ema else "model"), facts
-    model = rebuild.rebuild_lm(ckpt.path, cfg, facts, empty=empty)
+    model = (
+        rebuild.rebuild_lm(ckpt.path, cfg, facts, empty=empty)
+        if cfg.task.factory == BUILTIN_LM
+        else rebuild.rebuild_model(cfg, facts, empty=empty)  # the task's own model, as trained
+    )
     if empty:
         return model, facts
     wanted = safetensors_io.tensors_to_write(model)
@@ -232,25 +219,29 @@ def _checkpoint_model(
 def _evaluate_export(
     folder: Path,
     cfg: RunConfig,
+    own: RunConfig,
     env: DistEnv,
     device: torch.device,
     trust_code: bool,
     dest: eval_out.Destination,
+    splits: list[str],
 ) -> list[dict[str, Any]]:
+    """The export's model scored on eval.tasks (`cfg`), and on the splits of its own task (`own`:
+    its own config, eval_figures.export_config)."""
     meta = json.loads((folder / META).read_text())
-    if not (folder / "tokenizer.json").is_file():
+    if cfg.eval.tasks and not (folder / "tokenizer.json").is_file():
         raise QgtrainError(f"eval: {folder} holds no tokenizer.json to write the tasks' text with")
-    model = load_model(folder, trust_code=trust_code)
-    facts = {
-        **meta.get("model_facts", {}),
-        "tokenizer": str(folder),
-        "eos_id": tokenizer.describe(str(folder)).eos_id,
-    }
-    downstream = _downstream(cfg, model, facts, Strategy(cfg.train, env, device), dest.folder)
-    results = dest.folder / "results.jsonl"
-    scored_as = eval_results.scored_as(cfg)
+    module = load_model(folder, trust_code=trust_code)
+    facts = {**meta.get("model_facts", {})}
+    if cfg.eval.tasks:
+        facts.update(tokenizer=str(folder), eos_id=tokenizer.describe(str(folder)).eos_id)
+    holder = Strategy(own.train, env, device)
+    resolved = precision.resolve(own.train.precision, holder.device)
+    figures = eval_figures.Figures(own, splits, holder, resolved, None) if splits else None
+    model = _Model(module, holder.wrap(module, False, resolved), facts, holder, resolved)
+    scored_as = eval_figures.scored_as(own, splits, eval_results.scored_as(cfg))
     where = {"export": str(folder), **_source(dest)}
-    return _score(downstream, None, list(scored_as), results, where, scored_as, env)
+    return _score(model, None, list(scored_as), figures, cfg, dest, scored_as, where)
 
 
 def _source(dest: eval_out.Destination) -> dict[str, str]:
@@ -258,37 +249,49 @@ def _source(dest: eval_out.Destination) -> dict[str, str]:
     return {"source": dest.source} if dest.source else {}
 
 
-def _downstream(
-    cfg: RunConfig, model: nn.Module, facts: dict[str, Any], holder: Strategy, samples_dir: Path
-) -> Downstream:
-    resolved = precision.resolve(cfg.train.precision, holder.device)
-    held = holder.wrap(model, False, resolved)
-    found = downstream_for(cfg, held, facts, holder, resolved, samples_dir)
-    if found is None:
-        raise AssertionError("eval.tasks was checked to be set")
-    return found
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """A model being scored: the module, as its holder holds it (`held`), in `precision`, and its
+    task's facts."""
+
+    module: nn.Module
+    held: nn.Module
+    facts: dict[str, Any]
+    holder: Strategy
+    precision: str
 
 
 def _score(
-    downstream: Downstream,
+    model: _Model,
     step: int | None,
     names: list[str],
-    results: Path,
-    where: dict[str, Any],
+    figures: eval_figures.Figures | None,
+    cfg: RunConfig,
+    dest: eval_out.Destination,
     scored_as: dict[str, str],
-    env: DistEnv,
+    where: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Each task in turn, its line appended (and flushed) by rank 0 as soon as it is scored."""
-    lines = []
+    """Each split and task of `names` in turn, its line appended (and flushed) by rank 0 as soon as
+    it is scored."""
+    lines: list[dict[str, Any]] = []
+    downstream: Downstream | None = None
     for name in names:
         started = time.perf_counter()
-        metrics = downstream.evaluate(step or 0, only={name})
+        if figures is not None and name in eval_figures.SPLITS:
+            metrics = figures.score(model.module, model.held, name)
+        else:
+            downstream = downstream or downstream_for(
+                cfg, model.held, model.facts, model.holder, model.precision, dest.folder
+            )
+            if downstream is None:
+                raise AssertionError("eval.tasks was checked to be set")
+            metrics = downstream.evaluate(step or 0, only={name})
         took = round(time.perf_counter() - started, 3)
         line = {"step": step, **where, "task": name, **metrics, "seconds": took}
         line["scored_as"] = scored_as[name]
         lines.append(line)
-        if env.is_main:
-            with eval_results.appending(results) as out:
+        if model.holder.env.is_main:
+            with eval_results.appending(dest.folder / "results.jsonl") as out:
                 out.write(json.dumps(line) + "\n")
             logger.info("eval %s step %s: %s", name, step, eval_results.figures(metrics))
     return lines

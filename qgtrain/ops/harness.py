@@ -15,15 +15,48 @@ runs only as folder_code.remote_code allows.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ..config import RunConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.folder_code import remote_code, require_trusted, trusting
+from . import eval_out, eval_results
+from .export.writer import META
 
 # read by huggingface_hub, datasets and transformers inside the harness: nothing is downloaded
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def evaluate_harness(
+    folder: Path,
+    tasks: list[str],
+    include_path: Path | None,
+    cfg: RunConfig,
+    out: Path | None = None,
+    trust_code: bool = False,
+) -> list[dict[str, Any]]:
+    """lm-evaluation-harness's `tasks` on an export folder, one process; its lines appended to the
+    results beside qgtrain's own (where `qgtrain eval` puts them, eval_out.py). `include_path` is
+    code: refused first, unless `trust_code` and the folder is the user's alone."""
+    import torch
+
+    require_task_code(include_path, trust_code)
+    if not (folder / META).is_file():
+        raise QgtrainError(
+            f"eval --harness: {folder} is not an export folder (no {META}); export the run first "
+            "(qgtrain export RUN --out FOLDER; a LoRA run with --merge)"
+        )
+    why = eval_out.whose(folder, export=True)
+    dest = eval_out.destination(folder, why, out, cfg.logging.runs_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = harness_results(folder, tasks, include_path, cfg.eval.batch_size, device, trust_code)
+    lines = [{**line, **({"source": dest.source} if dest.source else {})} for line in lines]
+    with eval_results.appending(dest.folder / "results.jsonl") as written:
+        written.write("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
 
 
 def require_task_code(include_path: Path | None, trust_code: bool) -> None:

@@ -8,7 +8,8 @@ An export of a transformers model or a PyTorchModelHubMixin loads through its cl
 from_pretrained. Any other model is rebuilt by calling the run's task function with the run's config
 (qgtrain_model.json), then its weights are loaded from model.safetensors (or its shards), strictly:
 a folder whose weights do not fit the rebuilt model is refused in one line naming what differs, and
-nothing of qgtrain's checkpoint format is needed.
+nothing of qgtrain's checkpoint format is needed. A task file the export carries (its `code/`,
+export/bundle.py) is named relative to the folder, so the folder loads wherever it is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..config.load import config_from_dict
 from ..foundation.errors import CheckpointError
 from ..foundation.folder_code import remote_code, trusting_its_flag
 from ..foundation.trust import Named, config_code, require
+from .export.bundle import resolved
 from .export.rebuild import rebuild_model
 from .export.writer import META
 
@@ -66,7 +68,7 @@ def _hub_model(cls: Any, folder: Path) -> Any:
 def _rebuild(meta: dict[str, Any], folder: Path, trust_code: bool) -> nn.Module:
     cfg = config_from_dict(meta["config"], str(folder / META))
     _require(config_code(cfg), folder, trust_code)
-    return rebuild_model(cfg, meta.get("model_facts", {}))
+    return rebuild_model(resolved(cfg, folder), meta.get("model_facts", {}))
 
 
 def _exported_class(meta: dict[str, Any], folder: Path, trust_code: bool) -> Any:

@@ -115,18 +115,45 @@ class Validator:
         if loader is None:
             return {}
         started = time.perf_counter()
-        # what the saved model gives, on every rank
-        self.strategy.agree_before_evaluation(self.model, self.wrapped)
-        with self.weights():
-            metrics = evaluate(
-                self.model,
-                loader,
-                self.task.loss,
-                self.task.metrics,
-                self.device,
-                self.strategy.autocast_precision(self.precision),
-                max_batches,
-                lockstep=self.strategy.evaluates_in_lockstep,
-            )
+        metrics = split_figures(
+            self.model,
+            self.wrapped,
+            self.strategy,
+            self.task,
+            loader,
+            self.precision,
+            self.device,
+            max_batches,
+            self.weights,
+        )
         self.timer.evaluated(started, min(len(loader), max_batches or len(loader)), test)
         return metrics
+
+
+def split_figures(
+    model: nn.Module,
+    wrapped: nn.Module,
+    strategy: Strategy,
+    task: ReadyTask,
+    loader: Any,
+    precision: str,
+    device: torch.device,
+    max_batches: int = 0,
+    weights: WeightsInUse = contextlib.nullcontext,
+) -> dict[str, float | None]:
+    """The task's loss and metrics over `loader` (its first `max_batches` per rank; 0: all) with
+    `weights` in the model, the same on every rank: by the loop, and by `qgtrain eval` on a
+    checkpoint or an export (ops/eval_figures.py), so both give the same figures from the same
+    weights. A collective."""
+    strategy.agree_before_evaluation(model, wrapped)  # what the saved model gives, on every rank
+    with weights():
+        return evaluate(
+            model,
+            loader,
+            task.loss,
+            task.metrics,
+            device,
+            strategy.autocast_precision(precision),
+            max_batches,
+            lockstep=strategy.evaluates_in_lockstep,
+        )

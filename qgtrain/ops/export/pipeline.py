@@ -5,10 +5,10 @@ built it (from its saved transformers config, its model factory, or by calling i
 again), the checkpoint's weights are read into it (a sharded checkpoint's shards straight into its
 tensors), and the one writer (writer.py) writes it: save_pretrained for a transformers model or a
 PyTorchModelHubMixin, model.safetensors for any other module, with the task, config, run facts and a
-model card. The folder is then reloaded as a user would (`qgtrain.load_model`, or
-AutoModelForCausalLM for the built-in language model) and its outputs compared with the checkpoint's
-model before it is moved into place. With `weights="ema"` (`--weights ema`) the trained parameters
-are their EMA instead (ema.py).
+model card, and a task file's code with it (bundle.py). The folder is then reloaded as a user would
+(`qgtrain.load_model`, or AutoModelForCausalLM for the built-in language model) and its outputs
+compared with the checkpoint's model before it is moved into place. With `weights="ema"` (`--weights
+ema`) the trained parameters are their EMA instead (ema.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ...foundation.folder_code import trusting_its_flag
 from ...foundation.task import BUILTIN_LM
 from ...foundation.trust import config_code, not_yours, require
 from ...state import checkpoint, layout
-from . import adapter, ema, origin, rebuild, reload, safetensors_io, target, writer
+from . import adapter, bundle, ema, origin, rebuild, reload, safetensors_io, target, writer
 
 log = logging.getLogger("qgtrain")
 LM_USAGE = """from transformers import pipeline
@@ -96,7 +96,7 @@ def export_run(
     try:
         if lm:
             _set_generation_eos(model, model_facts.get("eos_id"))
-        card, meta = _card_and_meta(ckpt, saved, model, model_facts, chosen, weights, kind)
+        card, meta = _card_and_meta(ckpt, saved, staging, model, model_facts, chosen, weights, kind)
         torch_dtype = safetensors_io.DTYPES[chosen]
 
         def write_weights(folder: Path, size: int) -> list[str]:
@@ -156,13 +156,16 @@ def _opened(
 def _card_and_meta(
     ckpt: checkpoint.Checkpoint,
     saved: RunConfig,
+    folder: Path,
     model: torch.nn.Module,
     model_facts: dict[str, Any],
     chosen: str,
     weights: str,
     kind: str,
 ) -> tuple[str, dict[str, Any]]:
-    """The model card and qgtrain_model.json's contents: what the run did and how to load it."""
+    """The model card and qgtrain_model.json's contents: what the run did and how to load it; the
+    task's own code is copied into `folder` first (bundle.py), and they name it there."""
+    saved, copied = bundle.bundled(saved, folder)
     builtin = saved.task.factory == BUILTIN_LM
     lm = builtin and kind == "transformers"
     facts = {
@@ -191,7 +194,7 @@ def _card_and_meta(
         published,
         LM_USAGE if lm else writer.usage(kind, model, builder),
         "text-generation" if lm else None,
-    )
+    ) + bundle.card_note(copied)
     meta = {
         "task": saved.task.factory,
         "options": saved.task.options,
