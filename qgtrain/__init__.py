@@ -7,12 +7,14 @@ and `qgtrain.train` and `qgtrain.submit` load what they need when first called.
 from typing import Any
 
 from .config import RunConfig
+from .foundation.result import TrainResult
 from .foundation.task import Task
 from .foundation.version import __version__
 
 __all__ = [
     "RunConfig",
     "Task",
+    "TrainResult",
     "__version__",
     "load_config",
     "load_model",
@@ -20,6 +22,11 @@ __all__ = [
     "submit_sweep",
     "train",
 ]
+
+
+def __dir__() -> list[str]:
+    """What `__all__` names, the lazily loaded functions included, beside the module's own names."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

@@ -36,6 +36,7 @@ CLUSTER_TESTS = "tests/test_slurm"
 SHARED_FIXTURE_MODULES = (
     "tests/test_evals.py",
     "tests/test_export.py",
+    "tests/test_own_model.py",
     "tests/test_molecules.py",
     "tests/test_resume.py",
     "tests/test_trust_checkpoint.py",

@@ -86,6 +86,38 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "written, expected",
+    [
+        ("1e3", 1000),
+        ("1.5e3", 1500),
+        ("2000.0", 2000),
+        ("1_000", 1000),
+        ("32.5", "train.max_steps: 32.5 is not an integer; expected an integer >= 1"),
+        ("1e-3", "train.max_steps: 1e-3 is not an integer; expected an integer >= 1"),
+        ("1e400", "train.max_steps: 1e400 is not an integer; expected an integer >= 1"),
+        ("many", "train.max_steps: expected an integer >= 1, got text ('many')"),
+    ],
+)
+@pytest.mark.parametrize("source", ["yaml", "--set"])
+def test_an_integer_key_takes_a_whole_number_in_any_notation(tmp_path, source, written, expected):
+    """1e3 (text to YAML: no dot) is 1000 wherever it is written; 32.5 or 1e-3 is no integer."""
+
+    def load() -> RunConfig:
+        if source == "--set":
+            return load_config([], [f"train.max_steps={written}"])
+        return load_config([write(tmp_path, f"train:\n  max_steps: {written}\n")])
+
+    if isinstance(expected, int):
+        value = load().train.max_steps
+        assert value == expected and type(value) is int
+        return
+    with pytest.raises(ConfigError) as refused:
+        load()
+    said = str(refused.value)
+    assert expected in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize(
     "text, expected",
     [
         (
@@ -100,7 +132,7 @@ def test_yaml_reading_of_3e_minus_4_as_text_is_still_a_float(tmp_path):
         ),
         (
             "train:\n  batch_size: 2.5\n",
-            r"train.batch_size: expected an integer >= 1, got float \(2.5\)",
+            r"train.batch_size: 2.5 is not an integer; expected an integer >= 1",
         ),
         (
             "train:\n  batch_size: many\n",
@@ -274,6 +306,7 @@ BAD_CLI = [
         "unknown key 'train.max_step'. Did you mean 'train.max_steps'?",
     ),
     (["--set", "train.batch_size=0"], "train.batch_size: 0 is out of range"),
+    (["--set", "train.batch_size=32.5"], "train.batch_size: 32.5 is not an integer"),
     (["--set", "optim.lr=fast"], "optim.lr: expected a number >= 0.0, got text ('fast')"),
     (["--set", "train.precision=fp8"], "train.precision: 'fp8' is not allowed"),
     (["--set", "train.seed"], "--set 'train.seed': expected KEY=VALUE"),
@@ -309,6 +342,22 @@ def test_cli_debug_shows_the_traceback(tmp_path):
     assert (
         result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
     )
+
+
+def test_version_is_printed_at_once_without_torch():
+    from qgtrain import __version__
+
+    code = (
+        "import sys\nfrom qgtrain.interface.cli import main\ntry:\n    main(['--version'])\n"
+        "except SystemExit as stop:\n    print(stop.code, "
+        "sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout == f"qgtrain {__version__}\n0 []\n", result.stderr
+    shell = subprocess.run(
+        [sys.executable, "-m", "qgtrain", "--version"], capture_output=True, text=True
+    )
+    assert shell.returncode == 0 and shell.stdout == f"qgtrain {__version__}\n"
 
 
 def test_config_get_prints_one_value(tmp_path):

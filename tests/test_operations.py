@@ -67,7 +67,7 @@ def test_runs_table_tells_finished_failed_stopped_running_and_interrupted_apart(
     }
     done = rows["done"]
     assert (done["step"], done["epoch"], done["checkpoint"], done["job_id"]) == (20, 0, 20, None)
-    assert done["best_val_loss"] <= done["last_val_loss"]
+    assert done["best_metric"] == "val_loss" and done["best"] <= done["last_val_loss"]
     assert rows["killed"]["checkpoint"] is not None and rows["killed"]["checkpoint"] % 20 == 0
     assert "received no gradient" in rows["broken"]["error"] and "broken: " in table.stdout
 
@@ -138,6 +138,36 @@ def test_doctor_lists_every_check_and_fails_on_an_error(tmp_path):
     )
     assert no_such.returncode == 1 and "error    network" in no_such.stdout, no_such.stdout
     assert "train.socket_ifname: 'nope0' is not a network interface of" in no_such.stdout
+
+
+def test_doctor_builds_the_task_on_the_cpu_and_names_what_fails(tmp_path):
+    """A task that does not import or build fails the checklist in one line naming it; one that
+    builds only inside a process group is told apart, since doctor starts none."""
+    (tmp_path / "broken.py").write_text(
+        "def build(cfg):\n    raise ValueError('no data in /scratch/me')\n"
+    )
+    runs_dir = f"logging.runs_dir={tmp_path / 'runs'}"
+
+    def doctor(task: str) -> tuple[int, str]:
+        result = cli("doctor", "--set", runs_dir, f"task={task}", cwd=tmp_path)
+        (line,) = [line for line in result.stdout.splitlines() if line[11:].startswith("task ")]
+        return result.returncode, line
+
+    here = tmp_path.resolve()
+    code, line = doctor("nope.py:build")
+    assert code == 1 and line.split()[0] == "error", line
+    assert f"cannot load '{here / 'nope.py'}:build' (no file {here / 'nope.py'})" in line
+    code, line = doctor("broken.py:make")
+    assert code == 1 and f"cannot load '{here / 'broken.py'}:make'" in line
+    assert "has no attribute 'make'" in line
+    code, line = doctor("broken.py:build")
+    assert code == 1 and line.split()[0] == "error", line
+    assert f"{here / 'broken.py'}:build raised ValueError: no data in /scratch/me" in line
+    code, line = doctor("tests.tasks:points")
+    assert code == 0 and line.split()[0] == "ok", line
+    assert "Sequential of 178 parameters, train 512, val 131, test 37" in line
+    code, line = doctor("tests.tasks:slow_on_rank_zero")  # asks torch.distributed for its rank
+    assert code == 0 and line.split()[0] == "warning" and "does not start" in line, line
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
@@ -431,3 +461,38 @@ def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_direc
     ]
     table = cli("runs", str(tmp_path), cwd=tmp_path).stdout
     assert "crashed: failed step 2: rank 1 on node2: Killed -> requeue node2" in table
+
+
+def test_runs_best_follows_each_runs_early_stopping_metric_and_mode(tmp_path):
+    """BEST is what the run's early stopping and best checkpoint follow, read from the config the
+    run recorded: the highest val_accuracy for a run that maximises it, not its lowest val_loss."""
+    from qgtrain.config.load import dump_yaml
+    from qgtrain.state import rundir
+
+    validations = [(10, 0.70, 0.50), (20, 0.62, 0.90), (30, 0.55, 0.80)]
+    for name, sets in (
+        ("accuracy", ["early_stopping.metric=val_accuracy", "early_stopping.mode=max"]),
+        ("loss", []),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({"run_id": name}))
+        (run / "config.yaml").write_text(dump_yaml(load_config([], sets)))
+        lines = [
+            {"step": step, "epoch": 0, "loss": loss + 0.1, "val_loss": loss, "val_accuracy": acc}
+            for step, loss, acc in validations
+        ]
+        lines[-1].update(test_loss=0.56, test_accuracy=0.79)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        rundir.write_status(run, "finished", job_id=None, restart=0, error=None)
+    rows = {
+        r["name"]: r for r in json.loads(cli("runs", str(tmp_path), "--json", cwd=tmp_path).stdout)
+    }
+    assert (rows["accuracy"]["best_metric"], rows["accuracy"]["best"]) == ("val_accuracy", 0.90)
+    assert (rows["loss"]["best_metric"], rows["loss"]["best"]) == ("val_loss", 0.55)
+    assert rows["accuracy"]["last_val_loss"] == rows["loss"]["last_val_loss"] == 0.55
+    table = cli("runs", str(tmp_path), cwd=tmp_path).stdout.splitlines()
+    assert table[0].split()[:5] == ["RUN", "STATUS", "STEP", "EPOCH", "BEST"]
+    cells = {line.split()[0]: line.split()[1:] for line in table[1:]}
+    assert cells["accuracy"][:5] == ["finished", "30", "0", "val_accuracy", "0.9000"]
+    assert cells["loss"][:5] == ["finished", "30", "0", "val_loss", "0.5500"]

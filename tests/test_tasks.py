@@ -320,6 +320,43 @@ if __name__ == "__main__":
 """
 
 
+def train_from_python(run_dir: str) -> dict[str, object]:
+    """One rank of a user's script: qgtrain.train(cfg, task=build), its result as plain data."""
+    import qgtrain
+    from tests.tasks import points
+
+    result = qgtrain.train(qgtrain.load_config([], BASE), task=points, run_dir=run_dir)
+    return {
+        "int": isinstance(result, int),
+        "code": int(result),
+        "run_dir": result.run_dir,
+        "step": result.step,
+        "metrics": result.metrics,
+    }
+
+
+def test_qgtrain_train_returns_the_exit_code_with_the_run_dir_last_step_and_figures(tmp_path):
+    (result,) = run_ranks(1, train_from_python, str(tmp_path / "run"))
+    assert result["int"] and result["code"] == 0
+    assert result["run_dir"] == (tmp_path / "run").resolve() and result["run_dir"].is_dir()
+    assert result["step"] == 12  # BASE's train.max_steps
+    last = records(tmp_path / "run")[-1]
+    for name in ("loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy"):
+        assert name in result["metrics"], result["metrics"]
+    assert {k: v for k, v in last.items() if k.startswith(("val_", "test_"))}.items() <= (
+        result["metrics"].items()
+    )
+    code = "import sys, qgtrain; sys.exit(qgtrain.TrainResult(75, '/runs/x', 3, {'loss': 1.0}))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 75, "sys.exit(result) exits"
+
+
+def test_dir_of_the_package_lists_what_it_exports():
+    import qgtrain
+
+    assert set(qgtrain.__all__) <= set(dir(qgtrain))
+    assert {"train", "load_config", "load_model", "submit", "TrainResult"} <= set(dir(qgtrain))
+
+
 def run_script(script: Path, run: Path, *sets: str) -> list[int]:
     port = str(free_port())
     procs = [
@@ -341,6 +378,21 @@ def run_script(script: Path, run: Path, *sets: str) -> list[int]:
         for r in (0, 1)
     ]
     return [p.wait(timeout=120) for p in procs]
+
+
+def test_a_restart_refused_for_a_changed_model_leaves_the_runs_status_as_it_was(tmp_path):
+    """A changed task.options that no longer fits the checkpoint is bad input to a restart, refused
+    before any step: the finished run stays finished, its status.json not rewritten at all."""
+    done = qgtrain(tmp_path, "drawn_after_model", "task.options.width=16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = tmp_path / "run" / "status.json"
+    before = status.read_bytes()
+    assert json.loads(before)["status"] == "finished"
+    refused = qgtrain(tmp_path, "drawn_after_model", "task.options.width=24")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    said = refused.stderr.strip().splitlines()[-1]
+    assert said.startswith("qgtrain: error: ") and "does not fit the configured model" in said
+    assert status.read_bytes() == before
 
 
 def test_qgtrain_train_from_a_script_under_torchrun_variables_resumes_and_records_the_task(

@@ -128,19 +128,19 @@ def _to_number(
 ) -> Any:
     noun = "an integer" if kind is int else "a number"
     value: Any = raw
-    if isinstance(raw, str):  # from --set, or YAML's reading of 3e-4 (without a dot) as text
-        try:
-            value = kind(raw.strip().replace("_", ""))
-        except ValueError:
-            raise ConfigError(
-                f"{where}: expected {noun}{_bounds(spec)}, got {describe(raw)}"
-            ) from None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (kind is int and isinstance(value, float))
-    ):
+    if isinstance(raw, str):  # from --set, or YAML's reading of 3e-4 or 1e3 (without a dot) as text
+        value = _number_of_text(raw.strip().replace("_", ""), kind)
+        if value is None:
+            raise ConfigError(f"{where}: expected {noun}{_bounds(spec)}, got {describe(raw)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: expected {noun}{_bounds(spec)}, got {describe(raw)}")
+    if kind is int and isinstance(value, float):
+        # written in a float's notation (1e3, 2.0): an integer only if it is a whole number
+        if not (math.isfinite(value) and value.is_integer()):
+            written = raw.strip() if isinstance(raw, str) else repr(raw)
+            raise ConfigError(
+                f"{where}: {written} is not an integer; expected an integer{_bounds(spec)}"
+            )
     value = kind(value)
     low, high = spec.metadata.get("min"), spec.metadata.get("max")
     if (
@@ -150,6 +150,17 @@ def _to_number(
     ):
         raise ConfigError(f"{where}: {value} is out of range; expected {noun}{_bounds(spec)}")
     return value
+
+
+def _number_of_text(text: str, kind: type) -> int | float | None:
+    """The number a text spells (an integer key's '1e3' as the float 1000.0, judged by the caller),
+    or None for text that is no number."""
+    for read in (int, float) if kind is int else (float,):
+        try:
+            return read(text)
+        except ValueError:
+            continue
+    return None
 
 
 def _bounds(spec: dataclasses.Field[Any]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..foundation.errors import EXIT_USAGE, QgtrainError
 from ..foundation.terminal import shown
+from ..foundation.version import __version__
 from . import collector, commands, submitting
 
 
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         "survives time limits and preemption.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"qgtrain {__version__}")
     sub = parser.add_subparsers(metavar="COMMAND")
     _training_commands(sub)
     _job_commands(sub)
@@ -98,8 +100,9 @@ def _training_commands(sub: Any) -> None:
 def _eval_command(sub: Any) -> None:
     evaluate = sub.add_parser(
         "eval",
-        help="score the downstream tasks of eval.tasks on a run's checkpoints or an export "
-        "(1 process, or one rank per srun/torchrun task)",
+        help="score a run's checkpoints or an export: the task's own loss and metrics on its "
+        "splits, and the downstream tasks of eval.tasks (1 process, or one rank per "
+        "srun/torchrun task)",
     )
     evaluate.add_argument(
         "source", type=Path, help="a run directory (its latest checkpoint) or an export folder"
@@ -110,6 +113,14 @@ def _eval_command(sub: Any) -> None:
         "--all",
         action="store_true",
         help="every kept checkpoint, each once (a killed eval started again goes on)",
+    )
+    evaluate.add_argument(
+        "--split",
+        metavar="val[,test]",
+        help="score the task's own loss and Task.metrics on these splits, over the whole split "
+        "(val_loss, val_<metric>, test_...: the loop's figures). Default: val when there are no "
+        "eval.tasks to score on a run or export of yours, else none; test only when asked (the "
+        "loop reports it once, at the end: choosing checkpoints by it spoils it)",
     )
     _config_args(evaluate, "a config file on top of the run's own (an export's: the defaults)")
     evaluate.add_argument(
@@ -123,9 +134,10 @@ def _eval_command(sub: Any) -> None:
     evaluate.add_argument(
         "--trust-code",
         action="store_true",
-        help="import the factories the run's config names even if the run is not yours, run "
-        "a model folder's own code (auto_map) and --include-path's task code (!function), "
-        "from folders of yours that no one else can write; read that code first",
+        help="import the factories the run's config names even if the run is not yours (an "
+        "export's task code: always), run a model folder's own code (auto_map) and "
+        "--include-path's task code (!function), from folders of yours that no one else can "
+        "write; read that code first",
     )
     evaluate.add_argument(
         "--out",

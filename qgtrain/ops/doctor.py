@@ -4,7 +4,9 @@ allocation checks every node), each check ok, warning or error with its fix.
 The node-local checks come first (Python, torch, GPUs, shared memory, the run directory's
 filesystem), then those that need this node's network or the other nodes: which interface NCCL and
 gloo would use, whether every node sees the run directory, and with `--collective` the bandwidth
-between the nodes. One checklist, read top to bottom."""
+between the nodes. Last, rank 0 builds the config's task on the CPU, as every rank of the job would,
+so a task that does not import or build fails here and not after the job waited in the queue. One
+checklist, read top to bottom."""
 
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def run_checks(
     checks.append(_port(env))  # before the cross-node check, whose process group takes this port
     checks += _run_directory(cfg, env, run_dir, sizes)
     checks += _huggingface(cfg, environ)
+    if env.is_main:  # after any process group of the checks above is gone: the task builds alone
+        checks.append(_task(cfg))
     if sizes and env.world_size == 1:
         checks.append(
             Check(
@@ -282,6 +286,49 @@ def _huggingface(cfg: RunConfig, environ: Mapping[str, str]) -> list[Check]:
                 )
             )
     return checks
+
+
+def _task(cfg: RunConfig) -> Check:
+    """The task the config names, imported and built on the CPU without a process group (the
+    built-in language model is left to the model and data checks: building it may read a large
+    model or tokenize the data)."""
+    import torch.distributed as dist
+
+    from ..data.stream_kinds import is_stream
+    from ..foundation.errors import summary
+    from ..foundation.task import BUILTIN_LM
+    from ..tasks.build import build_task
+
+    spec = cfg.task.factory
+    if spec == BUILTIN_LM:
+        return Check("ok", "task", "the built-in causal LM, built from model and data at start")
+    fix = "correct the task function (`qgtrain train` would stop at the same place)"
+    try:
+        task = build_task(cfg)
+    except QgtrainError as exc:
+        problem, _, hint = str(exc).partition(" HINT: ")
+        return Check("error", "task", problem, hint or fix)
+    except Exception as exc:  # the user's build() raises bare Exceptions, or any other kind
+        if "process group" in str(exc) and not dist.is_initialized():
+            return Check(
+                "warning",
+                "task",
+                f"{spec} asks torch.distributed for the process group, which doctor does not "
+                "start: the task is built at the run's start only",
+                "nothing to fix if it means to: `qgtrain train` builds it once the group is up",
+            )
+        return Check("error", "task", f"task.factory: {spec} raised {summary(exc)}", fix)
+    size = sum(p.numel() for p in task.model.parameters())
+    splits = ", ".join(
+        f"{split} {'a stream' if is_stream(data) else len(data)}"
+        for split in ("train", "val", "test")
+        if (data := getattr(task, split)) is not None
+    )
+    return Check(
+        "ok",
+        "task",
+        f"{spec} builds: {type(task.model).__name__} of {size:,} parameters, {splits}",
+    )
 
 
 def render(checks: list[Check], env: DistEnv) -> str:

@@ -6,6 +6,10 @@ anyone allowed to), so the table shows control characters escaped (`\x1b`, `\n`,
 foundation/terminal.py): a status.json cannot move the cursor, recolour or rewrite the terminal, or
 add lines of its own. --json escapes them too.
 
+BEST follows what the run's own early stopping and best checkpoint follow (its config.yaml's
+early_stopping.metric, lowest or highest by early_stopping.mode), not always val_loss: a run that
+follows val_accuracy is best where its accuracy is highest.
+
 Status comes from what rank 0 recorded (status.json) checked against the run directory's lock: a run
 that says "running" while nobody holds its lock was killed before it could say anything else
 (interrupted), and resumes from its latest checkpoint when started again.
@@ -16,7 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from ..config import EarlyStoppingConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.terminal import shown
 from ..state import checkpoint, rundir
@@ -30,7 +38,8 @@ class RunSummary:
     status: str
     step: int | None
     epoch: int | None
-    best_val_loss: float | None
+    best_metric: str  # what the run's early stopping follows (early_stopping.metric)
+    best: float | None  # its best value, lowest or highest by early_stopping.mode
     last_val_loss: float | None
     # the task's own metrics at the latest validation (val_accuracy, ...)
     last_val_metrics: dict[str, float]
@@ -61,6 +70,8 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
     records = read_metrics(layout.metrics) if layout.metrics.exists() else []
     trained = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    metric, mode = followed(layout.config)
+    followed_values = [float(r[metric]) for r in records if _is_figure(r.get(metric))]
     evaluated = [r for r in records if any(k.startswith("val_") for k in r)]
     metrics = {
         k: v
@@ -77,7 +88,8 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         status=_status(run, status),
         step=trained[-1]["step"] if trained else None,
         epoch=trained[-1]["epoch"] if trained else None,
-        best_val_loss=min(vals) if vals else None,
+        best_metric=metric,
+        best=(max if mode == "max" else min)(followed_values) if followed_values else None,
         last_val_loss=vals[-1] if vals else None,
         last_val_metrics=metrics,
         checkpoint=ours[-1].step if ours else None,
@@ -87,6 +99,27 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         error=str(status["error"]) if status.get("error") else None,
         swept=swept or {},
     )
+
+
+def followed(config: Path) -> tuple[str, str]:
+    """The metric the run's early stopping and best checkpoint follow, and whether lower or higher
+    is better ("min", "max"), from the config it recorded; the defaults where it recorded none."""
+    default = EarlyStoppingConfig()
+    try:
+        recorded = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        recorded = None
+    section: Any = recorded.get("early_stopping") if isinstance(recorded, dict) else None
+    section = section if isinstance(section, dict) else {}
+    metric, mode = section.get("metric"), section.get("mode")
+    return (
+        metric if isinstance(metric, str) and metric else default.metric,
+        mode if mode in ("min", "max") else default.mode,
+    )
+
+
+def _is_figure(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _failures(status: dict[str, object]) -> list[str]:
@@ -131,7 +164,7 @@ def as_table(rows: list[RunSummary]) -> str:
         "STATUS",
         "STEP",
         "EPOCH",
-        "BEST VAL",
+        "BEST",
         "LAST VAL",
         "CHECKPOINT",
         "RESTARTS",
@@ -153,7 +186,7 @@ def as_table(rows: list[RunSummary]) -> str:
             fmt(r.status),
             fmt(r.step),
             fmt(r.epoch),
-            fmt(r.best_val_loss),
+            f"{fmt(r.best_metric)} {fmt(r.best)}" if r.best is not None else "-",
             fmt(r.last_val_loss),
             fmt(r.checkpoint),
             fmt(r.restarts),
