@@ -297,6 +297,7 @@ def _task(cfg: RunConfig) -> Check:
     from ..data.stream_kinds import is_stream
     from ..foundation.errors import summary
     from ..foundation.task import BUILTIN_LM
+    from ..foundation.user_code import raised_in_users_code
     from ..tasks.build import build_task
 
     spec = cfg.task.factory
@@ -317,7 +318,9 @@ def _task(cfg: RunConfig) -> Check:
                 "start: the task is built at the run's start only",
                 "nothing to fix if it means to: `qgtrain train` builds it once the group is up",
             )
-        return Check("error", "task", f"task.factory: {spec} raised {summary(exc)}", fix)
+        where = raised_in_users_code(exc)
+        said = f"task.factory: {spec} raised {summary(exc)}" + (f", in {where}" if where else "")
+        return Check("error", "task", said, fix)
     size = sum(p.numel() for p in task.model.parameters())
     splits = ", ".join(
         f"{split} {'a stream' if is_stream(data) else len(data)}"
