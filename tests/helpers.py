@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from qgtrain.config import DataConfig
-from tests.ranks import ROOT
+from tests.ranks import ROOT, ForkedCommand, needs_fresh_interpreter
 
 FINISHED = {
     "COMPLETED",
@@ -66,16 +67,35 @@ def cli(
     launcher: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """`python -m qgtrain ARGS` (or under `launcher`, e.g. torchrun) as a user runs it, in `cwd`,
-    with this repository importable (tests.tasks, tests.factories) like a user's own modules."""
-    command = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
-    return subprocess.run(
-        [*command, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
+    with this repository importable (tests.tasks, tests.factories) like a user's own modules. The
+    process is forked from the tests' preloaded forkserver (tests.ranks.ForkedCommand) unless a
+    launcher or `env` needs a fresh interpreter."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if launcher or needs_fresh_interpreter(full_env):
+        command = [*launcher] if launcher else [sys.executable, "-m", "qgtrain"]
+        return subprocess.run(
+            [*command, *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+        )
+    with tempfile.TemporaryDirectory(prefix="qgtrain-cli-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        proc = ForkedCommand(list(args), cwd, full_env, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            raise
+        return subprocess.CompletedProcess(
+            [sys.executable, "-m", "qgtrain", *args],
+            code,
+            out.read_text(errors="replace"),
+            err.read_text(errors="replace"),
+        )
 
 
 def wait_for(  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ _CTX.set_forkserver_preload(
         "transformers",
         "transformers.models.gpt2.modeling_gpt2",
         "qgtrain.run",
+        "qgtrain.interface.cli",
         "tests.ranks",
     ]
 )
@@ -51,6 +52,7 @@ def run_ranks(
 ) -> list[Any]:
     """target(*args) on every rank; returns each rank's result, or raises if a rank failed or hung.
     `env`: variables for every rank, or a function of the rank giving each its own."""
+    _forkserver_starts()
     port = free_port()
     results: Any = _CTX.Queue()
     stacks = tempfile.mkdtemp(prefix="qgtrain-ranks-")
@@ -105,6 +107,7 @@ def start_ranks(world_size: int, target: Callable[..., Any], *args: Any) -> list
     """target(*args) on every rank as run_ranks starts them, not waited for: for a test that
     SIGKILLs ranks at work (Process.kill) without the seconds each `qgtrain` process spends
     importing."""
+    _forkserver_starts()
     port, results, stacks = free_port(), _CTX.Queue(), tempfile.mkdtemp(prefix="qgtrain-ranks-")
     procs = [
         _CTX.Process(
@@ -180,13 +183,19 @@ def start_cli_ranks(
     env: dict[str, str] | None = None,
     log_prefix: str = "rank",
     wrap: dict[int, list[str]] | None = None,
-) -> list[subprocess.Popen[bytes]]:
-    """`python -m qgtrain <args>` as world_size real processes with torchrun-style variables. Each
-    rank leads its own process group, so a SIGKILL to the group takes its DataLoader workers too.
-    `wrap` puts a command in front of some ranks' (e.g. unshare, to give one rank a filesystem of
-    its own)."""
+) -> list[Any]:
+    """`qgtrain <args>` as world_size real processes with torchrun-style variables, each writing to
+    <cwd>/<log_prefix>-<rank>.out. Each rank leads its own process group, so a SIGKILL to the group
+    takes its DataLoader workers too. The processes are forked from the forkserver that has imported
+    torch, transformers and qgtrain once (ForkedCommand), which spares each the seconds of CPU a
+    fresh interpreter spends importing them; `wrap` (a command put in front of some ranks', e.g.
+    unshare to give one a filesystem of its own) or a PYTHONPATH of its own (another version's
+    qgtrain) needs a fresh interpreter, and gets `python -m qgtrain` for every rank."""
     port = free_port()
-    procs = []
+    fresh = bool(wrap) or needs_fresh_interpreter(
+        {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    )
+    procs: list[Any] = []
     for rank in range(world_size):
         rank_env = {
             **os.environ,
@@ -200,7 +209,11 @@ def start_cli_ranks(
             "PYTHONPATH": str(ROOT),
             **(env or {}),
         }
-        output = open(cwd / f"{log_prefix}-{rank}.out", "ab")
+        log = cwd / f"{log_prefix}-{rank}.out"
+        if not fresh:
+            procs.append(ForkedCommand(args, cwd, rank_env, log))
+            continue
+        output = open(log, "ab")
         procs.append(
             subprocess.Popen(
                 [*(wrap or {}).get(rank, []), sys.executable, "-m", "qgtrain", *args],
@@ -214,7 +227,110 @@ def start_cli_ranks(
     return procs
 
 
-def kill_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
+# Prefixes of variables read while Python, torch or transformers start: a process forked from the
+# preloaded forkserver sees those the forkserver started with
+READ_AT_IMPORT = (
+    "PYTHON",
+    "HF_",
+    "TRANSFORMERS",
+    "TORCH",
+    "PYTORCH",
+    "ATEN_",
+    "OMP_",
+    "MKL_",
+    "CUDA",
+)
+_forkserver_env: dict[str, str] | None = None
+
+
+def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
+    # a rank sets its own threads; PYTHONPATH is judged on its own
+    skip = ("OMP_NUM_THREADS", "PYTHONPATH")
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k not in skip}
+
+
+def _forkserver_starts() -> None:
+    """Called before every use of the forkserver: the first starts it with this environment."""
+    global _forkserver_env
+    if _forkserver_env is None:
+        _forkserver_env = _read_at_import(os.environ)
+
+
+def needs_fresh_interpreter(env: Mapping[str, str]) -> bool:
+    """Whether a command's whole environment differs from the forkserver's in what its imports
+    read: another PYTHONPATH than this repository (another version's qgtrain), or a variable of
+    READ_AT_IMPORT."""
+    _forkserver_starts()
+    return env.get("PYTHONPATH", str(ROOT)) != str(ROOT) or _read_at_import(env) != _forkserver_env
+
+
+class ForkedCommand:
+    """`python -m qgtrain ARGS` in `cwd` with `env`, its output appended to `log`, forked
+    from the preloaded forkserver, with the face of subprocess.Popen the tests use (pid, poll,
+    wait, returncode): what runs is the CLI's main() as the interpreter would run it, including
+    its atexit work. stderr goes to `errors` where given. Returns once the process leads its own
+    process group, so that a killpg right after start reaches it."""
+
+    def __init__(
+        self, args: list[str], cwd: Path, env: dict[str, str], log: Path, errors: Path | None = None
+    ) -> None:
+        _forkserver_starts()
+        ready = _CTX.Event()
+        self.proc = _CTX.Process(
+            target=_command_main, args=(args, str(cwd), env, str(log), str(errors or log), ready)
+        )
+        self.proc.start()
+        if not ready.wait(60):
+            self.proc.kill()
+            raise AssertionError(f"qgtrain {' '.join(args)} did not start within 60 s")
+        self.pid = self.proc.pid
+        self.args = ["qgtrain", *args]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.proc.exitcode
+
+
+def _command_main(
+    args: list[str], cwd: str, env: dict[str, str], log: str, errors: str, ready: Any
+) -> None:
+    import atexit
+
+    os.setpgrp()
+    ready.set()
+    # A forkserver's child inherits "forkserver" as its start method; a fresh interpreter has the
+    # platform's default, which the command's DataLoader workers must be started with.
+    multiprocessing.set_start_method(None, force=True)
+    for path, target in ((log, 1), (errors, 2)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, cwd)  # as `python -m` puts the working directory first
+    sys.argv = [os.path.join(str(ROOT), "qgtrain", "__main__.py"), *args]
+    from qgtrain.interface.cli import main
+
+    try:
+        code = main(list(args))
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit, which skips them
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def kill_ranks(procs: list[Any]) -> None:
     for proc in procs:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -224,7 +340,7 @@ def kill_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
         proc.wait(timeout=30)
 
 
-def wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+def wait_ranks(procs: list[Any], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     try:
         return [proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for proc in procs]
