@@ -142,3 +142,35 @@ def test_a_note_of_the_runs_own_failure_ends_the_job(tmp_path):
     run.logs.mkdir()
     run.failure_note(1).write_text(json.dumps(OWN[1]))
     assert recover(tmp_path, KILLED, 143, 0, 0, 2, RETRY_TWICE, None).action == "end"
+
+
+# What `sinfo -h -N -o "%N %t %P"` printed on the test cluster: node1-3 in the default partition
+# (its name marked *), node4-5 in another; node2 drained.
+SINFO = """node1 idle debug*
+node2 drain debug*
+node3 mix debug*
+node4 idle side
+node5 alloc side
+"""
+
+
+@pytest.mark.parametrize(
+    "partition, usable",
+    [
+        ("", {"node1", "node3"}),  # a job that names no partition goes to the default one
+        ("side", {"node4", "node5"}),
+    ],
+)
+def test_the_usable_nodes_are_those_up_in_the_partition_the_job_goes_to(partition, usable):
+    from subprocess import CompletedProcess
+
+    from qgtrain.launch.nodes import usable_nodes
+
+    def sinfo(command, **_):  # type: ignore[no-untyped-def]
+        assert command[:5] == ["sinfo", "-h", "-N", "-o", "%N %t %P"]
+        assert command[5:] == (["-p", partition] if partition else [])
+        lines = SINFO.splitlines()
+        shown = [line for line in lines if not partition or line.split()[2] == partition]
+        return CompletedProcess(command, 0, "\n".join(shown) + "\n", "")
+
+    assert usable_nodes(partition, sinfo) == usable

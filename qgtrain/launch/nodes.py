@@ -22,8 +22,10 @@ _DOWN = ("down", "drain", "drng", "fail", "maint", "inval")
 
 
 def usable_nodes(partition: str, run: Runner = subprocess.run) -> set[str] | None:
-    """The partition's nodes that can run a job now (None where sinfo cannot say)."""
-    command = ["sinfo", "-h", "-N", "-o", "%N %t", *(["-p", partition] if partition else [])]
+    """The partition's nodes that can run a job now (None where sinfo cannot say). No partition
+    means the cluster's default one, where sbatch sends a job that names none: sinfo marks it
+    with a `*` after its name."""
+    command = ["sinfo", "-h", "-N", "-o", "%N %t %P", *(["-p", partition] if partition else [])]
     try:
         shown = run(command, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -32,8 +34,8 @@ def usable_nodes(partition: str, run: Runner = subprocess.run) -> set[str] | Non
         return None
     usable = set()
     for line in shown.stdout.splitlines():
-        node, _, state = line.strip().partition(" ")
-        if node and not state.startswith(_DOWN):
+        node, state, named = (line.split() + ["", ""])[:3]
+        if node and not state.startswith(_DOWN) and (partition or named.endswith("*")):
             usable.add(node)
     return usable
 
