@@ -5,12 +5,15 @@ prerequisite fails too: a suite that silently skipped its cluster tests must not
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +31,14 @@ LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 
 
 # pytest-xdist's units of work: a unit runs whole on one worker. The tests that use the Slurm
-# cluster, and only they, live in files named so, and are one unit: the cluster and the session
-# fixtures built on it exist once, and its tests take turns on its nodes. A module whose tests share
-# a module-scoped fixture (a reference run trained once) is one unit, or each worker would build the
-# fixture again. Every other test is a unit of its own.
+# cluster, and only they, live in files named so, and are one unit: the session fixtures built on
+# the cluster exist once, and its tests take turns on the nodes of its default partition, which some
+# take down or throttle. SIDE_TESTS, which mostly wait out real time limits, are a second unit on
+# the cluster's side partition, beside the first: both workers share the one cluster. A module whose
+# tests share a module-scoped fixture (a reference run trained once) is one unit, or each worker
+# would build the fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
+SIDE_TESTS = "tests/test_slurm_limits.py"
 SHARED_FIXTURE_MODULES = (
     "tests/test_evals.py",
     "tests/test_export.py",
@@ -55,6 +61,8 @@ SHARED_FIXTURE_MODULES = (
 
 def work_unit(nodeid: str) -> str:
     module = nodeid.split("::")[0]
+    if module == SIDE_TESTS:
+        return "slurm-side"
     if module.startswith(CLUSTER_TESTS):
         return "slurm-cluster"
     return module if module in SHARED_FIXTURE_MODULES else nodeid
@@ -100,26 +108,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByWorkUnit(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
+CLUSTER_USERS = Path("/tmp/qgtrain-slurm.users")  # {"run": test run id, "pids": [its workers]}
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Path]:
-    """A running three-node Slurm cluster; yields its slurm.conf. Clients find it through
-    SLURM_CONF."""
+    """A running Slurm cluster of five nodes, node1-3 in the default partition and node4-5 in
+    `side`; yields its slurm.conf. Clients find it through SLURM_CONF. The workers of one test run
+    share it: the first starts it, the last to finish stops it (by PID), and another test run waits
+    for them instead of sharing it."""
     if os.geteuid() != 0:
         _cannot_start("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         _cannot_start("Slurm is not installed and there is no apt-get to install it")
-    # One cluster per machine: a second test session waits for the first to stop it instead of
-    # sharing it.
-    lock = open("/tmp/qgtrain-slurm.lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    started = subprocess.run(
-        ["bash", str(CLUSTER / "start.sh"), "--nodes", "3"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if started.returncode != 0:
-        pytest.fail(f"could not start the Slurm test cluster:\n{started.stdout}\n{started.stderr}")
+    _join_cluster()
     saved = {key: os.environ.get(key) for key in ("SLURM_CONF", "QGTRAIN_PYTHON")}
     os.environ["SLURM_CONF"] = str(LAB / "slurm.conf")
     os.environ["QGTRAIN_PYTHON"] = sys.executable  # batch scripts train with this interpreter
@@ -131,8 +133,61 @@ def slurm_cluster() -> Iterator[Path]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        subprocess.run(["bash", str(CLUSTER / "stop.sh")], capture_output=True, timeout=300)
-        lock.close()
+        _leave_cluster()
+
+
+def _join_cluster() -> None:
+    # xdist's id of this test run, the same in each of its workers
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid-{os.getpid()}")
+    while True:
+        with _cluster_lock():
+            users = _cluster_users()
+            if users["pids"] and users["run"] != run:
+                pass  # another test run's: wait for it to stop the cluster
+            else:
+                if not users["pids"]:
+                    _start_cluster()
+                users = {"run": run, "pids": [*users["pids"], os.getpid()]}
+                CLUSTER_USERS.write_text(json.dumps(users))
+                return
+        time.sleep(2)
+
+
+def _leave_cluster() -> None:
+    with _cluster_lock():
+        users = _cluster_users()
+        others = [pid for pid in users["pids"] if pid != os.getpid()]
+        CLUSTER_USERS.write_text(json.dumps({**users, "pids": others}))
+        if not others:
+            subprocess.run(["bash", str(CLUSTER / "stop.sh")], capture_output=True, timeout=300)
+
+
+@contextlib.contextmanager
+def _cluster_lock() -> Iterator[None]:
+    with open("/tmp/qgtrain-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _cluster_users() -> dict[str, Any]:
+    """Who uses the cluster now: workers that have died (a killed test run) are left out."""
+    try:
+        users = json.loads(CLUSTER_USERS.read_text())
+    except (OSError, ValueError):
+        users = {}
+    pids = [pid for pid in users.get("pids", []) if Path(f"/proc/{pid}").exists()]
+    return {"run": users.get("run"), "pids": pids}
+
+
+def _start_cluster() -> None:
+    started = subprocess.run(
+        ["bash", str(CLUSTER / "start.sh"), "--nodes", "5", "--side", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if started.returncode != 0:
+        pytest.fail(f"could not start the Slurm test cluster:\n{started.stdout}\n{started.stderr}")
 
 
 # Set by pytest for each phase of a test, and by torch on first use of inductor: harmless to
@@ -163,24 +218,21 @@ def environment_left_as_found() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def two_node_reference(
     slurm_cluster: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
+) -> Mapping[str, Any]:
     """The final weights of the uninterrupted two-node run (helpers.two_node_configs), trained once
-    for every test whose interrupted run must end equal to it."""
+    for every test whose interrupted run must end equal to it: submitted when first asked for and
+    waited for when first read, so it trains beside the first such test's own job."""
     from tests.helpers import (
         TWO_NODE_STEPS,
         TWO_NODES,
-        final_weights,
+        JobWeights,
         sbatch,
         two_node_configs,
-        wait_finished,
     )
 
     tmp = tmp_path_factory.mktemp("two-node-reference")
-    assert (
-        wait_finished(sbatch(tmp, *TWO_NODES, "--time=10", configs=two_node_configs(tmp)))
-        == "COMPLETED"
-    )
-    return final_weights(tmp / "runs" / "cpu", TWO_NODE_STEPS)
+    job_id = sbatch(tmp, *TWO_NODES, "--time=10", configs=two_node_configs(tmp))
+    return JobWeights(job_id, tmp / "runs" / "cpu", TWO_NODE_STEPS)
 
 
 @pytest.fixture

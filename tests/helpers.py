@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -353,6 +354,31 @@ def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no
 def wait_finished(job_id: str, timeout: float = 300) -> str:
     wait_until(lambda: job(job_id).get("JobState") in FINISHED, timeout, f"job {job_id} to finish")
     return job(job_id)["JobState"]
+
+
+class JobWeights(Mapping[str, torch.Tensor]):
+    """A Slurm job's final weights, read when first looked at: the job trains meanwhile, beside the
+    test's own job, instead of before it."""
+
+    def __init__(self, job_id: str, run_dir: Path, step: int) -> None:
+        self.job_id, self.run_dir, self.step = job_id, run_dir, step
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def _read(self) -> dict[str, torch.Tensor]:
+        if self._weights is None:
+            state = wait_finished(self.job_id, timeout=600)
+            assert state == "COMPLETED", f"reference job {self.job_id}: {state}"
+            self._weights = final_weights(self.run_dir, self.step)
+        return self._weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 def logged_step(run_dir: Path) -> int:

@@ -244,8 +244,10 @@ _forkserver_env: dict[str, str] | None = None
 
 
 def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
-    # a rank sets its own threads; PYTHONPATH is judged on its own
-    skip = ("OMP_NUM_THREADS", "PYTHONPATH")
+    # a rank sets its own threads; PYTHONPATH is judged on its own; inductor reads its cache folder
+    # when it compiles (torch/_inductor/runtime/cache_dir_utils.py), and sets it in the process
+    # that first compiles, such as a test's own
+    skip = ("OMP_NUM_THREADS", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")
     return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k not in skip}
 
 

@@ -57,10 +57,17 @@ def test_hsdp_trains_like_ddp_survives_a_sigkill_bit_for_bit_and_resumes_on_one_
     tmp_path,
 ):
     reference, ddp = tmp_path / "reference", tmp_path / "ddp"
+    # the three side by side: the uninterrupted hsdp and ddp runs, and the hsdp run to be killed
     jobs = [
         sbatch(reference, *TWO_BY_TWO, configs=configs(reference, "hsdp")),
         sbatch(ddp, *TWO_BY_TWO, configs=configs(ddp, "ddp")),
     ]
+    job_id = sbatch(tmp_path, *TWO_BY_TWO, configs=configs(tmp_path, "hsdp"))
+    run = tmp_path / "runs" / "cpu"
+    wait_until(
+        lambda: logged_step(run) >= 150, 300, "training to pass step 150 (a checkpoint at 100)"
+    )
+    kill_rank(job_id, 3)  # on node2: its replica of the model loses a shard
     assert [wait_finished(j, timeout=600) for j in jobs] == ["COMPLETED", "COMPLETED"]
     log = rank_log(reference / "runs" / "cpu", 0)
     assert "hsdp: 2 replicas of the model, each sharded over 2 ranks (0,1; 2,3)" in log
@@ -70,12 +77,6 @@ def test_hsdp_trains_like_ddp_survives_a_sigkill_bit_for_bit_and_resumes_on_one_
     for a, b in zip(replicated, sharded):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
-    job_id = sbatch(tmp_path, *TWO_BY_TWO, configs=configs(tmp_path, "hsdp"))
-    run = tmp_path / "runs" / "cpu"
-    wait_until(
-        lambda: logged_step(run) >= 150, 300, "training to pass step 150 (a checkpoint at 100)"
-    )
-    kill_rank(job_id, 3)  # on node2: its replica of the model loses a shard
     assert wait_finished(job_id, timeout=600) == "COMPLETED"
     assert re.search(
         rf"resumed from {run / 'checkpoints'}/step-\d+00: step \d+00", rank_log(run, 0)

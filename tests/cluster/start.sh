@@ -5,16 +5,21 @@
 # slurm-client munge), installed when missing. Root only. Idempotent: a cluster of this shape that is
 # already up and idle is left as it is.
 #
-#   tests/cluster/start.sh [--nodes N] [--cpus C] [--timeout S]
+#   tests/cluster/start.sh [--nodes N] [--side M] [--cpus C] [--timeout S]
+#
+# The first N-M nodes form the default partition, `debug`; the last M (0 by default) a partition of
+# their own, `side`, where jobs run only when they ask for it (sbatch --partition=side), so tests that
+# take nodes down or throttle their links never touch them.
 #
 # State lives in $QGTRAIN_SLURM_LAB (default /tmp/qgtrain-slurm); the config is $LAB/slurm.conf, used
 # through SLURM_CONF (the system's /etc/slurm is not touched). Every PID started is recorded in $LAB/run,
 # and stop.sh stops exactly those. No accounting daemon: clients see a cluster without sacct, as many are.
 set -euo pipefail
-NODES=2; CPUS=8; TIMEOUT=60
+NODES=2; SIDE=0; CPUS=8; TIMEOUT=60
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) NODES=$2; shift 2 ;;
+        --side) SIDE=$2; shift 2 ;;
         --cpus) CPUS=$2; shift 2 ;;
         --timeout) TIMEOUT=$2; shift 2 ;;
         *) echo "start.sh: unknown argument $1" >&2; exit 2 ;;
@@ -27,7 +32,9 @@ export SLURM_CONF=$LAB/slurm.conf
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 idle() { [ "$(sinfo -h -o %T 2>/dev/null | sort -u | tr '\n' ' ')" = "idle " ]; }
 
-if [ "$(cat "$LAB/run/shape" 2>/dev/null)" = "nodes=$NODES cpus=$CPUS" ] && alive "$LAB/run/slurmctld.pid" && idle; then
+[ "$SIDE" -lt "$NODES" ] || { echo "start.sh: --side $SIDE leaves no default partition" >&2; exit 2; }
+SHAPE="nodes=$NODES side=$SIDE cpus=$CPUS"
+if [ "$(cat "$LAB/run/shape" 2>/dev/null)" = "$SHAPE" ] && alive "$LAB/run/slurmctld.pid" && idle; then
     echo "cluster already up ($NODES nodes)"; exit 0
 fi
 [ -d "$LAB/run" ] && bash "$HERE/stop.sh" >&2
@@ -45,7 +52,7 @@ fi
 
 mkdir -p "$LAB"/{state,spool,log,run}
 rm -rf "${LAB:?}"/state/* "${LAB:?}"/spool/*
-echo "nodes=$NODES cpus=$CPUS" > "$LAB/run/shape"
+echo "$SHAPE" > "$LAB/run/shape"
 
 # munge: refuses to run as root; its key comes with the package
 if [ ! -s /etc/munge/munge.key ]; then
@@ -127,7 +134,10 @@ CONF
 for i in $(seq "$NODES"); do
     echo "NodeName=node$i NodeAddr=10.99.0.$((10 + i)) NodeHostname=node$i CPUs=$CPUS RealMemory=$MEM State=UNKNOWN"
 done
-echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+echo "PartitionName=debug Nodes=node[1-$((NODES - SIDE))] Default=YES MaxTime=INFINITE State=UP"
+if [ "$SIDE" -gt 0 ]; then
+    echo "PartitionName=side Nodes=node[$((NODES - SIDE + 1))-$NODES] MaxTime=INFINITE State=UP"
+fi
 } > "$SLURM_CONF"
 
 slurmctld -f "$SLURM_CONF"
