@@ -1,7 +1,8 @@
-"""Run a function as N real ranks: separate processes that form a real gloo group through
-torchrun-style variables, as torchrun would set them. Processes come from a forkserver that has
-imported torch and transformers once, so each rank starts in milliseconds and never inherits a
-parent's OpenMP threads."""
+"""Run a function, or a `qgtrain` command, as N real ranks: separate processes that form a real
+gloo group through torchrun-style variables, as torchrun would set them. Processes come from a
+forkserver that has imported torch, transformers and qgtrain once, so each rank starts in
+milliseconds instead of the seconds of CPU an interpreter spends importing them, and never inherits
+a parent's OpenMP threads. helpers.cli runs single commands the same way."""
 
 from __future__ import annotations
 
