@@ -138,7 +138,11 @@ def test_metrics_are_exact_over_the_whole_split_on_uneven_shards():
     three = run_ranks(3, evaluate_points, 10, 4)
     assert all(result == three[0] for result in three), "every rank reports the same values"
     assert three[0]["accuracy"] == alone["accuracy"] and alone["accuracy"] is not None
-    assert three[0]["loss"] == pytest.approx(alone["loss"], rel=1e-12)
+    # Each batch's loss is a float32 mean over other samples on 3 ranks (batches of 4, 3, 3) than on
+    # one (4, 4, 2): the two agree to float32 rounding, about 1e-7 per sum over ten samples, not bit
+    # for bit (under ATEN_CPU_CAPABILITY=default they differ by 1.9e-8). A mean of per-rank means
+    # would be off by far more.
+    assert three[0]["loss"] == pytest.approx(alone["loss"], rel=1e-6)
     assert 0 < alone["accuracy"] < 1 and alone["accuracy"] * 10 == round(alone["accuracy"] * 10)
 
 
