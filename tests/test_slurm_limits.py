@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,18 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 SIDE_NODES = ("--partition=side", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1")
 
 
+def paced_forever(tmp_path: Path) -> list[Path]:
+    """jobs/preemptible.yaml's run, far longer than any allocation, each step a sleep that spares
+    the CPUs."""
+    return [
+        ROOT / "config.yaml",
+        ROOT / "jobs" / "cpu.yaml",
+        ROOT / "jobs" / "preemptible.yaml",
+        overlay(tmp_path, 10**7),
+        sleep_paced(tmp_path),
+    ]
+
+
 def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_path):
     # --time=1 with the signal 10 s ahead: Slurm's 30 s tick delivers it 10-40 s before the limit.
     # The run is far longer than a minute (its steps are a sleep, sparing the CPUs), so every
@@ -39,13 +52,7 @@ def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(tmp_
         *SIDE_NODES,
         "--time=1",
         "--signal=USR2@10",
-        configs=[
-            ROOT / "config.yaml",
-            ROOT / "jobs" / "cpu.yaml",
-            ROOT / "jobs" / "preemptible.yaml",
-            overlay(tmp_path, 10**7),
-            sleep_paced(tmp_path),
-        ],
+        configs=paced_forever(tmp_path),
     )
     run = tmp_path / "runs" / "preemptible"
     try:
@@ -119,14 +126,7 @@ def test_a_time_limit_extended_mid_run_is_followed(tmp_path):
         *SIDE_NODES,
         "--time=1",
         "--signal=URG@10",
-        configs=[
-            ROOT / "config.yaml",
-            ROOT / "jobs" / "cpu.yaml",
-            ROOT / "jobs" / "preemptible.yaml",
-            overlay(tmp_path, 10**7),
-            sleep_paced(tmp_path),
-            checks,
-        ],
+        configs=[*paced_forever(tmp_path), checks],
     )
     run = tmp_path / "runs" / "preemptible"
     try:
