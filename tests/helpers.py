@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from qgtrain.config import DataConfig
-from tests.ranks import ROOT, ForkedCommand, needs_fresh_interpreter
+from tests.ranks import ROOT, ForkedCommand, kill_ranks, needs_fresh_interpreter
 
 FINISHED = {
     "COMPLETED",
@@ -115,6 +115,23 @@ def wait_for(  # type: ignore[no-untyped-def]
                 _kill(proc)
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(pause)
+
+
+def kill_once_saved(run: Path, procs: list[Any], step: int, timeout: float = 180) -> None:
+    """SIGKILL the ranks of `run` once it has logged `step` and committed a checkpoint. A save's
+    commit may trail the step it saved (an async save writes beside the next steps), and a kill
+    before the first commit makes the next launch start over: a resume test would then compare a
+    fresh run with its reference and pass without resuming anything."""
+    wait_for(
+        lambda: (
+            any(r["step"] >= step for r in records(run)[-1:])
+            and any((run / "checkpoints").glob("step-*/manifest.json"))
+        ),
+        procs,
+        f"step {step} and a committed checkpoint",
+        timeout,
+    )
+    kill_ranks(procs)
 
 
 def _alive(proc: Any) -> bool:

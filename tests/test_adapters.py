@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import checkpoint_state, cli, records, wait_for
-from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
+from tests.helpers import checkpoint_state, cli, kill_once_saved, records
+from tests.ranks import ROOT, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 STEPS = 16
 # lm_head among the targets: on a random base, only it learns the corpus's bytes within 16 steps
@@ -114,10 +114,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         *settings(base),
     ]
     procs = start_cli_ranks(2, args, tmp, log_prefix="killed")
-    wait_for(
-        lambda: any(r["step"] >= kill_at for r in records(killed)[-1:]), procs, f"step {kill_at}"
-    )
-    kill_ranks(procs)
+    kill_once_saved(killed, procs, kill_at)
     assert not (killed / "checkpoints" / f"step-{STEPS}").exists(), f"killed too late (seed {seed})"
     assert wait_ranks(start_cli_ranks(2, args, tmp, log_prefix="killed"), 120) == [0, 0]
     return {"base": base, "ddp": tmp / "ddp", "fsdp": tmp / "fsdp", "killed": killed, "tmp": tmp}

@@ -24,8 +24,8 @@ from qgtrain.data import chat, prepare
 from qgtrain.data.rows import ChatRows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.models import build_model, lm_loss
-from tests.helpers import assert_resumed_equals, cli, records, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import assert_resumed_equals, cli, kill_once_saved, records
+from tests.ranks import start_cli_ranks, wait_ranks
 
 MARKED = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
@@ -391,8 +391,7 @@ def test_two_ranks_learn_the_answers_and_a_killed_run_resumes_bit_for_bit(tmp_pa
     seed = int(time.time())
     kill_at = random.Random(seed).randrange(5, 13)
     procs = start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     assert wait_ranks(
         start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300
     ) == [0, 0]
@@ -532,8 +531,7 @@ def test_streamed_chat_learns_the_answers_resumes_bit_for_bit_and_refuses_a_bad_
     kill_at = random.Random(seed).randrange(4, 11)
     args = stream_args(tmp_path, run, STREAM_STEPS)
     procs = start_cli_ranks(2, args, tmp_path, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     assert wait_ranks(start_cli_ranks(2, args, tmp_path, log_prefix="resumed"), 300) == [0, 0]
     assert_resumed_equals(reference, run, f"(seed {seed}: killed at {kill_at})", STREAM_STEPS)
     assert not list(tmp_path.glob("cache/**/meta.json")), "a stream builds no cache"

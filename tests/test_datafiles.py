@@ -29,11 +29,11 @@ from tests.helpers import (
     cli,
     data,
     documents,
-    records,
+    kill_once_saved,
     wait_for,
     write_jsonl,
 )
-from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
+from tests.ranks import ROOT, run_ranks, start_cli_ranks, wait_ranks
 
 
 def decoded(files: TokenFiles, split: str) -> list[str]:
@@ -489,8 +489,7 @@ def test_two_ranks_train_on_files_one_tokenizes_and_a_killed_run_resumes_bit_for
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1
 
     procs = start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     assert wait_ranks(
         start_cli_ranks(2, train_args(tmp_path, run), tmp_path, log_prefix="killed"), 300
     ) == [0, 0]

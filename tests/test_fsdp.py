@@ -20,12 +20,12 @@ from qgtrain.state import layout
 from tests.helpers import (
     assert_resumed_equals,
     checkpoint_state,
+    kill_once_saved,
     records,
     small_gpt2_run,
     tiny_gpt2,
-    wait_for,
 )
-from tests.ranks import ROOT, kill_ranks, run_ranks, start_cli_ranks, wait_ranks
+from tests.ranks import ROOT, run_ranks, start_cli_ranks, wait_ranks
 
 
 def run_cli(world: int, args: list[str], cwd: Path, prefix: str) -> None:
@@ -101,8 +101,7 @@ def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, a
     run = tmp_path / "killed"
     killed = small_gpt2_run(run, *sets, f"checkpoint.async_save={str(async_save).lower()}")
     procs = start_cli_ranks(2, killed, tmp_path, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     run_cli(2, killed, tmp_path, "killed")
     context = f"(seed {seed}: killed at step {kill_at})"
     assert_resumed_equals(tmp_path / "reference", run, context, max_steps=24)

@@ -19,8 +19,8 @@ from typing import Any
 from qgtrain.config import DataConfig
 from qgtrain.data import filestream
 from qgtrain.data.mix import Mixture, Source
-from tests.helpers import records, stream_settings, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import kill_once_saved, records, stream_settings
+from tests.ranks import start_cli_ranks, wait_ranks
 
 FIRST, THREE, ONE = 6, 8, 10  # the last step on 2 ranks (killed before it), then on 3, then on 1
 BATCH = 2
@@ -153,15 +153,7 @@ def test_a_streamed_mixture_killed_on_2_ranks_resumes_on_3_then_1_training_each_
     kill_at = random.Random(seed).randrange(3, FIRST)
     env = {"QGTRAIN_TEST_IDS": str(tmp_path / "ids-killed")}
     procs = start_cli_ranks(2, train(data, run, FIRST), tmp_path, env, "killed")
-    wait_for(
-        lambda: (
-            any(r["step"] >= kill_at for r in records(run)[-1:])
-            and (run / "checkpoints" / "step-2" / "manifest.json").exists()
-        ),
-        procs,
-        f"step {kill_at}",
-    )
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     context = f"(seed {seed}: killed at step {kill_at})"
     assert ranks(3, train(data, run, THREE), tmp_path, "three") == [0, 0, 0], (
         tmp_path / "three-0.out"

@@ -25,8 +25,8 @@ from qgtrain.ops.export.bundle import resolved
 from qgtrain.ops.export.pipeline import export_run
 from qgtrain.ops.export.rebuild import rebuild_task
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
-from tests.helpers import checkpoint_state, example, records, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import checkpoint_state, example, kill_once_saved, records
+from tests.ranks import start_cli_ranks, wait_ranks
 
 # jobs/molecules.yaml names the blocks: [GINBlock]
 MODES = {"ddp": [], "fsdp": ["train.parallel=fsdp"]}
@@ -63,8 +63,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoin
     procs = start_cli_ranks(
         2, example("molecules", run, *MODES[mode]), tmp_path, log_prefix="killed"
     )
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     train_to_the_end(run, mode, tmp_path, "resumed")
 
     context = f"({mode}, seed {seed}: killed at step {kill_at})"

@@ -25,8 +25,8 @@ import torch
 from qgtrain.config import DataConfig
 from qgtrain.data import filestream, heldout, shards
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import checkpoint_state, cli, records, stream_settings, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import checkpoint_state, cli, kill_once_saved, records, stream_settings
+from tests.ranks import start_cli_ranks, wait_ranks
 
 FIRST, ONE, THREE = 6, 10, 14  # the last step on 2 ranks, then on 1, then on 3
 BATCH = 2  # per rank: the 32 samples at step ONE do not divide by 3 ranks (no need to)
@@ -69,15 +69,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(3, FIRST)
     procs = start_cli_ranks(2, train(killed, data, FIRST), tmp, log_prefix="killed")
-    wait_for(
-        lambda: (
-            any(r["step"] >= kill_at for r in records(killed)[-1:])
-            and (killed / "checkpoints" / "step-2" / "manifest.json").exists()
-        ),
-        procs,
-        f"step {kill_at}",
-    )
-    kill_ranks(procs)
+    kill_once_saved(killed, procs, kill_at)
     assert ranks(2, train(killed, data, FIRST), tmp, "resumed") == [0, 0], (
         tmp / "resumed-0.out"
     ).read_text()[-3000:]

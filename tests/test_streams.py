@@ -20,8 +20,8 @@ import pytest
 import torch
 from pyarrow import parquet
 
-from tests.helpers import assert_resumed_equals, records, wait_for
-from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import assert_resumed_equals, kill_once_saved, records
+from tests.ranks import start_cli_ranks, wait_ranks
 
 MAX_STEPS = 16
 SETTINGS = [
@@ -79,8 +79,7 @@ def test_a_stream_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, uninterr
     assert epochs[-1] >= 2 and epochs[4:6] == [0, 1], "uneven parts: epoch 0 is rank 0's 5 steps"
     args = train(task, run)
     procs = start_cli_ranks(2, args, tmp_path, log_prefix="killed")
-    wait_for(lambda: any(r["step"] >= kill_at for r in records(run)[-1:]), procs, f"step {kill_at}")
-    kill_ranks(procs)
+    kill_once_saved(run, procs, kill_at)
     assert two_ranks(args, tmp_path, "resumed") == [0, 0], (tmp_path / "resumed-0.out").read_text()
     context = f"(seed {seed}: killed at step {kill_at})"
     assert_resumed_equals(reference, run, context)
