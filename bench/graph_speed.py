@@ -91,8 +91,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
         ROOT,
         args.world,
     )
-    for proc in procs:
-        proc.communicate()
+    procs.outputs()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return measure([r for r in records if "loss" in r], start, args.steps)
 
@@ -104,7 +103,7 @@ def run_handwritten(args: argparse.Namespace, cfg: RunConfig) -> dict[str, float
         args.world,
     )
     # every rank waited for; rank 0 prints the records
-    outs = [proc.communicate()[0] for proc in procs]
+    outs = procs.outputs()
     return measure(
         [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")],
         start,

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, NamedTuple
 
 from bench.common import torchrun_env
 from qgtrain.config.load import load_config
@@ -47,10 +48,32 @@ PRESETS = {
 VOCAB = 257
 
 
-def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, list[subprocess.Popen[str]]]:
+class Ranks(NamedTuple):
+    """The processes of one launch, and where each writes its standard error."""
+
+    procs: list[subprocess.Popen[str]]
+    errors: list[IO[str]]
+
+    def outputs(self) -> list[str]:
+        """Each rank's standard output once all have exited. A rank that failed ends the benchmark
+        with the end of its standard error: a reading without it would only say a file was
+        missing."""
+        outs = [proc.communicate()[0] for proc in self.procs]
+        for rank, (proc, errors) in enumerate(zip(self.procs, self.errors)):
+            errors.seek(0)
+            tail = errors.read()[-3000:]
+            errors.close()
+            if proc.returncode != 0:
+                command = " ".join(map(str, proc.args[:4]))
+                raise SystemExit(f"rank {rank} of {command} exited {proc.returncode}:\n{tail}")
+        return outs
+
+
+def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, Ranks]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    errors = [tempfile.TemporaryFile("w+") for _ in range(world)]
     start = time.time()
     procs = [
         subprocess.Popen(
@@ -58,12 +81,12 @@ def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, list[subproces
             cwd=cwd,
             text=True,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=errors[r],
             env={**os.environ, **torchrun_env(r, world, port)},
         )
         for r in range(world)
     ]
-    return start, procs
+    return start, Ranks(procs, errors)
 
 
 def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
@@ -123,8 +146,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
         work,
         args.world,
     )
-    for proc in procs:
-        proc.communicate()
+    procs.outputs()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return measure([r for r in records if "loss" in r], start, args.steps)
 
@@ -157,7 +179,7 @@ def run_handwritten(work: Path, args: argparse.Namespace, tokens: Path) -> dict[
         work,
         args.world,
     )
-    out = [proc.communicate()[0] for proc in procs][0]
+    out = procs.outputs()[0]
     return measure(
         [json.loads(line) for line in out.splitlines() if line.startswith("{")], start, args.steps
     )

@@ -177,3 +177,24 @@ def test_train_speeds_own_output_is_what_the_check_reads(tmp_path: Path) -> None
         "waiting for data",
     ], report.results
     assert re.fullmatch(r"ratio \d+\.\d{3}", report.results[0].figure), report.results[0]
+
+
+def test_a_failed_qgtrain_run_ends_the_speed_reading_with_its_own_error(tmp_path: Path) -> None:
+    done = procs.run(
+        [sys.executable, "-m", "bench.train_speed", "--preset", "tiny", "--world", "1"]
+        + ["--rounds", "1", "--steps", "20", "--set", "bogus.key=1"],
+        tmp_path / "speed.log",
+        timeout=300,
+    )
+    output = (tmp_path / "speed.log").read_text()
+    assert not done.ok and "metrics.jsonl" not in output, output[-2000:]
+    assert "-m qgtrain train exited 2" in output and "unknown section 'bogus'" in output, output
+
+
+def test_the_runs_keep_the_callers_python_path_behind_this_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/opt/wheels:/opt/more")
+    assert procs.search_path() == f"{procs.ROOT}:/opt/wheels:/opt/more"
+    monkeypatch.delenv("PYTHONPATH")
+    assert procs.search_path() == str(procs.ROOT)

@@ -87,9 +87,13 @@ def trained(
         )
 
 
-def on_gpus(report: Report, count: int, folder: Path, speed_rounds: int, only_speed: bool) -> None:
-    if only_speed:
+def on_gpus(report: Report, count: int, folder: Path, speed_rounds: int, only: str) -> None:
+    if only == "speed":
         checks.step_time(report, folder, speed_rounds)
+        return
+    if only == "resume":
+        checks.no_host_sync(report, runs.GPU, folder)
+        trained(report, 1, runs.GPU, "ddp", "bf16", folder / "w1", export=True)
         return
     checks.auto_precision(report)
     worlds = sorted({1, count})
@@ -148,7 +152,14 @@ def main() -> int:
         action="store_true",
         help="only the gpt2-124m readings (batch 16 and 64), for a short lease of a GPU",
     )
+    parser.add_argument(
+        "--only-resume",
+        action="store_true",
+        help="only one GPU's ddp bf16 runs (async, blocking, SIGKILLed and resumed), the host-sync "
+        "check and export, for a short lease of a GPU",
+    )
     args = parser.parse_args()
+    only = "speed" if args.only_speed else "resume" if args.only_resume else ""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -164,7 +175,7 @@ def main() -> int:
         (folder / f"w{world}").mkdir()
     try:
         if cuda:
-            on_gpus(report, count, folder, args.speed_rounds, args.only_speed)
+            on_gpus(report, count, folder, args.speed_rounds, only)
         else:
             dry_run(report, folder)
     finally:

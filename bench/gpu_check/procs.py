@@ -73,8 +73,14 @@ def start(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            env={**os.environ, "PYTHONPATH": search_path(), **(env or {})},
         )
+
+
+def search_path() -> str:
+    """This tree first, then the caller's PYTHONPATH: a machine may hold a dependency there (a
+    GPU image's packages beside wheels unpacked into a folder of their own)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
