@@ -56,6 +56,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_mix.py",
     "tests/test_stream_files.py",
     "tests/test_lm_shape.py",
+    "tests/test_readme_example.py",
 )
 
 

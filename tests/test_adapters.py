@@ -16,10 +16,12 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tests.doc_blocks import python_block
 from tests.helpers import checkpoint_state, cli, kill_once_saved, records
 from tests.ranks import ROOT, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
@@ -162,30 +164,31 @@ def test_fsdp_resumed_from_its_shards_trains_the_adapters_ddp_trains(runs):
     assert all(torch.equal(want[k], have[k]) for k in adapters)
 
 
-def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_path):
+def test_adapter_export_loads_with_peft_and_equals_the_merged_export(runs, tmp_path, monkeypatch):
     """The merged export, streamed from the base's safetensors, holds peft's merge_and_unload
-    weights and computes the adapter export's logits."""
+    weights and computes the adapter export's logits. Both folders are exported and loaded as the
+    fine-tuning page says (its base's path is this run's)."""
     import transformers
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    adapter, merged = tmp_path / "models" / "lora-adapter", tmp_path / "models" / "lora-merged"
     for out, extra in ((adapter, ()), (merged, ("--merge",))):
         done = cli("export", str(runs["ddp"]), "--out", str(out), *extra, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
         p.name for p in adapter.iterdir()
     }
+    loading = python_block("docs/fine-tuning.md", "PeftModel.from_pretrained(base")
+    monkeypatch.chdir(tmp_path)
+    pasted: dict[str, Any] = {}
+    exec(loading.replace("/shared/models/llama-3.2-1b-instruct", str(runs["base"])), pasted)
     tokens = torch.arange(32).unsqueeze(0) * 7 % 257
-    base = transformers.AutoModelForCausalLM.from_pretrained(runs["base"])
+    plain_base = transformers.AutoModelForCausalLM.from_pretrained(runs["base"])
     with torch.no_grad():
-        plain = base(input_ids=tokens).logits
-        peft = PeftModel.from_pretrained(base, adapter).eval()(input_ids=tokens).logits
-        full = (
-            transformers.AutoModelForCausalLM.from_pretrained(merged)
-            .eval()(input_ids=tokens)
-            .logits
-        )
+        plain = plain_base(input_ids=tokens).logits
+        peft = pasted["model"].eval()(input_ids=tokens).logits
+        full = pasted["merged"].eval()(input_ids=tokens).logits
     assert torch.allclose(peft, full, atol=1e-5)
     assert not torch.allclose(plain, full, atol=1e-3)
     expected = (

@@ -3,11 +3,14 @@ generated pages equal what docs/generate.py writes, README.md stays short and it
 resolve, and every code block a reader may copy works here or says what it needs.
 
 A code block says what it is (```yaml, ```bash, ```text, ...) and is checked by that: a yaml block
-loads as a qgtrain config overlay, a python block compiles, and in a bash, sh or console block each
-`qgtrain` command parses with the CLI's own parser (nothing is run); other languages are not
-checked. A block whose line directly above is `<!-- needs: slurm -->` (or gpu, or network; several
-separated by commas) is only checked to be well-formed (its yaml parses, its qgtrain commands
-parse), and only such a block may call Slurm's commands (slurm) or nvidia-smi (gpu).
+loads as a qgtrain config overlay, a python block runs (pasted into a file of a folder holding
+config.yaml), and in a bash, sh or console block each `qgtrain` command parses with the CLI's own
+parser (nothing is run); other languages are not checked. A python block whose example needs a run,
+an export or a base model says on the line above which test runs it with the page's text
+(`<!-- runs in: tests/test_export.py -->`), and that test must. A block whose line directly above is
+`<!-- needs: slurm -->` (or gpu, or network; several separated by commas) is only checked to be
+well-formed (its yaml parses, its python compiles, its qgtrain commands parse), and only such a
+block may call Slurm's commands (slurm) or nvidia-smi (gpu).
 
 Runs against: mkdocs in a subprocess (the venv's, from the dev extra), the config loader and the
 CLI's argparse parser in this process."""
@@ -35,21 +38,26 @@ from qgtrain.config import SECTIONS
 from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.interface.cli import _parser
+from tests.doc_blocks import (
+    DOCS,
+    FENCE,
+    GENERATED,
+    NEEDS_MARK,
+    README,
+    ROOT,
+    RUNS_MARK,
+    Block,
+    code_blocks,
+    pages,
+    run_by,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
-README = ROOT / "README.md"
 README_MAX_LINES = 250
-GENERATED = ("configuration.md", "cli.md")
 
 NEEDS = ("slurm", "gpu", "network")
-NEEDS_MARK = re.compile(r"\s*<!--\s*needs:\s*(?P<what>.*?)\s*-->\s*")
 SLURM_COMMANDS = {"sbatch", "srun", "squeue", "scontrol", "sacct", "salloc", "scancel", "sinfo"}
 GPU_COMMANDS = {"nvidia-smi"}
 SHELLS = {"bash", "sh", "console"}
-ALIASES = {"py": "python", "python3": "python", "yml": "yaml", "shell": "bash", "zsh": "bash"}
-
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 # what a shell line writes before a command's name: variables, and the words of loops and ifs
 PREFIX_WORDS = {"do", "then", "else", "elif", "time", "exec", "nohup", "env", "!", "{"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -61,77 +69,13 @@ PLACEHOLDER = re.compile(r"\$\{?\w+\}?")
 STANDS_IN = "1"
 
 
-@dataclasses.dataclass(frozen=True)
-class Block:
-    page: str  # relative to the repository root
-    line: int  # of the opening fence, from 1
-    language: str
-    text: str
-    needs: frozenset[str]
-    closed: bool
-
-    def where(self, offset: int = -1) -> str:
-        """The page and line of the block's opening fence, or of its line at `offset`."""
-        return f"{self.page}:{self.line + 1 + offset if offset >= 0 else self.line}"
-
-
-def pages() -> list[Path]:
-    """The Markdown a reader copies from: README.md and docs/, less the generated pages."""
-    written = [p for p in sorted(DOCS.glob("*.md")) if p.name not in GENERATED]
-    return [README, *written]
-
-
-def code_blocks(path: Path) -> list[Block]:
-    """The fenced code blocks of a Markdown page, with the language each says it is and what the
-    comment directly above it says it needs."""
-    lines = path.read_text().splitlines()
-    blocks, index = [], 0
-    while index < len(lines):
-        opening = FENCE.match(lines[index])
-        if not opening or "`" in opening["info"]:
-            index += 1
-            continue
-        end = next((j for j in range(index + 1, len(lines)) if _closes(lines[j], opening)), None)
-        body = lines[index + 1 : end]
-        indent = len(opening["indent"])
-        # a block in a list item or an admonition: its lines as the fence is indented
-        text = "\n".join(
-            line[indent:] if not line[:indent].strip() else line.lstrip() for line in body
-        )
-        mark = NEEDS_MARK.fullmatch(lines[index - 1]) if index else None
-        needs = frozenset(re.split(r"[\s,]+", mark["what"])) if mark else frozenset()
-        blocks.append(
-            Block(
-                page=str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name),
-                line=index + 1,
-                language=_language(opening["info"]),
-                text=text + "\n" if body else "",
-                needs=needs,
-                closed=end is not None,
-            )
-        )
-        index = len(lines) if end is None else end + 1
-    return blocks
-
-
-def _closes(line: str, opening: re.Match[str]) -> bool:
-    fence = opening["fence"]
-    stripped = line.strip()
-    return stripped.startswith(fence) and set(stripped) == {fence[0]}
-
-
-def _language(info: str) -> str:
-    """The language an opening fence names: ```python, ``` python title="x", ```{.python}."""
-    words = info.strip().lstrip("{").split()
-    word = words[0].lstrip(".").rstrip("}").lower() if words else ""
-    return ALIASES.get(word, word)
-
-
 BLOCKS = [block for page in pages() for block in code_blocks(page)]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.where() for block in BLOCKS])
-def test_a_code_block_runs_here_or_says_what_it_needs(block: Block, tmp_path: Path) -> None:
+def test_a_code_block_runs_here_or_says_what_it_needs(
+    block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not block.closed:
         pytest.fail(f"{block.where()}: the code block is never closed")
     if not block.language:
@@ -147,15 +91,38 @@ def test_a_code_block_runs_here_or_says_what_it_needs(block: Block, tmp_path: Pa
     if block.language == "yaml":
         _check_yaml(block, tmp_path)
     elif block.language == "python":
-        try:
-            compile(block.text, block.where(), "exec")
-        except SyntaxError as exc:
-            pytest.fail(
-                f"{block.where((exc.lineno or 1) - 1)}: the python block does not compile: "
-                f"{exc.msg}"
-            )
+        _check_python(block, tmp_path, monkeypatch)
     elif block.language in SHELLS and (problems := _shell_problems(block)):
         pytest.fail("\n".join(problems))
+
+
+def _check_python(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A python block compiles; one that needs nothing this machine lacks then runs as pasted
+    into a file of a folder holding config.yaml (this process: torch and qgtrain are imported
+    already), or in the test its mark names, which must run it by the page's own text."""
+    try:
+        code = compile(block.text, block.where(), "exec")
+    except SyntaxError as exc:
+        pytest.fail(
+            f"{block.where((exc.lineno or 1) - 1)}: the python block does not compile: {exc.msg}"
+        )
+    if block.needs:
+        return
+    if block.runs_in:
+        test = ROOT / block.runs_in
+        runs = (
+            [snippet for page, snippet in run_by(test) if page == block.page]
+            if test.is_file()
+            else []
+        )
+        assert any(snippet in block.text for snippet in runs), (
+            f"{block.where()}: <!-- runs in: {block.runs_in} --> but that file runs no python "
+            f"block of {block.page} holding this one's text (python_block({block.page!r}, ...))"
+        )
+        return
+    (tmp_path / "config.yaml").write_bytes((ROOT / "config.yaml").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    exec(code, {"__name__": "__main__", "__file__": str(tmp_path / "pasted.py")})
 
 
 def _check_yaml(block: Block, tmp_path: Path) -> None:
@@ -360,16 +327,17 @@ def test_blocks_are_found_with_their_language_line_and_needs(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("page", pages(), ids=[str(p.relative_to(ROOT)) for p in pages()])
-def test_a_needs_mark_sits_directly_above_a_code_block(page: Path) -> None:
+def test_a_mark_sits_directly_above_a_code_block(page: Path) -> None:
     lines = page.read_text().splitlines()
     stray = [
         f"{page.relative_to(ROOT)}:{number}"
         for number, line in enumerate(lines, 1)
-        if NEEDS_MARK.fullmatch(line) and (number == len(lines) or not FENCE.match(lines[number]))
+        if (NEEDS_MARK.fullmatch(line) or RUNS_MARK.fullmatch(line))
+        and (number == len(lines) or not FENCE.match(lines[number]))
     ]
     assert not stray, (
-        f"<!-- needs: ... --> marks the code block whose opening fence is on the very next line "
-        f"(no blank line between); these mark none: {', '.join(stray)}"
+        f"<!-- needs: ... --> and <!-- runs in: ... --> mark the code block whose opening fence "
+        f"is on the very next line (no blank line between); these mark none: {', '.join(stray)}"
     )
 
 
@@ -498,3 +466,14 @@ def _anchors(page: Path) -> set[str]:
         extensions=["toc", "attr_list", "tables", "md_in_html", "admonition"],
     )
     return set(re.findall(r'\bid="([^"]+)"', html))
+
+
+def test_a_block_said_to_run_in_a_test_must_be_run_by_it(tmp_path, monkeypatch) -> None:
+    pasted = 'from transformers import pipeline\npipeline("text-generation", model="m")\n'
+    runs = dataclasses.replace(_block(pasted, "python"), page="docs/export.md")
+    _check_python(dataclasses.replace(runs, runs_in="tests/test_export.py"), tmp_path, monkeypatch)
+    for runner in ("tests/test_docs.py", "tests/no_such_test.py"):
+        with pytest.raises(AssertionError, match=f"runs in: {runner} --> but that file runs no"):
+            _check_python(dataclasses.replace(runs, runs_in=runner), tmp_path, monkeypatch)
+    with pytest.raises(NameError):  # an unmarked block runs, here
+        _check_python(_block("undefined_name\n", "python"), tmp_path, monkeypatch)

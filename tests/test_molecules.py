@@ -13,6 +13,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from qgtrain.foundation.errors import CheckpointError
 from qgtrain.ops.export.bundle import resolved
 from qgtrain.ops.export.pipeline import export_run
 from qgtrain.ops.export.rebuild import rebuild_task
+from tests.doc_blocks import python_block
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
 from tests.helpers import checkpoint_state, example, kill_once_saved, records
 from tests.ranks import start_cli_ranks, wait_ranks
@@ -92,16 +94,21 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_past_several_checkpoin
 
 @pytest.mark.slow
 def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_test_metrics(
-    references, tmp_path
+    references, tmp_path, monkeypatch
 ):
+    loading = python_block("docs/export.md", 'load_model("models/molecules"')
     for mode, run in references.items():
-        out = tmp_path / mode
+        out = tmp_path / mode / "models" / "molecules"
         assert export_run(run, out).kind == "state_dict"
         assert {"model.safetensors", "qgtrain_model.json", "README.md"} <= {
             p.name for p in out.iterdir()
         }
         meta = json.loads((out / "qgtrain_model.json").read_text())
-        model = qgtrain.load_model(out, trust_code=True)  # the task of jobs/examples, read
+        monkeypatch.chdir(tmp_path / mode)  # the export page's lines, as a user pastes them
+        pasted: dict[str, object] = {}
+        exec(loading, pasted)
+        model: Any = pasted["model"]  # the task of jobs/examples, read
+        assert not model.training
         assert (
             type(model).__name__ == "MoleculeModel"
             and meta["run"]["ranks"] == 2
@@ -124,7 +131,7 @@ def test_the_exported_model_comes_back_with_load_model_and_gives_the_reported_te
         )
 
     other = tmp_path / "other"
-    shutil.copytree(tmp_path / "ddp", other)
+    shutil.copytree(tmp_path / "ddp" / "models" / "molecules", other)
     save_file(torch.nn.Linear(4, 2).state_dict(), other / "model.safetensors")
     with pytest.raises(CheckpointError) as refused:
         qgtrain.load_model(other, trust_code=True)
