@@ -203,7 +203,9 @@ def _trainer(
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     run = RunDir(claim.path)
     run_files = layout.run_files(run.config.read_bytes(), task.model, task.facts)
-    checkpointer = Checkpointer.for_run(run, claim.run_id, env, cfg, run_files, pin)
+    checkpointer = Checkpointer.for_run(
+        run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards
+    )
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = strategy.wrap(task.model, cfg.model.compile, resolved)
     loaders = loaders_for(task, cfg, env, device)

@@ -151,6 +151,7 @@ ONE_CONCERN = {
     "state.rundir": "a run directory's layout, creation and who may write it: one map, one place",
     "interface.cli": "the whole command line, one parser read top to bottom",
     "launch.stages": "a chain of jobs: planned, written, handed on and described in one place",
+    "state.checkpointer": "a save and a restore, every rank on one collective path, end to end",
 }
 
 

@@ -2,14 +2,14 @@
 directly, at any world size, including 1, where qgtrain itself wraps nothing (training/strategy.py).
 
 Each layout takes three steps of two micro-batches through qgtrain's own pieces (gradients.
-accumulate_gradients, update.clip_gradients and apply_update) and is held against a plain model
-stepped the same way on the whole global batch: the loss, the first step's gradients and the weights
-after. The reference runs first and is kept on the host, so the rank's GPU memory after a step is
-the layout's alone (memory.py says what it should be). fp32 without TF32, and AdamW with eps 1e-3 so
-that a gradient that differs in its last bits moves a weight by about as much, not by a whole
-learning rate (Adam's update is g / (|g| + eps)). The agreement (training/agreement.py) carries a
-stop flag raised on the last rank at step 2 to every rank through its pinned HostCopy, and one NCCL
-all-reduce is checked by value.
+accumulate_gradients, the strategy's clip_gradients and apply_update) and is held against a plain
+model stepped the same way on the whole global batch: the loss, the first step's gradients and the
+weights after. The reference runs first and is kept on the host, so the rank's GPU memory after a
+step is the layout's alone (memory.py says what it should be). fp32 without TF32, and AdamW with
+eps 1e-3 so that a gradient that differs in its last bits moves a weight by about as much, not by a
+whole learning rate (Adam's update is g / (|g| + eps)). The agreement (training/agreement.py)
+carries a stop flag raised on the last rank at step 2 to every rank through its pinned
+FlagsOnHost, and one NCCL all-reduce is checked by value.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from qgtrain.training import sharding
 from qgtrain.training.agreement import Agreement, Flags
 from qgtrain.training.gradients import accumulate_gradients
 from qgtrain.training.strategy import KINDS
-from qgtrain.training.update import adamw, apply_update, clip_gradients
+from qgtrain.training.update import adamw, apply_update
 
 STEPS, ACCUM, BATCH, VOCAB = 3, 2, 4, 257
 OPTIM = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.1)
@@ -154,7 +154,7 @@ def stepped(
         )
         if step == 1:
             grads = {n: full(p.grad) for n, p in inner.named_parameters() if p.grad is not None}
-        clip_gradients(inner, OPTIM.grad_clip, device)
+        strategy.clip_gradients(inner, OPTIM.grad_clip)
         apply_update(optimizer, scaler, skip)
         after_step = torch.cuda.memory_allocated(device) - baseline if cuda else 0
         optimizer.zero_grad(set_to_none=True)

@@ -52,14 +52,17 @@ class Checkpointer:
         run_files: dict[str, bytes] | None = None,
         timeout_s: float = 300.0,
         pin: Pinned | None = None,
+        saves_shards: bool = False,
     ) -> None:
         """`cfg`, its own section of the config: how many kept, written in the background or not,
         and when a save is due (due, due_by_clock). `run_files` (the resolved config, the model's
         own config) go into every checkpoint as they are. `timeout_s` bounds each of the saver's
         collectives, as train.collective_timeout_s bounds training's: without it gloo waits half an
         hour, and a rank cut off in the middle of a save would outlive the others by that much.
-        `pin`: the run folder checked at start, which each save first checks is still there."""
+        `pin`: the run folder checked at start, which each save first checks is still there.
+        `saves_shards`: the strategy's route: every rank's shards by DCP, else rank 0's files."""
         self.root, self.run_id, self.env, self.pin = root, run_id, env, pin
+        self.saves_shards = saves_shards
         self.run_files = run_files or {}
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
         self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
@@ -68,7 +71,7 @@ class Checkpointer:
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: QgtrainError | None = None
-        self._snapshot = HostCopy(timeout_s)
+        self._host_copy = HostCopy(timeout_s)
         if env.is_main:
             for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
@@ -82,10 +85,11 @@ class Checkpointer:
         cfg: RunConfig,
         files: dict[str, bytes],
         pin: Pinned,
+        saves_shards: bool,
     ) -> Checkpointer:
         """The run's checkpointer from its own sections; `files` (layout.run_files) go in each."""
-        timeout_s = cfg.train.collective_timeout_s
-        return cls(run.checkpoints, run_id, env, cfg.checkpoint, files, timeout_s, pin)
+        timeout = cfg.train.collective_timeout_s
+        return cls(run.checkpoints, run_id, env, cfg.checkpoint, files, timeout, pin, saves_shards)
 
     def due(self, step: int) -> bool:
         """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every
@@ -106,7 +110,7 @@ class Checkpointer:
         buffers in the background (host_copy.py), so the first save does not stall on it."""
         self._saved_at = time.monotonic()
         if self.async_save:
-            self._snapshot.prepare(saved_layouts(model, optimizer, copies_here))
+            self._host_copy.prepare(saved_layouts(model, optimizer, copies_here))
 
     def save(
         self,
@@ -136,7 +140,7 @@ class Checkpointer:
             if shards is not None:
                 files[sharded.FOLDER] = shards
             if self.async_save and not blocking:
-                self._background(self._write_and_settle, step, self._snapshot.copy(files), meta)
+                self._background(self._write_and_settle, step, self._host_copy.copy(files), meta)
             else:
                 ckpt, names = self._write(step, files, meta)
                 if blocking:
@@ -158,17 +162,17 @@ class Checkpointer:
         """`save` of a table of named parts, each where layout.PLACES puts it (named.py)."""
         self.save(
             step,
-            lambda: named.replicated_files(parts),
+            lambda: named.replicated_files(parts, self.saves_shards),
             named.rank_entries(parts),
             meta,
             blocking=blocking,
-            shards=named.shards(parts),
+            shards=named.shards(parts) if self.saves_shards else None,
             again=again,
         )
 
     def restore(self, ckpt: checkpoint.Checkpoint, parts: named.Parts) -> None:
         """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py)."""
-        named.load(ckpt, parts, self.env.rank)
+        named.load(ckpt, parts, self.env.rank, self.saves_shards)
         self.last_step = ckpt.step
 
     @property

@@ -32,12 +32,12 @@ from .stateful import ModelState, OptimizerState, Stateful, loading
 Parts = Mapping[str, Stateful]
 
 
-def replicated_files(parts: Parts) -> dict[str, Any]:
-    """What rank 0 writes: every part that is not a rank's own nor, under fsdp, a shard."""
+def replicated_files(parts: Parts, by_shards: bool) -> dict[str, Any]:
+    """What rank 0 writes: every part that is not a rank's own nor, saved `by_shards`, a shard."""
     files: dict[str, Any] = {}
     for name, part in parts.items():
         place = place_of(name)
-        if not place.per_rank and not (_by_shards(parts) and place.file in REPLACED_BY_SHARDS):
+        if not place.per_rank and not (by_shards and place.file in REPLACED_BY_SHARDS):
             _put(files, place, part.state_dict())
     return {
         name: json.dumps(entries, indent=1).encode() if name.endswith(".json") else entries
@@ -54,10 +54,8 @@ def rank_entries(parts: Parts) -> dict[str, Any]:
     return files.get(layout.RANK_FILE, {})
 
 
-def shards(parts: Parts) -> dict[str, Any] | None:
-    """What every rank writes into sharded/ under fsdp (None: not sharded)."""
-    if not _by_shards(parts):
-        return None
+def shards(parts: Parts) -> dict[str, Any]:
+    """What every rank writes into sharded/ where the parts are saved by shards (fsdp, hsdp)."""
     found = {
         place_of(name).sharded: part.state_dict()
         for name, part in parts.items()
@@ -66,9 +64,10 @@ def shards(parts: Parts) -> dict[str, Any] | None:
     return {key: state for key, state in found.items() if key is not None and state}
 
 
-def load(ckpt: Checkpoint, parts: Parts, rank: int) -> None:
-    """Give every part its state from `ckpt`, in the order registered (collectives under fsdp)."""
-    by_dcp = sharded.is_sharded_checkpoint(ckpt) or _by_shards(parts)
+def load(ckpt: Checkpoint, parts: Parts, rank: int, by_shards: bool) -> None:
+    """Give every part its state from `ckpt`, in the order registered (collectives where the parts
+    are held `by_shards`, or the checkpoint was saved so)."""
+    by_dcp = sharded.is_sharded_checkpoint(ckpt) or by_shards
     read: dict[str, Any] = {}
     with loading(ckpt):
         for name, part in parts.items():
@@ -111,11 +110,6 @@ def _read(ckpt: Checkpoint, file: str, read: dict[str, Any]) -> Any:
         else:
             read[file] = load_file(ckpt, file)
     return read[file]
-
-
-def _by_shards(parts: Parts) -> bool:
-    model = parts.get("model")
-    return isinstance(model, ModelState) and model.by_shards
 
 
 def _load_by_dcp(ckpt: Checkpoint, name: str, part: Stateful, parts: Parts) -> None:

@@ -73,8 +73,6 @@ class ModelState:
     """ "model": the unwrapped model's weights (an adapted model's trainable ones only: its base
     comes from where it was built); a sharded model's are ShardedModelState's."""
 
-    by_shards = False  # the route: rank 0's model.pt, or every rank's shards by DCP (named.py)
-
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
@@ -108,8 +106,6 @@ class OptimizerState:
 
 class ShardedModelState(ModelState):
     """ "model" of a sharded model (training/strategy.py chooses it): this rank's shards."""
-
-    by_shards = True
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

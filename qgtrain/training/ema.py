@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..state import ema_files
-from ..state.sharded import shard_of
 from ..state.stateful import source, source_step
 from .strategy import Strategy
 
@@ -38,7 +37,7 @@ class Ema:
         self._params = [p for _, p in trained]
         with torch.no_grad():
             self.averages = {name: p.detach().to(torch.float32, copy=True) for name, p in trained}
-        device = _local(self._params[0]).device if trained else torch.device("cpu")
+        device = self.strategy.local(self._params[0]).device if trained else torch.device("cpu")
         self._moves = torch.tensor(1.0 - decay, device=device)  # the weight of an applied step
         self._stays = torch.zeros((), device=device)  # of a skipped one
 
@@ -48,10 +47,12 @@ class Ema:
         if not self._params:
             return
         weight = torch.where(skipped, self._stays, self._moves)
-        averages = [_local(a) for a in self.averages.values()]
+        averages = [self.strategy.local(a) for a in self.averages.values()]
         # the parameters' local tensors are looked up each time: FSDP may replace them (lazy init)
         torch._foreach_lerp_(
-            averages, [_local(p).float() for p in self._params], [weight] * len(averages)
+            averages,
+            [self.strategy.local(p).float() for p in self._params],
+            [weight] * len(averages),
         )
 
     @contextlib.contextmanager
@@ -71,7 +72,7 @@ class Ema:
         self.strategy.release_gathered(self.model)
         kept: list[torch.Tensor | None] = []
         for param, average in zip(self._params, self.averages.values()):
-            weights, held = _local(param), _local(average)
+            weights, held = self.strategy.local(param), self.strategy.local(average)
             own = weights.clone()
             weights.copy_(held)
             same = own.dtype == held.dtype
@@ -84,7 +85,7 @@ class Ema:
     def _swap_out(self, kept: list[torch.Tensor | None]) -> None:
         self.strategy.release_gathered(self.model)
         for param, average, own in zip(self._params, self.averages.values(), kept):
-            weights, held = _local(param), _local(average)
+            weights, held = self.strategy.local(param), self.strategy.local(average)
             if own is None:
                 own = weights.clone()
                 weights.copy_(held)
@@ -119,9 +120,4 @@ class Ema:
         )
         with torch.no_grad():
             for param, average in zip(self._params, self.averages.values()):
-                _local(average).copy_(_local(param))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    shard = shard_of(tensor)
-    return shard.to_local() if shard is not None else tensor
+                self.strategy.local(average).copy_(self.strategy.local(param))

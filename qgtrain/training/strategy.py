@@ -105,6 +105,11 @@ class Strategy:
         """Drop full parameters gathered by a forward, so the next one gathers what is there now
         (the EMA swaps its average in and out)."""
 
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What of a parameter (or a tensor laid out like one: the EMA's average) this rank
+        holds, as a plain tensor."""
+        return tensor
+
     def model_state(self, model: nn.Module) -> Stateful:
         return ModelState(model)
 
@@ -225,6 +230,15 @@ class Shards(Strategy):
     def agree_before_evaluation(self, model: nn.Module, wrapped: nn.Module) -> None:
         replicas.take_main_values(list(model.buffers()))
 
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Each rank's gradients are its shards': their norm is reduced over the ranks (a partial
+        DTensor's full_tensor) before any rank clips."""
+        return clip_gradients(model, max_norm, self.device, whole=_whole)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        shard = shard_of(tensor)
+        return shard.to_local() if shard is not None else tensor
+
     def release_gathered(self, model: nn.Module) -> None:
         """FSDP keeps the root's parameters after a forward without backward."""
         fsdp = sys.modules["torch.distributed.fsdp"]
@@ -259,6 +273,11 @@ class GroupShards(Shards):
         if first is not None and first.device_mesh.ndim == 2:
             cast(Any, wrapped).set_requires_all_reduce(not defer)
         return contextlib.nullcontext()
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    shard = shard_of(norm)
+    return shard.full_tensor() if shard is not None else norm
 
 
 KINDS: dict[str, type[Strategy]] = {"ddp": Replicas, "fsdp": Shards, "hsdp": GroupShards}

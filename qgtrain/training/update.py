@@ -4,12 +4,12 @@ the optimizer (optimizers.py builds it, from config/optim.py's section)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..config import OptimConfig
-from ..state.sharded import shard_of
 from .optimizers import builtin
 
 
@@ -18,22 +18,25 @@ def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.o
     return builtin("adamw")(model, dataclasses.replace(optim, name="adamw", args={}), device)
 
 
-def clip_gradients(model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
+def clip_gradients(
+    model: nn.Module,
+    max_norm: float,
+    device: torch.device,
+    whole: Callable[[torch.Tensor], torch.Tensor] = lambda norm: norm,
+) -> torch.Tensor:
     """Clip to max_norm (0 = never) and return the norm before clipping, as a tensor on `device` (no
     host sync). At 0 the gradients are left alone: clipping to infinity would still multiply every
     one by 1.0.
 
-    Sharded (FSDP) gradients give each rank the norm of its shards: the global norm is reduced over
-    the ranks before clipping, so every rank clips by the same factor as an unsharded run would. A
-    model without gradients has norm 0 on the rank's device, where the report stacks it with the
-    loss (torch's get_total_norm of no tensors is a CPU tensor).
+    `whole` turns the norm of this rank's gradients into the model's: a strategy whose ranks hold
+    shards reduces it over them (strategy.py), so every rank clips by the factor an unsharded run
+    would. A model without gradients has norm 0 on the rank's device, where the report stacks it
+    with the loss (torch's get_total_norm of no tensors is a CPU tensor).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros((), device=device)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if (sharded := shard_of(norm)) is not None:
-        norm = sharded.full_tensor()
+    norm = whole(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -50,7 +53,7 @@ def apply_update(
     gives it: a non-zero value skips the update in the kernel and takes back the step count
     (torch/optim/adam.py _fused_adam, torch/amp/grad_scaler.py GradScaler.step). Any other
     optimizer reads the flag (a host sync, free on a CPU). fp16 leaves non-finite steps to its
-    GradScaler, as before.
+    GradScaler.
 
     Returns the device flag of an update not taken: `skip`, or under fp16 what the scaler found
     (read before its update forgets it), for what must follow applied updates only (ema.py).
