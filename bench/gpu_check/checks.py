@@ -65,7 +65,7 @@ def judge_probe(report: Report, seen: list[dict[str, Any]], device: str) -> None
     if device == "cuda":
         report.check(
             all(f["agreement"]["host_copy_pinned"] for f in seen),
-            f"{at}: agreement's HostCopy pinned",
+            f"{at}: agreement's FlagsOnHost pinned",
         )
     for layout in [name for name in ("ddp", "fsdp", "hsdp") if name in seen[0]]:
         judge_layout(report, seen, layout, device)

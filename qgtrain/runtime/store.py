@@ -5,10 +5,11 @@ other networks (a login network, a public address) reach a store that takes any 
 TCPStore can instead take over a socket bound by its caller (master_listen_fd), so rank 0 binds
 MASTER_ADDR's address and port and hands the socket over. Where that address is not this host's
 (a master behind NAT), names several addresses, or is a loopback address other nodes cannot
-reach, rank 0 listens everywhere as before and says why: a job must still start. The other ranks
-are clients either way. Every rank builds its store itself, as torch's tcp:// rendezvous would
-(torch/distributed/rendezvous.py _create_c10d_store), so the ranks can exchange what must be known
-before the process group exists (which GPU each drives) and hand the store to init_process_group.
+reach, rank 0 listens on every address, as TCPStore does by itself, and says why: a job must still
+start. The other ranks are clients either way. Every rank builds its store itself, as torch's tcp://
+rendezvous would (torch/distributed/rendezvous.py _create_c10d_store), so the ranks can exchange
+what must be known before the process group exists (which GPU each drives) and hand the store to
+init_process_group.
 """
 
 from __future__ import annotations

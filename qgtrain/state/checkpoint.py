@@ -31,7 +31,7 @@ from typing import Any
 from ..foundation.errors import CheckpointError, first_line
 from . import layout
 from . import manifest_files as listed
-from .layout import MANIFEST as MANIFEST  # where tests and older callers import it from
+from .layout import MANIFEST as MANIFEST  # the manifest is this module's; its name, layout's
 from .layout import SHARDED_METADATA
 
 FORMAT = "qgtrain-checkpoint-1"

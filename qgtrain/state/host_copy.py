@@ -5,7 +5,7 @@ Pinning host memory for a large model takes seconds to tens of seconds (page-loc
 Done by the first save, on the main thread, the deadline planner counts it as a checkpoint stall. So
 at start, once the model and optimizer exist, a background thread allocates and pins a buffer for
 every tensor a save will copy from the GPU (`prepare`); the first save takes them (waiting only for
-what is not done yet), and later saves reuse them as before. The optimizer's state does not exist
+what is not done yet), and later saves reuse them. The optimizer's state does not exist
 before its first step: for Adam and AdamW it is predicted as torch makes it (optim/adam.py:
 Adam._init_group: exp_avg and exp_avg_sq like the parameter, `step` on the parameter's device when
 fused or capturable). On a CPU nothing is pinned, so nothing is prepared.
@@ -36,7 +36,7 @@ def pin(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def is_pinned_copy(tensor: torch.Tensor) -> bool:
-    """Whether a snapshot copies `tensor` into pinned memory: only what lies on a GPU."""
+    """Whether a host copy copies `tensor` into pinned memory: only what lies on a GPU."""
     return tensor.is_cuda
 
 
@@ -107,7 +107,7 @@ class HostCopy:
     previous save has finished (Checkpointer.save waits for it first). Tensors sharing storage (tied
     embeddings) stay shared. A shard (DTensor) is rebuilt around its host copy on a CPU twin of its
     mesh: DTensor.from_local moves the local tensor to its mesh's device, so on the GPU mesh the
-    "snapshot" would be a second copy of the shards in GPU memory. The price: one host copy of the
+    "host copy" would be a second copy of the shards in GPU memory. The price: one host copy of the
     state held for the whole run.
     """
 
@@ -145,12 +145,12 @@ class HostCopy:
             self._preparing.join()  # the first save waits only for what is left
             self._preparing = None
         shared: dict[tuple[Any, ...], torch.Tensor] = {}
-        snapshot = self._copy(obj, (), shared)
+        copied = self._copy(obj, (), shared)
         self._prepared.clear()  # a predicted buffer no save used is not kept
         for device in {key[0] for key in shared if key[0].type == "cuda"}:  # the rank's own GPU
             # the non-blocking copies must land before the writer reads them
             torch.cuda.synchronize(device)
-        return snapshot
+        return copied
 
     def _copy(
         self, obj: Any, path: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]

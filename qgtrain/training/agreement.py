@@ -58,7 +58,7 @@ class Agreement:
         # what is known before any agreement
         nothing = torch.zeros(AGREED, dtype=torch.int32, device=device)
         self._in_flight = self._started = lambda: nothing
-        self._landing = HostCopy(AGREED + 1, device)
+        self._landing = FlagsOnHost(AGREED + 1, device)
         self._held = Flags()
 
     def start(self, host: Flags, bad_loss: torch.Tensor) -> None:
@@ -105,7 +105,7 @@ def _flags(values: list[int], as_of: int) -> Flags:
     return Flags(**dict(zip(FLAG_NAMES, map(bool, values))), as_of=as_of)
 
 
-class HostCopy:
+class FlagsOnHost:
     """A small int32 device tensor's values on the host one swap later: copied without blocking into
     pinned memory on a GPU (a copy from device to pageable memory would wait for the GPU), and
     waited for at the next swap, by which time a step has run and the copy with it. On a CPU it is a

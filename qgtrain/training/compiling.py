@@ -6,7 +6,8 @@ Per block (regional compilation, as torchtitan's apply_compile does per Transfor
 blocks share one code object, so dynamo compiles one block and reuses it for the others, and a
 large model compiles in seconds rather than minutes; the step keeps most of the whole-model speed.
 Compiling in place (`Module.compile`, which sets `_compiled_call_impl`) leaves the module and its
-state-dict keys as they are, and DDP wraps it as before (dynamo sees the DDP forward around it).
+state-dict keys as they are, and DDP wraps it as it wraps any module (dynamo sees the DDP forward
+around it).
 Under fsdp and hsdp each block is compiled before it is sharded, as torchtitan applies compile
 before fully_shard: FSDP2's hooks run outside the compiled graphs (its _dynamo_disable, "skipping
 FSDP hooks", torch/distributed/fsdp/_fully_shard/_fsdp_common.py), which hold the block's forward.

@@ -6,7 +6,7 @@ state, say) is an object with state_dict()/load_state_dict() registered here und
 place in PLACES; neither the loop nor the format changes. The order is the order of loading: the
 progress and the facts of the save first, since the data position and the random streams are
 judged by the world size they were saved with, and the horizon by the step. It is also the order
-of entries in a file that parts share (rank-<N>.pt: the streams, then the position), as before.
+of entries in a file that parts share (rank-<N>.pt: the random streams, then the position).
 """
 
 from __future__ import annotations
