@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +118,48 @@ def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "state.json").read_text())
     assert (
         state["trainer"]["outcome"] == "stopped early" and state["trainer"]["evals_since_best"] == 2
+    )
+
+
+def validate_from_diverged_states() -> dict[str, Any]:
+    """One rank's validation where the ranks' early-stopping counts differ: rank 1, deciding for
+    itself, would stop (5 validations without improvement, patience 2); rank 0 would not (0)."""
+    from qgtrain.config import EarlyStoppingConfig
+    from qgtrain.data.loaders import Loaders
+    from qgtrain.state.train_state import TrainState
+    from qgtrain.training.timing import StepTimer
+    from qgtrain.training.validation import Validator
+
+    env = from_environ(os.environ)
+    cpu = torch.device("cpu")
+    with process_group(env, cpu, 60, 60):
+        model = torch.nn.Linear(2, 2)
+        validator = Validator(
+            model,
+            model,
+            strategy_for(TrainConfig(), env, cpu),
+            None,  # type: ignore[arg-type]  # no split is evaluated: only the decision is made
+            Loaders(None, None, None, None),  # type: ignore[arg-type]
+            EarlyStoppingConfig(metric="val_loss", patience=2),
+            0,
+            "fp32",
+            env,
+            cpu,
+            StepTimer(0),
+        )
+        state = TrainState(step=4, best_metric=1.5, evals_since_best=0)
+        if env.rank == 1:
+            state.best_metric, state.evals_since_best = 0.5, 5
+        stop = validator.validate(state)
+        return {"stop": stop, "best": state.best_metric, "since": state.evals_since_best}
+
+
+def test_the_early_stopping_decision_is_rank_0s_on_every_rank():
+    """Every rank takes rank 0's decision and count, whatever its own state would say: a rank that
+    decided for itself here would stop alone and leave the other waiting in its next collective."""
+    assert (
+        run_ranks(2, validate_from_diverged_states)
+        == [{"stop": False, "best": 1.5, "since": 1}] * 2
     )
 
 

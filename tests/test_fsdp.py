@@ -317,6 +317,16 @@ def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
 
         def loss(m: Any, ids: torch.Tensor) -> torch.Tensor:
             seen.setdefault("held", []).append(unsharded_held(m))
+            # the reduce-scatter's output FSDP2 keeps back while the all-reduce across replicas
+            # waits (FSDPParamGroup._partial_reduce_output): this rank's own gradient, unreduced
+            waiting = [
+                group._partial_reduce_output.sum()
+                for unit in m.modules()
+                if isinstance(unit, FSDPModule)
+                and (group := unit._get_fsdp_state()._fsdp_param_group) is not None
+                and group._partial_reduce_output is not None
+            ]
+            seen.setdefault("waiting", []).append(float(sum(waiting)) if waiting else None)
             return m(input_ids=ids, labels=ids).loss
 
         torch.manual_seed(1 + env.rank)  # each rank its own data: unreduced gradients would differ
@@ -333,10 +343,17 @@ def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
 def test_accumulation_holds_no_unsharded_gradient_between_micro_batches(layout):
     """fsdp reduce-scatters every micro-batch and hsdp postpones only the all-reduce across replicas
     (here 2 replicas of 1 rank), so between micro-batches no unit keeps a full-size gradient (4
-    bytes x every parameter on every GPU otherwise); the step's gradient is still reduced over both
-    ranks in the end."""
+    bytes x every parameter on every GPU otherwise), and under hsdp each replica still holds its own
+    gradient then (the ranks' data differ); the step's gradient is reduced over both ranks in the
+    end."""
     ranks = run_ranks(2, gradients_between_micro_batches, layout)
     for seen in ranks:
         assert seen["held"] == [0, 0]
     for first, second in zip(ranks[0]["grads"], ranks[1]["grads"]):
         assert torch.equal(first, second)
+    waiting = [seen["waiting"] for seen in ranks]
+    if layout == "fsdp":  # every micro-batch reduced at once: nothing kept back
+        assert waiting == [[None, None]] * 2
+    else:  # after the first micro-batch each replica holds its own gradient (their data differ)
+        assert waiting[0][0] is None and waiting[1][0] is None
+        assert None not in (waiting[0][1], waiting[1][1]) and waiting[0][1] != waiting[1][1]

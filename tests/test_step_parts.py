@@ -4,8 +4,10 @@ in. Runs against: real modules and optimizers (and a real FSDP2 unit on a one-ra
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.helpers import tiny_gpt2
 from tests.ranks import run_ranks
@@ -45,14 +47,18 @@ def autocast_while_computing_loss() -> dict[str, bool]:
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.training.gradients import accumulate_gradients
     from qgtrain.training.sharding import find_blocks, shard
-    from qgtrain.training.strategy import Shards, Strategy
+    from qgtrain.training.strategy import Replicas, Shards
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     seen = {}
     with process_group(env, cpu, 60, 60):
         for layout in ("replicated", "sharded"):
-            model, strategy = tiny_gpt2(), Strategy(TrainConfig(), env, cpu)
-            if layout == "sharded":
+            if layout == "replicated":  # DDP around the model, as ddp trains it
+                strategy: Any = Replicas(TrainConfig(parallel="ddp"), env, cpu)
+                model = strategy.wrap(tiny_gpt2(), False, "bf16")
+                assert isinstance(model, DistributedDataParallel)
+            else:
+                model = tiny_gpt2()
                 model = shard(model, find_blocks(model, []), "bf16", cpu)
                 strategy = Shards(TrainConfig(parallel="fsdp"), env, cpu)
 
@@ -68,7 +74,7 @@ def autocast_while_computing_loss() -> dict[str, bool]:
 
 def test_bf16_autocasts_a_replicated_model_and_leaves_a_sharded_one_to_fsdps_policy():
     """FSDP2's MixedPrecisionPolicy already computes in bf16; autocast on top would cast every
-    weight again."""
+    weight again. Each model is wrapped by its strategy (DDP, FSDP2) on a one-rank group."""
     assert run_ranks(1, autocast_while_computing_loss) == [{"replicated": True, "sharded": False}]
 
 
