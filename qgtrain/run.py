@@ -39,6 +39,7 @@ from .state.train_state import Outcome
 from .tasks import warm_imports
 from .tasks.build import TaskSource, build_task, naming_the_task
 from .training import trackers
+from .training.assembly import assemble
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import LoopParts, Settings
@@ -171,7 +172,6 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecyc
                 ctx.timeline.mark("restore")
             lifecycle.training()  # a failure from here on is the run's, not a refused start
             outcome = trainer.fit()
-            trainer.parts.checkpointer.wait()
     finally:
         metrics.close(finished=outcome in (Outcome.FINISHED, Outcome.EARLY_STOPPED))
     return outcome
@@ -230,7 +230,8 @@ def _trainer(
     )
     # pins an async save's host buffers in the background
     checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())
-    return Trainer(parts, Settings.of(cfg, resolved), env, device)
+    settings = Settings.of(cfg, resolved)
+    return Trainer(parts, settings, env, device, assemble(parts, settings, env, device))
 
 
 def _after_stop(ctx: RunContext, path: Path, requeue_on_stop: bool) -> int:

@@ -23,6 +23,7 @@ from qgtrain.runtime.deadline import Deadline
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.runtime.signals import StopFlag
 from qgtrain.state.checkpointer import Checkpointer
+from qgtrain.training.assembly import assemble
 from qgtrain.training.metrics import MetricsLog
 from qgtrain.training.optimizers import build_optimizer
 from qgtrain.training.parts import LoopParts, Settings
@@ -115,4 +116,4 @@ def build_trainer(
         strategy_for(cfg.train, ONE_RANK, CPU),
     )
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, "fp32")
-    return Trainer(parts, settings, ONE_RANK, CPU)
+    return Trainer(parts, settings, ONE_RANK, CPU, assemble(parts, settings, ONE_RANK, CPU))

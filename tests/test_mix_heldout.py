@@ -57,7 +57,6 @@ def test_a_shared_val_file_beside_a_mix_is_the_validation_set(tmp_path, stream):
         assert task.test is not None and len(task.test) > 0, "the sources' test fraction applies"
         trainer = build_trainer(tmp_path / "run", task, cfg)
         assert trainer.fit() == Outcome.FINISHED
-        trainer.parts.checkpointer.wait()
         loader = torch.utils.data.DataLoader(list(expected), batch_size=4)
         own = evaluate(trainer.model, loader, task.loss, None, torch.device("cpu"), "fp32", 0)
     assert records(tmp_path / "run")[-1]["val_loss"] == pytest.approx(own["loss"], rel=1e-6)

@@ -170,7 +170,8 @@ def test_under_rollback_a_spike_is_counted_and_handed_over_not_skipped_in_place(
         spikes.judge(torch.tensor(1.0), step, ok)
         assert not spikes.dropped(step) and spikes.rollback is None
     assert bool(spikes.judge(torch.tensor(10.0), 11, ok)) and spikes.dropped(11)
-    assert spikes.rollback == Spike(11, 10.0, 1.0, 1) and spikes.skips == 1
+    assert spikes.take_rollback() == Spike(11, 10.0, 1.0, 1) and spikes.skips == 1
+    assert spikes.take_rollback() is None, "a spike is rolled back once"
     spikes.judge(torch.tensor(10.0), 11, ok)
     with pytest.raises(TrainingError, match="spike 2 of the run, more than train.max_skips=1"):
         spikes.dropped(11)

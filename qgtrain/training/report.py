@@ -50,6 +50,15 @@ class Reporter:
             return 0
         return sum(int(self.task.tokens(batch)) for batch in micro_batches)
 
+    def taken(self, tokens: int) -> None:
+        """A step taken: its tokens count (tokens_in), pending until settled over the ranks."""
+        self.pending_tokens += tokens
+
+    def forget_pending(self) -> None:
+        """The steps since the last checkpoint were undone (a rollback): that checkpoint's count
+        stands."""
+        self.pending_tokens = 0
+
     def settle_tokens(self, state: TrainState) -> None:
         """Sum what every rank has pending into the run's count (a collective: before a
         checkpoint)."""

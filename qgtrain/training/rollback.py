@@ -25,9 +25,6 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from ..data.dispatch import DispatchedBatches
-from ..data.loaders import TrainBatches
-from ..data.streams import StreamBatches
 from ..foundation.errors import TrainingError
 from ..runtime import distributed
 from ..state import verify_ranks
@@ -36,30 +33,25 @@ from ..state.checkpointer import Checkpointer
 from ..state.resume import Candidates, resume_candidates
 from ..state.train_state import TrainState
 from .parts import LoopParts
-from .report import Reporter
 from .spikes import Spike, Spikes
-from .timing import StepTimer
 
 log = logging.getLogger("qgtrain")
 
 
 class Rewinding(Protocol):
-    """What a rollback changes of the trainer."""
+    """What a rollback asks of the trainer."""
 
     state: TrainState
     parts: LoopParts
-    batches: TrainBatches | StreamBatches | DispatchedBatches
     spikes: Spikes
-    reporter: Reporter
-    timer: StepTimer
 
-    def restore(self, ckpt: Checkpoint) -> None: ...
+    def rewind(self, ckpt: Checkpoint) -> int: ...
 
 
 def if_due(trainer: Rewinding) -> None:
     """Roll every rank back if the step just dropped was a spike under train.spike_action: rollback
     (collectives: every rank calls this and all reach the same decision)."""
-    spike, trainer.spikes.rollback = trainer.spikes.rollback, None
+    spike = trainer.spikes.take_rollback()
     if spike is None:
         return
     checkpointer = trainer.parts.checkpointer
@@ -67,17 +59,9 @@ def if_due(trainer: Rewinding) -> None:
     ckpt = latest_checkpoint(checkpointer, trainer.state.step)
     if ckpt is None:
         raise nothing_to_roll_back_to(spike, checkpointer.root)
-    here = (trainer.state.epoch, trainer.state.samples_in_epoch)
-    trainer.restore(ckpt)
+    batches = trainer.rewind(ckpt)
+    trainer.spikes.rolled_back(spike)
     state = trainer.state
-    batches = trainer.batches.between((state.epoch, state.samples_in_epoch), here)
-    # where the loader's iterator stands: it simply goes on
-    state.epoch, state.samples_in_epoch = here
-    # a rollback never takes back a count: repeated ones reach the limit
-    trainer.spikes.skips = spike.nth
-    # counted for steps now undone; the checkpoint's count stands
-    trainer.reporter.pending_tokens = 0
-    trainer.timer.restart(state.step)
     log.warning(
         "step %d: the loss %.6g is above train.spike_factor=%g x the median %.6g: rolled "
         "back to the checkpoint of step %d and skipped the %d batch(es) drawn since, the "

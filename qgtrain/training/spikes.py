@@ -120,6 +120,16 @@ class Spikes:
         self._next = (self._next + 1) % len(self.window)
         self.known = min(self.known + 1, len(self.window))
 
+    def take_rollback(self) -> Spike | None:
+        """The spike a rollback is due for (train.spike_action: rollback), once."""
+        spike, self.rollback = self.rollback, None
+        return spike
+
+    def rolled_back(self, spike: Spike) -> None:
+        """After the rollback to an earlier checkpoint, whose count of skips was restored: a
+        rollback never takes back a count, so repeated ones reach train.max_skips."""
+        self.skips = spike.nth
+
     def _skip_spike(self, step: int, loss: float, median: float) -> None:
         self.skips += 1
         if self.skips > self.max_skips:

@@ -7,7 +7,8 @@ work (validate, log, checkpoint, stop), each part saying when it is due (the val
 checkpointer). The last step ends with the final work (validation, test, checkpoint) if it fits in
 the allocation. Early stopping is decided on rank 0 from the all-reduced validation metric and
 broadcast. No rank ever raises, returns or skips a collective alone. The trainer receives its parts
-(built by qgtrain/run.py) and the settings of the loop, never the config.
+(built by qgtrain/run.py), the objects a step calls (assembly.py) and the settings of the loop,
+never the config, and builds nothing itself.
 """
 
 from __future__ import annotations
@@ -19,92 +20,44 @@ from typing import Any
 import torch
 
 from ..data.batches import to_device
-from ..data.loaders import train_batches
-from ..data.mix import source_counts
 from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import train_state
 from ..state.checkpoint import Checkpoint
 from ..state.train_state import Outcome, TrainState
 from . import rollback
-from .agreement import Agreement, Flags, Health
-from .ema import Ema
-from .flops import device_peak
+from .agreement import Flags
+from .assembly import Loop
 from .gradients import accumulate_gradients, without_gradients
-from .horizon import LearningRate
 from .metrics import format_metrics, prefixed
-from .optimizers import check_resumed, name_of
+from .optimizers import check_resumed
 from .parts import LoopParts, Settings, StepResult
-from .planning import Cadence, Planner
-from .report import Reporter
-from .saved_parts import saved_parts
-from .spikes import Spikes
-from .timing import StepTimer
 from .update import apply_update
-from .validation import Validator
 
 log = logging.getLogger("qgtrain")
 
 
 class Trainer:
     def __init__(
-        self, parts: LoopParts, settings: Settings, env: DistEnv, device: torch.device
+        self, parts: LoopParts, settings: Settings, env: DistEnv, device: torch.device, loop: Loop
     ) -> None:
+        """`loop`: what the step calls, as assembly.assemble made it of `parts` and `settings`."""
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
         self.model = parts.task.model
-        self.state = TrainState(optimizer=name_of(parts.optimizer))
-        self.lr = LearningRate(
-            settings.optim, settings.train.max_steps, parts.optimizer, self.state, env.is_main
-        )
-        self.batches = train_batches(
-            parts.loaders,
-            settings.train.batch_size * env.world_size,
-            settings.train.collective_timeout_s,
-        )
-        self.timer = StepTimer(0)
-        self.planner = Planner(parts.deadline, self.timer, Cadence.of(parts.loaders, settings))
-        self.ema = Ema(self.model, settings.train.ema_decay, parts.strategy)
-        self.validator = Validator(
-            self.model,
-            parts.wrapped,
-            parts.strategy,
-            parts.task,
-            parts.loaders,
-            settings.early_stopping,
-            settings.train.eval_batches,
-            settings.precision,
-            env,
-            device,
-            self.timer,
-            weights=self.ema.in_use if settings.train.eval_ema else None,
-            every=settings.train.eval_every,
-            downstream=parts.downstream,
-        )
-        self.agreement, self.health = Agreement(device), Health(device)
-        self.spikes = Spikes(settings.train, parts.metrics, device)
-        peak = device_peak(device, settings.precision, settings.train.peak_tflops)
-        self.reporter = Reporter(
-            parts.task,
-            parts.metrics,
-            env,
-            device,
-            self.batches.samples * settings.train.grad_accum_steps,
-            settings.train.max_steps,
-            peak,
-            source_counts(parts.loaders.train, not parts.loaders.dispatch or env.rank == 0),
-        )
-        # what a checkpoint saves, each part under its name; restored into these same objects
-        self.saved = saved_parts(
-            parts, settings, env, self.state, self.batches, self.lr, self.ema, self.spikes
-        )
+        self.state, self.lr, self.batches = loop.state, loop.lr, loop.batches
+        self.timer, self.planner, self.ema = loop.timer, loop.planner, loop.ema
+        self.validator, self.agreement, self.health = loop.validator, loop.agreement, loop.health
+        self.spikes, self.reporter, self.saved = loop.spikes, loop.reporter, loop.saved
         # of this start: always logged, and where unused parameters are looked for
         self.first_step = 1
 
     def fit(self) -> Outcome:
-        """Train; a failure we can explain becomes a TrainingError naming its cause, step and
-        fix."""
+        """Train, until the last checkpoint is written; a failure we can explain becomes a
+        TrainingError naming its cause, step and fix."""
         try:
-            return self._loop()
+            outcome = self._loop()
+            self.parts.checkpointer.wait()  # an asynchronous save may still be writing
+            return outcome
         except (RuntimeError, ConnectionError) as exc:  # OutOfMemoryError is a RuntimeError
             explained = diagnose.explain(
                 exc,
@@ -212,7 +165,7 @@ class Trainer:
             return False
         self.state.step = step
         self.parts.metrics.advance(step)
-        self.reporter.pending_tokens += tokens
+        self.reporter.taken(tokens)
         return True
 
     def _after_step(self, done: StepResult, agreed: Flags) -> Outcome | None:
@@ -324,6 +277,17 @@ class Trainer:
         self.parts.checkpointer.restore(ckpt, self.saved)
         check_resumed(self.state, self.parts.optimizer)
         log.info("resumed from %s: step %d, epoch %d", ckpt.path, self.state.step, self.state.epoch)
+
+    def rewind(self, ckpt: Checkpoint) -> int:
+        """Back to `ckpt` (a rollback), the data position left where it stands: the batches drawn
+        since are skipped, not trained on again. Returns how many."""
+        state, here = self.state, (self.state.epoch, self.state.samples_in_epoch)
+        self.restore(ckpt)
+        skipped = self.batches.between((state.epoch, state.samples_in_epoch), here)
+        state.epoch, state.samples_in_epoch = here  # where the loader's iterator stands
+        self.reporter.forget_pending()
+        self.timer.restart(state.step)
+        return skipped
 
 
 def _already_ended(state: TrainState, max_steps: int) -> Outcome | None:

@@ -1,0 +1,77 @@
+"""What a plain step calls: the qgtrain functions, and the modules they live in, whose call counts
+grow with the number of steps (one CPU rank, the built-in LM, logging every step, no validation or
+checkpoint before the end). Two runs under cProfile, of N and 2N steps: a function called k more
+times in the second is called k/N times a step. The count is a figure of how much of the package a
+newcomer follows through one step (docs/architecture.md). Usage: python -m bench.step_calls
+[--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import tempfile
+from pathlib import Path
+
+import qgtrain
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = str(ROOT / "qgtrain")
+PLAIN = [
+    "data.name=synthetic",
+    "data.seq_len=32",
+    "data.synthetic_samples=4096",
+    "model.hidden=32",
+    "model.layers=2",
+    "model.heads=2",
+    "train.batch_size=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "checkpoint.every_steps=0",
+    "logging.tensorboard=false",
+    "data.num_workers=0",
+    "train.device=cpu",
+]
+
+
+def calls(steps: int, folder: Path) -> dict[tuple[str, str], int]:
+    """(module path, function) -> calls, for qgtrain's functions, over a run of `steps` steps."""
+    cfg = qgtrain.load_config([], [*PLAIN, f"train.max_steps={steps}"])
+    profile = cProfile.Profile()
+    profile.runcall(qgtrain.train, cfg, run_dir=str(folder / f"run-{steps}"))
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return {
+        (file, name): count
+        for (file, _, name), (_, count, *_rest) in stats.items()
+        if file.startswith(PACKAGE)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="qgtrain-step-calls-") as folder:
+        short, long = calls(args.steps, Path(folder)), calls(2 * args.steps, Path(folder))
+    per_step = {
+        key: (long[key] - short.get(key, 0)) / args.steps
+        for key in long
+        if long[key] - short.get(key, 0) >= args.steps  # at least once a step
+    }
+    modules: dict[str, list[str]] = collections.defaultdict(list)
+    for (file, name), times in sorted(per_step.items()):
+        module = Path(file).relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        modules[module].append(f"{name} x{times:g}")
+    for module, functions in modules.items():
+        print(f"{module}: {', '.join(functions)}")
+    print(
+        f"a plain step calls {len(per_step)} functions of {len(modules)} qgtrain modules "
+        f"(steps {args.steps} and {2 * args.steps})"
+    )
+
+
+if __name__ == "__main__":
+    main()
