@@ -161,15 +161,21 @@ def test_speed_readings_are_held_to_issue_47s_goals(batch, reading, verdicts) ->
     assert all(r.name.startswith(f"gpt2-124m batch {batch}: ") for r in report.results)
 
 
-def test_train_speeds_own_output_is_what_the_check_reads(tmp_path: Path) -> None:
+def tiny_speed_reading(tmp_path: Path, *args: str) -> tuple[procs.Finished, str]:
+    """bench.train_speed of the tiny preset on one CPU rank, one round; and what it printed."""
     done = procs.run(
         [sys.executable, "-m", "bench.train_speed", "--preset", "tiny", "--world", "1"]
-        + ["--rounds", "1", "--steps", "30", "--batch", "2"],
+        + ["--rounds", "1", *args],
         tmp_path / "speed.log",
         timeout=300,
     )
+    return done, (tmp_path / "speed.log").read_text()
+
+
+def test_train_speeds_own_output_is_what_the_check_reads(tmp_path: Path) -> None:
+    done, output = tiny_speed_reading(tmp_path, "--steps", "30", "--batch", "2")
     report = Report("cpu", "x")
-    judge_speed(report, done, (tmp_path / "speed.log").read_text(), 16)
+    judge_speed(report, done, output, 16)
     names = [r.name.removeprefix("gpt2-124m batch 16: ") for r in report.results]
     assert names == [
         "tokens/s, qgtrain / hand-written compiled alike",
@@ -180,13 +186,7 @@ def test_train_speeds_own_output_is_what_the_check_reads(tmp_path: Path) -> None
 
 
 def test_a_failed_qgtrain_run_ends_the_speed_reading_with_its_own_error(tmp_path: Path) -> None:
-    done = procs.run(
-        [sys.executable, "-m", "bench.train_speed", "--preset", "tiny", "--world", "1"]
-        + ["--rounds", "1", "--steps", "20", "--set", "bogus.key=1"],
-        tmp_path / "speed.log",
-        timeout=300,
-    )
-    output = (tmp_path / "speed.log").read_text()
+    done, output = tiny_speed_reading(tmp_path, "--steps", "20", "--set", "bogus.key=1")
     assert not done.ok and "metrics.jsonl" not in output, output[-2000:]
     assert "-m qgtrain train exited 2" in output and "unknown section 'bogus'" in output, output
 
