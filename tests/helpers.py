@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qgtrain.config import DataConfig
+from qgtrain.state import checkpoint
 from tests.ranks import ROOT, ForkedCommand, kill_ranks, needs_fresh_interpreter
 
 FINISHED = {
@@ -125,7 +126,7 @@ def kill_once_saved(run: Path, procs: list[Any], step: int, timeout: float = 180
     wait_for(
         lambda: (
             any(r["step"] >= step for r in records(run)[-1:])
-            and any((run / "checkpoints").glob("step-*/manifest.json"))
+            and bool(checkpoint.list_committed(run / "checkpoints"))
         ),
         procs,
         f"step {step} and a committed checkpoint",
