@@ -17,16 +17,16 @@ if sys.argv[1] == "keep":
 torch.set_num_threads(1)
 rng.seed_everything(0)
 model = build_model(ModelConfig(), 257, 128, 256)
-tokens = torch.randint(0, 257, (16, 128))
+tokens = torch.randint(0, 257, (8, 128))
 def step():
     lm_loss(model, tokens).backward()
     model.zero_grad(set_to_none=True)
-for _ in range(3):
+for _ in range(5):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+for _ in range(25):
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 25)
 """
 
 
@@ -38,12 +38,16 @@ def faults_per_step(mode: str) -> float:
 
 
 def test_a_cpu_rank_keeps_freed_memory_instead_of_faulting_it_in_every_step():
-    """A step of the main job's model touches ~50 MB of activations. glibc's default gives much of
-    it back and faults it in again each step (thousands of page faults); kept, a step reuses its
-    memory."""
+    """A step of the main job's model touches ~25 MB of activations. glibc's default gives much of
+    it back and faults it in again in most steps; kept, a step reuses its memory.
+
+    Which steps fault, and how much, depends on the machine (on one CPU 500-2000 faults per
+    default step, on another half that): the heap still grows now and then under keep while its
+    blocks settle, so the first five steps are left out and the mean is over 25 (here 0-30 kept,
+    800-1300 default)."""
     kept, default = faults_per_step("keep"), faults_per_step("default")
-    assert kept < 1000, f"{kept:.0f} page faults per step with keep_freed_memory"
-    assert default > 5 * kept, (
+    assert kept < 200, f"{kept:.0f} page faults per step with keep_freed_memory"
+    assert default > max(5 * kept, 200), (
         f"default malloc: {default:.0f} page faults per step, kept: {kept:.0f}"
     )
 
