@@ -29,10 +29,11 @@ from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
 from .runtime.startup import Timeline
-from .state import checkpoint, layout, rundir
+from .state import checkpoint, layout, local_tier, rundir
 from .state.checkpointer import Checkpointer
 from .state.claim import Claim, claimed, pinned_here
 from .state.lifecycle import Lifecycle
+from .state.local_tier import LocalTier
 from .state.resume import data_change
 from .state.rundir import RunDir
 from .state.train_state import Outcome
@@ -133,10 +134,13 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecyc
         logger.warning("%s", warning)
     _log_start(ctx, claim)
     ckpt = checkpoint.read_manifest(Path(claim.resume_from)) if claim.resume_from else None
+    strategy = strategy_for(cfg.train, env, ctx.device)  # how the ranks hold the model
+    tier = _local_tier(cfg, env, claim.run_id, strategy)
+    # a node-local checkpoint newer than the shared one (local_tier.py: agreed by every rank)
+    local = tier.newest(after=ckpt.step if ckpt else 0) if tier and _reads_local(cfg) else None
     rng.seed_everything(cfg.train.seed)  # identical initial weights on every rank
     # an adapter run's checkpoint holds no base: it is built (or read) again as at the start
-    holds_all = ckpt is not None and cfg.model.adapter == "none"
-    strategy = strategy_for(cfg.train, env, ctx.device)  # how the ranks hold the model
+    holds_all = (ckpt is not None or local is not None) and cfg.model.adapter == "none"
     task = build_task(
         cfg,
         ctx.task,
@@ -157,7 +161,10 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecyc
         sum(p.numel() for p in task.model.parameters()) / 1e6,
         sum(p.numel() for p in task.model.parameters() if p.requires_grad) / 1e6,
     )
-    metrics = trackers.metrics_log(cfg, claim.path, env, ckpt.step if ckpt else None, ctx.timeline)
+    resumed = local or ckpt
+    metrics = trackers.metrics_log(
+        cfg, claim.path, env, resumed.step if resumed else None, ctx.timeline
+    )
     outcome = None
     try:
         with (
@@ -165,16 +172,33 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecyc
             if cfg.model.compile
             else contextlib.nullcontext()
         ):
-            trainer = _trainer(ctx, claim, pin, task, metrics, strategy)
+            trainer = _trainer(ctx, claim, pin, task, metrics, strategy, tier)
             ctx.timeline.mark("wrapping and loaders")
-            if ckpt is not None:
-                trainer.restore(ckpt)
+            if resumed is not None:
+                trainer.restore(resumed)
+                lifecycle.resumed(resumed.step, "node-local" if local else "shared")
                 ctx.timeline.mark("restore")
             lifecycle.training()  # a failure from here on is the run's, not a refused start
             outcome = trainer.fit()
     finally:
         metrics.close(finished=outcome in (Outcome.FINISHED, Outcome.EARLY_STOPPED))
     return outcome
+
+
+def _local_tier(cfg: RunConfig, env: DistEnv, run_id: str, strategy: Strategy) -> LocalTier | None:
+    """checkpoint.local_dir's tier on this node (each rank checks its node's folder)."""
+    if not cfg.checkpoint.local_dir:
+        return None
+    by_shards, train = strategy.saves_shards, cfg.train
+    return local_tier.opened(
+        cfg.checkpoint, env, run_id, by_shards, train.parallel, train.collective_timeout_s
+    )
+
+
+def _reads_local(cfg: RunConfig) -> bool:
+    """checkpoint.resume: auto takes the newest tier; a named checkpoint, or never, is what it
+    says."""
+    return cfg.checkpoint.resume == "auto"
 
 
 def _log_start(ctx: RunContext, claim: Claim) -> None:
@@ -199,12 +223,13 @@ def _trainer(
     task: ReadyTask,
     metrics: MetricsLog,
     strategy: Strategy,
+    tier: LocalTier | None,
 ) -> Trainer:
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
     run = RunDir(claim.path)
     run_files = layout.run_files(run.config.read_bytes(), task.model, task.facts)
     checkpointer = Checkpointer.for_run(
-        run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards
+        run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards, tier
     )
     resolved = precision.resolve(cfg.train.precision, device)
     wrapped = strategy.wrap(task.model, cfg.model.compile, resolved)

@@ -57,6 +57,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_stream_files.py",
     "tests/test_lm_shape.py",
     "tests/test_readme_example.py",
+    "tests/test_local_tier.py",
 )
 
 

@@ -48,7 +48,13 @@ def failures(run: Path) -> list[dict[str, object]]:
 def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(
     tmp_path, two_node_reference
 ):
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs(tmp_path))
+    """With a node-local tier every 10 steps (each node's folder its own: $SLURMD_NODENAME), the
+    retry resumes from it, not from the shared tier's step 100, and still ends as the reference."""
+    local = tmp_path / "local.yaml"
+    local.write_text(
+        f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10}}\n"
+    )
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=[*configs(tmp_path), local])
     run = tmp_path / "runs" / "cpu"
     wait_until(
         lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)"
@@ -66,7 +72,12 @@ def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never
     )
     assert failure["last_line"], "the killed rank's last log line"
     log = rank_log(run, 0)
-    assert re.search(rf"resumed from {run / 'checkpoints'}/step-\d+: step \d+", log)
+    tier = re.search(
+        rf"resumed from {tmp_path}/disk/node1/qgtrain-\w+/step-(\d+): step \d+, epoch \d+ "
+        r"\(node-local tier\)",
+        log,
+    )
+    assert tier and int(tier.group(1)) >= 150, log
     ports = re.findall(r"rendezvous node1:(\d+)", log)
     assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]

@@ -1,5 +1,5 @@
-"""The checkpoint section: how often, how many kept, written in the background or not, and
-resumed how."""
+"""The checkpoint section: how often, how many kept, written in the background or not, resumed
+how, and the node-local tier beside the shared one."""
 
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ class CheckpointConfig:
     async_save: bool = setting(
         False, "copy state to memory at the step and write it in the background"
     )
+    local_dir: str = setting(
+        "", "a node-local folder for frequent checkpoints, $VARS expanded on each node ('' = off)"
+    )
+    local_every_steps: int = setting(0, "steps between node-local checkpoints (0 = off)", min=0)
+    local_keep: int = setting(2, "node-local checkpoints kept on each node", min=1)
+    local_replicas: int = setting(
+        1, "1: each node's local checkpoint also kept on the next node; 0: not", min=0, max=1
+    )
 
 
 def checkpoint_rules(cfg: RunConfig) -> Problem:
@@ -32,5 +40,13 @@ def checkpoint_rules(cfg: RunConfig) -> Problem:
         return "checkpoint.keep_last", (
             f"{cfg.checkpoint.keep_last} is below 2: the newest checkpoint may be half-written "
             "when a job dies, so the one before it must survive rotation"
+        )
+    ckpt = cfg.checkpoint
+    if bool(ckpt.local_dir) != bool(ckpt.local_every_steps):
+        key = "checkpoint.local_every_steps" if ckpt.local_dir else "checkpoint.local_dir"
+        return key, (
+            "the node-local tier needs both checkpoint.local_dir (a folder on each node's own "
+            "disk, such as $SLURM_TMPDIR/qgtrain) and checkpoint.local_every_steps (steps between "
+            "its saves); set both, or neither"
         )
     return None

@@ -34,9 +34,10 @@ from ..foundation.pinned import FolderReplaced, Pinned
 from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint, layout, named, rotation, sharded
+from . import checkpoint, layout, local_tier, named, rotation, sharded
 from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
+from .local_tier import LocalCheckpoint, LocalTier
 from .rundir import RunDir
 
 log = logging.getLogger("qgtrain")
@@ -53,6 +54,7 @@ class Checkpointer:
         timeout_s: float = 300.0,
         pin: Pinned | None = None,
         saves_shards: bool = False,
+        local: LocalTier | None = None,
     ) -> None:
         """`cfg`, its own section of the config: how many kept, written in the background or not,
         and when a save is due (due, due_by_clock). `run_files` (the resolved config, the model's
@@ -60,9 +62,10 @@ class Checkpointer:
         collectives, as train.collective_timeout_s bounds training's: without it gloo waits half an
         hour, and a rank cut off in the middle of a save would outlive the others by that much.
         `pin`: the run folder checked at start, which each save first checks is still there.
-        `saves_shards`: the strategy's route: every rank's shards by DCP, else rank 0's files."""
+        `saves_shards`: the strategy's route: every rank's shards by DCP, else rank 0's files.
+        `local`: the node-local tier, written between the shared tier's saves (local_tier.py)."""
         self.root, self.run_id, self.env, self.pin = root, run_id, env, pin
-        self.saves_shards = saves_shards
+        self.saves_shards, self.local = saves_shards, local
         self.run_files = run_files or {}
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
         self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
@@ -72,6 +75,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._failure: QgtrainError | None = None
         self._host_copy = HostCopy(timeout_s)
+        self._local_copy = HostCopy(timeout_s)  # the local parts are laid out apart: own buffers
         if env.is_main:
             for path in rotation.remove_stale_staging(root, run_id):
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
@@ -86,15 +90,22 @@ class Checkpointer:
         files: dict[str, bytes],
         pin: Pinned,
         saves_shards: bool,
+        local: LocalTier | None,
     ) -> Checkpointer:
         """The run's checkpointer from its own sections; `files` (layout.run_files) go in each."""
         timeout = cfg.train.collective_timeout_s
-        return cls(run.checkpoints, run_id, env, cfg.checkpoint, files, timeout, pin, saves_shards)
+        return cls(
+            run.checkpoints, run_id, env, cfg.checkpoint, files, timeout, pin, saves_shards, local
+        )
 
     def due(self, step: int) -> bool:
         """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every
         rank gives the same answer."""
         return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_locally(self, step: int) -> bool:
+        """checkpoint.local_every_steps: whether step `step` goes to the node-local tier."""
+        return self.local is not None and self.local.due(step)
 
     def due_by_clock(self) -> bool:
         """checkpoint.every_minutes since the last save, by rank 0's clock: the ranks' clocks
@@ -158,8 +169,13 @@ class Checkpointer:
         *,
         blocking: bool = False,
         again: bool = False,
+        local: bool = False,
     ) -> None:
-        """`save` of a table of named parts, each where layout.PLACES puts it (named.py)."""
+        """`save` of a table of named parts, each where layout.PLACES puts it (named.py); `local`:
+        to the node-local tier instead (save_locally)."""
+        if local:
+            self.save_locally(step, parts)
+            return
         self.save(
             step,
             lambda: named.replicated_files(parts, self.saves_shards),
@@ -170,8 +186,24 @@ class Checkpointer:
             again=again,
         )
 
-    def restore(self, ckpt: checkpoint.Checkpoint, parts: named.Parts) -> None:
-        """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py)."""
+    def save_locally(self, step: int, parts: named.Parts) -> None:
+        """Every rank's part of `step` into the node-local tier, and its replica to the next node
+        (local_tier.py): in the background after a host copy under checkpoint.async_save."""
+        assert self.local is not None, "no checkpoint.local_dir"
+        self.wait()
+        own, whole = self.local.split({name: part.state_dict() for name, part in parts.items()})
+        if self.async_save:
+            own, whole = self._local_copy.copy((own, whole))
+            self._background(self.local.save, step, own, whole)
+        else:
+            self.local.save(step, own, whole)
+
+    def restore(self, ckpt: checkpoint.Checkpoint | LocalCheckpoint, parts: named.Parts) -> None:
+        """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py, or
+        local_tier.py for the node-local tier)."""
+        if isinstance(ckpt, LocalCheckpoint):
+            local_tier.restore(ckpt, parts, self.run_id, self.saves_shards)
+            return
         named.load(ckpt, parts, self.env.rank, self.saves_shards)
         self.last_step = ckpt.step
 

@@ -76,7 +76,13 @@ class Lifecycle:
                 host=env.node_name,
                 ranks=env.world_size,
                 started=time.time(),
+                resumed=None,
             )
+
+    def resumed(self, step: int, tier: str) -> None:
+        """Where this start resumed from, for `qgtrain runs`: the step and the tier that held it."""
+        if self.env.is_main:
+            rundir.write_status(self.run_dir, "running", resumed={"step": step, "tier": tier})
 
     def training(self) -> None:
         """The run is built and restored and its steps begin: from here a failure is the run's."""

@@ -163,3 +163,53 @@ def load_model(ckpt: Checkpoint, model: nn.Module) -> None:
             f"{ckpt.path / FOLDER} does not fit the model built from the checkpoint's config "
             f"({first_line(exc)})"
         ) from None
+
+
+def load_own_shards(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    saved_model: dict[str, Any],
+    saved_optim: dict[str, Any],
+) -> None:
+    """This rank's shards as the node-local tier saved them (plain tensors) back into the same
+    shards: same ranks, same layout, nothing resharded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = sharded_state(model, optimizer)  # the optimizer's state made, as DCP's load makes it
+    try:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=_into(state["model"], saved_model),
+            optim_state_dict=_into(state["optim"], saved_optim),
+            options=StateDictOptions(strict=adapter_of(model) is None),
+        )
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"a node-local checkpoint does not fit the configured model and optimizer "
+            f"({first_line(exc)}). HINT: resume with the model settings it was trained with"
+        ) from None
+
+
+def fill_own_shards(averages: dict[str, Any], saved: dict[str, Any]) -> None:
+    """The EMA's averages (this rank's shards) from the node-local tier's plain tensors, in
+    place."""
+    _into(averages, saved)
+
+
+def _into(current: Any, saved: Any) -> Any:
+    """`saved`'s structure and values, each tensor copied into the one `current` holds in its place
+    (its local shard for a DTensor), so a shard keeps its place in the whole."""
+    if isinstance(saved, torch.Tensor):
+        if not isinstance(current, torch.Tensor):
+            return saved
+        shard = shard_of(current)
+        (shard.to_local() if shard is not None else current).copy_(saved)
+        return current
+    if isinstance(saved, dict):
+        mapping = current if isinstance(current, dict) else {}
+        return {key: _into(mapping.get(key), value) for key, value in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        items = current if isinstance(current, (list, tuple)) else [None] * len(saved)
+        return type(saved)(_into(c, v) for c, v in zip(items, saved))
+    return saved

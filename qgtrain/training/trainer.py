@@ -22,8 +22,9 @@ import torch
 from ..data.batches import to_device
 from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
-from ..state import train_state
+from ..state import local_tier, train_state
 from ..state.checkpoint import Checkpoint
+from ..state.local_tier import LocalCheckpoint
 from ..state.train_state import Outcome, TrainState
 from . import rollback
 from .agreement import Flags
@@ -181,6 +182,8 @@ class Trainer:
         due = agreed.checkpoint_due or self.parts.checkpointer.due(step)
         if agreed.stop or early_stop or due:
             self._save(validated, blocking=agreed.stop or early_stop)
+        elif self.parts.checkpointer.due_locally(step):
+            self._save(validated, blocking=False, local=True)
         if agreed.stop:
             return self._stop_to_resume(step, agreed)
         if early_stop:
@@ -241,7 +244,9 @@ class Trainer:
             evaluated,
         )
 
-    def _save(self, evaluated: bool, blocking: bool, again: bool = False) -> None:
+    def _save(
+        self, evaluated: bool, blocking: bool, again: bool = False, local: bool = False
+    ) -> None:
         """Checkpoint the step just taken, once what the ranks agreed is settled (a checkpoint must
         not hold a non-finite value not yet read) and the replicas agree."""
         state, es = self.state, self.settings.early_stopping
@@ -253,7 +258,7 @@ class Trainer:
         self.reporter.settle_tokens(state)
         facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
         self.parts.checkpointer.save_parts(
-            state.step, self.saved, facts, blocking=blocking, again=again
+            state.step, self.saved, facts, blocking=blocking, again=again, local=local
         )
         self.timer.saved(saving)
 
@@ -273,10 +278,16 @@ class Trainer:
             raise diagnose.non_finite_loss(step, self.settings.train.agree_every, ranks)
         raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
 
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Checkpoint | LocalCheckpoint) -> None:
         self.parts.checkpointer.restore(ckpt, self.saved)
         check_resumed(self.state, self.parts.optimizer)
-        log.info("resumed from %s: step %d, epoch %d", ckpt.path, self.state.step, self.state.epoch)
+        log.info(
+            "resumed from %s: step %d, epoch %d%s",
+            ckpt.path,
+            self.state.step,
+            self.state.epoch,
+            local_tier.described(ckpt) if isinstance(ckpt, LocalCheckpoint) else "",
+        )
 
     def rewind(self, ckpt: Checkpoint) -> int:
         """Back to `ckpt` (a rollback), the data position left where it stands: the batches drawn

@@ -1,0 +1,183 @@
+"""The node-local checkpoint tier. Runs against: real `qgtrain train` ranks on gloo, each rank a
+node of its own (LOCAL_WORLD_SIZE 1) with a local folder of its own, SIGKILLed once a local step is
+complete on both nodes, then resumed, and compared with an uninterrupted run bit for bit; and the
+plan every rank works out from what the ranks hold (local_tier.choose), as a table."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from qgtrain.state.local_tier import Plan, Transfer, choose
+from tests.helpers import ROOT, assert_resumed_equals, rank_log, wait_for
+from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
+
+STEPS, SHARED_EVERY, LOCAL_EVERY = 24, 12, 2
+NODES = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # two ranks, two nodes
+
+
+def settings(tmp: Path, parallel: str) -> list[str]:
+    return [
+        "train",
+        "--set",
+        f"task.factory={ROOT / 'tests' / 'tasks.py'}:slow_evaluation",
+        "task.options={size: 512, step_s: 0.05}",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        f"train.parallel={parallel}",
+        *(["train.shard_modules=[Linear]"] if parallel == "fsdp" else []),
+        f"checkpoint.every_steps={SHARED_EVERY}",
+        f"checkpoint.local_every_steps={LOCAL_EVERY}",
+        f"checkpoint.local_dir={tmp}/node$RANK",  # each rank, a node, its own disk
+        "logging.tensorboard=false",
+        "--run-dir",
+        str(tmp / "run"),
+    ]
+
+
+def node_step(tmp: Path, node: int, step: int) -> Path:
+    return next((tmp / f"node{node}").glob("qgtrain-*"), tmp / "none") / f"step-{step}"
+
+
+def complete(tmp: Path, step: int) -> bool:
+    """Both ranks' parts of `step` written, and each kept on the other node."""
+    return all(
+        (node_step(tmp, node, step) / f"rank-{rank}.json").exists()
+        for node in (0, 1)
+        for rank in (0, 1)
+    )
+
+
+def killed_after_a_local_save(tmp: Path, parallel: str) -> int:
+    """Train until step 16 is saved locally on both nodes (the shared tier holds step 12), SIGKILL
+    both ranks; returns the newest step complete on both nodes."""
+    procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES)
+    wait_for(lambda: complete(tmp, 16), procs, "step 16 saved on both nodes", 180)
+    kill_ranks(procs)
+    return max(s for s in range(16, STEPS, LOCAL_EVERY) if complete(tmp, s))
+
+
+def resume(tmp: Path, parallel: str) -> str:
+    """Both ranks' logs of the start that resumes."""
+    procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES, log_prefix="resumed")
+    assert wait_ranks(procs, 300) == [0, 0]
+    return rank_log(tmp / "run", 0) + rank_log(tmp / "run", 1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def run_for(parallel: str) -> Path:
+        if parallel not in made:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{parallel}")
+            procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES)
+            assert wait_ranks(procs, 300) == [0, 0]
+            made[parallel] = tmp / "run"
+        return made[parallel]
+
+    return run_for
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_job_killed_after_a_local_save_resumes_from_it_bit_for_bit(
+    tmp_path, uninterrupted, parallel
+):
+    step = killed_after_a_local_save(tmp_path, parallel)
+    log = resume(tmp_path, parallel)
+    assert f"step-{step}: step {step}, epoch 0 (node-local tier)" in log, log
+    assert_resumed_equals(uninterrupted(parallel), tmp_path / "run", parallel, STEPS)
+
+
+def test_a_node_whose_local_disk_is_lost_resumes_from_its_neighbours_copy(tmp_path, uninterrupted):
+    step = killed_after_a_local_save(tmp_path, "ddp")
+    for folder in (tmp_path / "node1").iterdir():  # the node's disk, gone with the node
+        folder.rename(tmp_path / "lost")
+    log = resume(tmp_path, "ddp")
+    assert f"step-{step}: step {step}, epoch 0 (node-local tier; rank-1, whole from another " in log
+    assert_resumed_equals(uninterrupted("ddp"), tmp_path / "run", "node 1 lost", STEPS)
+
+
+def test_damaged_copies_are_passed_over_with_a_line_each_for_the_next_good_one(
+    tmp_path, uninterrupted
+):
+    """Rank 0's part of the newest step damaged on its node and on the next: the step before it
+    (rotation removes a step only once a newer one is complete everywhere). Each copy is named once
+    and never chosen, so the start does not loop on it."""
+    step = killed_after_a_local_save(tmp_path, "ddp")
+    for node in (0, 1):
+        part = node_step(tmp_path, node, step) / "rank-0.pt"
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+    log = resume(tmp_path, "ddp")
+    assert f"step-{step - LOCAL_EVERY}: step {step - LOCAL_EVERY}, epoch 0 (node-local tier" in log
+    damaged = re.findall(
+        r"passing over a node-local checkpoint file: (\S+) fails its checksum", log
+    )
+    assert sorted(damaged) == sorted(
+        str(node_step(tmp_path, n, step) / "rank-0.pt") for n in (0, 1)
+    )
+    assert_resumed_equals(uninterrupted("ddp"), tmp_path / "run", "damaged copies", STEPS)
+
+
+def holding(node: int, local_rank: int, holds: dict[int, list[str]]) -> dict[str, object]:
+    return {"node": node, "local_rank": local_rank, "holds": holds}
+
+
+TWO_BY_TWO = [  # ranks 0, 1 on node 0; 2, 3 on node 1: rank r keeps the replica of r - 2 (mod 4)
+    holding(0, 0, {8: ["rank-0", "rank-2", "whole"], 6: ["rank-0", "rank-2", "whole"]}),
+    holding(0, 1, {8: ["rank-1", "rank-3"], 6: ["rank-1", "rank-3"]}),
+    holding(1, 0, {8: ["rank-2", "rank-0", "whole"], 6: ["rank-2", "rank-0", "whole"]}),
+    holding(1, 1, {8: ["rank-3", "rank-1"], 6: ["rank-3", "rank-1"]}),
+]
+
+
+def lost(reports: list[dict[str, object]], ranks: set[int], steps: set[int]) -> list[dict]:
+    """The reports with what `ranks` held at `steps` gone."""
+    return [
+        {**r, "holds": {s: ([] if i in ranks and s in steps else n) for s, n in r["holds"].items()}}
+        for i, r in enumerate(reports)
+    ]
+
+
+@pytest.mark.parametrize(
+    "reports, whole, after, plan",
+    [
+        (TWO_BY_TWO, True, 0, Plan(8, ())),
+        # the shared tier is as new: nothing to take from this one
+        (TWO_BY_TWO, True, 8, None),
+        # node 1's disk lost: its ranks' parts from their replicas, the whole model from node 0
+        (
+            lost(TWO_BY_TWO, {2, 3}, {8, 6}),
+            True,
+            0,
+            Plan(
+                8,
+                (
+                    Transfer("rank-2", 0, 2),
+                    Transfer("rank-3", 1, 3),
+                    Transfer("whole", 0, 2),
+                    Transfer("whole", 0, 3),
+                ),
+            ),
+        ),
+        # under fsdp no whole model is needed
+        (
+            lost(TWO_BY_TWO, {2, 3}, {8}),
+            False,
+            0,
+            Plan(8, (Transfer("rank-2", 0, 2), Transfer("rank-3", 1, 3))),
+        ),
+        # rank 1's part of step 8 held nowhere (its node and its replica's both lost it): step 6
+        (lost(lost(TWO_BY_TWO, {1}, {8}), {3}, {8}), True, 0, Plan(6, ())),
+        # nothing newer than the shared tier's step 6 is complete
+        (lost(TWO_BY_TWO, {1, 3}, {8}), True, 6, None),
+    ],
+)
+def test_every_rank_works_out_the_same_newest_step_and_who_sends_what(reports, whole, after, plan):
+    assert choose(reports, 4, whole, after) == plan
