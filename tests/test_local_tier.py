@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.state.local_tier import Plan, Transfer, choose
-from tests.helpers import ROOT, assert_resumed_equals, rank_log, wait_for
+from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 STEPS, SHARED_EVERY, LOCAL_EVERY = 24, 12, 2
@@ -91,6 +91,8 @@ def test_a_job_killed_after_a_local_save_resumes_from_it_bit_for_bit(
     log = resume(tmp_path, parallel)
     assert f"step-{step}: step {step}, epoch 0 (node-local tier)" in log, log
     assert_resumed_equals(uninterrupted(parallel), tmp_path / "run", parallel, STEPS)
+    runs = cli("runs", str(tmp_path / "run"), cwd=tmp_path)
+    assert f"run: last resumed at step {step} from the node-local tier" in runs.stdout
 
 
 def test_a_node_whose_local_disk_is_lost_resumes_from_its_neighbours_copy(tmp_path, uninterrupted):

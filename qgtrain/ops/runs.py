@@ -50,6 +50,7 @@ class RunSummary:
     job_id: str | None
     error: str | None
     swept: dict[str, str]  # the values its sweep gave it (empty outside a sweep)
+    resumed: str | None = None  # where its latest start resumed: the step and the tier
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -98,7 +99,14 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         job_id=str(status["job_id"]) if status.get("job_id") else None,
         error=str(status["error"]) if status.get("error") else None,
         swept=swept or {},
+        resumed=_resumed(status.get("resumed")),
     )
+
+
+def _resumed(recorded: object) -> str | None:
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("step"), int):
+        return None
+    return f"step {recorded['step']} from the {shown(str(recorded.get('tier')))} tier"
 
 
 def followed(config: Path) -> tuple[str, str]:
@@ -202,6 +210,7 @@ def as_table(rows: list[RunSummary]) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells
     ]
     lines += [f"{fmt(r.name)}: {fmt(r.error)}" for r in rows if r.status == "failed" and r.error]
+    lines += [f"{fmt(r.name)}: last resumed at {r.resumed}" for r in rows if r.resumed]
     lines += [
         f"{fmt(r.name)}: failed step {i}: {fmt(failure)}"
         for r in rows

@@ -1,27 +1,66 @@
-"""Bytes from one rank to another, point to point on a gloo group: a checkpoint part as it lies on
-disk, checked by its checksum where it is written again. Each travels as its length (int64) and
-then its bytes (uint8); a length of 0 sends nothing more.
+"""Files from one rank to another, point to point on a gloo group, a window at a time so neither
+side holds more than one window of a checkpoint part in memory: its length first (int64), then its
+bytes (uint8). A length of 0 sends nothing more.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, BinaryIO
+
 import torch
 import torch.distributed as dist
 
+WINDOW = 64 << 20
 
-def exchange(payload: bytes, to: int, source: int, group: dist.ProcessGroup) -> bytes:
-    """Send `payload` to `to` while receiving `source`'s (every rank at once, round a ring): its
-    length first, then its bytes (none when the write failed)."""
+
+def exchange(sent: Path | None, to: int, source: int, received: Path, group: Any) -> bool:
+    """Send the file `sent` (None: nothing) to rank `to` while writing what rank `source` sends
+    into `received` (every rank at once, round a ring). Returns whether a file arrived and was
+    written whole."""
+    size = sent.stat().st_size if sent is not None else 0
     incoming = torch.zeros(1, dtype=torch.int64)
-    _both(torch.tensor([len(payload)], dtype=torch.int64), to, incoming, source, group)
-    out = torch.empty(int(incoming.item()), dtype=torch.uint8)
-    _both(_bytes_tensor(payload), to, out, source, group)
-    return out.numpy().tobytes()
+    _both(torch.tensor([size], dtype=torch.int64), to, incoming, source, group)
+    total = int(incoming.item())
+    kept = bool(total)
+    with ExitStack() as files:
+        out = files.enter_context(open(sent, "rb")) if sent is not None else None
+        into = files.enter_context(open(received, "wb")) if total else None
+        for offset in range(0, max(size, total), WINDOW):
+            window = _window(out, min(WINDOW, max(size - offset, 0)))
+            arriving = torch.empty(min(WINDOW, max(total - offset, 0)), dtype=torch.uint8)
+            _both(window, to, arriving, source, group)
+            if kept and into is not None and arriving.numel():
+                try:
+                    into.write(arriving.numpy().data)
+                except OSError:  # a full disk: the rest is received, not kept, as the sender waits
+                    kept = False
+    return kept
 
 
-def _both(
-    sent: torch.Tensor, to: int, into: torch.Tensor, source: int, group: dist.ProcessGroup
-) -> None:
+def send(sent: Path, to: int, group: Any) -> None:
+    """The file `sent` to rank `to`, which calls receive."""
+    size = sent.stat().st_size
+    dist.send(torch.tensor([size], dtype=torch.int64), to, group)
+    with open(sent, "rb") as out:
+        for offset in range(0, size, WINDOW):
+            dist.send(_window(out, min(WINDOW, size - offset)), to, group)
+
+
+def receive(sender: int, received: Path, group: Any) -> None:
+    """What rank `sender` sends, into the file `received`."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, sender, group)
+    total = int(size.item())
+    with open(received, "wb") as into:
+        for offset in range(0, total, WINDOW):
+            arriving = torch.empty(min(WINDOW, total - offset), dtype=torch.uint8)
+            dist.recv(arriving, sender, group)
+            into.write(arriving.numpy().data)
+
+
+def _both(sent: torch.Tensor, to: int, into: torch.Tensor, source: int, group: Any) -> None:
     works = [dist.isend(sent, to, group)] if sent.numel() else []
     works += [dist.irecv(into, source, group)] if into.numel() else []
     for work in works:
@@ -29,23 +68,7 @@ def _both(
             work.wait()
 
 
-def send(data: bytes, to: int, group: dist.ProcessGroup) -> None:
-    """`data` to rank `to`, which calls receive."""
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), to, group)
-    if data:
-        dist.send(_bytes_tensor(data), to, group)
-
-
-def receive(sender: int, group: dist.ProcessGroup) -> bytes:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, sender, group)
-    out = torch.empty(int(size.item()), dtype=torch.uint8)
-    if out.numel():
-        dist.recv(out, sender, group)
-    return out.numpy().tobytes()
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    if not data:
+def _window(out: BinaryIO | None, length: int) -> torch.Tensor:
+    if out is None or length <= 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(out.read(length)), dtype=torch.uint8)

@@ -188,15 +188,15 @@ class Checkpointer:
 
     def save_locally(self, step: int, parts: named.Parts) -> None:
         """Every rank's part of `step` into the node-local tier, and its replica to the next node
-        (local_tier.py): in the background after a host copy under checkpoint.async_save."""
+        (local_tier.py): all in the background after a host copy under checkpoint.async_save."""
         assert self.local is not None, "no checkpoint.local_dir"
         self.wait()
         own, whole = self.local.split({name: part.state_dict() for name, part in parts.items()})
         if self.async_save:
             own, whole = self._local_copy.copy((own, whole))
             self._background(self.local.save, step, own, whole)
-        else:
-            self.local.save(step, own, whole)
+        else:  # written now; the replica and the rotation in the background, as a shared fsync
+            self._background(self.local.spread, step, self.local.write(step, own, whole))
 
     def restore(self, ckpt: checkpoint.Checkpoint | LocalCheckpoint, parts: named.Parts) -> None:
         """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py, or

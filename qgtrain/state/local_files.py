@@ -62,18 +62,23 @@ class LocalFolder:
         return sorted((int(m.group(1)) for n in names if (m := _STEP.fullmatch(n))), reverse=True)
 
     def write(self, step: int, name: str, obj: Any) -> None:
-        """One part, committed by its .json (written last, by rename): torch.save'd, or bytes as
-        received from another node."""
+        """One part, torch.save'd and committed (commit)."""
         import torch
 
+        staged = self.staged(step, name, os.getpid())
+        torch.save(obj, staged)
+        self.commit(step, name, staged)
+
+    def staged(self, step: int, name: str, writer: int = 0) -> Path:
+        """Where the part `name` of `step` is written before it counts; by `writer` (a rank), so
+        two ranks of a node given the same part do not write into one file."""
         folder = self.step(step)
         folder.mkdir(mode=0o700, exist_ok=True)
-        data, record = folder / f"{name}.pt", folder / f"{name}.json"
-        staged = folder / f"{_TMP}{name}.pt"
-        if isinstance(obj, (bytes, memoryview)):
-            staged.write_bytes(obj)
-        else:
-            torch.save(obj, staged)
+        return folder / f"{_TMP}{name}-{writer}.pt"
+
+    def commit(self, step: int, name: str, staged: Path) -> None:
+        """Make the written `staged` file the part: renamed into place, then its record written
+        last, by rename, so a part whose record is there is whole."""
         entry = {
             "format": FORMAT,
             "run_id": self.run_id,
@@ -82,10 +87,15 @@ class LocalFolder:
             "size": staged.stat().st_size,
             "xxh3": manifest_files.digest(staged),
         }
-        os.replace(staged, data)
-        staged_record = folder / f"{_TMP}{name}.json"
+        folder = self.step(step)
+        (folder / f"{name}.json").unlink(missing_ok=True)  # the part's old bytes go first
+        os.replace(staged, self.part(step, name))
+        staged_record = staged.with_suffix(".json")
         staged_record.write_text(json.dumps(entry))
-        os.replace(staged_record, record)
+        os.replace(staged_record, folder / f"{name}.json")
+
+    def part(self, step: int, name: str) -> Path:
+        return self.step(step) / f"{name}.pt"
 
     def problem(self, step: int, name: str) -> str | None:
         """Why the part `name` of `step` here cannot be used, or None: it is complete, this run's,
@@ -117,9 +127,6 @@ class LocalFolder:
         except (OSError, manifest_files.UnsafeFile) as exc:
             return f"{data} cannot be read ({exc})"
         return None
-
-    def read(self, step: int, name: str) -> bytes:
-        return manifest_files.read_regular(self.step(step) / f"{name}.pt")
 
     def keep_newest(self, keep: int) -> list[Path]:
         """Remove all but the newest `keep` steps, and any removal a kill interrupted; returns

@@ -19,7 +19,6 @@ from the shared one.
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import pickle
 from collections.abc import Mapping
@@ -100,17 +99,27 @@ class LocalTier:
         return own, (whole if self.writes_whole else None)
 
     def save(self, step: int, own: dict[str, Any], whole: dict[str, Any] | None) -> None:
-        """Write, replicate, then rotate once every rank is done (every rank calls this)."""
+        """write, then spread (every rank calls this)."""
+        self.spread(step, self.write(step, own, whole))
+
+    def write(self, step: int, own: dict[str, Any], whole: dict[str, Any] | None) -> bool:
+        """This rank's part (and its node's whole model) into its folder: the part of a save the
+        step waits for when it is not asynchronous. Returns whether the part was written."""
         name = part_name(self.env.rank)
         wrote = self._attempt(f"write {name}", self.folder.write, step, name, own)
         if whole is not None:
             self._attempt("write the whole model", self.folder.write, step, WHOLE, whole)
+        return wrote
+
+    def spread(self, step: int, wrote: bool) -> None:
+        """Send this rank's part to the next node and keep the one before's, then rotate once every
+        rank is done (collectives of the tier's group)."""
         if self.neighbour is not None and self.replica_of is not None:
-            payload = self.folder.read(step, name) if wrote else b""
-            received = transfer.exchange(payload, self.neighbour, self.replica_of, self.group)
-            if received:
-                replica = part_name(self.replica_of)
-                self._attempt(f"keep {replica}", self.folder.write, step, replica, received)
+            replica = part_name(self.replica_of)
+            staged = self.folder.staged(step, replica, self.env.rank)
+            sent = self.folder.part(step, part_name(self.env.rank)) if wrote else None
+            if transfer.exchange(sent, self.neighbour, self.replica_of, staged, self.group):
+                self._attempt(f"keep {replica}", self.folder.commit, step, replica, staged)
         dist.barrier(group=self.group)
         if self.env.local_rank == 0:
             for gone in self.folder.keep_newest(self.keep):
@@ -158,20 +167,21 @@ class LocalTier:
         return holds
 
     def _fetch(self, plan: Plan) -> LocalCheckpoint:
-        received: dict[str, bytes] = {}
+        """Bring this rank what it lacks (kept in its folder again), then read its states."""
+        step, received = plan.step, []
         for move in plan.transfers:  # the same order on every rank: no rank waits on a cycle
             if move.sender == self.env.rank:
-                transfer.send(self.folder.read(plan.step, move.part), move.receiver, self.group)
+                transfer.send(self.folder.part(step, move.part), move.receiver, self.group)
             if move.receiver == self.env.rank:
-                received[move.part] = transfer.receive(move.sender, self.group)
+                staged = self.folder.staged(step, move.part, self.env.rank)
+                transfer.receive(move.sender, staged, self.group)
+                self.folder.commit(step, move.part, staged)
+                received.append(move.part)
         wanted = [part_name(self.env.rank)] + ([WHOLE] if not self.by_shards else [])
         states: dict[str, Any] = {}
         for name in wanted:
-            data = received.get(name)
-            if data is None:
-                data = self.folder.read(plan.step, name)
-            states.update(_loaded(data, self.folder.step(plan.step) / f"{name}.pt"))
-        return LocalCheckpoint(self.folder.step(plan.step), plan.step, states, tuple(received))
+            states.update(_loaded(self.folder.part(step, name)))
+        return LocalCheckpoint(self.folder.step(step), step, states, tuple(received))
 
 
 def restore(
@@ -263,17 +273,16 @@ def _plain(state: Any) -> Any:
     return state
 
 
-def _loaded(data: bytes, where: Path) -> dict[str, Any]:
+def _loaded(path: Path) -> dict[str, Any]:
     """A part's states, read as tensors and plain data only: a part is never run as code."""
     try:
-        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if isinstance(loaded, dict):
             return loaded
         why = f"it holds a {type(loaded).__name__}"
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
         why = first_line(exc, 200)
     raise CheckpointError(
-        f"{where} (or its copy on another node) passed its checksum but cannot be read as "
-        f"tensors ({why}). HINT: remove checkpoint.local_dir's folder of this run to resume from "
-        "the shared tier"
+        f"{path} passed its checksum but cannot be read as tensors ({why}). HINT: remove "
+        "checkpoint.local_dir's folder of this run to resume from the shared tier"
     )
