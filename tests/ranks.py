@@ -181,7 +181,7 @@ def start_cli_ranks(
     world_size: int,
     args: list[str],
     cwd: Path,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
     log_prefix: str = "rank",
     wrap: dict[int, list[str]] | None = None,
 ) -> list[Any]:
@@ -191,10 +191,13 @@ def start_cli_ranks(
     torch, transformers and qgtrain once (ForkedCommand), which spares each the seconds of CPU a
     fresh interpreter spends importing them; `wrap` (a command put in front of some ranks', e.g.
     unshare to give one a filesystem of its own) or a PYTHONPATH of its own (another version's
-    qgtrain) needs a fresh interpreter, and gets `python -m qgtrain` for every rank."""
+    qgtrain) needs a fresh interpreter, and gets `python -m qgtrain` for every rank. `env`, as
+    run_ranks takes it: the same for every rank, or a function of the rank (ranks laid out on
+    nodes: LOCAL_RANK, GROUP_RANK)."""
     port = free_port()
+    of_rank = env if callable(env) else (lambda rank: env or {})
     fresh = bool(wrap) or needs_fresh_interpreter(
-        {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        {**os.environ, "PYTHONPATH": str(ROOT), **of_rank(0)}
     )
     procs: list[Any] = []
     for rank in range(world_size):
@@ -208,7 +211,7 @@ def start_cli_ranks(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
-            **(env or {}),
+            **of_rank(rank),
         }
         log = cwd / f"{log_prefix}-{rank}.out"
         if not fresh:

@@ -1,6 +1,7 @@
-"""The node-local checkpoint tier. Runs against: real `qgtrain train` ranks on gloo, each rank a
-node of its own (LOCAL_WORLD_SIZE 1) with a local folder of its own, SIGKILLed once a local step is
-complete on both nodes, then resumed, and compared with an uninterrupted run bit for bit; and the
+"""The node-local checkpoint tier. Runs against: real `qgtrain train` ranks on gloo laid out as two
+nodes (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK), each node with a local folder of its
+own, SIGKILLed once a local step is complete on both nodes, then resumed, and compared with an
+uninterrupted run bit for bit; and the
 plan every rank works out from what the ranks hold (local_tier.choose), as a table."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,21 @@ from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 STEPS, SHARED_EVERY, LOCAL_EVERY = 24, 12, 2
-NODES = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # two ranks, two nodes
+LAYOUTS = {  # ranks per node for each strategy: hsdp shards within a node, replicates across two
+    "ddp": 1,
+    "fsdp": 1,
+    "hsdp": 2,
+}
+
+
+def on_nodes(parallel: str) -> Callable[[int], dict[str, str]]:
+    """Each rank's place: two nodes, LAYOUTS[parallel] ranks on each."""
+    per_node = LAYOUTS[parallel]
+    return lambda rank: {
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "GROUP_RANK": str(rank // per_node),
+    }
 
 
 def settings(tmp: Path, parallel: str) -> list[str]:
@@ -29,43 +45,50 @@ def settings(tmp: Path, parallel: str) -> list[str]:
         "train.log_every=1",
         "train.eval_every=0",
         f"train.parallel={parallel}",
-        *(["train.shard_modules=[Linear]"] if parallel == "fsdp" else []),
+        *(["train.shard_modules=[Linear]"] if parallel != "ddp" else []),
         f"checkpoint.every_steps={SHARED_EVERY}",
         f"checkpoint.local_every_steps={LOCAL_EVERY}",
-        f"checkpoint.local_dir={tmp}/node$RANK",  # each rank, a node, its own disk
+        f"checkpoint.local_dir={tmp}/node$GROUP_RANK",  # each node its own disk
         "logging.tensorboard=false",
         "--run-dir",
         str(tmp / "run"),
     ]
 
 
+def start(tmp: Path, parallel: str, log_prefix: str = "rank") -> list[Any]:
+    ranks = 2 * LAYOUTS[parallel]
+    return start_cli_ranks(
+        ranks, settings(tmp, parallel), tmp, env=on_nodes(parallel), log_prefix=log_prefix
+    )
+
+
 def node_step(tmp: Path, node: int, step: int) -> Path:
     return next((tmp / f"node{node}").glob("qgtrain-*"), tmp / "none") / f"step-{step}"
 
 
-def complete(tmp: Path, step: int) -> bool:
-    """Both ranks' parts of `step` written, and each kept on the other node."""
+def complete(tmp: Path, step: int, ranks: int = 2) -> bool:
+    """Every rank's part of `step` written, and each kept on the other node."""
     return all(
         (node_step(tmp, node, step) / f"rank-{rank}.json").exists()
         for node in (0, 1)
-        for rank in (0, 1)
+        for rank in range(ranks)
     )
 
 
 def killed_after_a_local_save(tmp: Path, parallel: str) -> int:
     """Train until step 16 is saved locally on both nodes (the shared tier holds step 12), SIGKILL
-    both ranks; returns the newest step complete on both nodes."""
-    procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES)
-    wait_for(lambda: complete(tmp, 16), procs, "step 16 saved on both nodes", 180)
+    every rank; returns the newest step complete on both nodes."""
+    procs, ranks = start(tmp, parallel), 2 * LAYOUTS[parallel]
+    wait_for(lambda: complete(tmp, 16, ranks), procs, "step 16 saved on both nodes", 180)
     kill_ranks(procs)
-    return max(s for s in range(16, STEPS, LOCAL_EVERY) if complete(tmp, s))
+    return max(s for s in range(16, STEPS, LOCAL_EVERY) if complete(tmp, s, ranks))
 
 
 def resume(tmp: Path, parallel: str) -> str:
-    """Both ranks' logs of the start that resumes."""
-    procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES, log_prefix="resumed")
-    assert wait_ranks(procs, 300) == [0, 0]
-    return rank_log(tmp / "run", 0) + rank_log(tmp / "run", 1)
+    """Every rank's log of the start that resumes."""
+    procs = start(tmp, parallel, log_prefix="resumed")
+    assert wait_ranks(procs, 300) == [0] * len(procs)
+    return "".join(rank_log(tmp / "run", rank) for rank in range(len(procs)))
 
 
 @pytest.fixture(scope="module")
@@ -75,21 +98,21 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
     def run_for(parallel: str) -> Path:
         if parallel not in made:
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{parallel}")
-            procs = start_cli_ranks(2, settings(tmp, parallel), tmp, env=NODES)
-            assert wait_ranks(procs, 300) == [0, 0]
+            procs = start(tmp, parallel)
+            assert wait_ranks(procs, 300) == [0] * len(procs)
             made[parallel] = tmp / "run"
         return made[parallel]
 
     return run_for
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
 def test_a_job_killed_after_a_local_save_resumes_from_it_bit_for_bit(
     tmp_path, uninterrupted, parallel
 ):
     step = killed_after_a_local_save(tmp_path, parallel)
     log = resume(tmp_path, parallel)
-    assert f"step-{step}: step {step}, epoch 0 (node-local tier)" in log, log
+    assert re.search(rf"step-{step}: step {step}, epoch \d+ \(node-local tier\)", log), log
     assert_resumed_equals(uninterrupted(parallel), tmp_path / "run", parallel, STEPS)
     runs = cli("runs", str(tmp_path / "run"), cwd=tmp_path)
     assert f"run: last resumed at step {step} from the node-local tier" in runs.stdout
@@ -118,12 +141,9 @@ def test_damaged_copies_are_passed_over_with_a_line_each_for_the_next_good_one(
         part.write_bytes(bytes(data))
     log = resume(tmp_path, "ddp")
     assert f"step-{step - LOCAL_EVERY}: step {step - LOCAL_EVERY}, epoch 0 (node-local tier" in log
-    damaged = re.findall(
-        r"passing over a node-local checkpoint file: (\S+) fails its checksum", log
-    )
-    assert sorted(damaged) == sorted(
-        str(node_step(tmp_path, n, step) / "rank-0.pt") for n in (0, 1)
-    )
+    passed_over = r"passing over a node-local checkpoint file: (\S+) fails its checksum"
+    damaged = [str(node_step(tmp_path, node, step) / "rank-0.pt") for node in (0, 1)]
+    assert sorted(re.findall(passed_over, log)) == sorted(damaged)
     assert_resumed_equals(uninterrupted("ddp"), tmp_path / "run", "damaged copies", STEPS)
 
 

@@ -58,9 +58,14 @@ def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_pa
 def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(
     tmp_path, two_node_reference, interrupt
 ):
-    job_id = sbatch(
-        tmp_path, *TWO_NODES, "--time=10", configs=two_node_configs(tmp_path, every_steps=400)
+    """With a node-local tier every 10 steps beside the shared tier's 400: the stop saves to the
+    shared tier, and the requeued job resumes from it, not from the older local steps."""
+    local = tmp_path / "local.yaml"
+    local.write_text(
+        f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10}}\n"
     )
+    configs = [*two_node_configs(tmp_path, every_steps=400), local]
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs)
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= 100, 120, "training to pass step 100")
     # what --signal=USR2@120 sends before a time limit, or a preemption
@@ -78,6 +83,7 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(
         "the stop checkpoint was complete before the job was killed"
     )
     assert f"Slurm job {job_id} restart 1" in log
+    assert "node-local tier" not in log and list((tmp_path / "disk" / "node2").glob("*/step-*"))
     resumed = final_weights(run, TWO_NODE_STEPS)
     assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
         "final weights differ"
