@@ -339,10 +339,17 @@ TWO_NODE_STEPS = 600
 
 
 def two_node_configs(tmp_path: Path, every_steps: int = 100) -> list[Path]:
+    """tests/tasks.py's points: no transformers for each rank of each start to import (seconds of
+    CPU a start, which the tests beside these need)."""
+    task = tmp_path / "points.yaml"
+    task.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:points', options: {{size: 2048}}}}\n"
+    )
     return [
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
         overlay(tmp_path, TWO_NODE_STEPS, every_steps),
+        task,
     ]
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from qgtrain.state.local_files import LocalFolder
 from qgtrain.state.local_tier import Plan, Transfer, choose
 from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
@@ -203,3 +205,22 @@ def lost(reports: list[dict[str, object]], ranks: set[int], steps: set[int]) -> 
 )
 def test_every_rank_works_out_the_same_newest_step_and_who_sends_what(reports, whole, after, plan):
     assert choose(reports, 4, whole, after) == plan
+
+
+def test_a_part_counts_only_for_its_own_run_and_layout_and_whole(tmp_path):
+    """local_files.LocalFolder.problem: what a start passes over, each with the reason it says."""
+    folder = LocalFolder(tmp_path, "run-a", "2 ranks, 1 per node, ddp")
+    folder.write(8, "rank-0", {"rng": torch.arange(4)})
+    assert folder.problem(8, "rank-0") is None
+    other_run = LocalFolder(tmp_path, "run-b", folder.layout)
+    assert "belongs to another run (run id run-a, not run-b)" in str(other_run.problem(8, "rank-0"))
+    other_layout = LocalFolder(tmp_path, "run-a", "4 ranks, 2 per node, ddp")
+    assert "was saved by 2 ranks, 1 per node, ddp" in str(other_layout.problem(8, "rank-0"))
+    part = folder.part(8, "rank-0")
+    part.write_bytes(part.read_bytes()[:-1] + b"?")
+    assert str(folder.problem(8, "rank-0")).endswith("fails its checksum (damaged)")
+    (tmp_path / "step-8" / "rank-0.json").unlink()
+    assert "is incomplete" in str(folder.problem(8, "rank-0"))
+    folder.write(10, "rank-0", {})
+    folder.write(12, "rank-0", {})
+    assert folder.keep_newest(2) == [folder.step(8)] and folder.steps() == [12, 10]

@@ -41,8 +41,11 @@ def configs(tmp: Path, parallel: str, steps: int = STEPS) -> list[Path]:
     # a longer run than the checkpoint's says how its learning rate goes on: from where it is
     # (rewarm 0)
     extended = "optim: {rewarm_steps: 0}\n" if steps != STEPS else ""
+    # tests/tasks.py's points: a model of two Linear layers and no transformers to import, which
+    # would cost each of the 18 ranks' starts seconds of CPU the other tests need
     mode.write_text(
-        f"train: {{parallel: {parallel}, log_every: 20}}\nmodel: {{layers: 2}}\n"
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:points', options: {{size: 2048}}}}\n"
+        f"train: {{parallel: {parallel}, log_every: 20, shard_modules: [Linear]}}\n"
         f"slurm: {{step_retries: 2}}\n{extended}"
     )
     return [

@@ -163,6 +163,8 @@ def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(
         train__run_name="submitit",
         train__device="cpu",
         train__precision="fp32",
+        task__factory=f"{ROOT / 'tests' / 'tasks.py'}:points",  # as two_node_configs
+        task__options={"size": 2048},
     )
     run = tmp_path / "runs" / "submitit"
     wait_until(

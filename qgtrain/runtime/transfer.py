@@ -23,10 +23,10 @@ def exchange(sent: Path | None, to: int, source: int, received: Path, group: Any
     incoming = torch.zeros(1, dtype=torch.int64)
     _both(torch.tensor([size], dtype=torch.int64), to, incoming, source, group)
     total = int(incoming.item())
-    kept = bool(total)
     with ExitStack() as files:
         out = files.enter_context(open(sent, "rb")) if sent is not None else None
-        into = files.enter_context(open(received, "wb")) if total else None
+        into = _opened(received, files) if total else None
+        kept = into is not None
         for offset in range(0, max(size, total), WINDOW):
             window = _window(out, min(WINDOW, max(size - offset, 0)))
             arriving = torch.empty(min(WINDOW, max(total - offset, 0)), dtype=torch.uint8)
@@ -58,6 +58,15 @@ def receive(sender: int, received: Path, group: Any) -> None:
             arriving = torch.empty(min(WINDOW, total - offset), dtype=torch.uint8)
             dist.recv(arriving, sender, group)
             into.write(arriving.numpy().data)
+
+
+def _opened(path: Path, files: ExitStack) -> BinaryIO | None:
+    """`path` to write into, or None where it cannot be made: the bytes are still received, as
+    the sender waits, and not kept."""
+    try:
+        return files.enter_context(open(path, "wb"))
+    except OSError:
+        return None
 
 
 def _both(sent: torch.Tensor, to: int, into: torch.Tensor, source: int, group: Any) -> None:

@@ -1,12 +1,12 @@
 """The node-local tier: checkpoints every few steps on each node's own disk, each rank's part also
 kept on the next node, and the choice at start of the newest step every rank can restore.
 
-A save (in the checkpointer's background thread, on this tier's own gloo group): every rank writes
-its part (local_files.py), under ddp each node's local rank 0 also the whole model; each rank sends
-its part to the rank of the same local rank on the next node, which keeps it as a replica; once
-every rank is done (a barrier), each node drops its steps beyond checkpoint.local_keep, so a step is
-removed only after a newer one is complete everywhere. A write that fails is a warning: the shared
-tier stays the durable one.
+A save: every rank writes its part (local_files.py), under ddp each node's local rank 0 also the
+whole model; then, in the checkpointer's background thread on this tier's own gloo group, each rank
+sends its part to the same local rank on the next node, which keeps it as a replica, and once every
+rank is done (a barrier) each node drops its steps beyond checkpoint.local_keep, so a step is
+removed only after a newer one is complete everywhere. Under checkpoint.async_save the write is in
+the background too. A write that fails is a warning: the shared tier stays the durable one.
 
 A start: each rank checks what it holds (its own part, the replica it keeps, the whole model) by
 checksum, newest first, and names any copy it passes over in one line; the ranks gather what each
