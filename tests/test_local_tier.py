@@ -51,6 +51,8 @@ def settings(tmp: Path, parallel: str) -> list[str]:
         f"checkpoint.every_steps={SHARED_EVERY}",
         f"checkpoint.local_every_steps={LOCAL_EVERY}",
         f"checkpoint.local_dir={tmp}/node$GROUP_RANK",  # each node its own disk
+        # fsdp's saves, both tiers, in the background after a host copy
+        f"checkpoint.async_save={str(parallel == 'fsdp').lower()}",
         "logging.tensorboard=false",
         "--run-dir",
         str(tmp / "run"),

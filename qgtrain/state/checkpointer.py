@@ -118,10 +118,14 @@ class Checkpointer:
     ) -> None:
         """At start: checkpoint.every_minutes counts from here (building the parts trained nothing
         worth saving); for asynchronous saves that copy on this rank (`copies_here`), pin the host
-        buffers in the background (host_copy.py), so the first save does not stall on it."""
+        buffers in the background (host_copy.py), so the first save does not stall on it; the
+        node-local tier's too, where this rank copies the model's state for it."""
         self._saved_at = time.monotonic()
         if self.async_save:
             self._host_copy.prepare(saved_layouts(model, optimizer, copies_here))
+            if self.local is not None:
+                local = self.local.copies_state
+                self._local_copy.prepare(saved_layouts(model, optimizer, local))
 
     def save(
         self,

@@ -89,6 +89,12 @@ class LocalTier:
         self.writes_whole = not by_shards and env.local_rank == 0
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
+    @property
+    def copies_state(self) -> bool:
+        """Whether this rank's part holds the model's state: its shards, or its node's whole
+        model (ddp's local rank 0)."""
+        return self.by_shards or self.writes_whole
+
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0
 
