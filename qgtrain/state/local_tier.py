@@ -127,9 +127,13 @@ class LocalTier:
             if transfer.exchange(sent, self.neighbour, self.replica_of, staged, self.group):
                 self._attempt(f"keep {replica}", self.folder.commit, step, replica, staged)
         dist.barrier(group=self.group)
-        if self.env.local_rank == 0:
-            for gone in self.folder.keep_newest(self.keep):
-                log.debug("removed node-local checkpoint %s", gone)
+        if self.env.local_rank == 0:  # as the shared tier's rotation: a failure is a warning
+            try:
+                self.folder.keep_newest(self.keep)
+            except OSError as exc:
+                log.warning(
+                    "could not rotate node-local checkpoints in %s: %s", self.folder.path, exc
+                )
 
     def _attempt(self, what: str, write: Any, *args: Any) -> bool:
         try:
