@@ -160,10 +160,15 @@ def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(side
     job_id, run = seen["job"], seen["run"]
     assert seen["restarts"] == "2", "the same job id came back after each time limit"
     log = rank_log(run, 0)
-    stops = [int(step) for step in re.findall(r"stopping at step (\d+) on SIGUSR2", log)]
-    assert len(stops) == 2 and 0 < stops[0] < stops[1]
-    for restart, stopped in enumerate(stops, start=1):
-        assert f"stopping at step {stopped} on SIGUSR2: checkpoint saved" in log
+    # Whichever comes first stops the run: the signal (10-40 s ahead) or qgtrain's own reading of
+    # the limit (the steps to the next agreement, a checkpoint and a margin ahead). On a slow machine
+    # the second can win when the signal comes late; either way no step may be lost.
+    stops = re.findall(r"stopping at step (\d+) on (SIGUSR2|the time limit): checkpoint saved", log)
+    steps = [int(step) for step, _ in stops]
+    assert len(steps) == 2 and 0 < steps[0] < steps[1], [
+        line for line in log.splitlines() if "stopping" in line or "resumed" in line
+    ]
+    for restart, stopped in enumerate(steps, start=1):
         assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, (
             f"allocation {restart + 1} lost work after the time limit"
         )
