@@ -41,6 +41,7 @@ from .tasks import warm_imports
 from .tasks.build import TaskSource, build_task, naming_the_task
 from .training import trackers
 from .training.assembly import assemble
+from .training.goodput import Account
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
 from .training.parts import LoopParts, Settings
@@ -252,6 +253,7 @@ def _trainer(
         downstream=downstream_for(
             cfg, task.model, task.facts, strategy, resolved, run.eval, metrics.write_samples
         ),
+        account=Account(pin, env.job_start_time) if env.is_main else None,
     )
     # pins an async save's host buffers in the background
     checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())

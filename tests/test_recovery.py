@@ -174,3 +174,37 @@ def test_the_usable_nodes_are_those_up_in_the_partition_the_job_goes_to(partitio
         return CompletedProcess(command, 0, "\n".join(shown) + "\n", "")
 
     assert usable_nodes(partition, sinfo) == usable
+
+
+@pytest.mark.parametrize(
+    "notes, failure, attempt, spares, expected",
+    [
+        (
+            {},
+            DIED,
+            2,  # no retries left: a spare still takes the node's place
+            1,
+            Decision(
+                "retry",
+                "rank 1 on node2: Killed; retrying in this allocation on a spare node, without "
+                "node2 (0 spare(s) left)",
+                ("node2",),
+            ),
+        ),
+        ({}, DIED, 0, 0, Decision("retry", "retry 1 of 2 in this allocation")),
+        (MACHINE, None, 0, 1, Decision("retry", "retry 1 of 2 in this allocation")),  # no node
+        (OWN, DIED, 0, 2, decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1)),  # the run's own: end
+    ],
+    ids=["spare", "no-spare-left", "no-node-named", "own-failure"],
+)
+def test_a_failure_srun_places_on_a_node_is_retried_on_a_spare(
+    notes, failure, attempt, spares, expected
+):
+    assert decide(notes, failure, attempt, 2, 0, 20, True, {}, 1, None, spares) == expected
+
+
+def test_recover_counts_the_spares_earlier_retries_used(tmp_path):
+    rundir.write_status(tmp_path, "running", restart=0)
+    first = recover(tmp_path, KILLED, 137, 0, 0, 2, RETRY_TWICE, 0, spares=2)
+    second = recover(tmp_path, KILLED, 137, 1, 0, 2, RETRY_TWICE, 0, 2, ("node2", "node3"))
+    assert (first.line(), second.line()) == ("retry node2", "retry")

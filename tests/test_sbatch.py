@@ -50,7 +50,7 @@ def test_the_header_asks_for_what_requeue_and_preemption_need():
         "#SBATCH --output=jobs/out/%x-%j.out",
     ):
         assert line in script
-    assert 'srun --kill-on-bad-exit=1 "$PYTHON" -m qgtrain train' in script
+    assert 'run_steps --kill-on-bad-exit=1 "$PYTHON" -m qgtrain train' in script
     assert "SLURM_PROCID" not in script and "MASTER_" not in script, (
         "no rank or address logic in bash"
     )
@@ -692,3 +692,64 @@ def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
     )
     assert shown["slurm_srun_args"][1] == "--container-image=nvcr.io#nvidia/pytorch:24.08-py3"
     assert shown["slurm_python"] == "python"
+
+
+def test_a_step_that_fails_on_a_node_runs_again_on_a_spare_without_that_node(tmp_path):
+    """slurm.spare_nodes: the job asks for the spare and keeps its allocation when a node fails
+    (--no-kill); each step asks for slurm.nodes of it. The rendered script runs with a stand-in
+    srun that reports a rank killed on node2, then one on node3, then finishes; the real `qgtrain
+    recover` answers. The first retry leaves node2 out (on the spare); the second finds no spare
+    left, so it is an ordinary retry and node2 stays out."""
+    slurm = SlurmConfig(nodes=2, spare_nodes=1, tasks_per_node=2)
+    script = render(slurm, "config.yaml", python=sys.executable)
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --no-kill"):
+        assert line in script.splitlines()
+    (tmp_path / "config.yaml").write_text(
+        f"logging: {{runs_dir: '{tmp_path / 'runs'}'}}\ntrain: {{run_name: spare}}\n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'printf "%s " "$@" >> "$SRUN_ARGS"; echo >> "$SRUN_ARGS"\n'
+        'case $(wc -l < "$SRUN_ARGS") in\n'
+        '    1) echo "srun: error: node2: task 2: Killed" >&2; exit 137 ;;\n'
+        '    2) echo "srun: error: node3: task 0: Killed" >&2; exit 137 ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "srun").chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS": "6",  # the allocation's, spare included
+    }
+    done = subprocess.run(
+        ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    steps = [line.split() for line in (tmp_path / "srun.txt").read_text().splitlines()]
+    step = ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks=4"]
+    assert [s[:4] for s in steps] == [
+        step + [sys.executable],
+        ["--exclude=node2", *step],
+        ["--exclude=node2", *step],
+    ]
+    failures = json.loads((tmp_path / "runs" / "spare" / "status.json").read_text())["failures"]
+    assert [f["action"] for f in failures] == ["retry node2", "retry"]
+    assert "on a spare node, without node2 (0 spare(s) left)" in failures[0]["reason"]
+    assert failures[1]["reason"] == "retry 2 of 2 in this allocation"
+
+
+def test_a_submitit_job_with_a_spare_node_asks_for_it_and_runs_each_step_on_the_others():
+    from qgtrain.launch.submitit_params import executor_parameters
+
+    cfg = load_config([ROOT / "config.yaml"], ["slurm.nodes=2", "slurm.spare_nodes=1"])
+    params = executor_parameters(cfg, recover_args="--run-dir /r")
+    assert params["nodes"] == 3 and params["slurm_additional_parameters"]["no_kill"] is True
+    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2"]
+    setup = "\n".join(params["slurm_setup"])
+    assert "--ranks 2 --partition" in setup and "--spare-nodes 1 --away" in setup
+    assert 'srun() { run_steps "$@"; }' in setup

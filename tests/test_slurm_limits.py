@@ -161,8 +161,8 @@ def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(side
     assert seen["restarts"] == "2", "the same job id came back after each time limit"
     log = rank_log(run, 0)
     # Whichever comes first stops the run: the signal (10-40 s ahead) or qgtrain's own reading of
-    # the limit (the steps to the next agreement, a checkpoint and a margin ahead). On a slow machine
-    # the second can win when the signal comes late; either way no step may be lost.
+    # the limit (the steps to the next agreement, a checkpoint and a margin ahead). On a slow
+    # machine the second can win when the signal comes late; either way no step may be lost.
     stops = re.findall(r"stopping at step (\d+) on (SIGUSR2|the time limit): checkpoint saved", log)
     steps = [int(step) for step, _ in stops]
     assert len(steps) == 2 and 0 < steps[0] < steps[1], [

@@ -8,6 +8,7 @@ processes, the run directory's records, and the uninterrupted two-node reference
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tests.helpers import (
     ROOT,
     TWO_NODE_STEPS,
     TWO_NODES,
+    cli,
     final_weights,
     job,
     kill_rank,
@@ -45,40 +47,55 @@ def failures(run: Path) -> list[dict[str, object]]:
     return json.loads((run / "status.json").read_text()).get("failures", [])
 
 
-def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never_killed(
+def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_once(
     tmp_path, two_node_reference
 ):
-    """With a node-local tier every 10 steps (each node's folder its own: $SLURMD_NODENAME), the
-    retry resumes from it, not from the shared tier's step 100, and still ends as the reference."""
-    local = tmp_path / "local.yaml"
-    local.write_text(
+    """slurm.nodes 2 and slurm.spare_nodes 1: `qgtrain submit` asks for all three nodes, each step
+    runs on two. A rank killed at a random step leaves its node out of the next step, which runs
+    on the other two at once (no requeue, no wait in the queue), resumes from the node-local tier
+    (local saves every 10 steps between shared ones every 100; each node's folder its own,
+    $SLURMD_NODENAME), the spare receiving the parts it lacks from the nodes that kept them, and
+    ends as the uninterrupted run. The run's time adds up to the allocation's."""
+    chance = random.Random()
+    rank, at = chance.choice((0, 1)), chance.randint(110, 390)
+    at += 5 if at % 10 == 0 else 0  # not on a local save: steps are lost, then recomputed
+    settings = tmp_path / "spare.yaml"
+    settings.write_text(
+        "slurm: {nodes: 2, spare_nodes: 1, cpus_per_task: 1, time: '10'}\n"
         f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10}}\n"
     )
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=[*configs(tmp_path), local])
+    args = [a for c in [*configs(tmp_path), settings] for a in ("--config", str(c))]
+    done = cli("submit", *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = re.findall(r"job (\d+)", done.stdout)[0]
     run = tmp_path / "runs" / "cpu"
-    wait_until(
-        lambda: logged_step(run) >= 150, 180, "training to pass step 150 (a checkpoint at 100)"
-    )
+    wait_until(lambda: logged_step(run) >= at, 240, f"training to pass step {at}")
     killed = time.time()
-    kill_rank(job_id, 1)
-    assert wait_finished(job_id, timeout=600) == "COMPLETED"
-    assert job(job_id)["Restarts"] == "0", "recovered inside the allocation, not requeued"
+    kill_rank(job_id, rank)
+    assert wait_finished(job_id, timeout=600) == "COMPLETED", (rank, at)
+    shown = job(job_id)
+    assert shown["Restarts"] == "0" and shown["NodeList"] == "node[1-3]", shown
+    lost = f"node{rank + 1}"
     (failure,) = failures(run)
     assert (failure["node"], failure["rank"], failure["how"], failure["action"]) == (
-        "node2",
-        1,
+        lost,
+        rank,
         "Killed",
-        "retry",
-    )
+        f"retry {lost}",
+    ), (rank, at)
     assert failure["last_line"], "the killed rank's last log line"
+    # each rank's node, start by start
+    nodes = [re.findall(r"rank \d+ on node (\S+) ", rank_log(run, r)) for r in (0, 1)]
+    assert [n[0] for n in nodes] == ["node1", "node2"]
+    assert [n[1] for n in nodes] == sorted({"node1", "node2", "node3"} - {lost}), (rank, at)
     log = rank_log(run, 0)
     tier = re.search(
-        rf"resumed from {tmp_path}/disk/node1/qgtrain-\w+/step-(\d+): step \d+, epoch \d+ "
-        r"\(node-local tier\)",
+        rf"resumed from {tmp_path}/disk/{nodes[0][1]}/qgtrain-\w+/step-(\d+): step \d+, "
+        r"epoch \d+ \(node-local tier",
         log,
     )
-    assert tier and int(tier.group(1)) >= 150, log
-    ports = re.findall(r"rendezvous node1:(\d+)", log)
+    assert tier and int(tier.group(1)) >= at // 10 * 10, log
+    ports = re.findall(r"rendezvous node\d:(\d+)", log)
     assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
     back = time.mktime(time.strptime(resumed_line[:19], "%Y-%m-%d %H:%M:%S"))
@@ -86,8 +103,17 @@ def test_a_rank_killed_mid_run_is_retried_in_the_allocation_and_ends_as_if_never
     print(f"kill to training again: {back - killed:.0f} s")
     resumed = final_weights(run, TWO_NODE_STEPS)
     assert all(torch.equal(two_node_reference[k], resumed[k]) for k in two_node_reference), (
-        "final weights differ"
+        f"final weights differ (rank {rank} killed after step {at})"
     )
+    spent = json.loads((run / "status.json").read_text())["time"]
+    assert spent["starts"] == 2 and spent["seconds"]["recomputed"] > 0, spent
+    took = [
+        time.mktime(time.strptime(shown[key], "%Y-%m-%dT%H:%M:%S"))
+        for key in ("StartTime", "EndTime")
+    ]
+    allocation = took[1] - took[0]
+    print(f"goodput ledger {sum(spent['seconds'].values()):.1f} s, allocation {allocation:.0f} s")
+    assert abs(sum(spent["seconds"].values()) - allocation) <= 0.02 * allocation, spent
 
 
 def test_the_runs_own_failure_is_not_retried(tmp_path):

@@ -58,7 +58,7 @@ class SyncWatch:
     def install(self) -> None:
         import torch
 
-        from qgtrain.training import timing, trainer
+        from qgtrain.training import assembly, timing
 
         watch, base = self, timing.StepTimer
 
@@ -74,12 +74,12 @@ class SyncWatch:
                     torch.cuda.set_sync_debug_mode("warn")
                 super().start_step()
 
-            def training_done(self) -> None:
-                super().training_done()
+            def training_done(self, step: int) -> None:
+                super().training_done(step)
                 torch.cuda.set_sync_debug_mode("default")
                 watch.current = 0
 
-        trainer.StepTimer = WatchedTimer  # type: ignore[misc]
+        assembly.StepTimer = WatchedTimer  # type: ignore[misc]
 
     def self_test(self) -> bool:
         """Whether a deliberate `.item()` under the watch is seen (else a clean result proves

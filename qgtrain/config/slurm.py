@@ -38,6 +38,13 @@ class SlurmConfig:
         min=0,
         max=10,
     )
+    spare_nodes: int = setting(
+        0,
+        "nodes asked for beyond slurm.nodes and kept idle: a step that fails on a node is run "
+        "again at once on a spare, without that node, in the same allocation",
+        min=0,
+        max=64,
+    )
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting(

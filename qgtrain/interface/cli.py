@@ -220,6 +220,12 @@ def _recover_command(sub: Any) -> None:
     recover.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
     recover.add_argument("--ranks", type=int, required=True, help="SLURM_NTASKS")
     recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
+    recover.add_argument(
+        "--spare-nodes", type=int, default=0, help="the allocation's spare nodes (as rendered)"
+    )
+    recover.add_argument(
+        "--away", default="", help="nodes earlier retries left out, comma-separated"
+    )
     recover.add_argument("--run-dir", type=Path, help="the run directory (default: the config's)")
     recover.set_defaults(func=commands.recover)
 

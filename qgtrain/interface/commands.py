@@ -108,7 +108,9 @@ def recover(args: argparse.Namespace) -> int:
         args.restart,
         args.ranks,
         cfg.slurm,
-        nodes.spare_nodes(args.partition, cfg.slurm.nodes),
+        nodes.free_nodes(args.partition, cfg.slurm.nodes + args.spare_nodes),
+        args.spare_nodes,
+        tuple(node for node in args.away.split(",") if node),
     )
     print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
     print(decision.line())

@@ -40,7 +40,7 @@ def usable_nodes(partition: str, run: Runner = subprocess.run) -> set[str] | Non
     return usable
 
 
-def spare_nodes(partition: str, needed: int, run: Runner = subprocess.run) -> int | None:
+def free_nodes(partition: str, needed: int, run: Runner = subprocess.run) -> int | None:
     """Nodes of the partition that are up beyond the `needed` ones (None where sinfo cannot say)."""
     usable = usable_nodes(partition, run)
     return None if usable is None else max(len(usable) - needed, 0)
@@ -63,10 +63,11 @@ def check_exclusions(slurm: SlurmConfig, run: Runner = subprocess.run) -> None:
         raise ConfigError(
             f"slurm.extra_sbatch: --exclude={excluded[0]} is not a Slurm hostlist ({exc})"
         ) from None
-    if len(left) < slurm.nodes:
+    if len(left) < slurm.nodes + slurm.spare_nodes:
         where = f"partition {slurm.partition}" if slurm.partition else "the default partition"
+        spares = f" and slurm.spare_nodes={slurm.spare_nodes}" if slurm.spare_nodes else ""
         raise ConfigError(
             f"slurm.extra_sbatch: --exclude={','.join(excluded)} leaves {len(left)} of the "
             f"{len(usable)} usable nodes of {where}, and the job asks for "
-            f"slurm.nodes={slurm.nodes}. HINT: exclude fewer nodes, or ask for fewer"
+            f"slurm.nodes={slurm.nodes}{spares}. HINT: exclude fewer nodes, or ask for fewer"
         )

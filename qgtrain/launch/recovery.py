@@ -8,7 +8,8 @@ the machine's failure or the run's own), NCCL's aborts and Flight Recorder dumps
 NCCL's watchdog took down leaves no note), and the run's history of failures per node. The answer is
 one line the script acts on:
 
-    retry                  a new srun step in this allocation, from the last committed checkpoint
+    retry [NODE]           a new srun step in this allocation, from the last committed checkpoint
+                           (without NODE, on a spare node: slurm.spare_nodes)
     requeue [NODE[,NODE]]  requeue the job, keeping it away from these nodes
     end                    the run's own failure (a new attempt would fail the same way), or
                            nothing left
@@ -81,13 +82,18 @@ def decide(
     max_restarts: int,
     requeue: bool,
     failures_per_node: dict[str, int],
-    spare_nodes: int | None,
+    free_nodes: int | None,
     nccl: aborts.Abort | None = None,
+    spares_left: int = 0,
 ) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
-    `failures_per_node`: this run's failures so far, this one included; `spare_nodes`: nodes the
+    `failures_per_node`: this run's failures so far, this one included; `free_nodes`: nodes the
     partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
-    dumps say (the machine's failure, so retried like a rank that died, and named in the reason)."""
+    dumps say (the machine's failure, so retried like a rank that died, and named in the reason);
+    `spares_left`: the allocation's spare nodes no step has left out yet.
+
+    A failure srun places on a node is retried on a spare, without that node, whatever retries
+    are left: a spare is used once, so these retries are bounded too."""
     own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
     if own:
         rank, note = min(own.items())
@@ -103,6 +109,8 @@ def decide(
             "is in the job's output",
         )
     said = f"{nccl.text()}; " if nccl else ""
+    if failure is not None and spares_left > 0:
+        return _on_a_spare(failure, spares_left, said)
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
@@ -113,7 +121,7 @@ def decide(
             f"of at most {max_restarts})",
         )
     repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
-    exclude = tuple(repeat) if spare_nodes is not None and len(repeat) <= spare_nodes else ()
+    exclude = tuple(repeat) if free_nodes is not None and len(repeat) <= free_nodes else ()
     why = f"{said}{step_retries} retries in this allocation failed; requeueing"
     if repeat and not exclude:
         why += (
@@ -125,6 +133,15 @@ def decide(
     return Decision("requeue", why, exclude)
 
 
+def _on_a_spare(failure: TaskFailure, spares_left: int, said: str) -> Decision:
+    return Decision(
+        "retry",
+        f"{said}rank {failure.rank} on {failure.node}: {failure.how}; retrying in this "
+        f"allocation on a spare node, without {failure.node} ({spares_left - 1} spare(s) left)",
+        (failure.node,),
+    )
+
+
 def recover(
     run_dir: Path,
     srun_log: Path | str,
@@ -133,10 +150,15 @@ def recover(
     restart: int,
     world_size: int,
     slurm: SlurmConfig,
-    spare_nodes: int | None,
+    free_nodes: int | None,
+    spares: int = 0,
+    away: tuple[str, ...] = (),
 ) -> Decision:
     """Decide, and record the failure and the decision in the run's status (the script acts on
-    it). A run directory others can write is refused first: the job ends rather than act on it."""
+    it). `spares`: the spare nodes the script's allocation holds (slurm.spare_nodes when it was
+    rendered); `away`: the nodes earlier retries of this allocation left out, each in a spare's
+    place.
+    A run directory others can write is refused first: the job ends rather than act on it."""
     rundir.require_safe(run_dir)
     run = rundir.RunDir(run_dir)
     if isinstance(srun_log, Path):
@@ -169,8 +191,9 @@ def recover(
         slurm.max_restarts,
         slurm.requeue,
         per_node,
-        spare_nodes,
+        free_nodes,
         nccl,
+        max(spares - len(away), 0),
     )
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])

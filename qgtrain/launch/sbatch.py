@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
 from ..config.slurm import runs_from_snapshot
-from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED, QgtrainError
+from ..foundation.errors import QgtrainError
 from ..foundation.files import owner_writes_only, write_atomic
 from .slurm_checks import validate
+from .steps import retry_steps, step_options, tasks_per_node
 from .submit_host import snapshot_first, submitting_python
 
 if TYPE_CHECKING:
@@ -55,10 +56,6 @@ fi
 
 class SubmissionError(QgtrainError):
     """sbatch refused the job; carries what it said."""
-
-
-def tasks_per_node(slurm: SlurmConfig) -> int:
-    return slurm.gpus_per_node or slurm.tasks_per_node or 1
 
 
 def launch_lines(slurm: SlurmConfig, python: str | None = None) -> tuple[str, str, str]:
@@ -118,13 +115,13 @@ def render(
     first_start = FIRST_START_SNAPSHOT if runs_from_snapshot(slurm) else ""
     moves = code if code is not None else first_start
     launch = launch_lines(slurm, python)
-    return _script(header, setup, default, slurm.max_restarts, launch, moves, after, command)
+    return _script(header, setup, default, slurm, launch, moves, after, command)
 
 
 def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     options = [
         f"--job-name={slurm.job_name}",
-        f"--nodes={slurm.nodes}",
+        f"--nodes={slurm.nodes + slurm.spare_nodes}",
         f"--ntasks-per-node={tasks_per_node(slurm)}",
         f"--cpus-per-task={slurm.cpus_per_task}",
     ]
@@ -138,6 +135,8 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     options += [
         f"--time={slurm.time}",
         "--requeue" if slurm.requeue else "--no-requeue",
+        # a node that fails must not end the allocation its spares are in
+        *(["--no-kill"] if slurm.spare_nodes else []),
         f"--signal={slurm.signal}@{slurm.signal_lead_s}",
         "--open-mode=append",
         f"--output={slurm.output_dir}/%x-{'%A_%a' if array else '%j'}.out",
@@ -150,56 +149,11 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     return options
 
 
-def retry_steps(max_restarts: int) -> str:
-    """`run_steps COMMAND...`: run a training step until it finishes, stops at a checkpoint, or
-    fails for good.
-
-    A rank that dies takes its step down at once (srun --kill-on-bad-exit, in the command); srun's
-    report of which task failed, where and how is kept for `qgtrain recover` (run by $RECOVER_PYTHON
-    with the arguments in recover_args), whose answer is carried out: another step here, a requeue
-    (away from a node that keeps failing), or the end. The step's exit code is returned."""
-    return f"""run_steps() {{
-    local said attempt=0 status decision action exclude
-    local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
-    said=$(mktemp)
-    while true; do
-        {{ "$@" 2>&1 1>&3 3>&- | (trap '' TERM HUP USR1 USR2; exec tee "$said" >&2); }} 3>&1
-        status=${{PIPESTATUS[0]}}
-        case "$status" in
-            0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
-            {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol there)
-                [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ] && scontrol requeue "$job"
-                break ;;
-        esac
-        decision=$("$RECOVER_PYTHON" -m qgtrain recover "${{recover_args[@]}}" --exit-code "$status" \
-            --attempt "$attempt" --srun-log "$said" --restart "${{SLURM_RESTART_COUNT:-0}}" \
-            --ranks "${{SLURM_NTASKS:-1}}" --partition "${{SLURM_JOB_PARTITION:-}}") || break
-        read -r action exclude <<< "$decision"
-        if [ "$action" = retry ]; then
-            attempt=$((attempt + 1))
-            sleep $((2 * attempt))
-        elif [ "$action" = requeue ] && [ -n "$exclude" ]; then
-            trap '' TERM  # requeueing ends this script; finish the three calls first
-            scontrol requeuehold "$job" && scontrol update JobId="$job" ExcNodeList="$exclude"
-            scontrol release "$job"
-            break
-        elif [ "$action" = requeue ]; then
-            scontrol requeue "$job"
-            break
-        else
-            break
-        fi
-    done
-    rm -f "$said"
-    return "$status"
-}}"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
-
-
 def _script(
     header: str,
     setup: str,
     default: str,
-    max_restarts: int,
+    slurm: SlurmConfig,
     launch: tuple[str, str, str],
     code: str,
     after: str,
@@ -208,6 +162,7 @@ def _script(
     """The script's text: no rank, address or port logic; srun steps until the run is done or
     requeued. `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
+    steps = retry_steps(slurm)
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -227,8 +182,8 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 
 RECOVER_PYTHON=${recover}
 {code}recover_args=("${{args[@]}}")
-{retry_steps(max_restarts)}
-run_steps srun --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
+{steps}
+run_steps --kill-on-bad-exit=1 {step_options(slurm)}{srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
 {f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
 """  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 

@@ -15,8 +15,8 @@ from ..config.slurm import runs_from_snapshot
 from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code
 from .runfrom import shell_lines
-from .sbatch import retry_steps, tasks_per_node
 from .slurm_checks import time_minutes, validate
+from .steps import retry_steps, step_options, tasks_per_node
 
 
 def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
@@ -69,13 +69,13 @@ def executor_parameters(
     validate(s)
     params: dict[str, Any] = {
         "name": s.job_name,
-        "nodes": s.nodes,
+        "nodes": s.nodes + s.spare_nodes,
         "tasks_per_node": tasks_per_node(s),
         "cpus_per_task": s.cpus_per_task,
         "timeout_min": time_minutes(s.time),
         "slurm_signal_delay_s": s.signal_lead_s,
         # a rank that dies takes the step down at once, as in train.slurm
-        "slurm_srun_args": ["--kill-on-bad-exit=1"],
+        "slurm_srun_args": ["--kill-on-bad-exit=1", *step_options(s).split()],
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
@@ -85,6 +85,8 @@ def executor_parameters(
         if getattr(s, key):
             params[f"slurm_{key}"] = getattr(s, key)
     extra: dict[str, Any] = {"requeue": True} if s.requeue else {"no_requeue": True}
+    if s.spare_nodes:  # a node that fails must not end the allocation its spares are in
+        extra["no_kill"] = True
     for option in s.extra_sbatch:
         name, _, value = option[2:].partition("=")
         extra[name.replace("-", "_")] = value or True
@@ -103,8 +105,8 @@ def executor_parameters(
         params["slurm_setup"] += [
             f"RECOVER_PYTHON={shlex.quote(sys.executable)}",
             f"recover_args=({recover_args})",
-            retry_steps(s.max_restarts),
-            'srun() { run_steps command srun "$@"; }',
+            retry_steps(s),
+            'srun() { run_steps "$@"; }',
         ]
     return params
 

@@ -28,6 +28,7 @@ from ..config import EarlyStoppingConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.terminal import shown
 from ..state import checkpoint, rundir
+from ..training.goodput import Ledger
 from ..training.metrics import read_metrics
 
 
@@ -51,6 +52,8 @@ class RunSummary:
     error: str | None
     swept: dict[str, str]  # the values its sweep gave it (empty outside a sweep)
     resumed: str | None = None  # where its latest start resumed: the step and the tier
+    # where its time went, as shares of the whole (training/goodput.py)
+    time: str | None = None
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -100,7 +103,26 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         error=str(status["error"]) if status.get("error") else None,
         swept=swept or {},
         resumed=_resumed(status.get("resumed")),
+        time=_time(run),
     )
+
+
+def _time(run: Path) -> str | None:
+    ledger = Ledger.read(run)
+    if not ledger.starts or ledger.total() <= 0:
+        return None
+    shares = ", ".join(
+        f"{kind} {share:.0%}" for kind, share in ledger.shares().items() if share >= 0.0005
+    )
+    starts = f"{ledger.starts} start{'s' if ledger.starts > 1 else ''}"
+    return f"{_duration(ledger.total())} in {starts}: {shares}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes = seconds / 60
+    return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
 
 def _resumed(recorded: object) -> str | None:
@@ -140,8 +162,14 @@ def _failures(status: dict[str, object]) -> list[str]:
                 if "rank" in failure
                 else f"exit {failure.get('exit_code')}"
             )
-            described.append(f"{where} -> {failure.get('action', '?')}")
+            described.append(f"{where} -> {_followed(str(failure.get('action', '?')))}")
     return described
+
+
+def _followed(action: str) -> str:
+    """recover's answer as a reader wants it: `retry node2` retried on a spare node."""
+    what, _, nodes = action.partition(" ")
+    return f"retry on a spare node, without {nodes}" if what == "retry" and nodes else action
 
 
 def _status(run: Path, status: dict[str, object]) -> str:
@@ -211,6 +239,7 @@ def as_table(rows: list[RunSummary]) -> str:
     ]
     lines += [f"{fmt(r.name)}: {fmt(r.error)}" for r in rows if r.status == "failed" and r.error]
     lines += [f"{fmt(r.name)}: last resumed at {r.resumed}" for r in rows if r.resumed]
+    lines += [f"{fmt(r.name)}: time {r.time}" for r in rows if r.time]
     lines += [
         f"{fmt(r.name)}: failed step {i}: {fmt(failure)}"
         for r in rows

@@ -282,7 +282,7 @@ class Checkpointer:
                     error or f"rank {self.env.rank} cannot write its shard into {staging}: {why}"
                 )
         gathered = gather_to_main((entries, error), group=self.group)
-        self._still_pinned()  # before the commit renames it into checkpoints/
+        self._still_pinned(staging)  # before the commit renames it into checkpoints/
         outcome = (
             self._commit(step, staging, gathered, meta, started) if gathered is not None else None
         )
@@ -294,10 +294,14 @@ class Checkpointer:
             )
         return self.root / layout.step_folder(step), list(entries)
 
-    def _still_pinned(self) -> None:
+    def _still_pinned(self, staging: Path | None = None) -> None:
         """Rank 0 checks that the run folder is the one checked at start (Pinned), and every rank
-        stops alike if not: nothing more is written into a folder someone put in its place."""
+        stops alike if not: nothing more is written into a folder someone put in its place. A
+        `staging` folder the ranks wrote while it was swapped in is taken out of it again (by
+        shutil's fd-based removal, which follows no link planted meanwhile)."""
         line = self.pin.replaced() if self.pin is not None and self.env.is_main else None
+        if line and staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if line := objects.broadcast(line, self.group, "run folder check"):
             raise FolderReplaced(line)
 

@@ -303,6 +303,11 @@ def write_status(run_dir: Path, status: str, **facts: object) -> None:
     write_atomic(RunDir(run_dir).status, json.dumps(record))
 
 
+def add_to_status(run_dir: Path, **facts: object) -> None:
+    """Merge facts into the run's status, its state as it was."""
+    write_status(run_dir, str(read_status(run_dir).get("status", "running")), **facts)
+
+
 def read_status(run_dir: Path) -> dict[str, object]:
     try:
         record = json.loads(RunDir(run_dir).status.read_text())

@@ -59,7 +59,7 @@ def assemble(parts: LoopParts, settings: Settings, env: DistEnv, device: torch.d
     batches = train_batches(
         parts.loaders, train.batch_size * env.world_size, train.collective_timeout_s
     )
-    timer = StepTimer(0)
+    timer = StepTimer(0, parts.account)
     ema = Ema(model, train.ema_decay, parts.strategy)
     validator = Validator(
         model,

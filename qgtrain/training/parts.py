@@ -17,6 +17,7 @@ from ..foundation.task import ReadyTask
 from ..runtime.deadline import Deadline
 from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
+from .goodput import Account
 from .metrics import MetricsLog
 from .profiling import StepProfiler
 from .strategy import Strategy
@@ -40,6 +41,7 @@ class LoopParts:
     profiler: StepProfiler
     strategy: Strategy
     downstream: Downstream | None = None  # eval.tasks, scored beside every validation
+    account: Account | None = None  # rank 0's: where the run's time goes (goodput.py)
 
 
 @dataclass(frozen=True)

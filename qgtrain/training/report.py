@@ -125,12 +125,12 @@ class Reporter:
         )
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
-        utilised = utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world)
         record.update(
+            {"goodput": interval.goodput} if interval.goodput is not None else {},
             data_wait_frac=interval.data_s / interval.busy_s,
             time=time.time(),
             **memory_gb(self.device),
-            **utilised,
+            **utilisation(self.task.flops_per_sample, samples_per_s, self.peak_flops, world),
         )
         self.metrics.warn_memory(self.env.rank, state.step, record)
         evaluation = {**prefixed("val", state.val_metrics), **state.eval_metrics}

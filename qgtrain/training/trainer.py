@@ -58,6 +58,7 @@ class Trainer:
         try:
             outcome = self._loop()
             self.parts.checkpointer.wait()  # an asynchronous save may still be writing
+            self.timer.close()
             return outcome
         except (RuntimeError, ConnectionError) as exc:  # OutOfMemoryError is a RuntimeError
             explained = diagnose.explain(
@@ -161,7 +162,7 @@ class Trainer:
         skip = self.spikes.judge(loss_sum, step, self.health.bad_grads)
         self.ema.update(apply_update(self.parts.optimizer, self.parts.scaler, skip))
         self.parts.optimizer.zero_grad(set_to_none=True)
-        self.timer.training_done()
+        self.timer.training_done(step)
         if self.spikes.dropped(step):
             return False
         self.state.step = step
