@@ -7,8 +7,8 @@ is what a user weighs against the checkpoint cadence or a spare node. Rank 0 kee
 ledger in status.json under `time`, written at every report and at the end of each start:
 
     training     steps the run reaches for the first time
-    recomputed   steps at or below the highest an earlier start reached: lost to a failure and
-                 trained again
+    recomputed   steps at or below the highest an earlier start recorded: lost to a failure and
+                 trained again (those after its last record are lost into `waiting`)
     checkpoint   what the loop waits for a checkpoint (the write itself when it is blocking)
     evaluation   validations, test evaluations and downstream tasks
     startup      a start's process start to its first step (imports, rendezvous, restore)
