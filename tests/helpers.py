@@ -266,8 +266,11 @@ def kill_rank(job_id: str, rank: int) -> None:
         except OSError:
             continue
         training = b"qgtrain\0train" in cmdline or b"submitit.core._submit" in cmdline
+        # srun's own command line names the same, and the batch shell's SLURM_PROCID is 0
+        launcher = Path(cmdline.split(b"\0")[0].decode(errors="replace")).name == "srun"
         if (
             training
+            and not launcher
             and f"SLURM_JOB_ID={job_id}".encode() in environ
             and f"SLURM_PROCID={rank}".encode() in environ
         ):

@@ -113,8 +113,10 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     ]
     allocation = took[1] - took[0]
     print(f"goodput ledger {sum(spent['seconds'].values()):.1f} s, allocation {allocation:.0f} s")
-    # Slurm's clock has whole seconds: within 2% of the allocation, or a second of a short one
-    assert abs(sum(spent["seconds"].values()) - allocation) <= max(0.02 * allocation, 1.0), spent
+    # Within 2% of the allocation, or 2 s of a short one: the ledger's last write comes before
+    # the ranks' exit and the batch script's end (about a second here), and Slurm's clock has
+    # whole seconds.
+    assert abs(sum(spent["seconds"].values()) - allocation) <= max(0.02 * allocation, 2.0), spent
 
 
 def test_the_runs_own_failure_is_not_retried(tmp_path):
