@@ -33,8 +33,9 @@ LAB = Path(os.environ.get("QGTRAIN_SLURM_LAB", "/tmp/qgtrain-slurm"))
 # pytest-xdist's units of work: a unit runs whole on one worker. The tests that use the Slurm
 # cluster, and only they, live in files named so, and are one unit: the session fixtures built on
 # the cluster exist once, and its tests take turns on the nodes of its default partition, which some
-# take down or throttle. SIDE_TESTS, which mostly wait out real time limits, are a second unit on
-# the cluster's side partition, beside the first: both workers share the one cluster. A module whose
+# take down or throttle. The jobs of SIDE_TESTS, which mostly wait out real time limits on the
+# cluster's side partition, are submitted when the cluster starts (tests/slurm_side.py), so their
+# minutes pass while the unit's other tests run, and the tests read what they did. A module whose
 # tests share a module-scoped fixture (a reference run trained once) is one unit, or each worker
 # would build the fixture again. Every other test is a unit of its own.
 CLUSTER_TESTS = "tests/test_slurm"
@@ -63,8 +64,6 @@ SHARED_FIXTURE_MODULES = (
 
 def work_unit(nodeid: str) -> str:
     module = nodeid.split("::")[0]
-    if module == SIDE_TESTS:
-        return "slurm-side"
     if module.startswith(CLUSTER_TESTS):
         return "slurm-cluster"
     return module if module in SHARED_FIXTURE_MODULES else nodeid
@@ -114,11 +113,13 @@ CLUSTER_USERS = Path("/tmp/qgtrain-slurm.users")  # {"run": test run id, "pids":
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[Path]:
+def slurm_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
     """A running Slurm cluster of five nodes, node1-3 in the default partition and node4-5 in
     `side`; yields its slurm.conf. Clients find it through SLURM_CONF. The workers of one test run
     share it: the first starts it, the last to finish stops it (by PID), and another test run waits
-    for them instead of sharing it."""
+    for them instead of sharing it. When SIDE_TESTS are to run, their jobs start at once."""
     if os.geteuid() != 0:
         _cannot_start("the Slurm test cluster needs root (it starts munged, slurmctld and slurmd)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
@@ -127,6 +128,10 @@ def slurm_cluster() -> Iterator[Path]:
     saved = {key: os.environ.get(key) for key in ("SLURM_CONF", "QGTRAIN_PYTHON")}
     os.environ["SLURM_CONF"] = str(LAB / "slurm.conf")
     os.environ["QGTRAIN_PYTHON"] = sys.executable  # batch scripts train with this interpreter
+    if any(item.nodeid.startswith(SIDE_TESTS) for item in request.session.items):
+        from tests import slurm_side
+
+        slurm_side.start(tmp_path_factory)
     try:
         yield LAB / "slurm.conf"
     finally:
