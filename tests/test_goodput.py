@@ -62,3 +62,13 @@ def test_a_killed_and_resumed_run_accounts_for_all_its_time_and_its_recomputed_s
         f"cpu: time {total:.1f} s in 2 starts: training {seconds['training'] / total:.0%}" in shown
     )
     assert f"recomputed {seconds['recomputed'] / total:.0%}" in shown, shown
+
+
+def test_the_goodput_model_saves_at_the_interval_that_wastes_least():
+    """bench/goodput.py's Young/Daly interval: any other interval wastes more."""
+    from bench.goodput import best_interval, wasted
+
+    save_s, restart_s, mtbf_s = 0.907, 11.0, 3.1 * 3600
+    best = best_interval(save_s, mtbf_s)
+    least = wasted(best, save_s, restart_s, mtbf_s)
+    assert all(wasted(best * f, save_s, restart_s, mtbf_s) > least for f in (0.5, 0.9, 1.1, 2))
