@@ -89,8 +89,14 @@ class Lifecycle:
         self._training = True
 
     def ended(self, status: str, **facts: object) -> None:
-        if self.env.is_main:
+        """Rank 0 records how the start ended. A record that cannot be written (a full disk) is
+        a warning: it must not take the place of the failure it was to record."""
+        if not self.env.is_main:
+            return
+        try:
             rundir.write_status(self.run_dir, status, **facts)
+        except OSError as exc:
+            log.warning("status.json does not say %s: %s", status, exc)
 
     @contextlib.contextmanager
     def failures_recorded(self) -> Iterator[None]:

@@ -23,6 +23,7 @@ write.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..foundation.pinned import Pinned
 from ..runtime.startup import process_age_s
 from ..state import rundir
 
+log = logging.getLogger("qgtrain")
 KINDS = ("training", "recomputed", "checkpoint", "evaluation", "startup", "other", "waiting")
 
 
@@ -92,6 +94,7 @@ class Account:
         self.waited = max(self.began - since, 0.0) if since is not None else 0.0
         self.mine = dict.fromkeys(KINDS, 0.0)
         self.reached = self.before.reached
+        self._failed = False
 
     def training_begins(self) -> None:
         """The first step is about to start: what came before it was the start's."""
@@ -119,8 +122,14 @@ class Account:
 
     def write(self) -> float:
         """Record the ledger in status.json (not in a folder put in the run folder's place: the
-        next checkpoint stops the run); returns the run's goodput so far."""
+        next checkpoint stops the run); returns the run's goodput so far. A write that fails (a
+        full disk) is said once and costs the run nothing: its checkpoints say what matters."""
         ledger = self.ledger()
-        if self.run.replaced() is None:
-            rundir.add_to_status(self.run.path, time=ledger.as_json())
+        try:
+            if self.run.replaced() is None:
+                rundir.add_to_status(self.run.path, time=ledger.as_json())
+        except OSError as exc:
+            if not self._failed:
+                log.warning("the run's time is not recorded in status.json: %s", exc)
+            self._failed = True
         return ledger.shares().get("training", 0.0)
