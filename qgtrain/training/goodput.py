@@ -48,19 +48,20 @@ class Ledger:
 
     @classmethod
     def read(cls, run_dir: Path) -> Ledger:
+        """The ledger status.json holds; an empty one where it holds none it can read (a run
+        begun before qgtrain kept one, a file edited by hand)."""
         kept = rundir.read_status(run_dir).get("time")
-        if not isinstance(kept, dict):
+        if not isinstance(kept, dict) or not isinstance(kept.get("seconds"), dict):
             return cls()
-        seconds = kept.get("seconds")
-        return cls(
-            {
-                kind: float(seconds.get(kind, 0.0)) if isinstance(seconds, dict) else 0.0
-                for kind in KINDS
-            },
-            int(kept.get("reached", 0)),
-            int(kept.get("starts", 0)),
-            float(kept["written"]) if isinstance(kept.get("written"), (int, float)) else None,
-        )
+        try:
+            return cls(
+                {kind: float(kept["seconds"].get(kind, 0.0)) for kind in KINDS},
+                int(kept.get("reached", 0)),
+                int(kept.get("starts", 0)),
+                float(kept["written"]) if kept.get("written") is not None else None,
+            )
+        except (TypeError, ValueError):
+            return cls()
 
     def total(self) -> float:
         return sum(self.seconds.values())
