@@ -208,3 +208,29 @@ def test_recover_counts_the_spares_earlier_retries_used(tmp_path):
     first = recover(tmp_path, KILLED, 137, 0, 0, 2, RETRY_TWICE, 0, spares=2)
     second = recover(tmp_path, KILLED, 137, 1, 0, 2, RETRY_TWICE, 0, 2, ("node2", "node3"))
     assert (first.line(), second.line()) == ("retry node2", "retry")
+
+
+# What srun prints when a node of the step stops answering (its _node_fail_handler), with no line
+# for the tasks that ran there.
+NODE_LOST = "srun: error: Node failure on node[2-3]\nsrun: Force Terminated StepId=48872078.4\n"
+
+
+def test_a_node_srun_says_failed_is_left_out_on_a_spare_and_counted_against_it(tmp_path):
+    from qgtrain.launch.recovery import lost_nodes
+
+    assert lost_nodes(NODE_LOST) == ["node2", "node3"] and lost_nodes(KILLED) == []
+    assert decide({}, None, 0, 2, 0, 20, True, {}, 1, None, 1, "node2") == Decision(
+        "retry",
+        "srun: Node failure on node2; retrying in this allocation on a spare node, without node2 "
+        "(0 spare(s) left)",
+        ("node2",),
+    )
+    rundir.write_status(tmp_path, "running", restart=0)
+    assert recover(tmp_path, NODE_LOST, 1, 0, 0, 2, RETRY_TWICE, 1, spares=1).line() == (
+        "retry node2"
+    )
+    # no spare left: two failures of node2 keep it away from the requeued job
+    last = recover(tmp_path, NODE_LOST, 1, 2, 0, 2, RETRY_TWICE, 2, 1, ("node2",))
+    assert last.line() == "requeue node2,node3"
+    failures = json.loads((tmp_path / "status.json").read_text())["failures"]
+    assert [f["lost"] for f in failures] == [["node2", "node3"]] * 2

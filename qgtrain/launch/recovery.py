@@ -26,12 +26,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import hostlist
+
 from ..config import SlurmConfig
 from ..state import rundir
 from ..state.lifecycle import read_note
 from . import aborts
 
 _TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
+# srun's _node_fail_handler: a node of the step stopped answering (its tasks may get no line)
+_NODE_LINE = re.compile(r"^srun: error: Node failure on (?P<nodes>\S+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,18 @@ def task_failures(srun_log: str) -> list[TaskFailure]:
     return found
 
 
+def lost_nodes(srun_log: str) -> list[str]:
+    """The nodes srun said failed ("Node failure on node[2-3]" is two), in srun's order."""
+    found: list[str] = []
+    for line in srun_log.splitlines():
+        if match := _NODE_LINE.match(line):
+            try:
+                found += hostlist.expand_hostlist(match.group("nodes"))
+            except hostlist.BadHostlist:
+                found.append(match.group("nodes"))
+    return found
+
+
 def decide(
     notes: dict[int, dict[str, Any]],
     failure: TaskFailure | None,
@@ -85,12 +101,14 @@ def decide(
     free_nodes: int | None,
     nccl: aborts.Abort | None = None,
     spares_left: int = 0,
+    lost: str | None = None,
 ) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `free_nodes`: nodes the
     partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
     dumps say (the machine's failure, so retried like a rank that died, and named in the reason);
-    `spares_left`: the allocation's spare nodes no step has left out yet.
+    `spares_left`: the allocation's spare nodes no step has left out yet; `lost`: a node srun said
+    failed (lost_nodes).
 
     A failure srun places on a node is retried on a spare, without that node, whatever retries
     are left: a spare is used once, so these retries are bounded too."""
@@ -109,8 +127,8 @@ def decide(
             "is in the job's output",
         )
     said = f"{nccl.text()}; " if nccl else ""
-    if failure is not None and spares_left > 0:
-        return _on_a_spare(failure, spares_left, said)
+    if spares_left > 0 and (suspect := _suspect(failure, lost)) is not None:
+        return _on_a_spare(*suspect, spares_left, said)
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
@@ -133,12 +151,22 @@ def decide(
     return Decision("requeue", why, exclude)
 
 
-def _on_a_spare(failure: TaskFailure, spares_left: int, said: str) -> Decision:
+def _suspect(failure: TaskFailure | None, lost: str | None) -> tuple[str, str] | None:
+    """The node a failure points at, and what srun said of it: a node it said failed first, else
+    the node of the first task that failed."""
+    if lost is not None:
+        return lost, f"srun: Node failure on {lost}"
+    if failure is not None:
+        return failure.node, f"rank {failure.rank} on {failure.node}: {failure.how}"
+    return None
+
+
+def _on_a_spare(node: str, what: str, spares_left: int, said: str) -> Decision:
     return Decision(
         "retry",
-        f"{said}rank {failure.rank} on {failure.node}: {failure.how}; retrying in this "
-        f"allocation on a spare node, without {failure.node} ({spares_left - 1} spare(s) left)",
-        (failure.node,),
+        f"{said}{what}; retrying in this allocation on a spare node, without {node} "
+        f"({spares_left - 1} spare(s) left)",
+        (node,),
     )
 
 
@@ -178,10 +206,8 @@ def recover(
     nccl = aborts.diagnose(exits, exit_code, dumped, world_size, str(folder))
     if nccl is not None:
         record["nccl"] = nccl.record()
-    per_node: dict[str, int] = {}
-    for entry in [*history, record]:
-        if entry.get("node"):
-            per_node[entry["node"]] = per_node.get(entry["node"], 0) + 1
+    if lost := lost_nodes(srun_log):
+        record["lost"] = lost
     decision = decide(
         notes,
         failure,
@@ -190,14 +216,28 @@ def recover(
         restart,
         slurm.max_restarts,
         slurm.requeue,
-        per_node,
+        _per_node([*history, record]),
         free_nodes,
         nccl,
         max(spares - len(away), 0),
+        lost[0] if lost else None,
     )
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision
+
+
+def _per_node(failures: list[dict[str, Any]]) -> dict[str, int]:
+    """The run's failures on each node: where its first failing task ran, or srun said it failed."""
+    counts: dict[str, int] = {}
+    for entry in failures:
+        lost = entry.get("lost")
+        nodes = set(lost) if isinstance(lost, list) else set()
+        if entry.get("node"):
+            nodes.add(entry["node"])
+        for node in nodes:
+            counts[node] = counts.get(node, 0) + 1
+    return counts
 
 
 def _keep_dumps(run: rundir.RunDir, failure: int) -> tuple[tuple[int, ...], Path]:
