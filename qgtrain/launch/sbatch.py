@@ -162,7 +162,7 @@ def _script(
     """The script's text: no rank, address or port logic; srun steps until the run is done or
     requeued. `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
-    steps = retry_steps(slurm)
+    steps, step = retry_steps(slurm), step_options(slurm)
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -183,7 +183,7 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 RECOVER_PYTHON=${recover}
 {code}recover_args=("${{args[@]}}")
 {steps}
-run_steps --kill-on-bad-exit=1 {step_options(slurm)}{srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
+run_steps --kill-on-bad-exit=1 {step}{srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
 {f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
 """  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 

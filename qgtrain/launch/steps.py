@@ -39,22 +39,25 @@ def retry_steps(slurm: SlurmConfig) -> str:
     count = str(slurm.nodes * tasks_per_node(slurm)) if spares else '"${SLURM_NTASKS:-1}"'
     return f"""run_steps() {{
     local said attempt=0 status decision action exclude away=
-    local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}"
+    local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}"
+    job=$job${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}
     said=$(mktemp)
     while true; do
         {{ command srun ${{away:+"--exclude=$away"}} "$@" 2>&1 1>&3 3>&- \\
             | (trap '' TERM HUP USR1 USR2; exec tee "$said" >&2); }} 3>&1
         status=${{PIPESTATUS[0]}}
         case "$status" in
-            0|{EXIT_STOPPED}) break ;;  # finished, or stopped at a checkpoint (and requeued by rank 0)
-            {EXIT_REQUEUE_ME})  # stopped at a checkpoint, but the ranks could not requeue (no scontrol there)
+            # finished, or stopped at a checkpoint (and requeued by rank 0)
+            0|{EXIT_STOPPED}) break ;;
+            # stopped at a checkpoint, but the ranks could not requeue (no scontrol there)
+            {EXIT_REQUEUE_ME})
                 [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ] && scontrol requeue "$job"
                 break ;;
         esac
-        decision=$("$RECOVER_PYTHON" -m qgtrain recover "${{recover_args[@]}}" --exit-code "$status" \\
-            --attempt "$attempt" --srun-log "$said" --restart "${{SLURM_RESTART_COUNT:-0}}" \\
-            --ranks {count} --partition "${{SLURM_JOB_PARTITION:-}}" \\
-            --spare-nodes {spares} --away "$away") || break
+        decision=$("$RECOVER_PYTHON" -m qgtrain recover "${{recover_args[@]}}" \\
+            --exit-code "$status" --attempt "$attempt" --srun-log "$said" \\
+            --restart "${{SLURM_RESTART_COUNT:-0}}" --spare-nodes {spares} --away "$away" \\
+            --ranks {count} --partition "${{SLURM_JOB_PARTITION:-}}") || break
         read -r action exclude <<< "$decision"
         if [ "$action" = retry ]; then
             attempt=$((attempt + 1))
@@ -74,4 +77,4 @@ def retry_steps(slurm: SlurmConfig) -> str:
     done
     rm -f "$said"
     return "$status"
-}}"""  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
+}}"""

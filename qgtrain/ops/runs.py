@@ -103,12 +103,12 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         error=str(status["error"]) if status.get("error") else None,
         swept=swept or {},
         resumed=_resumed(status.get("resumed")),
-        time=_time(run),
+        time=_time(status),
     )
 
 
-def _time(run: Path) -> str | None:
-    ledger = Ledger.read(run)
+def _time(status: dict[str, object]) -> str | None:
+    ledger = Ledger.of(status)
     if not ledger.starts or ledger.total() <= 0:
         return None
     shares = ", ".join(

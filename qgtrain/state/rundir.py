@@ -295,17 +295,13 @@ def exclusive(run_dir: Path, owner: str, wait_s: float = 60.0) -> Iterator[None]
         os.close(fd)
 
 
-def write_status(run_dir: Path, status: str, **facts: object) -> None:
+def write_status(run_dir: Path, status: str | None, **facts: object) -> None:
     """Record the run's state for `qgtrain runs` (rank 0, atomically); facts are merged into the
-    last record."""
+    last record. `status` None keeps the state recorded."""
     record = read_status(run_dir)
-    record.update(facts, status=status, updated=time.time())
+    record.update(facts, updated=time.time())
+    record["status"] = status or record.get("status", "running")
     write_atomic(RunDir(run_dir).status, json.dumps(record))
-
-
-def add_to_status(run_dir: Path, **facts: object) -> None:
-    """Merge facts into the run's status, its state as it was."""
-    write_status(run_dir, str(read_status(run_dir).get("status", "running")), **facts)
 
 
 def read_status(run_dir: Path) -> dict[str, object]:

@@ -48,9 +48,13 @@ class Ledger:
 
     @classmethod
     def read(cls, run_dir: Path) -> Ledger:
-        """The ledger status.json holds; an empty one where it holds none it can read (a run
-        begun before qgtrain kept one, a file edited by hand)."""
-        kept = rundir.read_status(run_dir).get("time")
+        return cls.of(rundir.read_status(run_dir))
+
+    @classmethod
+    def of(cls, status: dict[str, object]) -> Ledger:
+        """The ledger a run's status holds; an empty one where it holds none that can be read (a
+        run begun before qgtrain kept one, a file edited by hand)."""
+        kept = status.get("time")
         if not isinstance(kept, dict) or not isinstance(kept.get("seconds"), dict):
             return cls()
         try:
@@ -87,10 +91,10 @@ class Account:
         """`run`: the run folder checked at start, written only while it is still there;
         `allocation_start`: when this job's allocation began (SLURM_JOB_START_TIME), None where
         unknown (a local run: it begins with this process)."""
-        self.run, run_dir = run, run.path
+        self.run = run
         self.began = time.time() - (process_age_s() or 0.0)
         self._clock = time.monotonic() - (time.time() - self.began)
-        self.before = Ledger.read(run_dir)
+        self.before = Ledger.read(run.path)
         since = self.before.written if self.before.starts else allocation_start
         self.waited = max(self.began - since, 0.0) if since is not None else 0.0
         self.mine = dict.fromkeys(KINDS, 0.0)
@@ -128,7 +132,7 @@ class Account:
         ledger = self.ledger()
         try:
             if self.run.replaced() is None:
-                rundir.add_to_status(self.run.path, time=ledger.as_json())
+                rundir.write_status(self.run.path, None, time=ledger.as_json())
         except OSError as exc:
             if not self._failed:
                 log.warning("the run's time is not recorded in status.json: %s", exc)

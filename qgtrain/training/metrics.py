@@ -138,7 +138,10 @@ class MetricsLog:
             self._bar.close()
             self._bar = None
         if self.is_main:
-            self._file.close()
+            try:  # a full disk: the failure that stopped the run is the one to tell, not this
+                self._file.close()
+            except OSError as exc:
+                logging.getLogger("qgtrain").warning("%s not closed cleanly: %s", self.path, exc)
             if self._tb is not None:
                 self._tb.close()
 
