@@ -57,8 +57,9 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     $SLURMD_NODENAME), the spare receiving the parts it lacks from the nodes that kept them, and
     ends as the uninterrupted run. The run's time adds up to the allocation's."""
     chance = random.Random()
-    rank, at = chance.choice((0, 1)), chance.randint(110, 390)
-    at += 5 if at % 10 == 0 else 0  # not on a local save: steps are lost, then recomputed
+    # The kill follows the first report (every 50 steps) at or past `at`: one at step 150, 250 or
+    # 350, where the local tier's save is newer than the shared tier's (every 100).
+    rank, at = chance.choice((0, 1)), 100 * chance.randint(1, 3) + chance.randint(1, 50)
     settings = tmp_path / "spare.yaml"
     settings.write_text(
         "slurm: {nodes: 2, spare_nodes: 1, tasks_per_node: 1, cpus_per_task: 1, time: '10'}\n"
