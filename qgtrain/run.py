@@ -18,6 +18,7 @@ import torch
 
 from .config import RunConfig
 from .config.model import with_pretrained_tokenizer
+from .config.slurm import micro_batches, ranks_per_node
 from .data.loaders import loaders_for
 from .evals.downstream import downstream_for
 from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
@@ -202,6 +203,24 @@ def _reads_local(cfg: RunConfig) -> bool:
     return cfg.checkpoint.resume == "auto"
 
 
+def _at_this_size(cfg: RunConfig, env: DistEnv) -> RunConfig:
+    """The config a step on fewer nodes than slurm.nodes trains with (slurm.min_nodes): more
+    micro-batches a step, the global batch kept."""
+    if not env.in_slurm_job:
+        return cfg
+    micro = micro_batches(cfg.slurm, cfg.train.grad_accum_steps, env.world_size)
+    if micro == cfg.train.grad_accum_steps:
+        return cfg
+    logger.info(
+        "%d rank(s), fewer than slurm.nodes' %d (slurm.min_nodes): %d micro-batches a step keep "
+        "the global batch",
+        env.world_size,
+        cfg.slurm.nodes * ranks_per_node(cfg.slurm),
+        micro,
+    )
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=micro))
+
+
 def _log_start(ctx: RunContext, claim: Claim) -> None:
     cfg, env = ctx.cfg, ctx.env
     if cfg.model.pretrained and cfg.data.tokenizer == cfg.model.pretrained:
@@ -257,7 +276,7 @@ def _trainer(
     )
     # pins an async save's host buffers in the background
     checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())
-    settings = Settings.of(cfg, resolved)
+    settings = Settings.of(_at_this_size(cfg, env), resolved)
     return Trainer(parts, settings, env, device, assemble(parts, settings, env, device))
 
 

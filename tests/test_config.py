@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qgtrain.config import SECTIONS, RunConfig
+from qgtrain.config import SECTIONS, RunConfig, SlurmConfig
 from qgtrain.config.load import (
     config_from_dict,
     config_to_dict,
@@ -229,6 +229,16 @@ def test_an_integer_key_takes_a_whole_number_in_any_notation(tmp_path, source, w
             r"slurm.step_retries: 1000 is out of range; expected an integer between 0 "
             r"and 10",
         ),
+        (
+            "slurm: {nodes: 2, min_nodes: 3}\n",
+            r"slurm.min_nodes: 3 is more than slurm.nodes \(2\)",
+        ),
+        (
+            "slurm: {nodes: 4, min_nodes: 3}\n",
+            r"slurm.min_nodes: 3 node\(s\) cannot keep the global batch of slurm.nodes \(4\) "
+            r"with train.grad_accum_steps 1: each rank would take 4/3 micro-batches a step. "
+            r"Allowed: a min_nodes that divides 4",
+        ),
     ],
 )
 def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
@@ -396,3 +406,30 @@ def test_a_resolved_config_with_overrides_is_not_turned_into_text_and_back():
     assert cfg.task.options == {"deep": {"list": [1, 2]}, "extra": 3}
     with pytest.raises(ConfigError, match=r"train.max_steps: 0 is out of range"):
         with_overrides(given, ["train.max_steps=0"])
+
+
+@pytest.mark.parametrize(
+    "nodes, min_nodes, accumulate, ranks, expected",
+    [
+        (2, 1, 1, 2, 1),  # the planned size
+        (2, 1, 1, 1, 2),  # one node of two: twice the micro-batches
+        (4, 2, 3, 4, 6),  # two nodes (4 ranks of 8) of four, each rank's three doubled
+        (4, 2, 3, 6, 4),  # three of four: 24 micro-batches among six ranks
+        (2, 0, 1, 1, 1),  # no min_nodes: a smaller step keeps its own batch
+        (2, 1, 1, 4, 1),  # more ranks than planned: left as configured
+    ],
+)
+def test_a_step_on_fewer_nodes_accumulates_the_global_batch_of_slurm_nodes(
+    nodes, min_nodes, accumulate, ranks, expected
+):
+    from qgtrain.config.slurm import micro_batches
+
+    slurm = SlurmConfig(nodes=nodes, min_nodes=min_nodes, tasks_per_node=2 if nodes == 4 else 1)
+    assert micro_batches(slurm, accumulate, ranks) == expected
+
+
+def test_a_step_whose_ranks_cannot_share_the_global_batch_is_refused():
+    from qgtrain.config.slurm import micro_batches
+
+    with pytest.raises(ConfigError, match=r"a step on 3 rank\(s\) cannot keep .* 4/3 micro"):
+        micro_batches(SlurmConfig(nodes=4, min_nodes=2), 1, 3)

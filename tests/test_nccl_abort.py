@@ -12,7 +12,8 @@ import json
 import pytest
 
 from qgtrain.launch import aborts
-from qgtrain.launch.recovery import Decision, TaskFailure, decide, task_failures
+from qgtrain.launch.recovery import Decision, decide
+from qgtrain.launch.srun_log import TaskFailure, task_failures
 from qgtrain.runtime import comms
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.state import rundir

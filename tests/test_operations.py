@@ -435,12 +435,13 @@ def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_direc
     killed = {"rank": 1, "node": "node2", "how": "Killed", "action": "retry"}
     requeued = {**killed, "action": "requeue node2"}
     spared = {**killed, "node": "node3", "action": "retry node3"}
+    fewer = {**killed, "node": "node1", "action": "retry node1 1"}
     for name, status, facts in (
         ("early", "stopped early", {}),
         ("requeued", "preempted", {"requeued": True}),
         ("pending", "preempted", {"requeued": None}),
         ("local", "preempted", {"requeued": False}),
-        ("crashed", "running", {"restart": 1, "failures": [spared, killed, requeued]}),
+        ("crashed", "running", {"restart": 1, "failures": [spared, fewer, killed, requeued]}),
     ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"run_id": name}))
@@ -458,11 +459,16 @@ def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_direc
     }
     assert rows["crashed"]["failures"] == [
         "rank 1 on node3: Killed -> retry on a spare node, without node3",
+        "rank 1 on node1: Killed -> retry on 1 node(s), without node1",
         "rank 1 on node2: Killed -> retry",
         "rank 1 on node2: Killed -> requeue node2",
     ]
     table = cli("runs", str(tmp_path), cwd=tmp_path).stdout
-    assert "crashed: failed step 3: rank 1 on node2: Killed -> requeue node2" in table
+    assert "crashed: failed step 4: rank 1 on node2: Killed -> requeue node2" in table
+    fewer_line = (
+        "crashed: failed step 2: rank 1 on node1: Killed -> retry on 1 node(s), without node1"
+    )
+    assert fewer_line in table
 
 
 def test_runs_best_follows_each_runs_early_stopping_metric_and_mode(tmp_path):

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from qgtrain.config import SlurmConfig
-from qgtrain.launch.recovery import Decision, TaskFailure, decide, first_failure, recover
+from qgtrain.launch.recovery import Decision, decide, fewer_nodes, recover
+from qgtrain.launch.srun_log import TaskFailure, first_failure
 from qgtrain.state import rundir
 
 RETRY_TWICE = SlurmConfig(step_retries=2, max_restarts=20)
@@ -203,6 +204,49 @@ def test_a_failure_srun_places_on_a_node_is_retried_on_a_spare(
     assert decide(notes, failure, attempt, 2, 0, 20, True, {}, 1, None, spares) == expected
 
 
+@pytest.mark.parametrize(
+    "nodes, min_nodes, accumulate, step_nodes, usable, expected",
+    [
+        (2, 1, 1, 2, 1, 1),  # one node left of two
+        (4, 2, 1, 4, 3, 2),  # three left, but four micro-batches divide among two, not three
+        (4, 2, 3, 4, 3, 3),  # twelve divide among three
+        (4, 2, 1, 2, 1, None),  # at min_nodes already
+        (3, 1, 1, 3, 1, 1),  # a second node lost before: one left
+        (2, 0, 1, 2, 1, None),  # no min_nodes
+    ],
+)
+def test_a_step_without_a_failed_node_runs_on_the_most_nodes_that_keep_the_global_batch(
+    nodes, min_nodes, accumulate, step_nodes, usable, expected
+):
+    slurm = SlurmConfig(nodes=nodes, min_nodes=min_nodes)
+    assert fewer_nodes(slurm, accumulate, step_nodes, usable) == expected
+
+
+def test_with_no_spare_left_a_failed_node_is_left_out_on_fewer_nodes(tmp_path):
+    """A spare first; with none left, the nodes fewer_nodes allows; a failure that names no node,
+    or the run's own, is not a reason to drop one."""
+    on_fewer = decide({}, DIED, 2, 2, 0, 20, True, {}, 1, None, 0, None, 1)
+    assert on_fewer == Decision(
+        "retry",
+        "rank 1 on node2: Killed; no spare node left: retrying in this allocation on 1 node(s), "
+        "without node2, with the global batch kept (slurm.min_nodes)",
+        ("node2",),
+        1,
+    )
+    assert on_fewer.line() == "retry node2 1"
+    assert decide({}, DIED, 0, 2, 0, 20, True, {}, 1, None, 1, None, 1).line() == "retry node2"
+    assert decide(MACHINE, None, 0, 2, 0, 20, True, {}, 1, None, 0, None, 1).line() == "retry"
+    assert decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1, None, 0, None, 1).action == "end"
+    rundir.write_status(tmp_path, "running", restart=0)
+    fewer = SlurmConfig(nodes=3, min_nodes=1, step_retries=2)
+    first = recover(tmp_path, KILLED, 137, 0, 0, 6, fewer, 0, step_nodes=3, grad_accum_steps=2)
+    lost = "srun: error: Node failure on node3\n"
+    second = recover(
+        tmp_path, lost, 1, 1, 0, 4, fewer, 0, 0, ("node2",), step_nodes=2, grad_accum_steps=2
+    )
+    assert (first.line(), second.line()) == ("retry node2 2", "retry node3 1")
+
+
 def test_recover_counts_the_spares_earlier_retries_used(tmp_path):
     rundir.write_status(tmp_path, "running", restart=0)
     first = recover(tmp_path, KILLED, 137, 0, 0, 2, RETRY_TWICE, 0, spares=2)
@@ -216,7 +260,7 @@ NODE_LOST = "srun: error: Node failure on node[2-3]\nsrun: Force Terminated Step
 
 
 def test_a_node_srun_says_failed_is_left_out_on_a_spare_and_counted_against_it(tmp_path):
-    from qgtrain.launch.recovery import lost_nodes
+    from qgtrain.launch.srun_log import lost_nodes
 
     assert lost_nodes(NODE_LOST) == ["node2", "node3"] and lost_nodes(KILLED) == []
     assert decide({}, None, 0, 2, 0, 20, True, {}, 1, None, 1, "node2") == Decision(

@@ -731,7 +731,7 @@ def test_a_step_that_fails_on_a_node_runs_again_on_a_spare_without_that_node(tmp
     )
     assert done.returncode == 0, done.stderr
     steps = [line.split() for line in (tmp_path / "srun.txt").read_text().splitlines()]
-    step = ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks=4"]
+    step = ["--nodes=2", "--ntasks=4", "--kill-on-bad-exit=1"]
     assert [s[:4] for s in steps] == [
         step + [sys.executable],
         ["--exclude=node2", *step],
@@ -749,7 +749,56 @@ def test_a_submitit_job_with_a_spare_node_asks_for_it_and_runs_each_step_on_the_
     cfg = load_config([ROOT / "config.yaml"], ["slurm.nodes=2", "slurm.spare_nodes=1"])
     params = executor_parameters(cfg, recover_args="--run-dir /r")
     assert params["nodes"] == 3 and params["slurm_additional_parameters"]["no_kill"] is True
-    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2"]
+    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
     setup = "\n".join(params["slurm_setup"])
-    assert "--ranks 2 --partition" in setup and "--spare-nodes 1 --away" in setup
+    assert '--nodes="$nodes" --ntasks=$((nodes * per_node))' in setup
+    assert "local nodes=2 per_node=1" in setup and "--spare-nodes 1 --away" in setup
     assert 'srun() { run_steps "$@"; }' in setup
+
+
+def test_with_no_spare_left_a_step_that_fails_on_a_node_runs_again_on_fewer_nodes(tmp_path):
+    """slurm.min_nodes: the job keeps its allocation when a node fails (--no-kill). The rendered
+    script runs with a stand-in srun that reports a rank killed on node2, then one on node3, then
+    finishes; the real `qgtrain recover` answers. Three nodes with two micro-batches each make six
+    a step: the first retry runs on the two nodes left, the second on one, each without the nodes
+    that failed."""
+    slurm = SlurmConfig(nodes=3, min_nodes=1, tasks_per_node=2)
+    script = render(slurm, "config.yaml", python=sys.executable)
+    assert "#SBATCH --nodes=3" in script.splitlines() and "#SBATCH --no-kill" in script
+    (tmp_path / "config.yaml").write_text(
+        f"logging: {{runs_dir: '{tmp_path / 'runs'}'}}\ntrain: {{run_name: fewer, "
+        "grad_accum_steps: 2}\nslurm: {nodes: 3, min_nodes: 1, tasks_per_node: 2}\n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'printf "%s " "$@" >> "$SRUN_ARGS"; echo >> "$SRUN_ARGS"\n'
+        'case $(wc -l < "$SRUN_ARGS") in\n'
+        '    1) echo "srun: error: node2: task 2: Killed" >&2; exit 137 ;;\n'
+        '    2) echo "srun: error: Node failure on node3" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "srun").chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SLURM_JOB_ID": "78",
+    }
+    done = subprocess.run(
+        ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    steps = [line.split() for line in (tmp_path / "srun.txt").read_text().splitlines()]
+    assert [s[:3] for s in steps] == [
+        ["--nodes=3", "--ntasks=6", "--kill-on-bad-exit=1"],
+        ["--exclude=node2", "--nodes=2", "--ntasks=4"],
+        ["--exclude=node2,node3", "--nodes=1", "--ntasks=2"],
+    ]
+    failures = json.loads((tmp_path / "runs" / "fewer" / "status.json").read_text())["failures"]
+    assert [f["action"] for f in failures] == ["retry node2 2", "retry node3 1"]
+    first = failures[0]["reason"]
+    assert "no spare node left: retrying in this allocation on 2 node(s), without node2, " in first
+    assert failures[1]["reason"].startswith("srun: Node failure on node3; no spare node left")

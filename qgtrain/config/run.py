@@ -15,7 +15,7 @@ from .export import ExportConfig, export_rules
 from .logging import LoggingConfig, logging_rules
 from .model import ModelConfig, model_rules
 from .optim import OptimConfig, optim_rules
-from .slurm import SlurmConfig
+from .slurm import SlurmConfig, slurm_rules
 from .task import TaskConfig, task_rules
 from .train import TrainConfig, spike_rules, training_rules
 
@@ -48,6 +48,7 @@ RULES = (
     early_stopping_rules,
     eval_rules,
     checkpoint_rules,
+    slurm_rules,
     export_rules,
     logging_rules,
 )

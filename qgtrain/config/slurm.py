@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from .fields import setting
+from ..foundation.errors import ConfigError
+from .fields import Problem, setting
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,13 @@ class SlurmConfig:
         min=0,
         max=64,
     )
+    min_nodes: int = setting(
+        0,
+        "with no spare left, a step that fails on a node is run again without it on fewer "
+        "nodes, down to this many, keeping the global batch of slurm.nodes (more gradient "
+        "accumulation); 0 = never fewer than slurm.nodes",
+        min=0,
+    )
     output_dir: str = setting("jobs/out", "where Slurm writes the job's stdout/stderr")
     extra_sbatch: tuple[str, ...] = setting((), "more #SBATCH options, e.g. ['--exclusive']")
     setup: tuple[str, ...] = setting(
@@ -74,6 +85,51 @@ class SlurmConfig:
         "glob patterns of more files that copy leaves out, e.g. ['data/*', '*.ckpt'] (files "
         "that look like secrets, such as .env*, *.pem, *_key, id_*, are always left out)",
     )
+
+
+def ranks_per_node(slurm: SlurmConfig) -> int:
+    return slurm.gpus_per_node or slurm.tasks_per_node or 1
+
+
+def shrinks(slurm: SlurmConfig) -> bool:
+    """Whether a step may run on fewer nodes than slurm.nodes."""
+    return 0 < slurm.min_nodes < slurm.nodes
+
+
+def micro_batches(slurm: SlurmConfig, grad_accum_steps: int, ranks: int) -> int:
+    """Micro-batches per optimizer step for a step of the job on `ranks` ranks: under
+    slurm.min_nodes, a step on fewer nodes accumulates more, so every optimizer step still takes
+    the global batch of slurm.nodes (the same samples in the same order: data/loaders.py)."""
+    planned = slurm.nodes * ranks_per_node(slurm)
+    if not shrinks(slurm) or ranks >= planned:
+        return grad_accum_steps
+    whole, rest = divmod(grad_accum_steps * planned, ranks)
+    if rest:
+        raise ConfigError(
+            f"slurm.min_nodes: a step on {ranks} rank(s) cannot keep the global batch of "
+            f"slurm.nodes ({planned} ranks, train.grad_accum_steps {grad_accum_steps}): each "
+            f"rank would take {grad_accum_steps * planned}/{ranks} micro-batches a step. HINT: "
+            "run the step on a node count that divides them"
+        )
+    return whole
+
+
+def slurm_rules(cfg: RunConfig) -> Problem:
+    slurm, accumulate = cfg.slurm, cfg.train.grad_accum_steps
+    if slurm.min_nodes > slurm.nodes:
+        return "slurm.min_nodes", (
+            f"{slurm.min_nodes} is more than slurm.nodes ({slurm.nodes}): the job trains on at "
+            "most slurm.nodes"
+        )
+    if shrinks(slurm) and slurm.nodes * accumulate % slurm.min_nodes:
+        return "slurm.min_nodes", (
+            f"{slurm.min_nodes} node(s) cannot keep the global batch of slurm.nodes "
+            f"({slurm.nodes}) with train.grad_accum_steps {accumulate}: each rank would take "
+            f"{slurm.nodes * accumulate}/{slurm.min_nodes} micro-batches a step. Allowed: a "
+            f"min_nodes that divides {slurm.nodes * accumulate}, or a train.grad_accum_steps "
+            "that makes it divide"
+        )
+    return None
 
 
 def runs_from_snapshot(slurm: SlurmConfig) -> bool:

@@ -218,7 +218,10 @@ def _recover_command(sub: Any) -> None:
         "--srun-log", type=Path, required=True, help="what srun wrote to its stderr"
     )
     recover.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
-    recover.add_argument("--ranks", type=int, required=True, help="SLURM_NTASKS")
+    recover.add_argument("--ranks", type=int, required=True, help="the failed step's ranks")
+    recover.add_argument(
+        "--step-nodes", type=int, default=0, help="the failed step's nodes (0 = slurm.nodes)"
+    )
     recover.add_argument("--partition", default="", help="SLURM_JOB_PARTITION")
     recover.add_argument(
         "--spare-nodes", type=int, default=0, help="the allocation's spare nodes (as rendered)"

@@ -111,6 +111,8 @@ def recover(args: argparse.Namespace) -> int:
         nodes.free_nodes(args.partition, cfg.slurm.nodes + args.spare_nodes),
         args.spare_nodes,
         tuple(node for node in args.away.split(",") if node),
+        args.step_nodes,
+        cfg.train.grad_accum_steps,
     )
     print(f"qgtrain: the step failed (exit {args.exit_code}): {decision.reason}", file=sys.stderr)
     print(decision.line())

@@ -8,8 +8,9 @@ the machine's failure or the run's own), NCCL's aborts and Flight Recorder dumps
 NCCL's watchdog took down leaves no note), and the run's history of failures per node. The answer is
 one line the script acts on:
 
-    retry [NODE]           a new srun step in this allocation, from the last committed checkpoint
-                           (without NODE, on a spare node: slurm.spare_nodes)
+    retry [NODE [N]]       a new srun step in this allocation, from the last committed checkpoint
+                           (without NODE, on a spare node: slurm.spare_nodes; or on N nodes, with
+                           the global batch kept: slurm.min_nodes)
     requeue [NODE[,NODE]]  requeue the job, keeping it away from these nodes
     end                    the run's own failure (a new attempt would fail the same way), or
                            nothing left
@@ -20,31 +21,17 @@ torch is imported: the answer comes at once on the batch node.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import hostlist
-
 from ..config import SlurmConfig
+from ..config.slurm import shrinks
 from ..state import rundir
 from ..state.lifecycle import read_note
 from . import aborts
-
-_TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
-# srun's _node_fail_handler: a node of the step stopped answering (its tasks may get no line)
-_NODE_LINE = re.compile(r"^srun: error: Node failure on (?P<nodes>\S+)\s*$")
-
-
-@dataclass(frozen=True)
-class TaskFailure:
-    """What srun said of the first task that failed: the one the others were stopped for."""
-
-    node: str
-    rank: int
-    how: str  # "Killed", "Exited with exit code 1", "Segmentation fault", ...
+from .srun_log import TaskFailure, lost_nodes, task_failures
 
 
 @dataclass(frozen=True)
@@ -52,41 +39,11 @@ class Decision:
     action: Literal["retry", "requeue", "end"]
     reason: str
     exclude: tuple[str, ...] = ()
+    nodes: int | None = None  # a retry on fewer nodes (slurm.min_nodes): how many
 
     def line(self) -> str:
-        return " ".join([self.action, ",".join(self.exclude)]).strip()
-
-
-def first_failure(srun_log: str) -> TaskFailure | None:
-    failures = task_failures(srun_log)
-    return failures[0] if failures else None
-
-
-def task_failures(srun_log: str) -> list[TaskFailure]:
-    """Every task srun reported, one per rank ("tasks 4-7" is four), in srun's order."""
-    found = []
-    for line in srun_log.splitlines():
-        match = _TASK_LINE.match(line)
-        if match:
-            for part in match.group("ranks").split(","):
-                first, _, last = part.partition("-")
-                found += [
-                    TaskFailure(match.group("node"), rank, match.group("how"))
-                    for rank in range(int(first), int(last or first) + 1)
-                ]
-    return found
-
-
-def lost_nodes(srun_log: str) -> list[str]:
-    """The nodes srun said failed ("Node failure on node[2-3]" is two), in srun's order."""
-    found: list[str] = []
-    for line in srun_log.splitlines():
-        if match := _NODE_LINE.match(line):
-            try:
-                found += hostlist.expand_hostlist(match.group("nodes"))
-            except hostlist.BadHostlist:
-                found.append(match.group("nodes"))
-    return found
+        fewer = [str(self.nodes)] if self.nodes is not None else []
+        return " ".join([self.action, ",".join(self.exclude), *fewer]).strip()
 
 
 def decide(
@@ -102,16 +59,19 @@ def decide(
     nccl: aborts.Abort | None = None,
     spares_left: int = 0,
     lost: str | None = None,
+    fewer: int | None = None,
 ) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `free_nodes`: nodes the
     partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
     dumps say (the machine's failure, so retried like a rank that died, and named in the reason);
     `spares_left`: the allocation's spare nodes no step has left out yet; `lost`: a node srun said
-    failed (lost_nodes).
+    failed (lost_nodes); `fewer`: the nodes a step without that node would run on, where
+    slurm.min_nodes allows one (fewer_nodes).
 
-    A failure srun places on a node is retried on a spare, without that node, whatever retries
-    are left: a spare is used once, so these retries are bounded too."""
+    A failure srun places on a node is retried without that node, whatever retries are left: on a
+    spare, else on fewer nodes. A spare is used once and each retry on fewer nodes leaves one out,
+    so these retries are bounded too."""
     own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
     if own:
         rank, note = min(own.items())
@@ -127,8 +87,11 @@ def decide(
             "is in the job's output",
         )
     said = f"{nccl.text()}; " if nccl else ""
-    if spares_left > 0 and (suspect := _suspect(failure, lost)) is not None:
-        return _on_a_spare(*suspect, spares_left, said)
+    if (suspect := _suspect(failure, lost)) is not None:
+        if spares_left > 0:
+            return _on_a_spare(*suspect, spares_left, said)
+        if fewer is not None:
+            return _on_fewer(*suspect, fewer, said)
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
@@ -170,6 +133,30 @@ def _on_a_spare(node: str, what: str, spares_left: int, said: str) -> Decision:
     )
 
 
+def _on_fewer(node: str, what: str, nodes: int, said: str) -> Decision:
+    return Decision(
+        "retry",
+        f"{said}{what}; no spare node left: retrying in this allocation on {nodes} node(s), "
+        f"without {node}, with the global batch kept (slurm.min_nodes)",
+        (node,),
+        nodes,
+    )
+
+
+def fewer_nodes(
+    slurm: SlurmConfig, grad_accum_steps: int, step_nodes: int, usable: int
+) -> int | None:
+    """The most nodes a step may run on after one of its `step_nodes` failed, `usable` being the
+    allocation's nodes left without it: at least slurm.min_nodes, and a count the global batch of
+    slurm.nodes divides among (config/slurm.py, micro_batches). None where there is none."""
+    if not shrinks(slurm):
+        return None
+    for nodes in range(min(step_nodes - 1, usable), slurm.min_nodes - 1, -1):
+        if slurm.nodes * grad_accum_steps % nodes == 0:
+            return nodes
+    return None
+
+
 def recover(
     run_dir: Path,
     srun_log: Path | str,
@@ -181,11 +168,13 @@ def recover(
     free_nodes: int | None,
     spares: int = 0,
     away: tuple[str, ...] = (),
+    step_nodes: int = 0,
+    grad_accum_steps: int = 1,
 ) -> Decision:
     """Decide, and record the failure and the decision in the run's status (the script acts on
     it). `spares`: the spare nodes the script's allocation holds (slurm.spare_nodes when it was
-    rendered); `away`: the nodes earlier retries of this allocation left out, each in a spare's
-    place.
+    rendered); `away`: the nodes earlier retries of this allocation left out; `step_nodes`: the
+    nodes the failed step ran on (0: slurm.nodes).
     A run directory others can write is refused first: the job ends rather than act on it."""
     rundir.require_safe(run_dir)
     run = rundir.RunDir(run_dir)
@@ -221,6 +210,12 @@ def recover(
         nccl,
         max(spares - len(away), 0),
         lost[0] if lost else None,
+        fewer_nodes(
+            slurm,
+            grad_accum_steps,
+            step_nodes or slurm.nodes,
+            slurm.nodes + spares - len(away) - 1,
+        ),
     )
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig, SlurmConfig
-from ..config.slurm import runs_from_snapshot
+from ..config.slurm import ranks_per_node, runs_from_snapshot
 from ..foundation.errors import QgtrainError
 from ..foundation.files import owner_writes_only, write_atomic
 from .slurm_checks import validate
-from .steps import retry_steps, step_options, tasks_per_node
+from .steps import retry_steps, shapes_steps
 from .submit_host import snapshot_first, submitting_python
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     options = [
         f"--job-name={slurm.job_name}",
         f"--nodes={slurm.nodes + slurm.spare_nodes}",
-        f"--ntasks-per-node={tasks_per_node(slurm)}",
+        f"--ntasks-per-node={ranks_per_node(slurm)}",
         f"--cpus-per-task={slurm.cpus_per_task}",
     ]
     if slurm.gpus_per_node:
@@ -135,8 +135,8 @@ def _options(slurm: SlurmConfig, array: str | None) -> list[str]:
     options += [
         f"--time={slurm.time}",
         "--requeue" if slurm.requeue else "--no-requeue",
-        # a node that fails must not end the allocation its spares are in
-        *(["--no-kill"] if slurm.spare_nodes else []),
+        # a node that fails must not end the allocation the next step runs in
+        *(["--no-kill"] if shapes_steps(slurm) else []),
         f"--signal={slurm.signal}@{slurm.signal_lead_s}",
         "--open-mode=append",
         f"--output={slurm.output_dir}/%x-{'%A_%a' if array else '%j'}.out",
@@ -162,7 +162,7 @@ def _script(
     """The script's text: no rank, address or port logic; srun steps until the run is done or
     requeued. `launch`: launch_lines(), for the host, a pyxis container or apptainer."""
     python, srun, recover = launch
-    steps, step = retry_steps(slurm), step_options(slurm)
+    steps = retry_steps(slurm)
     return f"""#!/bin/bash
 # qgtrain batch job: one task (rank) per GPU on every node, all started by srun.
 #   sbatch train.slurm                              train with config.yaml
@@ -183,7 +183,7 @@ for file in "${{configs[@]}}"; do args+=(--config "$file"); done
 RECOVER_PYTHON=${recover}
 {code}recover_args=("${{args[@]}}")
 {steps}
-run_steps --kill-on-bad-exit=1 {step}{srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
+run_steps --kill-on-bad-exit=1 {srun}"$PYTHON" -m qgtrain {command} "${{args[@]}}"
 {f'status=$?{chr(10)}{after}exit "$status"' if after else 'exit "$?"'}
 """  # noqa: E501 (lines of the rendered train.slurm, which stays byte-identical)
 

@@ -9,19 +9,15 @@ loop decides nothing itself: `qgtrain recover` reads what the step left and answ
 from __future__ import annotations
 
 from ..config import SlurmConfig
+from ..config.slurm import ranks_per_node, shrinks
 from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
 
 
-def tasks_per_node(slurm: SlurmConfig) -> int:
-    return slurm.gpus_per_node or slurm.tasks_per_node or 1
-
-
-def step_options(slurm: SlurmConfig) -> str:
-    """srun's options for a step on slurm.nodes of an allocation that holds spares too (none
-    without spares: a step takes the whole allocation, as `sbatch --nodes` may have resized it)."""
-    if not slurm.spare_nodes:
-        return ""
-    return f"--nodes={slurm.nodes} --ntasks={slurm.nodes * tasks_per_node(slurm)} "
+def shapes_steps(slurm: SlurmConfig) -> bool:
+    """Whether each step names its nodes and tasks: with spares (a step runs on part of the
+    allocation) or slurm.min_nodes (on fewer nodes after a failure). Otherwise a step takes the
+    whole allocation, as `sbatch --nodes` may have resized it."""
+    return bool(slurm.spare_nodes) or shrinks(slurm)
 
 
 def retry_steps(slurm: SlurmConfig) -> str:
@@ -31,19 +27,29 @@ def retry_steps(slurm: SlurmConfig) -> str:
     A rank that dies takes its step down at once (srun --kill-on-bad-exit, in the arguments);
     srun's report of which task failed, where and how is kept for `qgtrain recover` (run by
     $RECOVER_PYTHON with the arguments in recover_args), whose answer is carried out: another step
-    here, a requeue (away from a node that keeps failing), or the end. With slurm.spare_nodes a
-    retry may name the node the failure points at, and every later step leaves it out (srun
-    --exclude) while a spare is left to take its place. The step's exit code is returned."""
+    here, a requeue (away from a node that keeps failing), or the end. A retry may name the node
+    the failure points at, and every later step leaves it out (srun --exclude): on a spare
+    (slurm.spare_nodes), or, with none left, on the fewer nodes the answer names
+    (slurm.min_nodes). The step's exit code is returned."""
     spares, max_restarts = slurm.spare_nodes, slurm.max_restarts
-    # the step's ranks: with spares, fewer than the allocation's
-    count = str(slurm.nodes * tasks_per_node(slurm)) if spares else '"${SLURM_NTASKS:-1}"'
+    per_node = ranks_per_node(slurm)
+    # each step's nodes and ranks: named where a step may not take the whole allocation
+    if shapes_steps(slurm):
+        shape = '\\\n            --nodes="$nodes" --ntasks=$((nodes * per_node)) '
+        step = '--step-nodes "$nodes" \\\n            --ranks $((nodes * per_node))'
+        local = f"\n    local nodes={slurm.nodes} per_node={per_node}"
+        fewer = '\n            if [ -n "$fewer" ]; then nodes=$fewer; fi'
+        answer = "action exclude fewer"
+    else:
+        shape, step, local, fewer = "", '--ranks "${SLURM_NTASKS:-1}"', "", ""
+        answer = "action exclude"
     return f"""run_steps() {{
-    local said attempt=0 status decision action exclude away=
+    local said attempt=0 status decision {answer} away={local}
     local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}"
     job=$job${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}
     said=$(mktemp)
     while true; do
-        {{ command srun ${{away:+"--exclude=$away"}} "$@" 2>&1 1>&3 3>&- \\
+        {{ command srun ${{away:+"--exclude=$away"}} {shape}"$@" 2>&1 1>&3 3>&- \\
             | (trap '' TERM HUP USR1 USR2; exec tee "$said" >&2); }} 3>&1
         status=${{PIPESTATUS[0]}}
         case "$status" in
@@ -57,11 +63,11 @@ def retry_steps(slurm: SlurmConfig) -> str:
         decision=$("$RECOVER_PYTHON" -m qgtrain recover "${{recover_args[@]}}" \\
             --exit-code "$status" --attempt "$attempt" --srun-log "$said" \\
             --restart "${{SLURM_RESTART_COUNT:-0}}" --spare-nodes {spares} --away "$away" \\
-            --ranks {count} --partition "${{SLURM_JOB_PARTITION:-}}") || break
-        read -r action exclude <<< "$decision"
+            {step} --partition "${{SLURM_JOB_PARTITION:-}}") || break
+        read -r {answer} <<< "$decision"
         if [ "$action" = retry ]; then
             attempt=$((attempt + 1))
-            if [ -n "$exclude" ]; then away=${{away:+$away,}}$exclude; fi
+            if [ -n "$exclude" ]; then away=${{away:+$away,}}$exclude; fi{fewer}
             sleep $((2 * attempt))
         elif [ "$action" = requeue ] && [ -n "$exclude" ]; then
             trap '' TERM  # requeueing ends this script; finish the three calls first

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from ..config.slurm import runs_from_snapshot
+from ..config.slurm import ranks_per_node, runs_from_snapshot
 from ..state.rundir import RunDir, default_run_dir
 from .codesnap import Code
 from .runfrom import shell_lines
 from .slurm_checks import time_minutes, validate
-from .steps import retry_steps, step_options, tasks_per_node
+from .steps import retry_steps, shapes_steps
 
 
 def container_python(cfg: RunConfig, workdir: str | None = None) -> str | None:
@@ -70,12 +70,12 @@ def executor_parameters(
     params: dict[str, Any] = {
         "name": s.job_name,
         "nodes": s.nodes + s.spare_nodes,
-        "tasks_per_node": tasks_per_node(s),
+        "tasks_per_node": ranks_per_node(s),
         "cpus_per_task": s.cpus_per_task,
         "timeout_min": time_minutes(s.time),
         "slurm_signal_delay_s": s.signal_lead_s,
         # a rank that dies takes the step down at once, as in train.slurm
-        "slurm_srun_args": ["--kill-on-bad-exit=1", *step_options(s).split()],
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
@@ -85,7 +85,7 @@ def executor_parameters(
         if getattr(s, key):
             params[f"slurm_{key}"] = getattr(s, key)
     extra: dict[str, Any] = {"requeue": True} if s.requeue else {"no_requeue": True}
-    if s.spare_nodes:  # a node that fails must not end the allocation its spares are in
+    if shapes_steps(s):  # a node that fails must not end the allocation the next step runs in
         extra["no_kill"] = True
     for option in s.extra_sbatch:
         name, _, value = option[2:].partition("=")
@@ -124,6 +124,8 @@ def recover_arguments(cfg: RunConfig, run_dir: Path) -> str:
             f"slurm.max_restarts={s.max_restarts}",
             f"slurm.requeue={str(s.requeue).lower()}",
             f"slurm.nodes={s.nodes}",
+            f"slurm.min_nodes={s.min_nodes}",
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}",
             f"slurm.partition={s.partition}",
         ]
     )

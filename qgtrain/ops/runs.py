@@ -167,9 +167,14 @@ def _failures(status: dict[str, object]) -> list[str]:
 
 
 def _followed(action: str) -> str:
-    """recover's answer as a reader wants it: `retry node2` retried on a spare node."""
-    what, _, nodes = action.partition(" ")
-    return f"retry on a spare node, without {nodes}" if what == "retry" and nodes else action
+    """recover's answer as a reader wants it: `retry node2` retried on a spare node, `retry node2
+    1` on one node."""
+    what, *rest = action.split()
+    if what != "retry" or not rest:
+        return action
+    if len(rest) == 2:
+        return f"retry on {rest[1]} node(s), without {rest[0]}"
+    return f"retry on a spare node, without {rest[0]}"
 
 
 def _status(run: Path, status: dict[str, object]) -> str:
