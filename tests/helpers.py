@@ -341,18 +341,25 @@ def sleep_paced(tmp_path: Path, step_s: float = 0.05) -> Path:
 TWO_NODE_STEPS = 600
 
 
-def two_node_configs(tmp_path: Path, every_steps: int = 100) -> list[Path]:
-    """tests/tasks.py's points: no transformers for each rank of each start to import (seconds of
-    CPU a start, which the tests beside these need)."""
+# tests/tasks.py's points as a job's task: no transformers for each rank of each start to import
+# (seconds of CPU a start, which the tests beside these need).
+POINTS_TASK = {"factory": f"{ROOT / 'tests' / 'tasks.py'}:points", "options": {"size": 2048}}
+
+
+def points_task(tmp_path: Path) -> Path:
+    """A config file of POINTS_TASK, laid over a job's others."""
     task = tmp_path / "points.yaml"
-    task.write_text(
-        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:points', options: {{size: 2048}}}}\n"
-    )
+    task.write_text(f"task: {json.dumps(POINTS_TASK)}\n")
+    return task
+
+
+def two_node_configs(tmp_path: Path, every_steps: int = 100) -> list[Path]:
+    """The two-node run on tests/tasks.py's points (POINTS_TASK)."""
     return [
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
         overlay(tmp_path, TWO_NODE_STEPS, every_steps),
-        task,
+        points_task(tmp_path),
     ]
 
 

@@ -18,6 +18,7 @@ import torch
 
 import qgtrain
 from tests.helpers import (
+    POINTS_TASK,
     ROOT,
     TWO_NODE_STEPS,
     TWO_NODES,
@@ -26,6 +27,7 @@ from tests.helpers import (
     job,
     logged_step,
     overlay,
+    points_task,
     rank_log,
     sbatch,
     two_node_configs,
@@ -36,7 +38,9 @@ from tests.helpers import (
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 
-LONG = 1200
+# Runs on tests/tasks.py's points, long enough that a stop requested at step 100 or 150 lands
+# mid-run.
+LONG = 600
 
 
 def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_path):
@@ -90,7 +94,7 @@ def test_an_interrupted_job_requeues_resumes_and_ends_as_if_never_stopped(
     )
 
 
-GRAPH_STEPS = 750
+GRAPH_STEPS = 250
 GRAPH_OPTIONS = {"graphs": 1024, "hidden": 32, "layers": 2}
 
 
@@ -101,7 +105,7 @@ def graph_configs(tmp: Path) -> list[Path]:
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
         ROOT / "jobs" / "graph.yaml",
-        overlay(tmp, GRAPH_STEPS, every_steps=250, task_options=GRAPH_OPTIONS),
+        overlay(tmp, GRAPH_STEPS, every_steps=100, task_options=GRAPH_OPTIONS),
     ]
 
 
@@ -154,6 +158,8 @@ def submit_small(  # type: ignore[name-defined]
         slurm__cpus_per_task=1,
         train__run_name="submitit",
         train__device="cpu",
+        task__factory=POINTS_TASK["factory"],
+        task__options=POINTS_TASK["options"],
     )
 
 
@@ -223,6 +229,7 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
         overlay(tmp_path, LONG, every_steps=100),
+        points_task(tmp_path),
         bounded,
     ]
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", "--no-requeue", configs=configs)
@@ -262,7 +269,7 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
     assert f"resumed from {run / 'checkpoints'}" in rank_log(run, 0) and logged_step(run) == LONG
 
 
-FSDP_STEPS = 300
+FSDP_STEPS = 200
 
 
 def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
@@ -288,7 +295,7 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     reference_job = sbatch(reference, *TWO_NODES, "--time=10", configs=fsdp_configs(reference))
     job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=fsdp_configs(tmp_path))
     run = tmp_path / "runs" / "cpu"
-    wait_until(lambda: logged_step(run) >= 100, 180, "training to pass step 100")
+    wait_until(lambda: logged_step(run) >= 50, 180, "training to pass step 50")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     assert wait_finished(job_id) == "COMPLETED"
     assert wait_finished(reference_job) == "COMPLETED", "the uninterrupted job, trained beside it"
@@ -319,6 +326,9 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert "resuming a 2-rank checkpoint on 1 ranks" in log and logged_step(run) == FSDP_STEPS + 50
 
 
+SWEEP_STEPS = 600  # of the points task on one rank: seconds left after the signal at step 100
+
+
 def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(tmp_path):
     """Four combinations, two at a time on the two nodes; task 1 gets the warning signal mid-run,
     saves, is requeued alone and resumes; every task ends with its own settings in its own run
@@ -326,7 +336,8 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
     configs = [
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
-        overlay(tmp_path, 400, every_steps=100),
+        overlay(tmp_path, SWEEP_STEPS, every_steps=100),
+        points_task(tmp_path),
     ]
     submitted = subprocess.run(
         [
@@ -377,7 +388,11 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
     )
     for name, (lr, seed) in zip(names, [(1e-3, 1), (1e-3, 2), (3e-3, 1), (3e-3, 2)]):
         saved = (runs / name / "config.yaml").read_text()
-        assert f"lr: {lr}" in saved and f"seed: {seed}" in saved and logged_step(runs / name) == 400
+        assert (
+            f"lr: {lr}" in saved
+            and f"seed: {seed}" in saved
+            and logged_step(runs / name) == SWEEP_STEPS
+        )
     table = subprocess.run(
         [sys.executable, "-m", "qgtrain", "runs", str(runs)], capture_output=True, text=True
     )
