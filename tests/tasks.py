@@ -46,7 +46,8 @@ def accuracy(
 
 def points(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     size = int(cfg.task.options.get("size", 512))
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
+    dropout = float(cfg.task.options.get("dropout", 0.1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 2))
     return qgtrain.Task(
         model=model,
         train=Points(size, 1),

@@ -28,6 +28,7 @@ from tests.helpers import (
     kill_rank,
     logged_step,
     rank_log,
+    records,
     sbatch,
     two_node_configs,
     wait_finished,
@@ -118,6 +119,85 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     # the ranks' exit and the batch script's end (about a second here), and Slurm's clock has
     # whole seconds.
     assert abs(sum(spent["seconds"].values()) - allocation) <= max(0.02 * allocation, 2.0), spent
+
+
+FEWER_STEPS = 300
+
+
+def fewer_configs(tmp: Path) -> list[Path]:
+    """The two-node configs, shorter, and without dropout: a run on another world size draws its
+    dropout masks from streams seeded again, so only a model without them can follow the
+    uninterrupted run's losses closely."""
+    settings = tmp / "fewer.yaml"
+    settings.write_text(
+        f"task: {{options: {{size: 2048, dropout: 0.0}}}}\ntrain: {{max_steps: {FEWER_STEPS}}}\n"
+        "slurm: {nodes: 2, min_nodes: 1, tasks_per_node: 1, cpus_per_task: 1, time: '10'}\n"
+    )
+    return [*configs(tmp), settings]
+
+
+def test_a_rank_killed_with_no_spare_goes_on_with_fewer_nodes_and_the_same_global_batch(tmp_path):
+    """slurm.nodes 2, slurm.min_nodes 1, no spare: a rank killed at a random step leaves its node
+    out, and the next step of the same allocation trains on the one node left (no requeue), from
+    the last shared checkpoint of two ranks, with two micro-batches a step where each rank took
+    one: every step takes the same samples as the uninterrupted run of two ranks (here on the
+    third node, beside it), whose losses it follows within 1e-3 (one rank's sum over two
+    micro-batches for an all-reduce over two ranks) to the same data position. Its recomputed steps
+    are counted."""
+    chance = random.Random()
+    # the kill follows the report (every 50 steps) at step 150 or 250, after the last save
+    rank, at = chance.choice((0, 1)), 100 * chance.randint(1, 2) + chance.randint(1, 50)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    uninterrupted = sbatch(
+        reference, "--nodes=1", "--ntasks-per-node=2", "--time=10", configs=fewer_configs(reference)
+    )
+    args = [a for c in fewer_configs(tmp_path) for a in ("--config", str(c))]
+    done = cli("submit", *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = re.findall(r"job (\d+)", done.stdout)[0]
+    run = tmp_path / "runs" / "cpu"
+    wait_until(lambda: logged_step(run) >= at, 240, f"training to pass step {at}")
+    lost = re.findall(r"rank \d+ on node (\S+) ", rank_log(run, rank))[0]
+    kill_rank(job_id, rank)
+    assert wait_finished(job_id, timeout=600) == "COMPLETED", (rank, at)
+    assert job(job_id)["Restarts"] == "0"
+    (failure,) = failures(run)
+    assert (failure["node"], failure["action"]) == (lost, f"retry {lost} 1"), (rank, at)
+    log = rank_log(run, 0)
+    starts = re.findall(r"(\d+) rank\(s\) on (\d+) node\(s\)", log)
+    assert starts == [("2", "2"), ("1", "1")], starts
+    assert re.findall(r"rank 0 on node (\S+) ", log)[1] != lost
+    assert (
+        "1 rank(s), fewer than slurm.nodes' 2 (slurm.min_nodes): 2 micro-batches a step keep the "
+        "global batch" in log
+    )
+    resumed = int(re.findall(r"resumed from \S+/step-(\d+): step", log)[0])
+    assert resumed >= 100 and "resuming a 2-rank checkpoint on 1 ranks" in log, log
+    assert wait_finished(uninterrupted, timeout=600) == "COMPLETED"
+    expected = {r["step"]: r for r in records(reference / "runs" / "cpu") if "loss" in r}
+    # the steps both logged (a start logs its first step too)
+    after = [r for r in records(run) if r["step"] > resumed and r["step"] in expected]
+    assert after and after[-1]["step"] == FEWER_STEPS
+    gaps = [abs(r["loss"] / expected[r["step"]]["loss"] - 1) for r in after]
+    print(f"losses on one node: at most {max(gaps):.1e} from the two-rank run's")
+    for record in after:
+        assert record["loss"] == pytest.approx(expected[record["step"]]["loss"], rel=1e-3), (
+            record["step"],
+            rank,
+            at,
+        )
+    last = f"runs/cpu/checkpoints/step-{FEWER_STEPS}/state.json"
+    position = [
+        {
+            k: json.loads((folder / last).read_text())["trainer"][k]
+            for k in ("epoch", "samples_in_epoch")
+        }
+        for folder in (tmp_path, reference)
+    ]
+    assert position[0] == position[1], "every sample seen once, to the same position"
+    spent = json.loads((run / "status.json").read_text())["time"]
+    assert spent["starts"] == 2 and spent["seconds"]["recomputed"] > 0, spent
 
 
 def test_the_runs_own_failure_is_not_retried(tmp_path):

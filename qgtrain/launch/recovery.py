@@ -101,9 +101,15 @@ def decide(
             f"job is not requeued (slurm.requeue={requeue}, restart {restart} "
             f"of at most {max_restarts})",
         )
+    return _requeue(failures_per_node, free_nodes, f"{said}{step_retries} retries")
+
+
+def _requeue(failures_per_node: dict[str, int], free_nodes: int | None, said: str) -> Decision:
+    """A requeue, away from the nodes that failed twice or more where the partition has others to
+    take their place."""
     repeat = sorted(node for node, count in failures_per_node.items() if count >= 2)
     exclude = tuple(repeat) if free_nodes is not None and len(repeat) <= free_nodes else ()
-    why = f"{said}{step_retries} retries in this allocation failed; requeueing"
+    why = f"{said} in this allocation failed; requeueing"
     if repeat and not exclude:
         why += (
             f" (not excluding {', '.join(repeat)}: the partition has no other nodes to take "
@@ -178,11 +184,7 @@ def recover(
     A run directory others can write is refused first: the job ends rather than act on it."""
     rundir.require_safe(run_dir)
     run = rundir.RunDir(run_dir)
-    if isinstance(srun_log, Path):
-        try:
-            srun_log = srun_log.read_text(errors="replace")
-        except OSError:
-            srun_log = ""
+    srun_log = _read(srun_log)
     notes = {rank: note for rank in range(world_size) if (note := read_note(run, rank)) is not None}
     failures = task_failures(srun_log)
     failure = failures[0] if failures else None
@@ -197,6 +199,7 @@ def recover(
         record["nccl"] = nccl.record()
     if lost := lost_nodes(srun_log):
         record["lost"] = lost
+    usable = slurm.nodes + spares - len(away) - 1  # the allocation's, less the failed node
     decision = decide(
         notes,
         failure,
@@ -210,16 +213,20 @@ def recover(
         nccl,
         max(spares - len(away), 0),
         lost[0] if lost else None,
-        fewer_nodes(
-            slurm,
-            grad_accum_steps,
-            step_nodes or slurm.nodes,
-            slurm.nodes + spares - len(away) - 1,
-        ),
+        fewer_nodes(slurm, grad_accum_steps, step_nodes or slurm.nodes, usable),
     )
     record.update(action=decision.line(), reason=decision.reason)
     rundir.write_status(run_dir, str(status.get("status", "failed")), failures=[*history, record])
     return decision
+
+
+def _read(srun_log: Path | str) -> str:
+    if isinstance(srun_log, str):
+        return srun_log
+    try:
+        return srun_log.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _per_node(failures: list[dict[str, Any]]) -> dict[str, int]:

@@ -32,17 +32,7 @@ def retry_steps(slurm: SlurmConfig) -> str:
     (slurm.spare_nodes), or, with none left, on the fewer nodes the answer names
     (slurm.min_nodes). The step's exit code is returned."""
     spares, max_restarts = slurm.spare_nodes, slurm.max_restarts
-    per_node = ranks_per_node(slurm)
-    # each step's nodes and ranks: named where a step may not take the whole allocation
-    if shapes_steps(slurm):
-        shape = '\\\n            --nodes="$nodes" --ntasks=$((nodes * per_node)) '
-        step = '--step-nodes "$nodes" \\\n            --ranks $((nodes * per_node))'
-        local = f"\n    local nodes={slurm.nodes} per_node={per_node}"
-        fewer = '\n            if [ -n "$fewer" ]; then nodes=$fewer; fi'
-        answer = "action exclude fewer"
-    else:
-        shape, step, local, fewer = "", '--ranks "${SLURM_NTASKS:-1}"', "", ""
-        answer = "action exclude"
+    shape, local, step, answer, fewer = _shaped(slurm)
     return f"""run_steps() {{
     local said attempt=0 status decision {answer} away={local}
     local job="${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-}}}}"
@@ -84,3 +74,18 @@ def retry_steps(slurm: SlurmConfig) -> str:
     rm -f "$said"
     return "$status"
 }}"""
+
+
+def _shaped(slurm: SlurmConfig) -> tuple[str, str, str, str, str]:
+    """The loop's parts that name each step's nodes and tasks, where steps are shaped: srun's
+    options, the loop's variables, recover's arguments, the fields of its answer, and acting on a
+    retry on fewer nodes."""
+    if not shapes_steps(slurm):
+        return "", "", '--ranks "${SLURM_NTASKS:-1}"', "action exclude", ""
+    return (
+        '\\\n            --nodes="$nodes" --ntasks=$((nodes * per_node)) ',
+        f"\n    local nodes={slurm.nodes} per_node={ranks_per_node(slurm)}",
+        '--step-nodes "$nodes" \\\n            --ranks $((nodes * per_node))',
+        "action exclude fewer",
+        '\n            if [ -n "$fewer" ]; then nodes=$fewer; fi',
+    )
