@@ -10,8 +10,10 @@ import json
 import pytest
 
 from qgtrain.config import SlurmConfig
+from qgtrain.launch import aborts
 from qgtrain.launch.recovery import Decision, decide, fewer_nodes, recover
 from qgtrain.launch.srun_log import TaskFailure, first_failure
+from qgtrain.launch.suspects import Suspect, suspect
 from qgtrain.state import rundir
 
 RETRY_TWICE = SlurmConfig(step_retries=2, max_restarts=20)
@@ -177,14 +179,18 @@ def test_the_usable_nodes_are_those_up_in_the_partition_the_job_goes_to(partitio
     assert usable_nodes(partition, sinfo) == usable
 
 
+SUSPECT = Suspect("node2", "rank 1 on node2: Killed")
+
+
 @pytest.mark.parametrize(
-    "notes, failure, attempt, spares, expected",
+    "notes, failure, attempt, spares, suspect, expected",
     [
         (
             {},
             DIED,
             2,  # no retries left: a spare still takes the node's place
             1,
+            SUSPECT,
             Decision(
                 "retry",
                 "rank 1 on node2: Killed; retrying in this allocation on a spare node, without "
@@ -192,16 +198,61 @@ def test_the_usable_nodes_are_those_up_in_the_partition_the_job_goes_to(partitio
                 ("node2",),
             ),
         ),
-        ({}, DIED, 0, 0, Decision("retry", "retry 1 of 2 in this allocation")),
-        (MACHINE, None, 0, 1, Decision("retry", "retry 1 of 2 in this allocation")),  # no node
-        (OWN, DIED, 0, 2, decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1)),  # the run's own: end
+        ({}, DIED, 0, 0, SUSPECT, Decision("retry", "retry 1 of 2 in this allocation")),
+        (MACHINE, None, 0, 1, None, Decision("retry", "retry 1 of 2 in this allocation")),
+        (OWN, DIED, 0, 2, SUSPECT, decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1)),  # the run's own
     ],
     ids=["spare", "no-spare-left", "no-node-named", "own-failure"],
 )
 def test_a_failure_srun_places_on_a_node_is_retried_on_a_spare(
-    notes, failure, attempt, spares, expected
+    notes, failure, attempt, spares, suspect, expected
 ):
-    assert decide(notes, failure, attempt, 2, 0, 20, True, {}, 1, None, spares) == expected
+    assert decide(notes, failure, attempt, 2, 0, 20, True, {}, 1, None, spares, suspect) == expected
+
+
+def _aborted(silent: tuple[int, ...]) -> aborts.Abort:
+    return aborts.Abort(
+        "collective", (0, 1, 2, 3), tuple(set(range(4)) - set(silent)), silent, "/r"
+    )
+
+
+TASKS = [
+    TaskFailure("node1", 0, "Aborted"),
+    TaskFailure("node1", 1, "Aborted"),
+    TaskFailure("node2", 2, "Aborted"),
+    TaskFailure("node2", 3, "Aborted"),
+]
+
+
+@pytest.mark.parametrize(
+    "failures, lost, nccl, earlier, expected",
+    [
+        (TASKS, ["node3"], _aborted((2,)), {"node1": 1}, ("node3", "srun: Node failure on node3")),
+        (
+            TASKS,
+            [],
+            _aborted((2, 3)),
+            {"node1": 1},
+            ("node2", "rank(s) 2,3 on node2 left no NCCL dump"),
+        ),
+        (TASKS, [], _aborted((1, 2)), {}, ("node1", "rank 0 on node1: Aborted")),  # on two nodes
+        (
+            TASKS,
+            [],
+            None,
+            {"node2": 1},
+            ("node2", "rank 2 on node2: Aborted, a node that failed 1 time(s) before in this run"),
+        ),
+        (TASKS, [], None, {"node5": 2}, ("node1", "rank 0 on node1: Aborted")),
+        ([], [], None, {}, None),
+    ],
+    ids=["lost", "silent-node", "silent-on-two", "failed-before", "first-task", "nothing"],
+)
+def test_a_failed_step_points_at_the_node_the_strongest_sign_names(
+    failures, lost, nccl, earlier, expected
+):
+    found = suspect(failures, lost, nccl, earlier)
+    assert (None if found is None else (found.node, found.why)) == expected
 
 
 @pytest.mark.parametrize(
@@ -225,7 +276,7 @@ def test_a_step_without_a_failed_node_runs_on_the_most_nodes_that_keep_the_globa
 def test_with_no_spare_left_a_failed_node_is_left_out_on_fewer_nodes(tmp_path):
     """A spare first; with none left, the nodes fewer_nodes allows; a failure that names no node,
     or the run's own, is not a reason to drop one."""
-    on_fewer = decide({}, DIED, 2, 2, 0, 20, True, {}, 1, None, 0, None, 1)
+    on_fewer = decide({}, DIED, 2, 2, 0, 20, True, {}, 1, None, 0, SUSPECT, 1)
     assert on_fewer == Decision(
         "retry",
         "rank 1 on node2: Killed; no spare node left: retrying in this allocation on 1 node(s), "
@@ -234,9 +285,9 @@ def test_with_no_spare_left_a_failed_node_is_left_out_on_fewer_nodes(tmp_path):
         1,
     )
     assert on_fewer.line() == "retry node2 1"
-    assert decide({}, DIED, 0, 2, 0, 20, True, {}, 1, None, 1, None, 1).line() == "retry node2"
+    assert decide({}, DIED, 0, 2, 0, 20, True, {}, 1, None, 1, SUSPECT, 1).line() == "retry node2"
     assert decide(MACHINE, None, 0, 2, 0, 20, True, {}, 1, None, 0, None, 1).line() == "retry"
-    assert decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1, None, 0, None, 1).action == "end"
+    assert decide(OWN, DIED, 0, 2, 0, 20, True, {}, 1, None, 0, SUSPECT, 1).action == "end"
     rundir.write_status(tmp_path, "running", restart=0)
     fewer = SlurmConfig(nodes=3, min_nodes=1, step_retries=2)
     first = recover(tmp_path, KILLED, 137, 0, 0, 6, fewer, 0, step_nodes=3, grad_accum_steps=2)
@@ -263,7 +314,8 @@ def test_a_node_srun_says_failed_is_left_out_on_a_spare_and_counted_against_it(t
     from qgtrain.launch.srun_log import lost_nodes
 
     assert lost_nodes(NODE_LOST) == ["node2", "node3"] and lost_nodes(KILLED) == []
-    assert decide({}, None, 0, 2, 0, 20, True, {}, 1, None, 1, "node2") == Decision(
+    lost = Suspect("node2", "srun: Node failure on node2")
+    assert decide({}, None, 0, 2, 0, 20, True, {}, 1, None, 1, lost) == Decision(
         "retry",
         "srun: Node failure on node2; retrying in this allocation on a spare node, without node2 "
         "(0 spare(s) left)",

@@ -30,8 +30,9 @@ from ..config import SlurmConfig
 from ..config.slurm import shrinks
 from ..state import rundir
 from ..state.lifecycle import read_note
-from . import aborts
+from . import aborts, suspects
 from .srun_log import TaskFailure, lost_nodes, task_failures
+from .suspects import Suspect
 
 
 @dataclass(frozen=True)
@@ -58,15 +59,15 @@ def decide(
     free_nodes: int | None,
     nccl: aborts.Abort | None = None,
     spares_left: int = 0,
-    lost: str | None = None,
+    suspect: Suspect | None = None,
     fewer: int | None = None,
 ) -> Decision:
     """`notes`: rank -> {"message", "retryable"}; `attempt`: retries made in this allocation so far;
     `failures_per_node`: this run's failures so far, this one included; `free_nodes`: nodes the
     partition has beyond what the job needs (None where unknown); `nccl`: what NCCL's aborts and
     dumps say (the machine's failure, so retried like a rank that died, and named in the reason);
-    `spares_left`: the allocation's spare nodes no step has left out yet; `lost`: a node srun said
-    failed (lost_nodes); `fewer`: the nodes a step without that node would run on, where
+    `spares_left`: the allocation's spare nodes no step has left out yet; `suspect`: the node the
+    failure points at (suspects.py); `fewer`: the nodes a step without it would run on, where
     slurm.min_nodes allows one (fewer_nodes).
 
     A failure srun places on a node is retried without that node, whatever retries are left: on a
@@ -87,11 +88,11 @@ def decide(
             "is in the job's output",
         )
     said = f"{nccl.text()}; " if nccl else ""
-    if (suspect := _suspect(failure, lost)) is not None:
+    if suspect is not None:
         if spares_left > 0:
-            return _on_a_spare(*suspect, spares_left, said)
+            return _on_a_spare(suspect, spares_left, said)
         if fewer is not None:
-            return _on_fewer(*suspect, fewer, said)
+            return _on_fewer(suspect, fewer, said)
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
     if not requeue or restart >= max_restarts:
@@ -120,31 +121,21 @@ def _requeue(failures_per_node: dict[str, int], free_nodes: int | None, said: st
     return Decision("requeue", why, exclude)
 
 
-def _suspect(failure: TaskFailure | None, lost: str | None) -> tuple[str, str] | None:
-    """The node a failure points at, and what srun said of it: a node it said failed first, else
-    the node of the first task that failed."""
-    if lost is not None:
-        return lost, f"srun: Node failure on {lost}"
-    if failure is not None:
-        return failure.node, f"rank {failure.rank} on {failure.node}: {failure.how}"
-    return None
-
-
-def _on_a_spare(node: str, what: str, spares_left: int, said: str) -> Decision:
+def _on_a_spare(suspect: Suspect, spares_left: int, said: str) -> Decision:
     return Decision(
         "retry",
-        f"{said}{what}; retrying in this allocation on a spare node, without {node} "
-        f"({spares_left - 1} spare(s) left)",
-        (node,),
+        f"{said}{suspect.why}; retrying in this allocation on a spare node, without "
+        f"{suspect.node} ({spares_left - 1} spare(s) left)",
+        (suspect.node,),
     )
 
 
-def _on_fewer(node: str, what: str, nodes: int, said: str) -> Decision:
+def _on_fewer(suspect: Suspect, nodes: int, said: str) -> Decision:
     return Decision(
         "retry",
-        f"{said}{what}; no spare node left: retrying in this allocation on {nodes} node(s), "
-        f"without {node}, with the global batch kept (slurm.min_nodes)",
-        (node,),
+        f"{said}{suspect.why}; no spare node left: retrying in this allocation on {nodes} "
+        f"node(s), without {suspect.node}, with the global batch kept (slurm.min_nodes)",
+        (suspect.node,),
         nodes,
     )
 
@@ -212,7 +203,7 @@ def recover(
         free_nodes,
         nccl,
         max(spares - len(away), 0),
-        lost[0] if lost else None,
+        suspects.suspect(failures, lost, nccl, _per_node(history)),
         fewer_nodes(slurm, grad_accum_steps, step_nodes or slurm.nodes, usable),
     )
     record.update(action=decision.line(), reason=decision.reason)
