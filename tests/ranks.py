@@ -1,8 +1,9 @@
 """Run a function, or a `qgtrain` command, as N real ranks: separate processes that form a real
 gloo group through torchrun-style variables, as torchrun would set them. Processes come from a
-forkserver that has imported torch, transformers and qgtrain once, so each rank starts in
-milliseconds instead of the seconds of CPU an interpreter spends importing them, and never inherits
-a parent's OpenMP threads. helpers.cli runs single commands the same way."""
+forkserver that has imported torch, transformers, PyTorch Geometric (jobs/examples) and qgtrain
+once, so each rank starts in milliseconds instead of the seconds of CPU an interpreter spends
+importing them, and never inherits a parent's OpenMP threads. helpers.cli runs single commands the
+same way."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ _CTX.set_forkserver_preload(
         "torch.distributed",
         "transformers",
         "transformers.models.gpt2.modeling_gpt2",
+        "torch_geometric",
         "qgtrain.run",
         "qgtrain.interface.cli",
         "tests.ranks",
