@@ -24,7 +24,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import EXIT_STOPPED
 from qgtrain.tasks.mixture import streamed_splits
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
-from tests.helpers import checkpoint_state, example, records, wait_for
+from tests.helpers import checkpoint_state, cli, example, records, wait_for
 from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks
 
 
@@ -106,13 +106,7 @@ def test_the_classifier_exports_for_transformers_pipeline_and_the_graph_model_fo
         ) == [0, 0]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "classifier-export"
-    done = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "export", str(runs["classifier"]), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    done = cli("export", str(runs["classifier"]), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "reloaded and compared with the checkpoint" in done.stdout
     code = (
@@ -132,21 +126,7 @@ def test_the_classifier_exports_for_transformers_pipeline_and_the_graph_model_fo
     assert shown.returncode == 0, shown.stderr[-2000:]
     labels = {item["label"] for item in json.loads(shown.stdout.strip().splitlines()[-1])}
     assert labels <= {"json", "asyncio", "unittest", "email"} and labels
-    graph = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qgtrain",
-            "export",
-            str(runs["graph"]),
-            "--out",
-            str(tmp_path / "graph-export"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    graph = cli("export", str(runs["graph"]), "--out", str(tmp_path / "graph-export"), cwd=tmp_path)
     assert graph.returncode == 0, graph.stderr[-2000:]
     model = qgtrain.load_model(tmp_path / "graph-export", trust_code=True)  # by the task function
     saved = torch.load(runs["graph"] / "checkpoints" / "step-8" / "model.pt", weights_only=True)

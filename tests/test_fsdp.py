@@ -20,12 +20,13 @@ from qgtrain.state import layout
 from tests.helpers import (
     assert_resumed_equals,
     checkpoint_state,
+    cli,
     kill_once_saved,
     records,
     small_gpt2_run,
     tiny_gpt2,
 )
-from tests.ranks import ROOT, run_ranks, start_cli_ranks, wait_ranks
+from tests.ranks import run_ranks, start_cli_ranks, wait_ranks
 
 
 def run_cli(world: int, args: list[str], cwd: Path, prefix: str) -> None:
@@ -186,20 +187,11 @@ def test_resume_on_other_world_sizes_and_across_ddp_and_fsdp(tmp_path):
 
 @pytest.mark.slow
 def test_export_of_an_fsdp_run_gathers_the_full_weights(tmp_path):
-    import subprocess
-    import sys
-
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     run_cli(2, small_gpt2_run(run, "train.max_steps=8", "train.parallel=fsdp"), tmp_path, "fsdp")
-    out = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "export", str(run), "--out", str(tmp_path / "hf")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    out = cli("export", str(run), "--out", str(tmp_path / "hf"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     saved = checkpoint_state(run / "checkpoints" / "step-8")

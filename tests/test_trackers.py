@@ -10,14 +10,13 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import cli, records, wait_for
-from tests.ranks import ROOT
+from tests.ranks import ROOT, ForkedCommand
 
 SETS = [
     "data.name=synthetic",
@@ -130,14 +129,11 @@ def mlflow_metric(tmp_path: Path, run_id: str, key: str) -> list[tuple[int, floa
 @pytest.mark.slow
 def test_a_killed_and_resumed_run_is_one_tracker_run_with_one_step_axis(tmp_path):
     run_dir = tmp_path / "runs" / "tiny-gpt2"
-    output = open(tmp_path / "killed.out", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qgtrain", *arguments(tmp_path, "train.max_steps=400")],
-        cwd=tmp_path,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"},
-        stdout=output,
-        stderr=subprocess.STDOUT,
+    proc = ForkedCommand(
+        arguments(tmp_path, "train.max_steps=400"),
+        tmp_path,
+        {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"},
+        tmp_path / "killed.out",
     )
     past_the_checkpoint = lambda: any(r["step"] >= 16 for r in records(run_dir)[-1:])  # noqa: E731
     wait_for(past_the_checkpoint, [proc], "step 16, past the checkpoint at 10", 240, 0.01)
