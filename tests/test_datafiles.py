@@ -241,7 +241,7 @@ def test_a_prepared_cache_is_reused_and_a_changed_file_is_prepared_again(tmp_pat
 def slow_corpus(tmp_path: Path) -> list[str]:
     folder = bpe_tokenizer(tmp_path / "tok")
     for shard in range(4):
-        write_jsonl(tmp_path / f"big{shard}.jsonl", documents(6000, shard, words=200))
+        write_jsonl(tmp_path / f"big{shard}.jsonl", documents(2000, shard, words=200))
     return [
         "--set",
         "data.name=files",
