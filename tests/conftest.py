@@ -43,6 +43,7 @@ SIDE_TESTS = "tests/test_slurm_limits.py"
 SHARED_FIXTURE_MODULES = (
     "tests/test_evals.py",
     "tests/test_export.py",
+    "tests/test_fsdp.py",
     "tests/test_own_model.py",
     "tests/test_molecules.py",
     "tests/test_resume.py",

@@ -92,20 +92,32 @@ def test_fsdp_holds_about_half_the_parameters_and_optimizer_state_of_ddp_on_two_
     assert sum(f[0] for f in fsdp) >= ddp[0][0]  # the shards cover the model (padding aside)
 
 
+KILLED_SETS = ["train.max_steps=24", "train.parallel=fsdp", "model.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run the killed ones must end as, trained once for both kinds of save (which do not
+    change training)."""
+    tmp = tmp_path_factory.mktemp("fsdp-reference")
+    run_cli(2, small_gpt2_run(tmp / "reference", *KILLED_SETS), tmp, "ref")
+    return tmp / "reference"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
-def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(tmp_path, async_save):
+def test_sigkill_then_resume_under_fsdp_equals_the_uninterrupted_run(
+    uninterrupted, tmp_path, async_save
+):
     seed = int(os.environ.get("QGTRAIN_TEST_SEED", time.time()))
     kill_at = random.Random(seed).randrange(6, 20)
-    sets = ["train.max_steps=24", "train.parallel=fsdp", "model.dropout=0.1"]
-    run_cli(2, small_gpt2_run(tmp_path / "reference", *sets), tmp_path, "ref")
     run = tmp_path / "killed"
-    killed = small_gpt2_run(run, *sets, f"checkpoint.async_save={str(async_save).lower()}")
+    killed = small_gpt2_run(run, *KILLED_SETS, f"checkpoint.async_save={str(async_save).lower()}")
     procs = start_cli_ranks(2, killed, tmp_path, log_prefix="killed")
     kill_once_saved(run, procs, kill_at)
     run_cli(2, killed, tmp_path, "killed")
     context = f"(seed {seed}: killed at step {kill_at})"
-    assert_resumed_equals(tmp_path / "reference", run, context, max_steps=24)
+    assert_resumed_equals(uninterrupted, run, context, max_steps=24)
     saved = checkpoint_state(run / "checkpoints" / "step-24")
     assert any(k.startswith("optim.") for k in saved), "the optimizer's shards are compared too"
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text(), context
