@@ -55,8 +55,13 @@ def test_a_killed_and_resumed_run_accounts_for_all_its_time_and_its_recomputed_s
     assert began <= first_start and abs(kept["written"] - total - first_start) < 0.05
     assert kept["written"] <= ended
     assert abs(kept["goodput"] - seconds["training"] / total) < 1e-3
-    shares = [r["goodput"] for r in records(run) if "goodput" in r]
-    assert shares and all(0 < share < 1 for share in shares)
+    reported = [r for r in records(run) if "goodput" in r]
+    assert reported and all(0 < r["goodput"] < 1 for r in reported)
+    # each kind's share beside it, adding up to the whole
+    kinds = ["goodput", *(f"time_{kind}" for kind in seconds if kind != "training")]
+    last = reported[-1]
+    assert abs(sum(last[kind] for kind in kinds) - 1) < 1e-6, last
+    assert last["time_recomputed"] > 0
     shown = cli("runs", str(run), cwd=tmp_path).stdout
     assert (
         f"cpu: time {total:.1f} s in 2 starts: training {seconds['training'] / total:.0%}" in shown

@@ -71,6 +71,7 @@ class Ledger:
         return sum(self.seconds.values())
 
     def shares(self) -> dict[str, float]:
+        """Each kind's share of the run's time; training's is the goodput."""
         total = self.total()
         return {kind: s / total for kind, s in self.seconds.items()} if total > 0 else {}
 
@@ -125,10 +126,11 @@ class Account:
             time.time(),
         )
 
-    def write(self) -> float:
+    def write(self) -> dict[str, float]:
         """Record the ledger in status.json (not in a folder put in the run folder's place: the
-        next checkpoint stops the run); returns the run's goodput so far. A write that fails (a
-        full disk) is said once and costs the run nothing: its checkpoints say what matters."""
+        next checkpoint stops the run); returns the shares of the run's time so far, by kind. A
+        write that fails (a full disk) is said once and costs the run nothing: its checkpoints say
+        what matters."""
         ledger = self.ledger()
         try:
             if self.run.replaced() is None:
@@ -137,4 +139,4 @@ class Account:
             if not self._failed:
                 log.warning("the run's time is not recorded in status.json: %s", exc)
             self._failed = True
-        return ledger.shares().get("training", 0.0)
+        return ledger.shares()

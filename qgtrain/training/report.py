@@ -126,7 +126,7 @@ class Reporter:
         if self.task.tokens is not None:
             record.update(tokens_per_s=tokens / interval.busy_s, tokens_seen=state.tokens_seen)
         record.update(
-            {"goodput": interval.goodput} if interval.goodput is not None else {},
+            **_time_shares(interval.shares or {}),
             data_wait_frac=interval.data_s / interval.busy_s,
             time=time.time(),
             **memory_gb(self.device),
@@ -152,3 +152,13 @@ class Reporter:
             lr,
             speed,
         )
+
+
+def _time_shares(shares: dict[str, float]) -> dict[str, float]:
+    """The run's time as metrics: `goodput` (training's share) and `time_<kind>` for the others,
+    which add up to 1 with it, so a tracker or `qgtrain plot` shows where the time went."""
+    if not shares:
+        return {}
+    return {"goodput": shares["training"]} | {
+        f"time_{kind}": share for kind, share in shares.items() if kind != "training"
+    }

@@ -19,12 +19,12 @@ from .goodput import Account
 @dataclass(frozen=True)
 class Interval:
     """The training since the last report: steps, their wall time, and the part spent waiting for
-    data; with an account, the run's goodput so far."""
+    data; with an account, the shares of the run's time so far by kind (goodput.py)."""
 
     steps: int
     busy_s: float
     data_s: float
-    goodput: float | None = None
+    shares: dict[str, float] | None = None
 
 
 class StepTimer:
@@ -71,8 +71,8 @@ class StepTimer:
     def interval(self, step: int) -> Interval:
         """The training since the last report, and a new interval begun (rank 0 records the
         run's time)."""
-        goodput = self.account.write() if self.account is not None else None
-        done = Interval(step - self._reported_at, self._busy_s, self._data_s, goodput)
+        shares = self.account.write() if self.account is not None else None
+        done = Interval(step - self._reported_at, self._busy_s, self._data_s, shares)
         self._reported_at, self._busy_s, self._data_s = step, 0.0, 0.0
         return done
 
