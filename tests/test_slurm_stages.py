@@ -147,7 +147,7 @@ def submitted(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_a_job_broken_after_submit_and_requeued_mid_run_completes_with_the_submitted_code(tmp_path):
-    args = user_folder(tmp_path, "my_task:paced", 300)
+    args = user_folder(tmp_path, "my_task:paced", 150)  # 7.5 s of steps, the signal after 2.5
     job_id = submitted(cli("submit", *args, "--set", *ONE_RANK, cwd=tmp_path))
     # edited while the job waits: the job must never import this
     (tmp_path / "my_task.py").write_text("def paced(cfg):\n    this is not Python\n")
@@ -155,7 +155,7 @@ def test_a_job_broken_after_submit_and_requeued_mid_run_completes_with_the_submi
     wait_until(lambda: logged_step(run) >= 50, 120, "training to pass step 50")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # a preemption's warning
     assert wait_finished(job_id, timeout=180) == "COMPLETED"
-    assert job(job_id)["Restarts"] == "1" and logged_step(run) == 300
+    assert job(job_id)["Restarts"] == "1" and logged_step(run) == 150
     log = rank_log(run, 0)
     assert log.count("my_task: the code as submitted") == 2, "both attempts built that task"
     stopped = int(log.split("stopping at step ")[1].split(" ")[0])
@@ -170,7 +170,8 @@ def test_a_job_broken_after_submit_and_requeued_mid_run_completes_with_the_submi
 def test_a_chain_preempted_in_stage_1_runs_stage_2_once_from_stage_1s_weights_then_scores_it(
     tmp_path,
 ):
-    first_steps = overlay(tmp_path, 2000)  # about 13 s of training on one rank: time to preempt it
+    # about 6 s of training on one rank: time to preempt it at step 100, and to see it resume
+    first_steps = overlay(tmp_path, 800)
     # lr 0: the second stage's weights stay those it started from
     (tmp_path / "tune.yaml").write_text(
         f"model: {{pretrained: {tmp_path / 'runs' / 'cpu' / 'export'}}}\n"
