@@ -48,7 +48,12 @@ def test_train_slurm_on_two_nodes_completes_with_the_first_node_as_master(tmp_pa
         tmp_path,
         *TWO_NODES,
         "--time=5",
-        configs=[ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", overlay(tmp_path, 60)],
+        configs=[
+            ROOT / "config.yaml",
+            ROOT / "jobs" / "cpu.yaml",
+            overlay(tmp_path, 60),
+            points_task(tmp_path),
+        ],
     )
     assert wait_finished(job_id) == "COMPLETED"
     run = tmp_path / "runs" / "cpu"
@@ -403,7 +408,7 @@ def test_a_sweep_runs_as_one_job_array_and_a_preempted_task_requeues_on_its_own(
 
 def test_a_sweep_from_python_with_submitit_gives_each_task_its_run_and_result(tmp_path):
     base = qgtrain.load_config(
-        [overlay(tmp_path, 60)],
+        [overlay(tmp_path, 60), points_task(tmp_path)],
         ["slurm.nodes=1", "slurm.cpus_per_task=1", "train.run_name=py", "train.device=cpu"],
     )
     jobs = qgtrain.submit_sweep(base, {"optim.lr": [1e-3, 3e-3]}, max_parallel=2)
