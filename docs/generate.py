@@ -112,7 +112,12 @@ def _section_summary(cls: type) -> str:
 
 def _type_name(hint: Any) -> str:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        words = [w for a in options if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+        if words:  # int | Literal["auto"]
+            (number,) = [a for a in options if typing.get_origin(a) is not Literal]
+            return f"{_type_name(number)} or {' or '.join(words)}"
+        (inner,) = options
         return f"{_type_name(inner)} or null"
     origin = typing.get_origin(hint)
     if origin is Literal:

@@ -230,6 +230,11 @@ def test_an_integer_key_takes_a_whole_number_in_any_notation(tmp_path, source, w
             r"and 10",
         ),
         (
+            "checkpoint: {local_every_steps: often}\n",
+            r"checkpoint.local_every_steps: expected auto, or an integer >= 0; got text "
+            r"\('often'\)",
+        ),
+        (
             "slurm: {nodes: 2, min_nodes: 3}\n",
             r"slurm.min_nodes: 3 is more than slurm.nodes \(2\)",
         ),
@@ -433,3 +438,18 @@ def test_a_step_whose_ranks_cannot_share_the_global_batch_is_refused():
 
     with pytest.raises(ConfigError, match=r"a step on 3 rank\(s\) cannot keep .* 4/3 micro"):
         micro_batches(SlurmConfig(nodes=4, min_nodes=2), 1, 3)
+
+
+def test_a_number_or_a_word_takes_either_from_a_file_and_from_set(tmp_path):
+    """checkpoint.local_every_steps: an integer, or auto."""
+    local = "checkpoint.local_dir=/tmp/x"
+    file = write(tmp_path, "checkpoint: {local_dir: /tmp/x, local_every_steps: auto}\n")
+    assert load_config([file]).checkpoint.local_every_steps == "auto"
+    assert (
+        load_config([], [local, "checkpoint.local_every_steps=auto"]).checkpoint.local_every_steps
+        == "auto"
+    )
+    assert (
+        load_config([], [local, "checkpoint.local_every_steps=20"]).checkpoint.local_every_steps
+        == 20
+    )

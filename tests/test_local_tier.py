@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from qgtrain.state.local_cadence import LocalCadence
 from qgtrain.state.local_files import LocalFolder
 from qgtrain.state.local_tier import Plan, Transfer, choose
 from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for
@@ -226,3 +227,41 @@ def test_a_part_counts_only_for_its_own_run_and_layout_and_whole(tmp_path):
     folder.write(10, "rank-0", {})
     folder.write(12, "rank-0", {})
     assert folder.keep_newest(2) == [folder.step(8)] and folder.steps() == [12, 10]
+
+
+def test_auto_saves_by_the_clock_at_the_young_daly_interval_once_per_interval():
+    """checkpoint.local_every_steps: auto: the first save at once (to measure its stall), then
+    every sqrt(2 x stall x the job's MTBF); a save asked for is not asked again before it is made
+    (the agreement reaches it agreements later)."""
+    cadence = LocalCadence(every_steps=0, mtbf_s=100.0)
+    assert cadence.due_by_clock(0.0) and not cadence.due_by_clock(1.0), "asked once"
+    cadence.saved(0.5, 2.0, tell=False)  # sqrt(2 x 0.5 x 100) = 10 s
+    assert [cadence.due_by_clock(now) for now in (11.0, 12.0, 12.5)] == [False, True, False]
+    cadence.saved(0.5, 13.0, tell=False)
+    assert not cadence.due_by_clock(22.9) and cadence.due_by_clock(23.0)
+    assert not LocalCadence(every_steps=5, mtbf_s=1.0).due_by_clock(1e9), "by the step instead"
+    assert [step for step in range(1, 12) if LocalCadence(5, 1.0).due(step)] == [5, 10]
+
+
+def test_a_run_with_auto_saves_locally_by_the_clock_each_interval_once(tmp_path):
+    """A run of sleep-paced steps whose MTBF makes the interval about a second: local saves
+    spread over the run, none of them repeated at the next agreements (as a cadence asked for
+    again before its save would), and the interval told once."""
+    paced = tmp_path / "auto.yaml"
+    paced.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:slow_evaluation', "
+        "options: {size: 2048, step_s: 0.01, eval_batch_s: 0}}\n"
+        "train: {max_steps: 300, log_every: 100, eval_every: 0, agree_every: 5}\n"
+        f"checkpoint: {{every_steps: 0, local_dir: '{tmp_path}/local', local_every_steps: auto, "
+        "gpu_mtbf_hours: 0.003, local_keep: 100}\n"
+        f"logging: {{tensorboard: false, runs_dir: '{tmp_path}/runs'}}\n"
+    )
+    configs = [ROOT / "config.yaml", ROOT / "jobs" / "cpu.yaml", paced]
+    done = cli("train", *[a for c in configs for a in ("--config", str(c))], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    told = re.findall(r"node-local tier by the clock .*: every ([\d.]+) s", done.stderr)
+    assert len(told) == 1, done.stderr[-2000:]
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "local").glob("qgtrain-*/step-*"))
+    assert saved[0] <= 10 and len(saved) >= 3, saved
+    gaps = [b - a for a, b in zip(saved, saved[1:])]
+    assert min(gaps) > 5, f"a save repeated at the next agreement: {saved}"

@@ -40,9 +40,13 @@ def convert(
     """Convert one value to the field's type, or raise a ConfigError saying what is allowed."""
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        if raw is None or (from_text and str(raw).strip().lower() in ("null", "none", "~", "")):
+        if type(None) in args and (
+            raw is None or (from_text and str(raw).strip().lower() in ("null", "none", "~", ""))
+        ):
             return None
-        (hint,) = [a for a in args if a is not type(None)]
+        hint, named = _number_or_word([a for a in args if a is not type(None)])
+        if named:  # a word beside a number: local_every_steps: auto
+            return _to_word_or_number(raw, named, hint, spec, where, from_text)
     if typing.get_origin(hint) is Literal:
         return _to_choice(raw, args, where, from_text)
     if hint is bool:
@@ -56,6 +60,35 @@ def convert(
     if typing.get_origin(hint) is tuple:
         return _to_list(raw, args[0], where, from_text)
     raise AssertionError(f"unsupported config type {hint!r} for {where}")
+
+
+def _number_or_word(options: list[Any]) -> tuple[Any, tuple[str, ...]]:
+    """A union's type (X of `X | None`), or for `int | Literal["auto"]` the number and its
+    words, with no words for the first."""
+    if len(options) == 1:
+        return options[0], ()
+    (words,) = [a for a in options if typing.get_origin(a) is Literal]
+    (number,) = [a for a in options if a is not words]
+    return number, typing.get_args(words)
+
+
+def _to_word_or_number(
+    raw: Any,
+    words: tuple[str, ...],
+    kind: type,
+    spec: dataclasses.Field[Any],
+    where: str,
+    from_text: bool,
+) -> Any:
+    if isinstance(raw, str) and raw.strip() in words:
+        return raw.strip()
+    try:
+        return _to_number(raw, kind, spec, where, from_text)
+    except ConfigError:
+        noun = "an integer" if kind is int else "a number"
+        raise ConfigError(
+            f"{where}: expected {' or '.join(words)}, or {noun}{_bounds(spec)}; got {describe(raw)}"
+        ) from None
 
 
 def _to_choice(raw: Any, choices: tuple[Any, ...], where: str, from_text: bool) -> Any:

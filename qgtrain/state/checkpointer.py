@@ -70,6 +70,7 @@ class Checkpointer:
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
         self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
         self._saved_at = time.monotonic()
+        self._asked = False  # a save by the clock asked for and not yet made
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
@@ -105,13 +106,27 @@ class Checkpointer:
 
     def due_locally(self, step: int) -> bool:
         """checkpoint.local_every_steps: whether step `step` goes to the node-local tier."""
-        return self.local is not None and self.local.due(step)
+        return self.local is not None and self.local.cadence.due(step)
+
+    def due_locally_by_clock(self) -> bool:
+        """checkpoint.local_every_steps: auto, by rank 0's clock (the others say False, and the
+        trainer agrees on rank 0's answer)."""
+        return (
+            self.env.is_main
+            and self.local is not None
+            and self.local.cadence.due_by_clock(time.monotonic())
+        )
 
     def due_by_clock(self) -> bool:
         """checkpoint.every_minutes since the last save, by rank 0's clock: the ranks' clocks
-        differ, so the trainer agrees on rank 0's answer (the others say False)."""
+        differ, so the trainer agrees on rank 0's answer (the others say False). Said once per
+        save: the agreement reaches the save a few steps later, and asking again meanwhile would
+        save again."""
         every = 60 * self.every_minutes
-        return self.env.is_main and bool(every) and time.monotonic() - self._saved_at >= every
+        if not (self.env.is_main and every) or self._asked:
+            return False
+        self._asked = time.monotonic() - self._saved_at >= every
+        return self._asked
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, copies_here: bool
@@ -163,7 +178,7 @@ class Checkpointer:
                 else:
                     self._background(self._settle, ckpt, names)
             self.last_step = step
-        self._saved_at = time.monotonic()  # checkpoint.every_minutes counts from here
+        self._saved_at, self._asked = time.monotonic(), False  # every_minutes counts from here
 
     def save_parts(
         self,
@@ -194,6 +209,7 @@ class Checkpointer:
         """Every rank's part of `step` into the node-local tier, and its replica to the next node
         (local_tier.py): all in the background after a host copy under checkpoint.async_save."""
         assert self.local is not None, "no checkpoint.local_dir"
+        began = time.perf_counter()
         self.wait()
         own, whole = self.local.split({name: part.state_dict() for name, part in parts.items()})
         if self.async_save:
@@ -201,6 +217,8 @@ class Checkpointer:
             self._background(self.local.save, step, own, whole)
         else:  # written now; the replica and the rotation in the background, as a shared fsync
             self._background(self.local.spread, step, self.local.write(step, own, whole))
+        stall = time.perf_counter() - began
+        self.local.cadence.saved(stall, time.monotonic(), tell=self.env.is_main)
 
     def restore(self, ckpt: checkpoint.Checkpoint | LocalCheckpoint, parts: named.Parts) -> None:
         """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py, or

@@ -35,6 +35,7 @@ from ..runtime import distributed, objects, transfer
 from ..runtime.rendezvous import DistEnv
 from . import sharded
 from .checkpoint import Checkpoint
+from .local_cadence import LocalCadence
 from .local_files import WHOLE, LocalFolder, node_folder, part_name
 from .stateful import ModelState, OptimizerState, Stateful, loading
 
@@ -80,7 +81,7 @@ class LocalTier:
         """`timeout_s` bounds each of the tier's collectives (train.collective_timeout_s): a rank
         cut off in a save or a start does not hold the others for gloo's half hour."""
         self.folder, self.env, self.by_shards = folder, env, by_shards
-        self.every_steps, self.keep = cfg.local_every_steps, cfg.local_keep
+        self.cadence, self.keep = LocalCadence.of(cfg, env.world_size), cfg.local_keep
         world, per_node = env.world_size, env.local_world_size
         replicated = bool(cfg.local_replicas) and env.num_nodes > 1
         # the same local rank on the next node keeps this rank's replica; on the one before, ours
@@ -94,9 +95,6 @@ class LocalTier:
         """Whether this rank's part holds the model's state: its shards, or its node's whole
         model (ddp's local rank 0)."""
         return self.by_shards or self.writes_whole
-
-    def due(self, step: int) -> bool:
-        return step % self.every_steps == 0
 
     def split(self, states: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(this rank's part, the whole model this rank writes or None) from the parts' states."""

@@ -31,6 +31,8 @@ class Flags:
 
     stop_requested: bool = False  # a stop signal reached some rank
     checkpoint_due: bool = False  # checkpoint.every_minutes has passed (rank 0's clock)
+    # checkpoint.local_every_steps: auto: the node-local tier's interval has passed (rank 0's clock)
+    local_due: bool = False
     save_failed: bool = False  # an asynchronous checkpoint write failed on some rank
     # the time limit no longer holds the work before the next agreement (rank 0)
     out_of_time: bool = False
@@ -44,7 +46,7 @@ class Flags:
         return self.stop_requested or self.out_of_time
 
 
-HOST_FLAGS = ("stop_requested", "checkpoint_due", "save_failed", "out_of_time")
+HOST_FLAGS = ("stop_requested", "checkpoint_due", "local_due", "save_failed", "out_of_time")
 AGREED = len(HOST_FLAGS) + 1  # and bad_loss, which stays on the device
 FLAG_NAMES = (*HOST_FLAGS, "bad_loss", "bad_grads")
 

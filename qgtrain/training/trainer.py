@@ -122,6 +122,7 @@ class Trainer:
         return Flags(
             stop_requested=self.parts.stop.requested,
             checkpoint_due=self.parts.checkpointer.due_by_clock(),
+            local_due=self.parts.checkpointer.due_locally_by_clock(),
             save_failed=self.parts.checkpointer.failed,
             out_of_time=self.env.is_main and self.planner.out_of_time(step),
         )
@@ -183,7 +184,7 @@ class Trainer:
         due = agreed.checkpoint_due or self.parts.checkpointer.due(step)
         if agreed.stop or early_stop or due:
             self._save(validated, blocking=agreed.stop or early_stop)
-        elif self.parts.checkpointer.due_locally(step):
+        elif agreed.local_due or self.parts.checkpointer.due_locally(step):
             self._save(validated, blocking=False, local=True)
         if agreed.stop:
             return self._stop_to_resume(step, agreed)
