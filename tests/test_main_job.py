@@ -33,9 +33,11 @@ def qgtrain(
 
 @pytest.mark.slow
 def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path):
+    # the main job's model on half its batch: the same steps for half the CPU
     result = qgtrain(
         tmp_path,
         "train.max_steps=80",
+        "train.batch_size=8",
         "train.eval_every=20",
         "train.log_every=10",
         "data.corpus_mb=1",
@@ -66,7 +68,13 @@ def test_main_job_on_a_short_setting_learns_and_fills_its_run_directory(tmp_path
     assert any((run / "tb").glob("events.out.tfevents.*"))
     assert "[rank 0]" in (run / "logs" / "rank_0.log").read_text()
 
-    again = qgtrain(tmp_path, "train.max_steps=80", "train.eval_every=20", "data.corpus_mb=1")
+    again = qgtrain(
+        tmp_path,
+        "train.max_steps=80",
+        "train.batch_size=8",
+        "train.eval_every=20",
+        "data.corpus_mb=1",
+    )
     assert again.returncode == 0 and "this run already ended at step 80 (finished)" in again.stderr
     assert len(records(run)) == len(logged)
 
