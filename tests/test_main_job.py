@@ -84,6 +84,7 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
     result = qgtrain(
         tmp_path,
         "train.max_steps=20",
+        "train.batch_size=8",
         "train.eval_every=10",
         "data.corpus_mb=0.3",
         launcher=(
@@ -106,6 +107,7 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
         tmp_path,
         "train.max_steps=100000",
         "train.max_time=1s",
+        "train.batch_size=8",
         "data.corpus_mb=0.3",
         launcher=(
             sys.executable,
