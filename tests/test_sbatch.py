@@ -781,17 +781,18 @@ def test_with_no_spare_left_a_step_that_fails_on_a_node_runs_again_on_fewer_node
     )
     (bin_dir / "srun").chmod(0o755)
     (tmp_path / "job.sbatch").write_text(script)
+    said = tmp_path.parent / f"{tmp_path.name}-srun.txt"  # outside the snapshot of the folder
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "PYTHONPATH": str(ROOT),
-        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SRUN_ARGS": str(said),
         "SLURM_JOB_ID": "78",
     }
     done = subprocess.run(
         ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    steps = [line.split() for line in (tmp_path / "srun.txt").read_text().splitlines()]
+    steps = [line.split() for line in said.read_text().splitlines()]
     assert [s[:3] for s in steps] == [
         ["--nodes=3", "--ntasks=6", "--kill-on-bad-exit=1"],
         ["--exclude=node2", "--nodes=2", "--ntasks=4"],
@@ -802,3 +803,11 @@ def test_with_no_spare_left_a_step_that_fails_on_a_node_runs_again_on_fewer_node
     first = failures[0]["reason"]
     assert "no spare node left: retrying in this allocation on 2 node(s), without node2, " in first
     assert failures[1]["reason"].startswith("srun: Node failure on node3; no spare node left")
+    # a requeued job runs the script again, on slurm.nodes
+    said.write_text("\n" * 3)
+    again = subprocess.run(
+        ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr
+    last = said.read_text().splitlines()[-1].split()
+    assert last[:3] == ["--nodes=3", "--ntasks=6", "--kill-on-bad-exit=1"]

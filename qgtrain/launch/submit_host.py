@@ -39,10 +39,13 @@ def snapshot_first(python: str, copy: str, indent: str = "") -> str:
     what they meant there) with its snapshot first on PYTHONPATH: PYTHONSAFEPATH keeps Python
     3.11+ from putting that folder first on sys.path, ahead of the snapshot, under `python -m`. A
     Python without it (3.10) would import the live task module, so that job runs in the snapshot's
-    copy of the folder (`copy`, a shell word) instead, saying so. `python`: a shell word too."""
+    copy of the folder (`copy`, a shell word) instead, saying so. No bytecode is written: a
+    process that may write into the snapshot (root may, whatever its modes) would change the files
+    it is sealed by, and the next start would refuse it. `python`: a shell word too."""
     check = "import sys; sys.exit(not getattr(sys.flags, 'safe_path', 0))"
     return (
         f"{indent}export PYTHONSAFEPATH=1  # the folder's modules never shadow the snapshot's\n"
+        f"{indent}export PYTHONDONTWRITEBYTECODE=1  # nothing written into the sealed snapshot\n"
         f'{indent}{python} -c "{check}" || {{\n'
         f'{indent}    echo "qgtrain: this Python puts $PWD first on sys.path; the job runs in its '
         'snapshot copy" >&2\n'
