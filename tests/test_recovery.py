@@ -330,3 +330,19 @@ def test_a_node_srun_says_failed_is_left_out_on_a_spare_and_counted_against_it(t
     assert last.line() == "requeue node2,node3"
     failures = json.loads((tmp_path / "status.json").read_text())["failures"]
     assert [f["lost"] for f in failures] == [["node2", "node3"]] * 2
+
+
+@pytest.mark.parametrize(
+    "how, restart, expected",
+    [
+        ("Exited with exit code 75", 0, ("end", "stopped the run at a checkpoint (exit 75)")),
+        ("Exited with exit code 76", 0, ("requeue", "to be requeued (exit 76)")),
+        ("Exited with exit code 76", 20, ("end", "to be requeued (exit 76)")),  # no restarts left
+    ],
+)
+def test_a_stop_at_a_checkpoint_whose_peers_srun_ended_is_not_retried(how, restart, expected):
+    """The first rank to exit 75 (or 76) makes srun end the others (--kill-on-bad-exit), so srun's
+    own status is theirs (143): the stop, not a failure, is what the step ended with."""
+    stopped = TaskFailure("node1", 0, how)
+    decision = decide({}, stopped, 0, 2, restart, 20, True, {}, 1, None, 1, SUSPECT, 1)
+    assert decision.action == expected[0] and expected[1] in decision.reason, decision

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests import slurm_side
-from tests.helpers import rank_log, records, wait_finished
+from tests.helpers import rank_log, records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -31,15 +31,19 @@ def test_a_real_time_limit_requeues_and_resumes_allocation_after_allocation(side
     # machine the second can win when the signal comes late; either way no step may be lost.
     stops = re.findall(r"stopping at step (\d+) on (SIGUSR2|the time limit): checkpoint saved", log)
     steps = [int(step) for step, _ in stops]
-    assert len(steps) == 2 and 0 < steps[0] < steps[1], [
+    assert len(steps) == 3 and 0 < steps[0] < steps[1] < steps[2], [
         line for line in log.splitlines() if "stopping" in line or "resumed" in line
     ]
-    for restart, stopped in enumerate(steps, start=1):
+    for restart, stopped in enumerate(steps[:2], start=1):
         assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log, (
             f"allocation {restart + 1} lost work after the time limit"
         )
         assert f"Slurm job {job_id} restart {restart}" in log
-    assert wait_finished(job_id, timeout=120) == "CANCELLED"
+    # the third allocation's stop is saved too, and not requeued
+    assert "not requeued (slurm.requeue=True, restart 2 of at most 2)" in log
+    assert "restart 2, step 1" not in log, "a stop is not retried as a failed step"
+    assert (run / "checkpoints" / f"step-{steps[2]}").is_dir()
+    assert seen["state"] != "TIMEOUT", "every allocation stopped before its limit"
 
 
 def test_without_a_signal_validations_longer_than_many_steps_fit_and_the_job_ends_completed(

@@ -21,16 +21,16 @@ torch is imported: the answer comes at once on the batch node.
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..config import SlurmConfig
 from ..config.slurm import shrinks
+from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
 from ..state import rundir
 from ..state.lifecycle import read_note
-from . import aborts, suspects
+from . import aborts, failures, suspects
 from .srun_log import TaskFailure, lost_nodes, task_failures
 from .suspects import Suspect
 
@@ -73,20 +73,9 @@ def decide(
     A failure srun places on a node is retried without that node, whatever retries are left: on a
     spare, else on fewer nodes. A spare is used once and each retry on fewer nodes leaves one out,
     so these retries are bounded too."""
-    own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
-    if own:
-        rank, note = min(own.items())
-        return Decision(
-            "end",
-            f"rank {rank} failed on its own ({note['message']}): a new attempt would fail "
-            "the same way",
-        )
-    if failure is not None and failure.how == "Exited with exit code 2":
-        return Decision(
-            "end",
-            f"rank {failure.rank} on {failure.node} stopped on bad input (exit 2); its message "
-            "is in the job's output",
-        )
+    requeue_left = requeue and restart < max_restarts
+    if (ended := _not_to_retry(notes, failure, requeue_left)) is not None:
+        return ended
     said = f"{nccl.text()}; " if nccl else ""
     if suspect is not None:
         if spares_left > 0:
@@ -95,7 +84,7 @@ def decide(
             return _on_fewer(suspect, fewer, said)
     if attempt < step_retries:
         return Decision("retry", f"{said}retry {attempt + 1} of {step_retries} in this allocation")
-    if not requeue or restart >= max_restarts:
+    if not requeue_left:
         return Decision(
             "end",
             f"{said}{step_retries} retries in this allocation failed, and the "
@@ -103,6 +92,42 @@ def decide(
             f"of at most {max_restarts})",
         )
     return _requeue(failures_per_node, free_nodes, f"{said}{step_retries} retries")
+
+
+def _not_to_retry(
+    notes: dict[int, dict[str, Any]], failure: TaskFailure | None, requeue_left: bool
+) -> Decision | None:
+    """A step that ended as the run meant it to, or failed in a way a new step would repeat: the
+    run's own failure, bad input (exit 2), or a stop at a checkpoint (exit 75, or 76 where the
+    ranks could not requeue), whose first rank to exit made srun end the others
+    (--kill-on-bad-exit), so srun's own status is not the stop's."""
+    own = {rank: note for rank, note in notes.items() if not note.get("retryable", True)}
+    if own:
+        rank, note = min(own.items())
+        return Decision(
+            "end",
+            f"rank {rank} failed on its own ({note['message']}): a new attempt would fail "
+            "the same way",
+        )
+    if failure is None:
+        return None
+    where = f"rank {failure.rank} on {failure.node}"
+    if failure.how == "Exited with exit code 2":
+        return Decision(
+            "end", f"{where} stopped on bad input (exit 2); its message is in the job's output"
+        )
+    if failure.how == f"Exited with exit code {EXIT_STOPPED}":
+        return Decision(
+            "end",
+            f"{where} stopped the run at a checkpoint (exit {EXIT_STOPPED}); srun ended the others",
+        )
+    if failure.how == f"Exited with exit code {EXIT_REQUEUE_ME}":
+        return Decision(
+            "requeue" if requeue_left else "end",
+            f"{where} stopped the run at a checkpoint to be requeued (exit {EXIT_REQUEUE_ME}); "
+            "srun ended the others",
+        )
+    return None
 
 
 def _requeue(failures_per_node: dict[str, int], free_nodes: int | None, said: str) -> Decision:
@@ -177,14 +202,14 @@ def recover(
     run = rundir.RunDir(run_dir)
     srun_log = _read(srun_log)
     notes = {rank: note for rank in range(world_size) if (note := read_note(run, rank)) is not None}
-    failures = task_failures(srun_log)
-    failure = failures[0] if failures else None
+    tasks = task_failures(srun_log)
+    failure = tasks[0] if tasks else None
     status = rundir.read_status(run_dir)
     recorded = status.get("failures")
     history = [f for f in recorded if isinstance(f, dict)] if isinstance(recorded, list) else []
-    record = _record(run, failure, notes, exit_code, attempt, restart)
-    dumped, folder = _keep_dumps(run, len(history) + 1)
-    exits = {f.rank: f.how for f in failures}
+    record = failures.record(run, failure, notes, exit_code, attempt, restart)
+    dumped, folder = failures.keep_dumps(run, len(history) + 1)
+    exits = {f.rank: f.how for f in tasks}
     nccl = aborts.diagnose(exits, exit_code, dumped, world_size, str(folder))
     if nccl is not None:
         record["nccl"] = nccl.record()
@@ -199,11 +224,11 @@ def recover(
         restart,
         slurm.max_restarts,
         slurm.requeue,
-        _per_node([*history, record]),
+        failures.per_node([*history, record]),
         free_nodes,
         nccl,
         max(spares - len(away), 0),
-        suspects.suspect(failures, lost, nccl, _per_node(history)),
+        suspects.suspect(tasks, lost, nccl, failures.per_node(history)),
         fewer_nodes(slurm, grad_accum_steps, step_nodes or slurm.nodes, usable),
     )
     record.update(action=decision.line(), reason=decision.reason)
@@ -218,71 +243,3 @@ def _read(srun_log: Path | str) -> str:
         return srun_log.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _per_node(failures: list[dict[str, Any]]) -> dict[str, int]:
-    """The run's failures on each node: where its first failing task ran, or srun said it failed."""
-    counts: dict[str, int] = {}
-    for entry in failures:
-        lost = entry.get("lost")
-        nodes = set(lost) if isinstance(lost, list) else set()
-        if entry.get("node"):
-            nodes.add(entry["node"])
-        for node in nodes:
-            counts[node] = counts.get(node, 0) + 1
-    return counts
-
-
-def _keep_dumps(run: rundir.RunDir, failure: int) -> tuple[tuple[int, ...], Path]:
-    """Move this step's Flight Recorder dumps into nccl/failure-<failure>/ (one failure's dumps are
-    what `torchfrtrace` reads, and the next failure's are then told apart); their ranks, and where
-    they are."""
-    prefix = run.nccl_dumps
-    try:
-        names = [p.name for p in prefix.parent.iterdir() if p.is_file()]
-    except OSError:
-        return (), prefix.parent
-    kept = prefix.parent / f"failure-{failure}"
-    moved = []
-    for rank in aborts.dumped_ranks(names, prefix.name):
-        try:
-            kept.mkdir(exist_ok=True)
-            (prefix.parent / f"{prefix.name}{rank}").rename(kept / f"{prefix.name}{rank}")
-        except OSError:
-            continue
-        moved.append(rank)
-    return tuple(moved), kept if moved else prefix.parent
-
-
-def _record(
-    run: rundir.RunDir,
-    failure: TaskFailure | None,
-    notes: dict[int, dict[str, Any]],
-    exit_code: int,
-    attempt: int,
-    restart: int,
-) -> dict[str, Any]:
-    """Which rank failed first, on which host, with what, and the last line of its log."""
-    record: dict[str, Any] = {
-        "time": time.time(),
-        "restart": restart,
-        "attempt": attempt,
-        "exit_code": exit_code,
-    }
-    if failure is not None:
-        record.update(asdict(failure), last_line=_last_line(run.rank_log(failure.rank)))
-    if notes:
-        rank = min(notes)
-        record.update(note_rank=rank, note=notes[rank]["message"])
-    return record
-
-
-def _last_line(path: Path) -> str | None:
-    try:
-        with open(path, "rb") as log:
-            log.seek(0, 2)
-            log.seek(max(log.tell() - 4096, 0))
-            lines = log.read().decode(errors="replace").strip().splitlines()
-    except OSError:
-        return None
-    return lines[-1][:300] if lines else None
