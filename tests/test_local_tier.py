@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from qgtrain.state.local_cadence import LocalCadence
+from qgtrain.state.cadence import LocalCadence
 from qgtrain.state.local_files import LocalFolder
 from qgtrain.state.local_tier import Plan, Transfer, choose
 from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for

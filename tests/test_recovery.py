@@ -12,7 +12,7 @@ import pytest
 from qgtrain.config import SlurmConfig
 from qgtrain.launch import aborts
 from qgtrain.launch.recovery import Decision, decide, fewer_nodes, recover
-from qgtrain.launch.srun_log import TaskFailure, first_failure
+from qgtrain.launch.srun_log import TaskFailure, task_failures
 from qgtrain.launch.suspects import Suspect, suspect
 from qgtrain.state import rundir
 
@@ -27,11 +27,11 @@ srun: Force Terminated StepId=48872078.3
 
 
 def test_the_first_task_srun_reports_is_the_one_that_failed():
-    assert first_failure(KILLED) == TaskFailure("node2", 1, "Killed")
-    assert first_failure("srun: error: gpu07: tasks 4-7: Exited with exit code 2\n") == TaskFailure(
-        "gpu07", 4, "Exited with exit code 2"
-    )
-    assert first_failure("step output only\n") is None
+    assert task_failures(KILLED)[0] == TaskFailure("node2", 1, "Killed")
+    ranged = task_failures("srun: error: gpu07: tasks 4-7: Exited with exit code 2\n")
+    assert ranged[0] == TaskFailure("gpu07", 4, "Exited with exit code 2")
+    assert [f.rank for f in ranged] == [4, 5, 6, 7]
+    assert task_failures("step output only\n") == []
 
 
 OWN = {1: {"message": "ValueError: sample 17 has no label", "retryable": False}}

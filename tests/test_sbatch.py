@@ -694,43 +694,54 @@ def test_submitit_starts_the_tasks_in_the_same_container(tmp_path):
     assert shown["slurm_python"] == "python"
 
 
-def test_a_step_that_fails_on_a_node_runs_again_on_a_spare_without_that_node(tmp_path):
-    """slurm.spare_nodes: the job asks for the spare and keeps its allocation when a node fails
-    (--no-kill); each step asks for slurm.nodes of it. The rendered script runs with a stand-in
-    srun that reports a rank killed on node2, then one on node3, then finishes; the real `qgtrain
-    recover` answers. The first retry leaves node2 out (on the spare); the second finds no spare
-    left, so it is an ordinary retry and node2 stays out."""
-    slurm = SlurmConfig(nodes=2, spare_nodes=1, tasks_per_node=2)
-    script = render(slurm, "config.yaml", python=sys.executable)
-    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --no-kill"):
-        assert line in script.splitlines()
-    (tmp_path / "config.yaml").write_text(
-        f"logging: {{runs_dir: '{tmp_path / 'runs'}'}}\ntrain: {{run_name: spare}}\n"
-    )
+def run_with_stand_in_srun(tmp_path: Path, script: str, config: str, failures: list[str]) -> Path:
+    """Run a rendered batch script with a stand-in srun whose first steps fail, each with one of
+    `failures` (what srun writes to stderr; exit 137), and the next one finishes; the real
+    `qgtrain recover` answers between them. Returns the file where each step's srun arguments
+    are, a line a step (outside the folder, which the job snapshots)."""
+    (tmp_path / "config.yaml").write_text(config)
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
+    cases = "".join(
+        f'    {n}) echo "{said}" >&2; exit 137 ;;\n' for n, said in enumerate(failures, start=1)
+    )
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n"
         'printf "%s " "$@" >> "$SRUN_ARGS"; echo >> "$SRUN_ARGS"\n'
-        'case $(wc -l < "$SRUN_ARGS") in\n'
-        '    1) echo "srun: error: node2: task 2: Killed" >&2; exit 137 ;;\n'
-        '    2) echo "srun: error: node3: task 0: Killed" >&2; exit 137 ;;\n'
-        "esac\n"
+        f'case $(wc -l < "$SRUN_ARGS") in\n{cases}esac\n'
     )
     (bin_dir / "srun").chmod(0o755)
     (tmp_path / "job.sbatch").write_text(script)
+    said = tmp_path.parent / f"{tmp_path.name}-srun.txt"
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "PYTHONPATH": str(ROOT),
-        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SRUN_ARGS": str(said),
         "SLURM_JOB_ID": "77",
-        "SLURM_NTASKS": "6",  # the allocation's, spare included
     }
     done = subprocess.run(
         ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    steps = [line.split() for line in (tmp_path / "srun.txt").read_text().splitlines()]
+    return said
+
+
+def test_a_step_that_fails_on_a_node_runs_again_on_a_spare_without_that_node(tmp_path):
+    """slurm.spare_nodes: the job asks for the spare and keeps its allocation when a node fails
+    (--no-kill); each step asks for slurm.nodes of it. A rank killed on node2, then one on node3:
+    the first retry leaves node2 out (on the spare); the second finds no spare left, so it is an
+    ordinary retry and node2 stays out."""
+    slurm = SlurmConfig(nodes=2, spare_nodes=1, tasks_per_node=2)
+    script = render(slurm, "config.yaml", python=sys.executable)
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --no-kill"):
+        assert line in script.splitlines()
+    said = run_with_stand_in_srun(
+        tmp_path,
+        script,
+        f"logging: {{runs_dir: '{tmp_path / 'runs'}'}}\ntrain: {{run_name: spare}}\n",
+        ["srun: error: node2: task 2: Killed", "srun: error: node3: task 0: Killed"],
+    )
+    steps = [line.split() for line in said.read_text().splitlines()]
     step = ["--nodes=2", "--ntasks=4", "--kill-on-bad-exit=1"]
     assert [s[:4] for s in steps] == [
         step + [sys.executable],
@@ -757,41 +768,19 @@ def test_a_submitit_job_with_a_spare_node_asks_for_it_and_runs_each_step_on_the_
 
 
 def test_with_no_spare_left_a_step_that_fails_on_a_node_runs_again_on_fewer_nodes(tmp_path):
-    """slurm.min_nodes: the job keeps its allocation when a node fails (--no-kill). The rendered
-    script runs with a stand-in srun that reports a rank killed on node2, then one on node3, then
-    finishes; the real `qgtrain recover` answers. Three nodes with two micro-batches each make six
-    a step: the first retry runs on the two nodes left, the second on one, each without the nodes
-    that failed."""
+    """slurm.min_nodes: the job keeps its allocation when a node fails (--no-kill). A rank killed
+    on node2, then node3 lost: three nodes with two micro-batches each make six a step, so the
+    first retry runs on the two nodes left, the second on one, each without the nodes that
+    failed; a requeued job starts on slurm.nodes again."""
     slurm = SlurmConfig(nodes=3, min_nodes=1, tasks_per_node=2)
     script = render(slurm, "config.yaml", python=sys.executable)
     assert "#SBATCH --nodes=3" in script.splitlines() and "#SBATCH --no-kill" in script
-    (tmp_path / "config.yaml").write_text(
+    config = (
         f"logging: {{runs_dir: '{tmp_path / 'runs'}'}}\ntrain: {{run_name: fewer, "
         "grad_accum_steps: 2}\nslurm: {nodes: 3, min_nodes: 1, tasks_per_node: 2}\n"
     )
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\n"
-        'printf "%s " "$@" >> "$SRUN_ARGS"; echo >> "$SRUN_ARGS"\n'
-        'case $(wc -l < "$SRUN_ARGS") in\n'
-        '    1) echo "srun: error: node2: task 2: Killed" >&2; exit 137 ;;\n'
-        '    2) echo "srun: error: Node failure on node3" >&2; exit 1 ;;\n'
-        "esac\n"
-    )
-    (bin_dir / "srun").chmod(0o755)
-    (tmp_path / "job.sbatch").write_text(script)
-    said = tmp_path.parent / f"{tmp_path.name}-srun.txt"  # outside the snapshot of the folder
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "SRUN_ARGS": str(said),
-        "SLURM_JOB_ID": "78",
-    }
-    done = subprocess.run(
-        ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
+    lost = ["srun: error: node2: task 2: Killed", "srun: error: Node failure on node3"]
+    said = run_with_stand_in_srun(tmp_path, script, config, lost)
     steps = [line.split() for line in said.read_text().splitlines()]
     assert [s[:3] for s in steps] == [
         ["--nodes=3", "--ntasks=6", "--kill-on-bad-exit=1"],
@@ -803,11 +792,8 @@ def test_with_no_spare_left_a_step_that_fails_on_a_node_runs_again_on_fewer_node
     first = failures[0]["reason"]
     assert "no spare node left: retrying in this allocation on 2 node(s), without node2, " in first
     assert failures[1]["reason"].startswith("srun: Node failure on node3; no spare node left")
-    # a requeued job runs the script again, on slurm.nodes
+    # a requeued job runs the script again (the stand-in's failures used up), on slurm.nodes
     said.write_text("\n" * 3)
-    again = subprocess.run(
-        ["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert again.returncode == 0, again.stderr
+    run_with_stand_in_srun(tmp_path, script, config, lost)
     last = said.read_text().splitlines()[-1].split()
     assert last[:3] == ["--nodes=3", "--ntasks=6", "--kill-on-bad-exit=1"]

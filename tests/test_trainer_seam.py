@@ -117,7 +117,7 @@ def test_the_validator_and_the_checkpointer_say_when_they_are_due(tmp_path):
         assert [step for step in range(1, 13) if trainer.validator.due(step)] == [3, 6, 9, 12]
         assert [step for step in range(1, 13) if saver.due(step)] == [4, 8, 12]
         assert not saver.due_by_clock(), "no minute has passed since the start"
-        saver._saved_at -= 61  # the clock as it reads a minute after the last save
+        saver._clock.saved_at -= 61  # the clock as it reads a minute after the last save
         assert saver.due_by_clock()
         assert not saver.due_by_clock(), "asked once: the agreement carries it to the save"
         saver.save(1, dict, {}, {}, blocking=True)

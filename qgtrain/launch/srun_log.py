@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import hostlist
+from ..foundation.errors import RendezvousError
+from ..runtime.slurm_values import expand_nodelist
 
 _TASK_LINE = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[\d,-]+): (?P<how>.+?)\s*$")
 # srun's _node_fail_handler: a node of the step stopped answering (its tasks may get no line)
@@ -22,11 +23,6 @@ class TaskFailure:
     node: str
     rank: int
     how: str  # "Killed", "Exited with exit code 1", "Segmentation fault", ...
-
-
-def first_failure(srun_log: str) -> TaskFailure | None:
-    failures = task_failures(srun_log)
-    return failures[0] if failures else None
 
 
 def task_failures(srun_log: str) -> list[TaskFailure]:
@@ -50,7 +46,7 @@ def lost_nodes(srun_log: str) -> list[str]:
     for line in srun_log.splitlines():
         if match := _NODE_LINE.match(line):
             try:
-                found += hostlist.expand_hostlist(match.group("nodes"))
-            except hostlist.BadHostlist:
+                found += expand_nodelist(match.group("nodes"))
+            except RendezvousError:  # not a hostlist: the name as srun wrote it
                 found.append(match.group("nodes"))
     return found

@@ -35,6 +35,7 @@ from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, layout, local_tier, named, rotation, sharded
+from .cadence import ByClock
 from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
 from .local_tier import LocalCheckpoint, LocalTier
@@ -69,8 +70,7 @@ class Checkpointer:
         self.run_files = run_files or {}
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
         self.every_steps, self.every_minutes = cfg.every_steps, cfg.every_minutes
-        self._saved_at = time.monotonic()
-        self._asked = False  # a save by the clock asked for and not yet made
+        self._clock = ByClock(time.monotonic())  # checkpoint.every_minutes
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
@@ -119,14 +119,10 @@ class Checkpointer:
 
     def due_by_clock(self) -> bool:
         """checkpoint.every_minutes since the last save, by rank 0's clock: the ranks' clocks
-        differ, so the trainer agrees on rank 0's answer (the others say False). Said once per
-        save: the agreement reaches the save a few steps later, and asking again meanwhile would
-        save again."""
+        differ, so the trainer agrees on rank 0's answer (the others say False); asked once per
+        save (cadence.ByClock)."""
         every = 60 * self.every_minutes
-        if not (self.env.is_main and every) or self._asked:
-            return False
-        self._asked = time.monotonic() - self._saved_at >= every
-        return self._asked
+        return self.env.is_main and bool(every) and self._clock.due(time.monotonic(), every)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, copies_here: bool
@@ -135,7 +131,7 @@ class Checkpointer:
         worth saving); for asynchronous saves that copy on this rank (`copies_here`), pin the host
         buffers in the background (host_copy.py), so the first save does not stall on it; the
         node-local tier's too, where this rank copies the model's state for it."""
-        self._saved_at = time.monotonic()
+        self._clock.saved(time.monotonic())
         if self.async_save:
             self._host_copy.prepare(saved_layouts(model, optimizer, copies_here))
             if self.local is not None:
@@ -178,7 +174,7 @@ class Checkpointer:
                 else:
                     self._background(self._settle, ckpt, names)
             self.last_step = step
-        self._saved_at, self._asked = time.monotonic(), False  # every_minutes counts from here
+        self._clock.saved(time.monotonic())  # checkpoint.every_minutes counts from here
 
     def save_parts(
         self,

@@ -34,8 +34,8 @@ from ..foundation.errors import CheckpointError, first_line
 from ..runtime import distributed, objects, transfer
 from ..runtime.rendezvous import DistEnv
 from . import sharded
+from .cadence import LocalCadence
 from .checkpoint import Checkpoint
-from .local_cadence import LocalCadence
 from .local_files import WHOLE, LocalFolder, node_folder, part_name
 from .stateful import ModelState, OptimizerState, Stateful, loading
 
