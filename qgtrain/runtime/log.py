@@ -20,7 +20,10 @@ def setup_console(env: DistEnv, level: str) -> logging.Logger:
     logger = logging.getLogger(LOGGER)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-        handler.close()
+        try:  # a rank log on a full disk: the failure that stopped the run is the one to tell
+            handler.close()
+        except OSError:
+            pass
     logger.setLevel(level)
     logger.propagate = False
     console = logging.StreamHandler(sys.stderr)
@@ -72,7 +75,10 @@ def close() -> None:
     logger = logging.getLogger(LOGGER)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-        handler.close()
+        try:  # a rank log on a full disk: the failure that stopped the run is the one to tell
+            handler.close()
+        except OSError:
+            pass
 
 
 def _formatter(env: DistEnv) -> logging.Formatter:
