@@ -5,6 +5,7 @@ each."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -134,6 +135,25 @@ def raises_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:
         task.collate = collate
     else:
         task.train = BadSampleOnRankOne(len(task.train), 1)
+    return task
+
+
+def killed_at_a_step(cfg: qgtrain.RunConfig) -> qgtrain.Task:
+    """Points whose rank task.options.kill_rank SIGKILLs its own process in training step
+    task.options.kill_step of a start on two ranks, as the OOM killer would: at an exact step, so
+    that a test knows which reports and saves came before it (a kill from outside races the steps
+    of a fast run)."""
+    task, options, calls = points(cfg), cfg.task.options, [0]
+    rank, step = int(options["kill_rank"]), int(options["kill_step"])
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if model.training and dist.get_world_size() == 2:
+            calls[0] += 1
+            if dist.get_rank() == rank and calls[0] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return classify_loss(model, batch)
+
+    task.loss = loss
     return task
 
 
