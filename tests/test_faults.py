@@ -5,6 +5,7 @@ test, and real 2-rank `qgtrain train` processes (gloo)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from pathlib import Path
 
@@ -74,6 +75,45 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_pr
         assert (run / "checkpoints" / folder / "sharded").is_dir() == (parallel == "fsdp")
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and "no space left" in status["error"]
+
+
+class Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_metrics_record_a_full_disk_will_not_take_is_said_once_and_training_goes_on(small_disk):
+    """The disk fills while a report is written (an asynchronous checkpoint took the space): the
+    record is not the run's failure (the checkpoint's is, on every rank, as the test above holds),
+    so it is said once and the run goes on; once there is space again, records are written again
+    and every reader finds them."""
+    from qgtrain.training.metrics import MetricsLog, read_metrics
+
+    run = small_disk / "run"
+    run.mkdir()
+    metrics = MetricsLog(run, is_main=True, tensorboard=False, resume_step=None)
+    metrics.write({"step": 1, "loss": 1.0})
+    filler = small_disk / "filler"
+    with pytest.raises(OSError):
+        filler.write_bytes(b"\0" * 2**21)  # 2 MB onto the 1 MB disk: full
+    logger, handler = logging.getLogger("qgtrain"), Said()
+    logger.addHandler(handler)
+    try:
+        for step in (2, 3):  # each more than the page the file already has
+            metrics.write({"step": step, "loss": 1.0, "note": "x" * 10_000})
+    finally:
+        logger.removeHandler(handler)
+    said = [line for line in handler.lines if "could not be written" in line]
+    assert len(said) == 1 and "No space left on device" in said[0], said
+    filler.unlink()
+    metrics.write({"step": 4, "loss": 1.0})
+    metrics.close()
+    steps = [r["step"] for r in read_metrics(metrics.path)]
+    assert steps[0] == 1 and steps[-1] == 4, steps
 
 
 def test_a_run_directory_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, small_disk):

@@ -7,8 +7,10 @@ is purged from N + 1, so a run's history reads as if it had never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,7 @@ class MetricsLog:
         self.is_main = is_main
         self.memory_warn_gb = memory_warn_gb
         self._memory_warned: set[str] = set()
+        self._write_failed = False
         self._tb: Any = None
         self._tb_dir: tuple[Path, int] | None = None
         self._bar: Any = None
@@ -101,14 +104,44 @@ class MetricsLog:
             self.timeline = None
         if self._bar is not None and "loss" in record:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._append(json.dumps(record) + "\n")
+        except OSError as exc:
+            self._not_written(exc)
         if (tb := self._tensorboard()) is not None:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     tb.add_scalar(_tb_tag(key), value, record["step"])
         for tracker in self.trackers:
             tracker.log(record)
+
+    def _append(self, line: str) -> None:
+        """One record, whole or not at all: written past any buffer, and cut back off where the
+        disk took only part of it."""
+        fd, data = self._file.fileno(), line.encode()
+        start = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+
+    def _not_written(self, exc: OSError) -> None:
+        """A record the disk would not take (full, or remounted read-only): said once, and the run
+        goes on. A log line is not worth a run: a checkpoint that cannot be written stops it, with
+        the error that matters on every rank. The records of that time are lost; the next one the
+        disk takes is written."""
+        if not self._write_failed:
+            logging.getLogger("qgtrain").warning(
+                "%s: a record could not be written (%s); training goes on, and records are "
+                "written again once the disk takes them",
+                self.path,
+                exc.strerror or exc,
+            )
+        self._write_failed = True
 
     def write_samples(self, step: int, task: str, samples: list[dict[str, Any]]) -> None:
         """A generate task's sample outputs as TensorBoard text (rank 0's run folder keeps the
