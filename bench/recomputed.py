@@ -20,11 +20,9 @@ import random
 import re
 import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-from tests.helpers import logged_step, rank_log
+from tests.helpers import logged_step, rank_log, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks
 
 BIG = [
@@ -65,25 +63,18 @@ def on_two_nodes(rank: int) -> dict[str, str]:
     return {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank)}
 
 
-def wait(what: str, done: Any, procs: list[Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            kill_ranks(procs)
-            raise SystemExit(f"no {what} within {timeout:.0f} s (or a rank ended)")
-        time.sleep(0.05)
-
-
 def trial(folder: Path, args: list[str], kill_at: int) -> tuple[int, int, str]:
     """The last step logged before the kill, the step the next start resumed from (0: none it
     could), and the tier that held it."""
     run = folder / "run"
     procs = start_cli_ranks(2, args, folder, env=on_two_nodes)
-    wait(f"step {kill_at}", lambda: logged_step(run) >= kill_at, procs, 1800)
+    wait_for(lambda: logged_step(run) >= kill_at, procs, f"step {kill_at}", 1800, 0.05)
     kill_ranks(procs)
     killed, before = logged_step(run), len(rank_log(run, 0))
     procs = start_cli_ranks(2, args, folder, env=on_two_nodes, log_prefix="again")
-    wait("the next start's first step", lambda: STEP.search(rank_log(run, 0)[before:]), procs, 600)
+    wait_for(
+        lambda: STEP.search(rank_log(run, 0)[before:]), procs, "the next start's step", 600, 0.05
+    )
     kill_ranks(procs)
     found = RESUMED.search(rank_log(run, 0)[before:])
     if found is None:

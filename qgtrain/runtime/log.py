@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import sys
@@ -17,13 +18,8 @@ LOGGER = "qgtrain"
 def setup_console(env: DistEnv, level: str) -> logging.Logger:
     """Rank 0 logs at `level`; other ranks only warnings, so N ranks do not print N copies of
     everything."""
+    close()
     logger = logging.getLogger(LOGGER)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        try:  # a rank log on a full disk: the failure that stopped the run is the one to tell
-            handler.close()
-        except OSError:
-            pass
     logger.setLevel(level)
     logger.propagate = False
     console = logging.StreamHandler(sys.stderr)
@@ -72,13 +68,13 @@ def where_this_rank_runs(env: DistEnv) -> str:
 
 
 def close() -> None:
+    """Every handler removed and closed; a rank log that cannot be flushed (a full disk) is let
+    go, so that the failure that stopped the run is the one told."""
     logger = logging.getLogger(LOGGER)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-        try:  # a rank log on a full disk: the failure that stopped the run is the one to tell
+        with contextlib.suppress(OSError):
             handler.close()
-        except OSError:
-            pass
 
 
 def _formatter(env: DistEnv) -> logging.Formatter:
