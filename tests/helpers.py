@@ -279,9 +279,10 @@ def kill_rank(job_id: str, rank: int) -> None:
     raise AssertionError(f"no training process of rank {rank} in job {job_id}")
 
 
-def records(run_dir: Path) -> list[dict]:
-    """A run's metrics.jsonl, skipping a last line cut short by a kill."""
-    path = run_dir / "metrics.jsonl"
+def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """A run's metrics.jsonl (or a copy of it named `name`), skipping a last line cut short by a
+    kill."""
+    path = run_dir / name
     out = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:

@@ -4,11 +4,14 @@ each."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -142,19 +145,72 @@ def killed_at_a_step(cfg: qgtrain.RunConfig) -> qgtrain.Task:
     """Points whose rank task.options.kill_rank SIGKILLs its own process in training step
     task.options.kill_step of a start on two ranks, as the OOM killer would: at an exact step, so
     that a test knows which reports and saves came before it (a kill from outside races the steps
-    of a fast run)."""
+    of a fast run). With task.options.damage (the folder above every node's
+    checkpoint.local_dir), rank 0's part of the node-local step before the kill is first damaged
+    on every node, as a failing disk leaves it. With task.options.keep_metrics (the run's
+    metrics.jsonl), the records up to the kill are copied beside it as first.jsonl: the next start
+    cuts the file back to the step it resumes from."""
     task, options, calls = points(cfg), cfg.task.options, [0]
     rank, step = int(options["kill_rank"]), int(options["kill_step"])
+    damage, every = options.get("damage"), cfg.checkpoint.local_every_steps
+    metrics = options.get("keep_metrics")
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if model.training and dist.get_world_size() == 2:
             calls[0] += 1
             if dist.get_rank() == rank and calls[0] == step:
+                if damage and isinstance(every, int):
+                    damage_local_parts(Path(str(damage)), step // every * every, ranks=2)
+                if metrics:
+                    keep_records_until(Path(str(metrics)), step - 1)
                 os.kill(os.getpid(), signal.SIGKILL)
         return classify_loss(model, batch)
 
     task.loss = loss
     return task
+
+
+def damage_local_parts(root: Path, step: int, ranks: int) -> None:
+    """Flips a byte in the middle of rank 0's part of node-local `step` in each node's folder
+    under `root`, once the step is complete there (every rank's part, its own or a replica: the
+    save may still be in the background)."""
+
+    def folders() -> list[Path]:
+        found = list(root.glob(f"*/qgtrain-*/step-{step}"))
+        done = len(found) == ranks and all(
+            (f / f"rank-{r}.json").exists() for f in found for r in range(ranks)
+        )
+        return found if done else []
+
+    await_(lambda: bool(folders()), f"node-local step {step} complete under {root}")
+    for folder in folders():
+        part = folder / "rank-0.pt"
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Copies metrics.jsonl to first.jsonl beside it once rank 0 has written `step`'s record."""
+
+    def written() -> bool:
+        try:
+            last = path.read_text().splitlines()[-1]
+            return bool(json.loads(last)["step"] >= step)
+        except (OSError, IndexError, ValueError):  # not there yet, or a record being written
+            return False
+
+    await_(written, f"step {step}'s record in {path}")
+    (path.parent / "first.jsonl").write_text(path.read_text())
+
+
+def await_(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Polls inside a rank, which has no tests.helpers to import."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.05)
 
 
 def vanishes_on_rank_one(cfg: qgtrain.RunConfig) -> qgtrain.Task:

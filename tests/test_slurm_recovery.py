@@ -205,6 +205,59 @@ def test_a_rank_killed_with_no_spare_goes_on_with_fewer_nodes_and_the_same_globa
     assert spent["starts"] == 2 and spent["seconds"]["recomputed"] > 0, spent
 
 
+LOCAL_STEPS = 200
+
+
+def test_an_fsdp_job_killed_after_a_damaged_local_save_retries_from_the_next_good_copy(tmp_path):
+    """fsdp on two nodes, each with a local folder of its own (node-local saves every 10 steps in
+    the background, each kept on the other node too; shared ones every 100). Rank 0's part of the
+    newest local step is damaged on both nodes, as a failing disk leaves it, and a rank SIGKILLs
+    itself a few steps later. The retry in the same allocation names each damaged copy once,
+    resumes from the local step before it (the start does not loop on the bad one) and trains the
+    steps since again to the losses the first start logged, bit for bit, to the end."""
+    chance = random.Random()
+    # the damaged step 20-90 past the shared save at 100, so that the local one before it is the
+    # newest
+    damaged = 100 + 10 * chance.randint(2, 9)
+    rank, at = chance.choice((0, 1)), damaged + chance.randint(2, 5)
+    run, settings = tmp_path / "runs" / "cpu", tmp_path / "local.yaml"
+    settings.write_text(
+        f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:killed_at_a_step', options: "
+        f"{{size: 2048, kill_rank: {rank}, kill_step: {at}, damage: '{tmp_path}/disk', "
+        f"keep_metrics: '{run}/metrics.jsonl'}}}}\n"
+        f"train: {{max_steps: {LOCAL_STEPS}, log_every: 1, parallel: fsdp, "
+        "shard_modules: [Linear]}\n"
+        "slurm: {nodes: 2, tasks_per_node: 1, cpus_per_task: 1, time: '10'}\n"
+        f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10, "
+        "async_save: true}\n"
+    )
+    args = [a for c in [*configs(tmp_path), settings] for a in ("--config", str(c))]
+    done = cli("submit", *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = re.findall(r"job (\d+)", done.stdout)[0]
+    assert wait_finished(job_id, timeout=600) == "COMPLETED", (rank, at)
+    assert job(job_id)["Restarts"] == "0"
+    (failure,) = failures(run)
+    assert failure["rank"] == rank and failure["action"].startswith("retry"), failure
+    logs = rank_log(run, 0) + rank_log(run, 1)
+    passed_over = r"passing over a node-local checkpoint file: (\S+) fails its checksum"
+    named = sorted(re.sub(r"qgtrain-\w+", "qgtrain-*", f) for f in re.findall(passed_over, logs))
+    # each node's copy once (rotation has since removed the step)
+    assert named == [f"{tmp_path}/disk/node{n}/qgtrain-*/step-{damaged}/rank-0.pt" for n in (1, 2)]
+    resumed = damaged - 10
+    assert re.search(
+        rf"resumed from {tmp_path}/disk/node\d/qgtrain-\w+/step-{resumed}: step {resumed}, "
+        r"epoch \d+ \(node-local tier",
+        logs,
+    ), logs
+    # the first start's records, kept by the killed rank: this start cut metrics.jsonl back
+    first = {r["step"]: r["loss"] for r in records(run, "first.jsonl") if "loss" in r}
+    last = {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+    again = {step: last[step] for step in range(resumed + 1, at)}
+    assert again == {step: first[step] for step in again}, (rank, at)
+    assert max(last) == LOCAL_STEPS
+
+
 def test_the_runs_own_failure_is_not_retried(tmp_path):
     settings = tmp_path / "task.yaml"
     settings.write_text(
