@@ -5,6 +5,7 @@ test cluster."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -61,6 +62,11 @@ def tiny_config(*sets: str) -> Any:
     return load_config([], [*TINY, *sets])
 
 
+def train_command(run: Path, *sets: str) -> list[str]:
+    """`qgtrain train --run-dir RUN --set SETS...`: how most tests start a run, written once."""
+    return ["train", "--run-dir", str(run), "--set", *sets]
+
+
 def cli(
     *args: str,
     cwd: Path,
@@ -98,6 +104,20 @@ def cli(
             out.read_text(errors="replace"),
             err.read_text(errors="replace"),
         )
+
+
+def fresh_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m qgtrain ARGS` in a new interpreter (env: this one's unless given), not forked."""
+    return subprocess.run(
+        [sys.executable, "-m", "qgtrain", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 def wait_for(  # type: ignore[no-untyped-def]
@@ -152,6 +172,15 @@ def _kill(proc: Any) -> None:
 def lines_in(path: Path) -> int:
     """Lines written so far (0 before the file exists): a run's progress in metrics.jsonl."""
     return path.read_text().count("\n") if path.exists() else 0
+
+
+def checkpoint_digests(run: Path) -> dict[str, str]:
+    """Every file under a run's checkpoints/ by its SHA-256: what a refused resume must leave."""
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in (run / "checkpoints").rglob("*")
+        if p.is_file()
+    }
 
 
 def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -211,6 +240,19 @@ def example(name: str, run: Path, *sets: str) -> list[str]:
         "logging.tensorboard=false",
         *sets,
     ]
+
+
+def example_eval_items(folder: Path) -> Path:
+    """jobs/eval.yaml's three task files, made as its comment says, in `folder`/data/eval."""
+    script = ROOT / "jobs" / "examples" / "eval_data.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--items", "6", "--modules", "40"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return folder / "data" / "eval" / "next_line.jsonl"
 
 
 # A small GPT-2 that fsdp can shard (two blocks), for the sharded runs (test_fsdp.py,
@@ -561,6 +603,18 @@ def mix_setting(
     return (
         f"data.mix=[{{name: web, files: ['{web}'], weight: {heavy}}}, "
         f"{{name: code, files: ['{code}'], weight: {light}}}]"
+    )
+
+
+def streamed_files(pattern: str, val_fraction: float = 0.1) -> DataConfig:
+    """Files streamed in samples of 16 tokens, as stream_settings sets them, for a test's plan."""
+    return DataConfig(
+        name="files",
+        files=(pattern,),
+        stream=True,
+        seq_len=16,
+        val_fraction=val_fraction,
+        test_fraction=0.0,
     )
 
 

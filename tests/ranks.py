@@ -133,6 +133,19 @@ def _read(path: str) -> str:
         return "(no stack dump: the process never started or was killed)"
 
 
+def torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun gives one rank of a one-node group on this machine, one thread each."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -146,18 +159,7 @@ def _rank_main(
 ) -> None:
     dump = open(os.path.join(stacks, f"rank-{rank}.txt"), "w")
     faulthandler.dump_traceback_later(max(dump_after, 1.0), file=dump)  # where a hung rank is stuck
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            **env,
-        }
-    )
+    os.environ.update({**torchrun_variables(rank, world_size, port), **env})
     # Plain pickled bytes: torch's queue reductions would share tensors through file descriptors
     # that vanish with this process.
     try:
@@ -205,13 +207,7 @@ def start_cli_ranks(
     for rank in range(world_size):
         rank_env = {
             **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
+            **torchrun_variables(rank, world_size, port),
             "PYTHONPATH": str(ROOT),
             **of_rank(rank),
         }

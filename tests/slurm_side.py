@@ -45,6 +45,18 @@ def paced_forever(tmp_path: Path) -> list[Path]:
     ]
 
 
+def submit_paced(tmp_path: Path, signal: str, settings: Path) -> tuple[str, Path]:
+    """paced_forever with `settings` on top as a one-minute job warned by `signal` 10 s ahead."""
+    job_id = sbatch(
+        tmp_path,
+        *SIDE_NODES,
+        "--time=1",
+        f"--signal={signal}@10",
+        configs=[*paced_forever(tmp_path), settings],
+    )
+    return job_id, tmp_path / "runs" / "preemptible"
+
+
 class Watched(threading.Thread):
     """A job's part that must happen while it runs (cancel it after its second resume, extend its
     limit once it trains), on a thread of its own: the three jobs run side by side, each holding one
@@ -80,14 +92,7 @@ def requeued_twice(tmp_path: Path) -> dict[str, Any]:
     # the interrupted-job test's concern.
     bounded = tmp_path / "bounded.yaml"
     bounded.write_text("slurm: {max_restarts: 2}\n")
-    job_id = sbatch(
-        tmp_path,
-        *SIDE_NODES,
-        "--time=1",
-        "--signal=USR2@10",
-        configs=[*paced_forever(tmp_path), bounded],
-    )
-    run = tmp_path / "runs" / "preemptible"
+    job_id, run = submit_paced(tmp_path, "USR2", bounded)
     try:
         state = wait_finished(job_id, timeout=420)
     finally:
@@ -128,14 +133,7 @@ def completed_unsignalled(tmp_path: Path) -> dict[str, Any]:
 def extended_mid_run(tmp_path: Path) -> dict[str, Any]:
     checks = tmp_path / "checks.yaml"
     checks.write_text("train: {time_limit_check_s: 5}\n")
-    job_id = sbatch(
-        tmp_path,
-        *SIDE_NODES,
-        "--time=1",
-        "--signal=URG@10",
-        configs=[*paced_forever(tmp_path), checks],
-    )
-    run = tmp_path / "runs" / "preemptible"
+    job_id, run = submit_paced(tmp_path, "URG", checks)
     try:
         wait_until(lambda: logged_step(run) >= 1, 120, "training to start")
         started = time.mktime(time.strptime(job(job_id)["StartTime"], "%Y-%m-%dT%H:%M:%S"))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.doc_blocks import python_block
-from tests.helpers import checkpoint_state, cli, kill_once_saved, records
+from tests.helpers import checkpoint_state, cli, kill_once_saved, records, train_command
 from tests.ranks import ROOT, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 STEPS = 16
@@ -272,11 +272,9 @@ def test_a_checkpoint_resumed_onto_another_base_is_refused(runs, tmp_path):
 
 def test_unknown_targets_and_rank_0_are_refused(runs, tmp_path):
     done = cli(
-        "train",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        *settings(runs["base"], "model.lora_targets=[q_proj, qkv]"),
+        *train_command(
+            tmp_path / "run", *settings(runs["base"], "model.lora_targets=[q_proj, qkv]")
+        ),
         cwd=tmp_path,
     )
     said = done.stderr.strip().splitlines()[-1]
@@ -285,11 +283,7 @@ def test_unknown_targets_and_rank_0_are_refused(runs, tmp_path):
         name in said for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
     )
     done = cli(
-        "train",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        *settings(runs["base"], "model.lora_rank=0"),
+        *train_command(tmp_path / "run", *settings(runs["base"], "model.lora_rank=0")),
         cwd=tmp_path,
     )
     assert done.returncode == 2 and "model.lora_rank" in done.stderr.strip().splitlines()[-1]

@@ -24,7 +24,7 @@ from qgtrain.data import chat, prepare
 from qgtrain.data.rows import ChatRows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.models import build_model, lm_loss
-from tests.helpers import assert_resumed_equals, cli, kill_once_saved, records
+from tests.helpers import assert_resumed_equals, cli, kill_once_saved, records, train_command
 from tests.ranks import start_cli_ranks, wait_ranks
 
 MARKED = (
@@ -346,11 +346,8 @@ STEPS = 16
 
 
 def train_args(tmp_path: Path, run: Path) -> list[str]:
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         "data.name=files",
         f"data.files=[{tmp_path}/talk.jsonl]",
         "data.format=chat",
@@ -372,7 +369,7 @@ def train_args(tmp_path: Path, run: Path) -> list[str]:
         "optim.warmup_steps=2",
         "optim.schedule=constant",
         "logging.tensorboard=false",
-    ]
+    )
 
 
 def test_two_ranks_lower_the_answer_loss_and_a_killed_run_resumes_bit_for_bit(tmp_path):

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 
 from qgtrain.ops.collective import bus_gbps, judge, rounds
+from tests.helpers import fresh_cli
 from tests.ranks import run_ranks
 
 
@@ -108,13 +107,7 @@ def test_the_measurement_gives_every_link_and_the_whole_allocation():
 
 
 def test_bad_sizes_are_one_line_exit_2(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "doctor", "--collective", "1,big"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = fresh_cli("doctor", "--collective", "1,big", cwd=tmp_path)
     assert (
         done.returncode == 2
         and done.stderr

@@ -22,6 +22,7 @@ from qgtrain.config.load import (
     with_overrides,
 )
 from qgtrain.foundation.errors import ConfigError
+from tests.helpers import fresh_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -333,13 +334,7 @@ BAD_CLI = [
 
 @pytest.mark.parametrize("args, message", BAD_CLI)
 def test_cli_reports_bad_config_in_one_line_with_exit_code_2(tmp_path, args, message):
-    result = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "train", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = fresh_cli("train", *args, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("qgtrain: error: ") and message in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
@@ -347,13 +342,7 @@ def test_cli_reports_bad_config_in_one_line_with_exit_code_2(tmp_path, args, mes
 
 
 def test_cli_debug_shows_the_traceback(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "--debug", "config", "--set", "train.x=1"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = fresh_cli("--debug", "config", "--set", "train.x=1", cwd=tmp_path)
     assert (
         result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
     )

@@ -30,6 +30,7 @@ from tests.helpers import (
     data,
     documents,
     kill_once_saved,
+    train_command,
     wait_for,
     write_jsonl,
 )
@@ -452,11 +453,8 @@ def test_ranks_that_wait_past_the_limit_stop_naming_the_setting_with_a_hint(tmp_
 
 
 def train_args(tmp_path: Path, run: Path) -> list[str]:
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         "data.name=files",
         f"data.files=[{tmp_path}/shard*.jsonl.gz]",
         f"data.cache_dir={tmp_path / 'cache'}",
@@ -471,7 +469,7 @@ def train_args(tmp_path: Path, run: Path) -> list[str]:
         "train.batch_size=8",
         "logging.tensorboard=false",
         "optim.warmup_steps=4",
-    ]
+    )
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,6 +105,14 @@ def synthetic(*sets: str):  # type: ignore[no-untyped-def]
     )
 
 
+def errors_of_failing_ranks(tmp_path: Path, *sets: str) -> list[str]:
+    """Two ranks of synthetic(*sets) in tmp_path/run, each of which must exit 1: their errors."""
+    results = run_ranks(2, train_rank, synthetic(*sets), str(tmp_path / "run"))
+    for result in results:
+        assert result["exit"] == 1
+    return [result["error"] for result in results]
+
+
 def test_ranks_with_different_validation_shards_all_stop_early_on_the_same_step(tmp_path):
     # lr 0: the validation loss never improves, so patience 2 ends the run at the third validation
     # (step 6). 101 synthetic samples leave 5 for validation: rank 0 evaluates 3 of them, rank 1
@@ -164,16 +173,14 @@ def test_the_early_stopping_decision_is_rank_0s_on_every_rank():
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_bad_update(tmp_path):
-    cfg = synthetic(
+    for error in errors_of_failing_ranks(
+        tmp_path,
         "model.factory=tests.factories:nan_on_rank_one_at_step_three",
         "train.max_steps=10",
         "checkpoint.every_steps=1",
-    )
-    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
-    for result in results:
-        assert result["exit"] == 1
-        assert "the loss became non-finite at step 3 on rank(s) [1]" in result["error"]
-        assert "HINT" in result["error"]
+    ):
+        assert "the loss became non-finite at step 3 on rank(s) [1]" in error
+        assert "HINT" in error
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == ["step-1", "step-2"], "the bad step must not be checkpointed"
 
@@ -209,17 +216,15 @@ def test_parameters_without_gradients_are_named_with_the_fix(tmp_path, find_unus
 
 
 def test_replicas_that_diverge_stop_the_run_at_the_checkpoint_naming_the_tensor(tmp_path):
-    cfg = synthetic(
+    for error in errors_of_failing_ranks(
+        tmp_path,
         "model.factory=tests.factories:drifts_apart",
         "train.max_steps=10",
         "checkpoint.every_steps=4",
-    )
-    results = run_ranks(2, train_rank, cfg, str(tmp_path / "run"))
-    for result in results:
-        assert result["exit"] == 1
+    ):
         assert (
             "the ranks' copies of the model differ at step 4: scale; no checkpoint was written"
-            in result["error"]
+            in error
         )
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
         (tmp_path / "run" / "checkpoints").iterdir()

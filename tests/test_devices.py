@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from qgtrain.runtime import devices, distributed, precision
 from qgtrain.runtime.devices import choose, count_without_cuda, gpu_device_files, visible_entries
 from qgtrain.runtime.rendezvous import DistEnv, from_environ
 from qgtrain.runtime.slurm_values import hook_port, port_for_job
+from tests.helpers import fresh_cli
 
 JOB = "48832491"
 
@@ -148,14 +147,7 @@ def test_each_environment_gives_its_layout_and_device(name, environ, expected, d
 
 @pytest.mark.parametrize("name, environ, expected, device", ENVIRONMENTS, ids=NAMES)
 def test_qgtrain_env_reports_the_same_as_a_process(name, environ, expected, device, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "env"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"PATH": "/usr/bin:/bin", **environ},
-        timeout=60,
-    )
+    done = fresh_cli("env", cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **environ})
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert (
@@ -327,14 +319,7 @@ def test_the_rank_makes_its_own_gpu_current_and_asks_nothing_else():
     ],
 )
 def test_bad_launch_environments_are_one_line_and_exit_2(environ, named, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "env"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"PATH": "/usr/bin:/bin", **environ},
-        timeout=60,
-    )
+    done = fresh_cli("env", cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **environ})
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("qgtrain: error: ") and done.stderr.count("\n") == 1, done.stderr
     assert all(text in done.stderr for text in named), done.stderr

@@ -15,24 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import checkpoint_state, records, wait_for
+from tests.helpers import SMALL_GPT2, checkpoint_state, records, wait_for
 from tests.ranks import ROOT, run_ranks, start_ranks, train_rank
 
 KILLED_STEPS = 12
+# The sharded runs' small GPT-2, validating every 2 steps and saving every 3 (later --set wins).
 GPT2 = [
-    "data.name=synthetic",
-    "data.synthetic_samples=2048",
-    "data.seq_len=32",
-    "model.hidden=64",
-    "model.layers=2",
-    "model.heads=2",
-    "train.batch_size=6",
-    "train.log_every=1",
+    *SMALL_GPT2,
     "train.eval_every=2",
-    "train.eval_batches=2",
     "checkpoint.every_steps=3",
-    "optim.warmup_steps=4",
-    "logging.tensorboard=false",
     f"train.max_steps={KILLED_STEPS}",
     "train.ema_decay=0.9",
     "train.eval_ema=true",

@@ -7,8 +7,6 @@ the example job's own items (jobs/examples/eval_data.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 
 from qgtrain.data.tokenizer import byte_level
 from qgtrain.evals import scoring
-from tests.helpers import ROOT, cli, one_error_line, records, tiny_gpt2
+from tests.helpers import ROOT, cli, example_eval_items, one_error_line, records, tiny_gpt2
 
 WINDOW = 16
 
@@ -32,19 +30,6 @@ def test_a_context_too_long_for_the_window_is_cut_from_the_left_and_the_choice_k
     assert scoring.log_likelihoods(model, pairs) == scoring.log_likelihoods(model, cut)
     whole = scoring.continuation_pair(model, context, "x" * WINDOW)
     assert len(whole[1]) == WINDOW and len(scoring.log_likelihoods(model, [whole])) == 1
-
-
-def example_items(folder: Path) -> Path:
-    """jobs/eval.yaml's three task files, made as its comment says, in `folder`/data/eval."""
-    script = ROOT / "jobs" / "examples" / "eval_data.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--items", "6", "--modules", "40"],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    return folder / "data" / "eval" / "next_line.jsonl"
 
 
 def eval_job(run: Path, *sets: str) -> list[str]:
@@ -75,7 +60,7 @@ def eval_job(run: Path, *sets: str) -> list[str]:
 
 @pytest.mark.slow
 def test_eval_yaml_on_a_short_window_refuses_choices_too_long_and_scores_long_contexts(tmp_path):
-    items = example_items(tmp_path)
+    items = example_eval_items(tmp_path)
     rows = [json.loads(line) for line in items.read_text().splitlines()]
     first = next(
         number

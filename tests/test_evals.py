@@ -18,7 +18,15 @@ import pytest
 from qgtrain.config.load import load_config
 from qgtrain.evals.items import read_tasks
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import ROOT, cli, one_error_line, records, wait_for
+from tests.helpers import (
+    ROOT,
+    cli,
+    example_eval_items,
+    one_error_line,
+    records,
+    train_command,
+    wait_for,
+)
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
 NAMES = "anna bert carl dora emil fred gina hugo".split()
@@ -58,11 +66,8 @@ def eval_sets(folder: Path) -> list[str]:
 
 
 def train_args(folder: Path, run: Path, *more: str) -> list[str]:
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         "data.name=files",
         # relative: the held-out split hashes the path as given, so every temp folder splits alike
         "data.files=['train.jsonl']",
@@ -85,7 +90,7 @@ def train_args(folder: Path, run: Path, *more: str) -> list[str]:
         "early_stopping.mode=max",
         *eval_sets(folder),
         *more,
-    ]
+    )
 
 
 def evaluated(run: Path) -> dict[int, dict[str, float]]:
@@ -407,14 +412,7 @@ def test_tasks_that_cannot_be_scored_are_refused_by_the_config():
 
 
 def test_the_example_jobs_tasks_are_written_and_read(tmp_path, monkeypatch):
-    script = ROOT / "jobs" / "examples" / "eval_data.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--items", "6", "--modules", "40"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    example_eval_items(tmp_path)
     monkeypatch.chdir(tmp_path)  # the overlay names its files from the repository root
     cfg = load_config([ROOT / "config.yaml", ROOT / "jobs" / "eval.yaml"])
     tasks = read_tasks(cfg.eval.tasks, 0)

@@ -24,7 +24,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import EXIT_STOPPED
 from qgtrain.tasks.mixture import streamed_splits
 from tests.helpers import EXAMPLE_STEPS as MAX_STEPS
-from tests.helpers import checkpoint_state, cli, example, records, wait_for
+from tests.helpers import checkpoint_state, cli, example, records, train_command, wait_for
 from tests.ranks import ROOT, kill_ranks, start_cli_ranks, wait_ranks
 
 
@@ -142,17 +142,14 @@ def test_an_export_on_finish_that_fails_ends_every_rank_with_its_outcome(tmp_pat
     run = tmp_path / "run"
     procs = start_cli_ranks(
         2,
-        [
-            "train",
-            "--run-dir",
-            str(run),
-            "--set",
+        train_command(
+            run,
             "task=tests.tasks:noisy_in_eval",
             "train.batch_size=8",
             "train.max_steps=8",
             "logging.tensorboard=false",
             "export.on_finish=true",
-        ],
+        ),
         tmp_path,
     )
     assert wait_ranks(procs, 300) == [1, 1]

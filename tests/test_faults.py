@@ -12,17 +12,15 @@ from pathlib import Path
 import pytest
 
 from qgtrain.state import checkpoint
+from tests.helpers import train_command
 from tests.ranks import start_cli_ranks, wait_ranks
 
 
 def args(run: Path, *sets: str) -> list[str]:
     """A GPT-2 of ~0.1 MB whose checkpoint (weights and AdamW state) is ~0.4 MB: the 1 MB disk holds
     the run's first checkpoint and its logs, and fills up while writing the second."""
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         "data.name=synthetic",
         "data.seq_len=16",
         "train.batch_size=4",
@@ -37,7 +35,7 @@ def args(run: Path, *sets: str) -> list[str]:
         "model.layers=1",
         "optim.warmup_steps=2",
         *sets,
-    ]
+    )
 
 
 @pytest.mark.slow

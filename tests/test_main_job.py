@@ -13,6 +13,16 @@ import pytest
 
 from tests.helpers import ROOT, cli, records
 
+# torchrun as a user types it, two ranks on this machine.
+TORCHRUN_TWO_RANKS = (
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc_per_node=2",
+    "-m",
+    "qgtrain",
+)
+
 
 def qgtrain(
     tmp_path: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300
@@ -87,14 +97,7 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
         "train.batch_size=8",
         "train.eval_every=10",
         "data.corpus_mb=0.3",
-        launcher=(
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "-m",
-            "qgtrain",
-        ),
+        launcher=TORCHRUN_TWO_RANKS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "tiny-gpt2"
@@ -109,14 +112,7 @@ def test_torchrun_runs_the_same_config_as_two_ranks(tmp_path):
         "train.max_time=1s",
         "train.batch_size=8",
         "data.corpus_mb=0.3",
-        launcher=(
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "-m",
-            "qgtrain",
-        ),
+        launcher=TORCHRUN_TWO_RANKS,
     )
     assert stopped.returncode == 1 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"

@@ -40,6 +40,7 @@ from tests.helpers import (
     kill_once_saved,
     mix_setting,
     records,
+    train_command,
     write_mix_source,
 )
 from tests.ranks import run_ranks, start_cli_ranks, wait_ranks
@@ -54,11 +55,8 @@ HELD_OUT = ("data.val_fraction=0.1", "data.test_fraction=0.1")
 
 
 def train(folder: Path, run: Path, *sets: str) -> list[str]:
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         "data.name=files",
         mix_setting(folder),
         f"data.cache_dir={folder / 'cache'}",
@@ -76,7 +74,7 @@ def train(folder: Path, run: Path, *sets: str) -> list[str]:
         "logging.tensorboard=false",
         "optim.warmup_steps=2",
         *sets,
-    ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +203,7 @@ def test_a_mixture_of_what_is_not_files_or_a_source_matching_nothing_exits_2_in_
     data, tmp_path
 ):
     synthetic = cli(
-        "train",
-        "--run-dir",
-        str(tmp_path / "a"),
-        "--set",
-        "data.name=synthetic",
-        mix_setting(data),
+        *train_command(tmp_path / "a", "data.name=synthetic", mix_setting(data)),
         cwd=tmp_path,
     )
     missing = cli(

@@ -16,10 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qgtrain.config import DataConfig
 from qgtrain.data import filestream
 from qgtrain.data.mix import Mixture, Source
-from tests.helpers import kill_once_saved, records, stream_settings
+from tests.helpers import kill_once_saved, records, stream_settings, streamed_files
 from tests.ranks import start_cli_ranks, wait_ranks
 
 FIRST, THREE, ONE = 6, 8, 10  # the last step on 2 ranks (killed before it), then on 3, then on 1
@@ -40,17 +39,7 @@ def write_mix_source(folder: Path, name: str, files: int, documents: int) -> Non
 
 def plans(folder: Path) -> list[filestream.StreamPlan]:
     return [
-        filestream.plan(
-            DataConfig(
-                name="files",
-                files=(f"{folder}/{name}-*.jsonl",),
-                stream=True,
-                seq_len=16,
-                val_fraction=0.0,
-                test_fraction=0.0,
-            ),
-            seed,
-        )
+        filestream.plan(streamed_files(f"{folder}/{name}-*.jsonl", val_fraction=0.0), seed)
         for seed, name in ((1, "web"), (2, "code"))
     ]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qgtrain.config.load import load_config
-from tests.helpers import TINY, cli, lines_in, records, tiny_config, wait_for
+from tests.helpers import TINY, cli, lines_in, records, tiny_config, train_command, wait_for
 from tests.ranks import kill_ranks, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 
@@ -175,15 +175,12 @@ def test_when_a_peer_dies_or_hangs_the_other_rank_stops_in_bounded_time_naming_i
     run = tmp_path / "run"
     procs = start_cli_ranks(
         2,
-        [
-            "train",
-            "--run-dir",
-            str(run),
-            "--set",
+        train_command(
+            run,
             *TINY,
             "train.max_steps=100000",
             "train.collective_timeout_s=10",
-        ],
+        ),
         tmp_path,
     )
     try:

@@ -17,7 +17,7 @@ import pytest
 
 from qgtrain.config.load import load_config
 from qgtrain.ops.export.bundle import bundled, local_files, resolved
-from tests.helpers import ROOT, cli, one_error_line, records
+from tests.helpers import ROOT, cli, one_error_line, records, train_command
 from tests.ranks import start_cli_ranks, wait_ranks
 
 STEPS, EVERY = 6, 2
@@ -87,11 +87,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     (project / "own_mlp_parts.py").write_text(HELPER)
     (project / "my_task.py").write_text(TASK)
     run = top / "run"
-    args = [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    args = train_command(
+        run,
         f"task={project / 'my_task.py'}:build",
         f"train.max_steps={STEPS}",
         "train.batch_size=8",
@@ -102,7 +99,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
         "train.log_every=2",
         "optim.warmup_steps=0",
         "logging.tensorboard=false",
-    ]
+    )
     codes = wait_ranks(start_cli_ranks(2, args, work, log_prefix="train"), 300)
     assert codes == [0, 0], (work / "train-0.out").read_text()[-3000:]
     return project, work, run
@@ -188,13 +185,7 @@ def test_an_export_carries_its_task_code_and_loads_anywhere_after_the_files_are_
         for path in kept:
             path.unlink()
         assert load(moved, elsewhere) == before, "the same model, from its own copy of the code"
-        refused = subprocess.run(
-            [sys.executable, "-c", LOAD, str(moved), "no"],
-            cwd=elsewhere,
-            capture_output=True,
-            text=True,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        )
+        refused = run_load(moved, elsewhere, "no")
         assert refused.returncode == 2 and refused.stdout.count("\n") == 1, refused.stderr
         assert "task.factory 'code/my_task.py:build'" in refused.stdout
         assert "HINT: read that code; if you trust it, pass trust_code=True" in refused.stdout
@@ -212,15 +203,20 @@ def test_an_export_carries_its_task_code_and_loads_anywhere_after_the_files_are_
     assert figures[(None, "test")]["test_accuracy"] == loop["test_accuracy"]
 
 
-def load(folder: Path, cwd: Path) -> list[list[float]]:
-    """The exported model's outputs on a fixed input, from a fresh interpreter in `cwd`."""
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD, str(folder), "trust"],
+def run_load(folder: Path, cwd: Path, trust: str) -> subprocess.CompletedProcess[str]:
+    """LOAD on an exported folder (its code trusted if `trust` == "trust"), in a new interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", LOAD, str(folder), trust],
         cwd=cwd,
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
+
+
+def load(folder: Path, cwd: Path) -> list[list[float]]:
+    """The exported model's outputs on a fixed input, from a fresh interpreter in `cwd`."""
+    done = run_load(folder, cwd, "trust")
     assert done.returncode == 0, done.stderr[-3000:]
     return list(json.loads(done.stdout))
 
@@ -229,20 +225,19 @@ def load(folder: Path, cwd: Path) -> list[list[float]]:
 def test_the_causal_lms_val_loss_is_scored_again_as_the_loop_scored_it(tmp_path):
     run = tmp_path / "lm"
     trained = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "data.name=synthetic",
-        "data.seq_len=16",
-        "model.factory=tests.factories:tiny",
-        "train.batch_size=4",
-        "train.max_steps=2",
-        "train.eval_every=2",
-        "train.eval_batches=0",
-        "checkpoint.every_steps=2",
-        "logging.tensorboard=false",
-        "optim.warmup_steps=0",
+        *train_command(
+            run,
+            "data.name=synthetic",
+            "data.seq_len=16",
+            "model.factory=tests.factories:tiny",
+            "train.batch_size=4",
+            "train.max_steps=2",
+            "train.eval_every=2",
+            "train.eval_batches=0",
+            "checkpoint.every_steps=2",
+            "logging.tensorboard=false",
+            "optim.warmup_steps=0",
+        ),
         cwd=tmp_path,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]

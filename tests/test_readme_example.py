@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.doc_blocks import python_block
-from tests.helpers import cli
+from tests.helpers import cli, train_command
 from tests.ranks import ROOT
 
 README = ROOT / "README.md"
@@ -84,13 +84,7 @@ def test_the_recipe_pages_optimizer_trains_the_task(mine):
     (mine / "my_sgd_task.py").write_text(python_block("docs/recipe.md", "def my_optimizer"))
     run = mine / "sgd"
     done = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "task=my_sgd_task.py:build",
-        "optim.lr=0.05",
-        "train.max_steps=20",
+        *train_command(run, "task=my_sgd_task.py:build", "optim.lr=0.05", "train.max_steps=20"),
         cwd=mine,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -155,21 +155,7 @@ def test_a_config_with_shell_metacharacters_everywhere_runs_no_injected_command(
     script = tmp_path / "job.sbatch"
     script.write_text(render(cfg.slurm, config_path))
     subprocess.run(["bash", "-n", str(script)], check=True)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool, body in (
-        ("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit 76'),
-        ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
-    ):
-        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / tool).chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "SRUN_ARGS": str(tmp_path / "srun.txt"),
-        "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"),
-        "SLURM_JOB_ID": "77",
-        "QGTRAIN_PYTHON": "python3",
-    }
+    env = {**recording_srun_and_scontrol(tmp_path, 76), "QGTRAIN_PYTHON": "python3"}
     before = set(tmp_path.rglob("*"))
     result = subprocess.run(
         ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
@@ -474,28 +460,38 @@ def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, 
     assert not (tmp_path / ".sweeps").exists()
 
 
+def recording_srun_and_scontrol(
+    tmp_path: Path, srun_exit: int, *more: tuple[str, str]
+) -> dict[str, str]:
+    """An env whose srun (exit `srun_exit`) and scontrol write their arguments to tmp_path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, body in (
+        ("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
+        ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
+        *more,
+    ):
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SRUN_ARGS": str(tmp_path / "srun.txt"),
+        "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"),
+        "SLURM_JOB_ID": "77",
+    }
+
+
 def run_script(
     script: str, tmp_path: Path, srun_exit: int = 0, more_env: dict[str, str] | None = None
 ) -> tuple[int, list[str], str]:
     """Execute a rendered script with stand-ins for srun (records its arguments) and scontrol; no
     QGTRAIN_PYTHON unless `more_env` sets it, so the script picks its interpreter itself."""
     (tmp_path / "job.sbatch").write_text(script)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for tool, body in (
-        ("srun", f'printf "%s\\n" "$@" > "$SRUN_ARGS"; exit {srun_exit}'),
-        ("scontrol", 'printf "%s\\n" "$@" > "$SCONTROL_ARGS"'),
-        ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end'),
-    ):
-        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / tool).chmod(0o755)
+    host_python = ("host-python", 'printf "%s\\n" "$@" > "$HOST_ARGS"; echo end')
     env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "SRUN_ARGS": str(tmp_path / "srun.txt"),
-        "SCONTROL_ARGS": str(tmp_path / "scontrol.txt"),
-        "SLURM_JOB_ID": "77",
+        **recording_srun_and_scontrol(tmp_path, srun_exit, host_python),
         "HOST_ARGS": str(tmp_path / "host"),
-        "QGTRAIN_HOST_PYTHON": str(bin_dir / "host-python"),
+        "QGTRAIN_HOST_PYTHON": str(tmp_path / "bin" / "host-python"),
         **(more_env or {}),
     }
     done = subprocess.run(

@@ -25,8 +25,24 @@ from qgtrain.runtime.slurm import (
     requeue,
     seconds_left,
 )
-from tests.helpers import lines_in, wait_for
+from tests.helpers import lines_in, train_command, wait_for
 from tests.ranks import start_cli_ranks, wait_ranks
+
+
+def until_stopped(run: Path, *sets: str) -> list[str]:
+    """A run too long to finish, with no scheduled save: it ends on a stop, at that stop's save."""
+    return train_command(
+        run,
+        "data.name=synthetic",
+        "data.seq_len=16",
+        "train.batch_size=4",
+        "train.max_steps=100000",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        "logging.tensorboard=false",
+        *sets,
+    )
 
 
 def test_the_handler_only_records_and_previous_handlers_come_back():
@@ -160,21 +176,7 @@ def test_a_signal_to_one_nonzero_rank_stops_every_rank_at_one_checkpoint_and_req
         "PATH": f"{bin_dir}:{os.environ['PATH']}" if scontrol_on_path else str(empty),
     }
     run = tmp_path / "run"
-    args = [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "data.name=synthetic",
-        "data.seq_len=16",
-        "train.batch_size=4",
-        "train.max_steps=100000",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every_steps=0",
-        "logging.tensorboard=false",
-        *MODELS[parallel],
-    ]
+    args = until_stopped(run, *MODELS[parallel])
     procs = start_cli_ranks(2, args, tmp_path, env=env)
     wait_for(lambda: lines_in(run / "metrics.jsonl") >= 5, procs, "step 5", 120, 0.05)
     signalled = time.monotonic()
@@ -210,22 +212,7 @@ def test_sigterm_to_every_process_of_the_step_dataloader_workers_included_stops_
     """What Slurm does on preemption or scancel: SIGTERM to each rank and to each of its loader
     workers."""
     run = tmp_path / "run"
-    args = [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "data.name=synthetic",
-        "data.seq_len=16",
-        "data.num_workers=2",
-        "train.batch_size=4",
-        "train.max_steps=100000",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every_steps=0",
-        "logging.tensorboard=false",
-        *MODELS[parallel],
-    ]
+    args = until_stopped(run, "data.num_workers=2", *MODELS[parallel])
     procs = start_cli_ranks(2, args, tmp_path)
     wait_for(lambda: lines_in(run / "metrics.jsonl") >= 5, procs, "step 5", 120, 0.05)
     members = subprocess.run(
@@ -311,24 +298,13 @@ def test_the_deadline_follows_a_limit_that_is_extended_while_the_job_runs():
 @pytest.mark.slow
 def test_train_max_time_stops_every_rank_at_one_checkpoint_without_any_signal(tmp_path):
     run = tmp_path / "run"
-    args = [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "data.name=synthetic",
-        "data.seq_len=16",
-        "train.batch_size=4",
-        "train.max_steps=100000",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every_steps=0",
-        "logging.tensorboard=false",
+    args = until_stopped(
+        run,
         "model.factory=tests.factories:tiny",
         "train.max_time=8s",
         "train.stop_margin_s=1",
         "optim.schedule=constant",
-    ]  # extended below: no change of rate
+    )  # extended below: no change of rate
     started = time.time()  # before the processes start: train.max_time counts from their start
     assert wait_ranks(start_cli_ranks(2, args, tmp_path), 120) == [EXIT_STOPPED, EXIT_STOPPED]
     saved = sorted((run / "checkpoints").iterdir())

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,17 +115,25 @@ def graph_configs(tmp: Path) -> list[Path]:
     ]
 
 
+def signalled_beside_reference(
+    tmp_path: Path, configs: Callable[[Path], list[Path]], run: Path, timeout: float
+) -> tuple[str, str]:
+    """Two-node jobs of `configs`: one (tmp_path/reference) left alone, one USR2ed past step 50."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    reference_job = sbatch(reference, *TWO_NODES, "--time=10", configs=configs(reference))
+    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=configs(tmp_path))
+    wait_until(lambda: logged_step(run) >= 50, timeout, "training to pass step 50")
+    # the warning signal, or a preemption
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    return reference_job, job_id
+
+
 def test_a_graph_classifier_is_interrupted_requeued_and_ends_as_if_never_stopped(tmp_path):
     """jobs/graph.yaml's classifier, stopped by the warning signal and requeued, ends as the
     uninterrupted run trained beside it on the same two nodes (so the same thread counts)."""
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    reference_job = sbatch(reference, *TWO_NODES, "--time=10", configs=graph_configs(reference))
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=graph_configs(tmp_path))
-    run = tmp_path / "runs" / "graph"
-    wait_until(lambda: logged_step(run) >= 50, 120, "training to pass step 50")
-    # the warning signal, or a preemption
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    reference, run = tmp_path / "reference", tmp_path / "runs" / "graph"
+    reference_job, job_id = signalled_beside_reference(tmp_path, graph_configs, run, 120)
     assert wait_finished(job_id) == "COMPLETED"
     assert wait_finished(reference_job) == "COMPLETED"
     graph_reference = reference / "runs" / "graph"
@@ -295,13 +304,8 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     """Two nodes shard the model; the warning signal stops them at a sharded checkpoint, the
     requeued job resumes bit for bit (against an uninterrupted job trained beside it), and a later
     one-node job continues the run."""
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    reference_job = sbatch(reference, *TWO_NODES, "--time=10", configs=fsdp_configs(reference))
-    job_id = sbatch(tmp_path, *TWO_NODES, "--time=10", configs=fsdp_configs(tmp_path))
-    run = tmp_path / "runs" / "cpu"
-    wait_until(lambda: logged_step(run) >= 50, 180, "training to pass step 50")
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    reference, run = tmp_path / "reference", tmp_path / "runs" / "cpu"
+    reference_job, job_id = signalled_beside_reference(tmp_path, fsdp_configs, run, 180)
     assert wait_finished(job_id) == "COMPLETED"
     assert wait_finished(reference_job) == "COMPLETED", "the uninterrupted job, trained beside it"
     assert job(job_id)["Restarts"] == "1"

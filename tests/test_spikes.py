@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,14 @@ import torch
 from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import ConfigError
 from tests.factories import MAX_STEPS, POISONED, SPIKE_STEP
-from tests.helpers import assert_same_tensors, checkpoint_state, rank_log, records, tiny_config
+from tests.helpers import (
+    assert_same_tensors,
+    checkpoint_state,
+    fresh_cli,
+    rank_log,
+    records,
+    tiny_config,
+)
 from tests.ranks import run_ranks, train_rank
 
 
@@ -207,13 +212,7 @@ def test_bad_spike_settings_name_the_key_and_what_is_allowed(sets, message):
 
 
 def test_a_skip_step_beyond_the_run_is_refused_in_one_line_with_exit_2(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "qgtrain", "train", "--set", "train.skip_steps=[700]"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = fresh_cli("train", "--set", "train.skip_steps=[700]", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "train.skip_steps: step 700 is not a step of this run" in result.stderr
     assert not (tmp_path / "runs").exists()

@@ -8,7 +8,6 @@ files cut into many shards resume from any saved state."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -25,7 +24,15 @@ import torch
 from qgtrain.config import DataConfig
 from qgtrain.data import filestream, heldout, shards
 from qgtrain.foundation.errors import ConfigError
-from tests.helpers import checkpoint_state, cli, kill_once_saved, records, stream_settings
+from tests.helpers import (
+    checkpoint_digests,
+    checkpoint_state,
+    cli,
+    kill_once_saved,
+    records,
+    stream_settings,
+    streamed_files,
+)
 from tests.ranks import start_cli_ranks, wait_ranks
 
 FIRST, ONE, THREE = 6, 10, 14  # the last step on 2 ranks, then on 1, then on 3
@@ -93,15 +100,7 @@ def trained_ids(tmp: Path) -> list[str]:
 
 
 def plan_of(data: Path) -> filestream.StreamPlan:
-    config = DataConfig(
-        name="files",
-        files=(f"{data}/part-*.jsonl",),
-        stream=True,
-        seq_len=16,
-        val_fraction=0.1,
-        test_fraction=0.0,
-    )
-    return filestream.plan(config, 0)
+    return filestream.plan(streamed_files(f"{data}/part-*.jsonl"), 0)
 
 
 def test_streamed_files_killed_at_a_random_step_resume_bit_for_bit(chain):
@@ -147,14 +146,7 @@ def test_resumed_on_one_then_three_ranks_no_sample_is_repeated_or_skipped(chain)
 def test_held_out_documents_are_evaluated_and_never_trained_on(chain):
     plan = plan_of(chain["data"])
     val = heldout.held_out(
-        DataConfig(
-            name="files",
-            files=(f"{chain['data']}/part-*.jsonl",),
-            stream=True,
-            seq_len=16,
-            val_fraction=0.1,
-            test_fraction=0.0,
-        ),
+        streamed_files(f"{chain['data']}/part-*.jsonl"),
         plan,
     )["val"]
     held = {bytes(val[i][:6].tolist()).decode() for i in range(len(val))}
@@ -168,15 +160,7 @@ def test_a_changed_file_fails_a_resume_in_one_line_and_leaves_the_checkpoint(cha
     shutil.copytree(chain["killed"], run)
     with open(data / "part-3.jsonl", "a") as more:
         more.write(json.dumps({"text": "added later"}) + "\n")
-
-    def digests() -> dict[str, str]:
-        return {
-            str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in (run / "checkpoints").rglob("*")
-            if p.is_file()
-        }
-
-    before = digests()
+    before = checkpoint_digests(run)
     assert ranks(1, train(run, data, FIRST + 2), tmp_path, "changed") == [2]
     last = (tmp_path / "changed-0.out").read_text().strip().splitlines()[-1]
     assert last.startswith(
@@ -184,7 +168,7 @@ def test_a_changed_file_fails_a_resume_in_one_line_and_leaves_the_checkpoint(cha
         f"from {run / 'checkpoints' / f'step-{FIRST}'} failed: ValueError: "
         "the data files or the settings"
     ), last
-    assert digests() == before
+    assert checkpoint_digests(run) == before
 
 
 def test_bad_input_is_one_line_naming_the_key(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ Face streaming dataset of local parquet files; and the streams qgtrain refuses i
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
@@ -20,7 +19,13 @@ import pytest
 import torch
 from pyarrow import parquet
 
-from tests.helpers import assert_resumed_equals, kill_once_saved, records
+from tests.helpers import (
+    assert_resumed_equals,
+    checkpoint_digests,
+    kill_once_saved,
+    records,
+    train_command,
+)
 from tests.ranks import start_cli_ranks, wait_ranks
 
 MAX_STEPS = 16
@@ -38,15 +43,12 @@ SETTINGS = [
 
 
 def train(task: str, run: Path, *sets: str) -> list[str]:
-    return [
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
+    return train_command(
+        run,
         f"task=tests.stream_tasks:{task}",
         *SETTINGS,
         *sets,
-    ]
+    )
 
 
 def two_ranks(args: list[str], cwd: Path, prefix: str) -> list[int]:
@@ -138,15 +140,7 @@ def test_a_state_that_fails_to_load_is_one_line_and_leaves_the_checkpoint_alone(
 ):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted("stateful"), run)
-
-    def digests() -> dict[str, str]:
-        return {
-            str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in (run / "checkpoints").rglob("*")
-            if p.is_file()
-        }
-
-    before = digests()
+    before = checkpoint_digests(run)
     args = train("broken_state", run, f"train.max_steps={MAX_STEPS + 4}")
     assert two_ranks(args, tmp_path, "broken") == [2, 2]
     last = (tmp_path / "broken-1.out").read_text().strip().splitlines()[-1]
@@ -158,4 +152,4 @@ def test_a_state_that_fails_to_load_is_one_line_and_leaves_the_checkpoint_alone(
         "ValueError: no shard for position"
     ), last
     assert "The checkpoint is unchanged" in last
-    assert digests() == before
+    assert checkpoint_digests(run) == before

@@ -19,8 +19,8 @@ import torch
 
 from qgtrain.data.batches import to_device
 from qgtrain.foundation.errors import TaskError
-from tests.helpers import cli, records
-from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, wait_ranks
+from tests.helpers import cli, records, train_command
+from tests.ranks import ROOT, free_port, run_ranks, start_cli_ranks, torchrun_variables, wait_ranks
 
 BASE = [
     "train.batch_size=8",
@@ -35,13 +35,7 @@ BASE = [
 
 def qgtrain(tmp_path: Path, task: str, *sets: str) -> subprocess.CompletedProcess[str]:
     return cli(
-        "train",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        f"task=tests.tasks:{task}",
-        *BASE,
-        *sets,
+        *train_command(tmp_path / "run", f"task=tests.tasks:{task}", *BASE, *sets),
         cwd=tmp_path,
         timeout=180,
     )
@@ -265,17 +259,14 @@ def test_a_task_that_raises_on_one_rank_stops_every_rank_with_that_ranks_message
     started = time.monotonic()
     procs = start_cli_ranks(
         2,
-        [
-            "train",
-            "--run-dir",
-            str(run),
-            "--set",
+        train_command(
+            run,
             "task=tests.tasks:raises_on_rank_one",
             f"task.options.where={where}",
             *BASE,
             "train.max_steps=1000",
             "train.collective_timeout_s=120",
-        ],
+        ),
         tmp_path,
     )
     assert wait_ranks(procs, 100) == [1, 1]
@@ -362,22 +353,12 @@ def test_dir_of_the_package_lists_what_it_exports():
 
 
 def run_script(script: Path, run: Path, *sets: str) -> list[int]:
-    port = str(free_port())
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(run), *BASE, *sets],
             cwd=script.parent,
-            env={
-                **os.environ,
-                "PYTHONPATH": str(ROOT),
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": "2",
-                "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "OMP_NUM_THREADS": "1",
-            },
+            env={**os.environ, "PYTHONPATH": str(ROOT), **torchrun_variables(r, 2, port)},
         )
         for r in (0, 1)
     ]
@@ -427,17 +408,14 @@ def test_a_rank_0_that_builds_its_task_for_longer_than_a_collective_may_wait_sti
     sharding = ["train.parallel=fsdp", "train.shard_modules=[Linear]"] if parallel == "fsdp" else []
     procs = start_cli_ranks(
         2,
-        [
-            "train",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
+        train_command(
+            tmp_path / "run",
             "task=tests.tasks:slow_on_rank_zero",
             "task.options={build_s: 6}",
             "train.collective_timeout_s=2",
             *sharding,
             *BASE,
-        ],
+        ),
         tmp_path,
     )
     assert wait_ranks(procs, 120) == [0, 0], (tmp_path / "rank-1.out").read_text()[-2000:]

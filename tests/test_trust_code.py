@@ -17,7 +17,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import CheckpointError, QgtrainError
 from qgtrain.foundation.task import BUILTIN_LM
 from qgtrain.foundation.trust import Named, config_code
-from tests.helpers import cli
+from tests.helpers import cli, train_command
 
 TASK_FILE = """from pathlib import Path
 
@@ -37,16 +37,15 @@ def train(tmp_path: Path, run: Path, *sets: str) -> tuple[str, Path]:
     (tmp_path / "evil.py").write_text(TASK_FILE)
     spec = f"{tmp_path / 'evil.py'}:build"
     done = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        f"task={spec}",
-        "train.batch_size=8",
-        "train.max_steps=2",
-        "train.eval_every=0",
-        "logging.tensorboard=false",
-        *sets,
+        *train_command(
+            run,
+            f"task={spec}",
+            "train.batch_size=8",
+            "train.max_steps=2",
+            "train.eval_every=0",
+            "logging.tensorboard=false",
+            *sets,
+        ),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr

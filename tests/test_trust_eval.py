@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import cli, one_error_line
+from tests.helpers import cli, one_error_line, train_command
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="acting as another user (nobody) needs root"
@@ -44,21 +44,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     (folder / "say.jsonl").write_text("".join(json.dumps(a) + "\n" for a in asked))
     run = folder / "run"
     done = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "data.name=files",
-        "data.files=['train.jsonl']",
-        "data.seq_len=16",
-        f"data.cache_dir={folder / 'cache'}",
-        "model.hidden=32",
-        "model.layers=1",
-        "model.heads=2",
-        f"train.max_steps={STEP}",
-        "train.batch_size=4",
-        f"checkpoint.every_steps={STEP}",
-        "logging.tensorboard=false",
+        *train_command(
+            run,
+            "data.name=files",
+            "data.files=['train.jsonl']",
+            "data.seq_len=16",
+            f"data.cache_dir={folder / 'cache'}",
+            "model.hidden=32",
+            "model.layers=1",
+            "model.heads=2",
+            f"train.max_steps={STEP}",
+            "train.batch_size=4",
+            f"checkpoint.every_steps={STEP}",
+            "logging.tensorboard=false",
+        ),
         cwd=folder,
     )
     assert done.returncode == 0, done.stderr[-3000:]

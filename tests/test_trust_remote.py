@@ -23,7 +23,7 @@ from qgtrain.config.load import config_to_dict, load_config
 from qgtrain.foundation.folder_code import remote_code
 from qgtrain.foundation.trust import UntrustedCode
 from qgtrain.ops.load_model import load_model
-from tests.helpers import one_error_line
+from tests.helpers import one_error_line, train_command
 from tests.ranks import ROOT
 
 PACKAGE = ROOT / "qgtrain"
@@ -91,16 +91,15 @@ def test_training_never_runs_code_model_pretrained_names_whatever_stdin_says(tmp
     marker = tmp_path / "ran"
     folder = evil_folder(tmp_path / f"pretrained-{model_type}", marker, model_type)
     done = answering_yes(
-        "train",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        f"model.pretrained={folder}",
-        "data.name=synthetic",
-        "data.seq_len=16",
-        "data.synthetic_samples=64",
-        "train.max_steps=1",
-        "logging.tensorboard=false",
+        *train_command(
+            tmp_path / "run",
+            f"model.pretrained={folder}",
+            "data.name=synthetic",
+            "data.seq_len=16",
+            "data.synthetic_samples=64",
+            "train.max_steps=1",
+            "logging.tensorboard=false",
+        ),
         cwd=tmp_path,
     )
     line = one_error_line(done)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, cli, one_error_line, stand_in_sbatch
+from tests.helpers import TINY, cli, one_error_line, stand_in_sbatch, train_command
 from tests.ranks import ROOT
 
 PASSWORD = "s3cret-Pa55word"
@@ -152,14 +152,13 @@ def test_a_new_run_directory_is_private_unless_shared(tmp_path, umask_022, share
     writes."""
     run_dir = tmp_path / "runs" / "run"
     done = cli(
-        "train",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        *TINY,
-        "train.max_steps=1",
-        "checkpoint.every_steps=1",
-        f"logging.shared={str(shared).lower()}",
+        *train_command(
+            run_dir,
+            *TINY,
+            "train.max_steps=1",
+            "checkpoint.every_steps=1",
+            f"logging.shared={str(shared).lower()}",
+        ),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -431,13 +430,7 @@ def test_eval_shows_a_planted_results_line_escaped(tmp_path):
 
     run = tmp_path / "run"
     trained = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        *TINY,
-        "train.max_steps=1",
-        "checkpoint.every_steps=1",
+        *train_command(run, *TINY, "train.max_steps=1", "checkpoint.every_steps=1"),
         cwd=tmp_path,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]

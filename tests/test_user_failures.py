@@ -16,7 +16,7 @@ import pytest
 from qgtrain.launch import recovery
 from qgtrain.state.lifecycle import read_note
 from qgtrain.state.rundir import RunDir
-from tests.helpers import ROOT, cli
+from tests.helpers import ROOT, cli, train_command
 from tests.raising_tasks import build
 from tests.ranks import start_cli_ranks, wait_ranks
 
@@ -38,18 +38,15 @@ def test_a_loss_that_raises_on_rank_one_is_told_by_rank_one_with_its_traceback_i
     run = tmp_path / "run"
     procs = start_cli_ranks(
         2,
-        [
-            "train",
-            "--run-dir",
-            str(run),
-            "--set",
+        train_command(
+            run,
             "task=tests.tasks:raises_on_rank_one",
             "task.options.where=loss",
             "train.batch_size=8",
             "train.max_steps=12",
             "logging.tensorboard=false",
             "train.collective_timeout_s=120",
-        ],
+        ),
         tmp_path,
     )
     assert wait_ranks(procs, 100) == [1, 1]
@@ -80,13 +77,9 @@ def test_a_loss_that_raises_on_rank_one_is_told_by_rank_one_with_its_traceback_i
 def test_a_build_that_raises_ends_in_one_line_naming_it_and_its_log(tmp_path):
     run = tmp_path / "run"
     done = cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--set",
-        "task=tests.raising_tasks:build",
-        "train.max_steps=4",
-        "logging.tensorboard=false",
+        *train_command(
+            run, "task=tests.raising_tasks:build", "train.max_steps=4", "logging.tensorboard=false"
+        ),
         cwd=tmp_path,
     )
     assert done.returncode == 1, done.stderr[-3000:]
