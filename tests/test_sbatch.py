@@ -18,7 +18,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import QgtrainError
 from qgtrain.launch.sbatch import parse_job_id, render
 from qgtrain.launch.slurm_checks import time_minutes
-from tests.helpers import cli, stand_in_sbatch
+from tests.helpers import cli, fresh_cli, stand_in_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
@@ -438,20 +438,13 @@ def test_a_bad_sweep_is_one_line_exit_2_and_nothing_submitted(tmp_path, sweeps, 
 
     args = [arg for sweep in sweeps for arg in ("--sweep", sweep)]
     env_path = str(Path(sys.executable).parent)  # no scontrol, no sbatch: the checks come first
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qgtrain",
-            "submit",
-            "--config",
-            str(ROOT / "config.yaml"),
-            *args,
-            "--set",
-            f"logging.runs_dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
+    result = fresh_cli(
+        "submit",
+        "--config",
+        str(ROOT / "config.yaml"),
+        *args,
+        "--set",
+        f"logging.runs_dir={tmp_path}",
         cwd=tmp_path,
         env={**os.environ, "PATH": env_path, "PYTHONPATH": str(ROOT)},
     )

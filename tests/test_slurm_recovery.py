@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from tests.helpers import (
     TWO_NODES,
     cli,
     final_weights,
+    fresh_cli,
     job,
     kill_rank,
     logged_step,
@@ -48,6 +47,13 @@ def failures(run: Path) -> list[dict[str, object]]:
     return json.loads((run / "status.json").read_text()).get("failures", [])
 
 
+def submitted(tmp: Path, files: list[Path]) -> str:
+    """`qgtrain submit --config FILE...` from `tmp`; returns the job's id."""
+    done = cli("submit", *[a for f in files for a in ("--config", str(f))], cwd=tmp)
+    assert done.returncode == 0, done.stderr
+    return re.findall(r"job (\d+)", done.stdout)[0]
+
+
 def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_once(
     tmp_path, two_node_reference
 ):
@@ -66,10 +72,7 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
         "slurm: {nodes: 2, spare_nodes: 1, tasks_per_node: 1, cpus_per_task: 1, time: '10'}\n"
         f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10}}\n"
     )
-    args = [a for c in [*configs(tmp_path), settings] for a in ("--config", str(c))]
-    done = cli("submit", *args, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    job_id = re.findall(r"job (\d+)", done.stdout)[0]
+    job_id = submitted(tmp_path, [*configs(tmp_path), settings])
     run = tmp_path / "runs" / "cpu"
     wait_until(lambda: logged_step(run) >= at, 240, f"training to pass step {at}")
     killed = time.time()
@@ -159,10 +162,7 @@ def test_a_rank_killed_with_no_spare_goes_on_with_fewer_nodes_and_the_same_globa
         f"task: {{factory: '{ROOT / 'tests' / 'tasks.py'}:killed_at_a_step', "
         f"options: {{size: 2048, dropout: 0.0, kill_rank: {rank}, kill_step: {at}}}}}\n"
     )
-    args = [a for c in [*fewer_configs(tmp_path), killed] for a in ("--config", str(c))]
-    done = cli("submit", *args, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    job_id = re.findall(r"job (\d+)", done.stdout)[0]
+    job_id = submitted(tmp_path, [*fewer_configs(tmp_path), killed])
     run = tmp_path / "runs" / "cpu"
     assert wait_finished(job_id, timeout=600) == "COMPLETED", (rank, at)
     lost = re.findall(r"rank \d+ on node (\S+) ", rank_log(run, rank))[0]
@@ -231,10 +231,7 @@ def test_an_fsdp_job_killed_after_a_damaged_local_save_retries_from_the_next_goo
         f"checkpoint: {{local_dir: '{tmp_path}/disk/$SLURMD_NODENAME', local_every_steps: 10, "
         "async_save: true}\n"
     )
-    args = [a for c in [*configs(tmp_path), settings] for a in ("--config", str(c))]
-    done = cli("submit", *args, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    job_id = re.findall(r"job (\d+)", done.stdout)[0]
+    job_id = submitted(tmp_path, [*configs(tmp_path), settings])
     assert wait_finished(job_id, timeout=600) == "COMPLETED", (rank, at)
     assert job(job_id)["Restarts"] == "0"
     (failure,) = failures(run)
@@ -350,22 +347,15 @@ def test_a_submitit_job_whose_rank_is_killed_is_retried_in_its_allocation(
 
 
 def test_an_exclude_that_leaves_too_few_nodes_is_refused_before_sbatch(tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qgtrain",
-            "submit",
-            "--config",
-            str(ROOT / "config.yaml"),
-            "--set",
-            "slurm.nodes=2",
-            "slurm.extra_sbatch=['--exclude=node[2-3]']",
-            f"logging.runs_dir={tmp_path / 'runs'}",
-        ],
+    done = fresh_cli(
+        "submit",
+        "--config",
+        str(ROOT / "config.yaml"),
+        "--set",
+        "slurm.nodes=2",
+        "slurm.extra_sbatch=['--exclude=node[2-3]']",
+        f"logging.runs_dir={tmp_path / 'runs'}",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert (
