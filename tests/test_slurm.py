@@ -283,19 +283,22 @@ def test_a_node_cut_off_mid_run_stops_every_rank_within_the_bound_and_the_next_s
     assert f"resumed from {run / 'checkpoints'}" in rank_log(run, 0) and logged_step(run) == LONG
 
 
-FSDP_STEPS = 200
+FSDP_STEPS = 300  # of the points task: seconds left after the signal at step 50
 
 
 def fsdp_configs(tmp: Path, max_steps: int = FSDP_STEPS) -> list[Path]:
+    """The two-node run (tests/tasks.py's points: what Slurm does with a sharded run does not
+    depend on the model, and test_fsdp.py shards the built-in LM) with its Linear layers sharded."""
     sharded = tmp / "fsdp.yaml"
     # a longer run than the checkpoint's says how its learning rate goes on: from where it is
     # (rewarm 0)
     extended = "optim: {rewarm_steps: 0}\n" if max_steps != FSDP_STEPS else ""
-    sharded.write_text(f"train: {{parallel: fsdp}}\nmodel: {{layers: 2}}\n{extended}")
+    sharded.write_text(f"train: {{parallel: fsdp, shard_modules: [Linear]}}\n{extended}")
     return [
         ROOT / "config.yaml",
         ROOT / "jobs" / "cpu.yaml",
-        overlay(tmp, max_steps, every_steps=200),
+        overlay(tmp, max_steps, every_steps=FSDP_STEPS),
+        points_task(tmp),
         sharded,
     ]
 
@@ -311,7 +314,7 @@ def test_an_fsdp_job_is_preempted_requeued_resumed_exactly_and_then_resumed_on_o
     assert job(job_id)["Restarts"] == "1"
     log = rank_log(run, 0)
     stopped = int(log.split("stopping at step ")[1].split(" ")[0])
-    assert "fsdp: sharding 2 GPT2Block blocks and the root over 2 ranks" in log
+    assert "fsdp: sharding 2 Linear blocks and the root over 2 ranks" in log
     assert f"resumed from {run / 'checkpoints' / f'step-{stopped}'}: step {stopped}" in log
     assert (run / "checkpoints" / f"step-{FSDP_STEPS}" / "sharded" / "__1_0.distcp").is_file()
     want, have = (
