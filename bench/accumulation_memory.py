@@ -27,7 +27,7 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
     from qgtrain.training.gradients import accumulate_gradients
-    from qgtrain.training.strategy import strategy_for
+    from qgtrain.training.parallel.strategy import strategy_for
     from qgtrain.training.update import adamw, apply_update
 
     cfg, cpu = load_config([], sets), torch.device("cpu")

@@ -72,7 +72,7 @@ def checkpoint_rank(
     from qgtrain.state.checkpointer import Checkpointer
     from qgtrain.state.sharded import sharded_state
     from qgtrain.tasks.models import build_model
-    from qgtrain.training.strategy import strategy_for
+    from qgtrain.training.parallel.strategy import strategy_for
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 600):

@@ -190,8 +190,8 @@ def shape_of(args: argparse.Namespace) -> dict[str, int]:
 
 
 def compiles(args: argparse.Namespace) -> bool:
-    """Whether qgtrain compiles the model under --compile (training/compiling.py's plan for one
-    GPU or the CPU), so the hand-written loop is run the same way."""
+    """Whether qgtrain compiles the model under --compile (training/parallel/compiling.py's plan
+    for one GPU or the CPU), so the hand-written loop is run the same way."""
     return args.compile == "true" or (args.compile == "auto" and args.device == "cuda")
 
 

@@ -45,9 +45,9 @@ from .training.assembly import assemble
 from .training.goodput import Account
 from .training.metrics import MetricsLog
 from .training.optimizers import build_optimizer, name_of
+from .training.parallel.strategy import Strategy, strategy_for
 from .training.parts import LoopParts, Settings
 from .training.profiling import StepProfiler
-from .training.strategy import Strategy, strategy_for
 from .training.trainer import Trainer
 from .training.transforms import transformed
 

@@ -26,9 +26,9 @@ from qgtrain.state.checkpointer import Checkpointer
 from qgtrain.training.assembly import assemble
 from qgtrain.training.metrics import MetricsLog
 from qgtrain.training.optimizers import build_optimizer
+from qgtrain.training.parallel.strategy import strategy_for
 from qgtrain.training.parts import LoopParts, Settings
 from qgtrain.training.profiling import StepProfiler
-from qgtrain.training.strategy import strategy_for
 from qgtrain.training.trainer import Trainer
 
 CPU = torch.device("cpu")

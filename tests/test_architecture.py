@@ -246,6 +246,49 @@ def test_only_rendezvous_reads_the_environment_and_edges_pass_it_in():
                 ), f"{path.name}: {line.strip()}"
 
 
+# torch's names for a layout's wrappers and tensors: what only the strategies, and the checkpoint's
+# sharded state that reads and writes their tensors, may know.
+LAYOUT_NAMES = {
+    "DistributedDataParallel",
+    "DDP",
+    "FSDPModule",
+    "fully_shard",
+    "MixedPrecisionPolicy",
+    "DTensor",
+    "distribute_tensor",
+}
+LAYOUT_MODULES = ("torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.tensor")
+KNOWS_LAYOUTS = ("training/parallel/", "state/sharded.py")
+
+
+def layout_names(tree: ast.AST) -> set[str]:
+    """The layout names a module's code uses (its docstrings and comments may say them)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in LAYOUT_NAMES:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in LAYOUT_NAMES:
+            found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(LAYOUT_MODULES):
+            found.add(str(node.module))
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith(LAYOUT_MODULES)}
+    return found
+
+
+def test_only_the_strategies_and_the_sharded_state_name_ddp_fsdp_and_dtensor():
+    """A new layout (tensor parallelism, say) is a class in training/parallel/ and a mesh: no other
+    room asks which wrapper or tensor type it holds."""
+    assert layout_names(ast.parse("from torch.distributed.fsdp import fully_shard\nx.DTensor"))
+    outside = {
+        str(path.relative_to(PACKAGE)): sorted(names)
+        for path in MODULES
+        if not str(path.relative_to(PACKAGE)).startswith(KNOWS_LAYOUTS)
+        and (names := layout_names(ast.parse(path.read_text())))
+    }
+    assert outside == {}
+
+
 def test_what_the_seeds_got_wrong_stays_out():
     text = "\n".join(p.read_text() for p in MODULES)
     assert "empty_cache" not in text and "CUDA_LAUNCH_BLOCKING" not in text

@@ -58,7 +58,7 @@ def build_as_training_does(sets: list[str], gather: bool) -> dict[str, Any]:
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.tasks.build import build_task
-    from qgtrain.training.strategy import strategy_for
+    from qgtrain.training.parallel.strategy import strategy_for
 
     cfg, env, cpu = load_config([], sets), from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 60):

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qgtrain.runtime import compile_cache
-from qgtrain.training import compiling
-from qgtrain.training.compiling import compile_plan
+from qgtrain.training.parallel import compiling
+from qgtrain.training.parallel.compiling import compile_plan
 
 
 @pytest.mark.parametrize(
@@ -131,8 +131,8 @@ def test_blocks_compile_under_lora_and_activation_checkpointing_to_eager_gradien
 
     from qgtrain.config.load import load_config
     from qgtrain.tasks.models import lm_loss
-    from qgtrain.training import sharding
     from qgtrain.training.adapters import apply_adapter
+    from qgtrain.training.parallel import sharding
 
     cfg = load_config([], ["model.adapter=lora", "train.activation_checkpointing=true"])
     config = transformers.GPT2Config(

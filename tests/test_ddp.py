@@ -19,7 +19,7 @@ from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv, from_environ
 from qgtrain.tasks.models import lm_loss
 from qgtrain.training.gradients import accumulate_gradients
-from qgtrain.training.strategy import strategy_for
+from qgtrain.training.parallel.strategy import strategy_for
 from tests.helpers import rank_log, records, tiny_config, tiny_gpt2
 from tests.ranks import run_ranks, train_rank
 

@@ -65,8 +65,8 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
     from qgtrain.config import OptimConfig, TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.sharding import local_numel
-    from qgtrain.training.strategy import strategy_for
+    from qgtrain.training.parallel.sharding import local_numel
+    from qgtrain.training.parallel.strategy import strategy_for
     from qgtrain.training.update import adamw
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
@@ -254,7 +254,7 @@ def saved_activation_bytes(checkpointed: bool) -> tuple[int, dict[str, torch.Ten
     from qgtrain.runtime import rng
     from qgtrain.runtime.rendezvous import DistEnv
     from qgtrain.tasks.models import build_model
-    from qgtrain.training.strategy import strategy_for
+    from qgtrain.training.parallel.strategy import strategy_for
     from qgtrain.training.transforms import transformed
 
     rng.seed_everything(0)
@@ -298,8 +298,8 @@ def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
     from qgtrain.runtime.mesh import two_d_mesh
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.training.gradients import accumulate_gradients
-    from qgtrain.training.sharding import find_blocks, shard
-    from qgtrain.training.strategy import GroupShards, Shards
+    from qgtrain.training.parallel.sharding import find_blocks, shard
+    from qgtrain.training.parallel.strategy import GroupShards, Shards
 
     def unsharded_held(m: torch.nn.Module) -> int:
         held = 0

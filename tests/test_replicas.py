@@ -16,8 +16,8 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import TrainingError
 from qgtrain.runtime.distributed import broadcast_from_main, diverged, process_group
 from qgtrain.runtime.rendezvous import DistEnv, from_environ
-from qgtrain.training import replicas
-from qgtrain.training.strategy import strategy_for
+from qgtrain.training.parallel import replicas
+from qgtrain.training.parallel.strategy import strategy_for
 from tests.ranks import run_ranks, train_rank
 
 CPU = torch.device("cpu")

@@ -46,8 +46,8 @@ def autocast_while_computing_loss() -> dict[str, bool]:
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.training.gradients import accumulate_gradients
-    from qgtrain.training.sharding import find_blocks, shard
-    from qgtrain.training.strategy import Replicas, Shards
+    from qgtrain.training.parallel.sharding import find_blocks, shard
+    from qgtrain.training.parallel.strategy import Replicas, Shards
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     seen = {}
@@ -193,7 +193,7 @@ def casts_and_result(micro_batches: list[torch.Tensor], by_qgtrain: bool) -> tup
     from qgtrain.config import TrainConfig
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.training.gradients import accumulate_gradients
-    from qgtrain.training.strategy import Strategy
+    from qgtrain.training.parallel.strategy import Strategy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))

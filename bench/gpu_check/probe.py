@@ -1,5 +1,6 @@
 """One torchrun rank of the wrapper check: DDP, fsdp and (on 2+ ranks) hsdp built and stepped
-directly, at any world size, including 1, where qgtrain itself wraps nothing (training/strategy.py).
+directly, at any world size, including 1, where qgtrain itself wraps nothing
+(training/parallel/strategy.py).
 
 Each layout takes three steps of two micro-batches through qgtrain's own pieces (gradients.
 accumulate_gradients, the strategy's clip_gradients and apply_update) and is held against a plain
@@ -31,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from qgtrain.config import OptimConfig, TrainConfig
 from qgtrain.runtime import distributed, mesh
 from qgtrain.runtime.rendezvous import from_environ
-from qgtrain.training import sharding
 from qgtrain.training.agreement import Agreement, Flags
 from qgtrain.training.gradients import accumulate_gradients
-from qgtrain.training.strategy import KINDS
+from qgtrain.training.parallel import sharding
+from qgtrain.training.parallel.strategy import KINDS
 from qgtrain.training.update import adamw, apply_update
 
 STEPS, ACCUM, BATCH, VOCAB = 3, 2, 4, 257

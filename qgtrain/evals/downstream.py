@@ -25,8 +25,8 @@ from ..foundation.errors import ConfigError
 from ..foundation.files import write_atomic
 from ..runtime import objects
 from ..runtime.rendezvous import DistEnv
-from ..training.compiling import run_eager
-from ..training.strategy import Strategy
+from ..training.parallel.compiling import run_eager
+from ..training.parallel.strategy import Strategy
 from . import scoring
 from .items import Choice, EvalTask, Prompt, Text, read_tasks
 

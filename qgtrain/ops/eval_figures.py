@@ -26,7 +26,7 @@ from ..data.loaders import EvalShard, make_loader
 from ..foundation.errors import ConfigError, QgtrainError
 from ..foundation.trust import config_code, require
 from ..training.metrics import prefixed
-from ..training.strategy import Strategy
+from ..training.parallel.strategy import Strategy
 from ..training.validation import split_figures
 from .export import rebuild
 from .export.bundle import local_files, resolved

@@ -34,7 +34,7 @@ from ..runtime import distributed, log, precision
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
 from ..state.rundir import RunDir
-from ..training.strategy import Strategy, strategy_for
+from ..training.parallel.strategy import Strategy, strategy_for
 from . import eval_figures, eval_out, eval_results
 from .export import adapter, ema, origin, rebuild, safetensors_io
 from .export.pipeline import require_trusted

@@ -9,8 +9,9 @@ torch's portable cache artifacts (save/load_cache_artifacts) were measured too: 
 carry the graphs but not the compiled C++, and saved little of the start.
 
 The folder is offered for the whole training (`in_run_dir`) but taken only when something is
-compiled (`claim`, from training/compiling.py): with `model.compile: auto` a CPU run compiles
-nothing, and should neither make the folder nor import inductor's utilities (a second of start).
+compiled (`claim`, from training/parallel/compiling.py): with `model.compile: auto` a CPU run
+compiles nothing, and should neither make the folder nor import inductor's utilities (a second of
+start).
 
 A cache is code: inductor imports the Python it generated there, as the user. The start's checks
 (rundir.require_safe) make sure only the user wrote it; `claim` also makes sure it was made in this

@@ -18,7 +18,7 @@ import torch
 from ..foundation.errors import CheckpointError, first_line
 from .checkpoint import Checkpoint, load_file
 from .layout import EMA, EMA_KEY
-from .sharded import FOLDER, is_sharded_checkpoint, shard_of
+from .sharded import FOLDER, fill_from_full, is_sharded_checkpoint
 
 FILE = EMA
 KEY = EMA_KEY
@@ -68,7 +68,7 @@ def fill(averages: dict[str, torch.Tensor], full: dict[str, Any], source: Path) 
                 f"{tuple(average.shape)}. HINT: resume with the model settings "
                 "it was trained with, or set checkpoint.resume: never"
             )
-        _fill(average, full[name])
+        fill_from_full(average, full[name])
 
 
 def reader(ckpt: Checkpoint) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -105,19 +105,3 @@ def _load_sharded(
             f"model ({first_line(exc)}). HINT: resume with the model settings it "
             "was trained with, or set checkpoint.resume: never"
         ) from None
-
-
-def _fill(average: torch.Tensor, full: torch.Tensor) -> None:
-    """A full tensor into a plain average, or into a DTensor's shard: every rank cuts its own part
-    of the same full tensor (no communication), as the placement says."""
-    shard = shard_of(average)
-    if shard is None:
-        average.copy_(full)
-        return
-    from torch.distributed.tensor import distribute_tensor
-
-    local = shard.to_local()
-    cut = distribute_tensor(
-        full.to(local.device), shard.device_mesh, shard.placements, src_data_rank=None
-    )
-    local.copy_(cut.to_local())

@@ -191,6 +191,22 @@ def load_own_shards(
         ) from None
 
 
+def fill_from_full(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """A full tensor into a plain one, or into a DTensor's shard: every rank cuts its own part of
+    the same full tensor (no communication), as the placement says."""
+    shard = shard_of(tensor)
+    if shard is None:
+        tensor.copy_(full)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    local = shard.to_local()
+    cut = distribute_tensor(
+        full.to(local.device), shard.device_mesh, shard.placements, src_data_rank=None
+    )
+    local.copy_(cut.to_local())
+
+
 def fill_own_shards(averages: dict[str, Any], saved: dict[str, Any]) -> None:
     """The EMA's averages (this rank's shards) from the node-local tier's plain tensors, in
     place."""

@@ -105,7 +105,8 @@ class OptimizerState:
 
 
 class ShardedModelState(ModelState):
-    """ "model" of a sharded model (training/strategy.py chooses it): this rank's shards."""
+    """ "model" of a sharded model (training/parallel/strategy.py chooses it): this rank's
+    shards."""
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

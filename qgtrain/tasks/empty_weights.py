@@ -6,7 +6,8 @@ shape and dtype, so the model's own initialisation runs for real on the placehol
 moved to the meta device. The modules, names, shapes and ties exist, datasets and buffers are built
 for real (a non-persistent buffer, such as rotary frequencies, is never sent), and the memory is one
 tensor per distinct shape: for a transformer, about one block. Rank 0 then sends each rank its
-shards (training/initial_shards.py), so the initial weights are exactly those of one full build.
+shards (training/parallel/initial_shards.py), so the initial weights are exactly those of one
+full build.
 
 Initialising for real, rather than on the meta device, keeps every random generator where a full
 build leaves it: initialisation on meta tensors draws nothing, and some of torch's draws depend on

@@ -4,8 +4,8 @@ Before any weight is read, the folder's safetensors headers (names, shapes) are 
 model its config.json builds, so a folder whose weights do not fit its config is refused in one line
 naming the tensor (transformers would print a table and raise). Under fsdp only rank 0 opens the
 weights; the other ranks read config.json alone, build the model without weights (empty_weights.py)
-and are sent their shards (training/initial_shards.py): the folder is read once per job, not once
-per rank, and rank 0's refusal is every rank's (tasks/build.py).
+and are sent their shards (training/parallel/initial_shards.py): the folder is read once per job,
+not once per rank, and rank 0's refusal is every rank's (tasks/build.py).
 """
 
 from __future__ import annotations

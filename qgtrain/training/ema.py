@@ -24,7 +24,7 @@ from torch import nn
 
 from ..state import ema_files
 from ..state.stateful import source, source_step
-from .strategy import Strategy
+from .parallel.strategy import Strategy
 
 log = logging.getLogger("qgtrain")
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..foundation.errors import TaskError
 from ..runtime.precision import autocast, weights_cast_once
-from .strategy import Strategy
+from .parallel.strategy import Strategy
 
 
 def accumulate_gradients(

@@ -19,8 +19,8 @@ from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
 from .goodput import Account
 from .metrics import MetricsLog
+from .parallel.strategy import Strategy
 from .profiling import StepProfiler
-from .strategy import Strategy
 
 
 @dataclass

@@ -18,9 +18,9 @@ from torch import nn
 
 from ..config import RunConfig
 from ..foundation.errors import ConfigError
-from . import replicas, sharding
 from .adapters import apply_adapter
-from .strategy import Strategy
+from .parallel import replicas, sharding
+from .parallel.strategy import Strategy
 
 log = logging.getLogger("qgtrain")
 

@@ -21,7 +21,7 @@ from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state.train_state import TrainState, metric_value
 from .evaluation import decide_early_stop, evaluate
-from .strategy import Strategy
+from .parallel.strategy import Strategy
 from .timing import StepTimer
 
 # puts the weights to evaluate in the model while it is open (the EMA's)

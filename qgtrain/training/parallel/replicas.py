@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..foundation.errors import TaskError
-from ..runtime import diagnose, distributed
+from ...foundation.errors import TaskError
+from ...runtime import diagnose, distributed
 
 log = logging.getLogger("qgtrain")
 IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"

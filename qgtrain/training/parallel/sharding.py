@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..foundation.errors import ConfigError
-from ..runtime.precision import DTYPES
-from ..tasks.lm_shape import cut_after_wrappers
+from ...foundation.errors import ConfigError
+from ...runtime.precision import DTYPES
+from ...tasks.lm_shape import cut_after_wrappers
 
 
 def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:

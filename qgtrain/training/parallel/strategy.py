@@ -28,19 +28,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import TrainConfig
-from ..runtime import distributed, mesh
-from ..runtime.rendezvous import DistEnv
-from ..state.sharded import shard_of
-from ..state.stateful import (
+from ...config import TrainConfig
+from ...runtime import distributed, mesh
+from ...runtime.rendezvous import DistEnv
+from ...state.sharded import shard_of
+from ...state.stateful import (
     ModelState,
     OptimizerState,
     ShardedModelState,
     ShardedOptimizerState,
     Stateful,
 )
+from ..update import clip_gradients
 from . import compiling, initial_shards, replicas, sharding
-from .update import clip_gradients
 
 log = logging.getLogger("qgtrain")
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..foundation.errors import ConfigError
-from ..runtime import compile_cache
+from ...foundation.errors import ConfigError
+from ...runtime import compile_cache
 from . import sharding
 
 log = logging.getLogger("qgtrain")

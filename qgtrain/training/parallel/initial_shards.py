@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime import distributed
-from ..state.weights import within_budget
-from ..tasks.empty_weights import to_meta
+from ...runtime import distributed
+from ...state.weights import within_budget
+from ...tasks.empty_weights import to_meta
 
 log = logging.getLogger("qgtrain")
 GROUP_BYTES = 64 << 20  # full tensors sent per call: each call costs a pass over the model's state
