@@ -41,8 +41,8 @@ def evaluate(
     cannot match. A sharded (FSDP) model gathers its weights in every forward, so there all ranks
     run in `lockstep`: as many batches as the largest shard, a rank whose shard has ended repeating
     a batch whose results it drops. A collective: every rank calls it, also one whose shard is
-    empty. `precision_name` is what autocast computes in: the strategy's (strategy.py), fp32 for a
-    sharded model, which computes in its FSDP policy's dtype.
+    empty. `precision_name` is what autocast computes in: the strategy's (parallel/strategy.py),
+    fp32 for a sharded model, which computes in its FSDP policy's dtype.
     """
     sizes = _batch_sizes(loader)
     own = min(len(sizes), max_batches) if max_batches else len(sizes)

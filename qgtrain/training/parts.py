@@ -27,7 +27,7 @@ from .profiling import StepProfiler
 class LoopParts:
     """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
     `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints;
-    `strategy` how the ranks hold it (strategy.py), asked wherever that matters."""
+    `strategy` how the ranks hold it (parallel/strategy.py), asked wherever that matters."""
 
     task: ReadyTask
     wrapped: nn.Module

@@ -5,8 +5,8 @@ A transform takes the task's model and returns the model to train (the same obje
 as all of these do, so the names in checkpoints stay the model's own). They run on every rank with
 the same seed, before the ranks' random streams part, so anything a transform draws (LoRA's initial
 adapters) is the same everywhere. torch.compile is not among them: it must follow them (it traces
-what they made) and precede sharding, so the wrap applies it (strategy.py). A new transform is a
-function here, a row in the table and the setting that turns it on.
+what they made) and precede sharding, so the wrap applies it (parallel/strategy.py). A new
+transform is a function here, a row in the table and the setting that turns it on.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ def clip_gradients(
     one by 1.0.
 
     `whole` turns the norm of this rank's gradients into the model's: a strategy whose ranks hold
-    shards reduces it over them (strategy.py), so every rank clips by the factor an unsharded run
-    would. A model without gradients has norm 0 on the rank's device, where the report stacks it
-    with the loss (torch's get_total_norm of no tensors is a CPU tensor).
+    shards reduces it over them (parallel/strategy.py), so every rank clips by the factor an
+    unsharded run would. A model without gradients has norm 0 on the rank's device, where the
+    report stacks it with the loss (torch's get_total_norm of no tensors is a CPU tensor).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
