@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bench.common import torchrun_env
+
 # so ranks can import tests.factories like a user's own module
 ROOT = Path(__file__).resolve().parents[1]
 _CTX = multiprocessing.get_context("forkserver")
@@ -135,15 +137,7 @@ def _read(path: str) -> str:
 
 def torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
     """What torchrun gives one rank of a one-node group on this machine, one thread each."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
+    return {**torchrun_env(rank, world_size, port), "OMP_NUM_THREADS": "1"}
 
 
 def _rank_main(
