@@ -283,6 +283,7 @@ class ForkedCommand:
             raise AssertionError(f"qgtrain {' '.join(args)} did not start within 60 s")
         self.pid = self.proc.pid
         self.args = ["qgtrain", *args]
+        self.log = errors or log
 
     @property
     def returncode(self) -> int | None:
@@ -312,6 +313,7 @@ def _command_main(
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, target)
         os.close(fd)
+    faulthandler.register(signal.SIGQUIT, all_threads=True)  # wait_ranks' stacks of a hung rank
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -343,5 +345,18 @@ def wait_ranks(procs: list[Any], timeout: float) -> list[int]:
     try:
         return [proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for proc in procs]
     except subprocess.TimeoutExpired:
+        stacks = _stacks_of(procs)
         kill_ranks(procs)
-        raise AssertionError(f"ranks did not exit within {timeout}s") from None
+        raise AssertionError(f"ranks did not exit within {timeout}s\n{stacks}") from None
+
+
+def _stacks_of(procs: list[Any]) -> str:
+    """Where each forked rank still running is stuck: its threads' stacks (SIGQUIT, to which
+    _command_main registered faulthandler), read back from the end of its output."""
+    running = [p for p in procs if isinstance(p, ForkedCommand) and p.poll() is None]
+    for proc in running:
+        os.kill(proc.pid, signal.SIGQUIT)
+    time.sleep(2)
+    return "\n".join(
+        f"{proc.args} (pid {proc.pid}):\n{Path(proc.log).read_text()[-4000:]}" for proc in running
+    )
