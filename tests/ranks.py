@@ -7,6 +7,7 @@ same way."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -355,8 +356,10 @@ def _stacks_of(procs: list[Any]) -> str:
     _command_main registered faulthandler), read back from the end of its output."""
     running = [p for p in procs if isinstance(p, ForkedCommand) and p.poll() is None]
     for proc in running:
-        os.kill(proc.pid, signal.SIGQUIT)
-    time.sleep(2)
+        with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
+            os.kill(proc.pid, signal.SIGQUIT)
+    if running:
+        time.sleep(2)  # for faulthandler to write every thread's stack
     return "\n".join(
         f"{proc.args} (pid {proc.pid}):\n{Path(proc.log).read_text()[-4000:]}" for proc in running
     )
