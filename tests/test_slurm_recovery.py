@@ -62,7 +62,8 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     on the other two at once (no requeue, no wait in the queue), resumes from the node-local tier
     (local saves every 10 steps between shared ones every 100; each node's folder its own,
     $SLURMD_NODENAME), the spare receiving the parts it lacks from the nodes that kept them, and
-    ends as the uninterrupted run. The run's time adds up to the allocation's."""
+    ends as the uninterrupted run. The run's time adds up to the allocation's, until its last
+    write."""
     chance = random.Random()
     # The kill follows the first report (every 50 steps) at or past `at`: one at step 150, 250 or
     # 350, where the local tier's save is newer than the shared tier's (every 100).
@@ -112,16 +113,17 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     )
     spent = json.loads((run / "status.json").read_text())["time"]
     assert spent["starts"] == 2 and spent["reached"] == TWO_NODE_STEPS, spent
-    took = [
+    began, ended = (
         time.mktime(time.strptime(shown[key], "%Y-%m-%dT%H:%M:%S"))
         for key in ("StartTime", "EndTime")
-    ]
-    allocation = took[1] - took[0]
-    print(f"goodput ledger {sum(spent['seconds'].values()):.1f} s, allocation {allocation:.0f} s")
-    # Within 2% of the allocation, or 2 s of a short one: the ledger's last write comes before
-    # the ranks' exit and the batch script's end (about a second here), and Slurm's clock has
-    # whole seconds.
-    assert abs(sum(spent["seconds"].values()) - allocation) <= max(0.02 * allocation, 2.0), spent
+    )
+    total = sum(spent["seconds"].values())
+    print(f"goodput ledger {total:.1f} s, allocation {ended - began:.0f} s")
+    # The ledger covers the allocation from its start to the ledger's last write, whatever the
+    # machine's speed: what comes after that write (the ranks' exit, the batch script's end) is
+    # the allocation's but no start's. Slurm's clock has whole seconds.
+    assert abs(total - (spent["written"] - began)) <= 1.0, spent
+    assert spent["written"] <= ended + 1.0, (spent, shown["EndTime"])
 
 
 FEWER_STEPS = 300
