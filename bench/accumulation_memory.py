@@ -26,9 +26,9 @@ def step_rank(env: Any, sets: list[str], micro: int, deferred: bool) -> dict[str
     from qgtrain.runtime import cpu as cpu_use
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
-    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.optimizers import adamw
+    from qgtrain.training.parallel.step import accumulate_gradients, apply_update
     from qgtrain.training.parallel.strategy import strategy_for
-    from qgtrain.training.update import adamw, apply_update
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
     cpu_use.keep_freed_memory()  # as a training rank does (run.py): freed blocks are kept for reuse

@@ -57,9 +57,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     from qgtrain.runtime import cpu, distributed, rng
     from qgtrain.runtime.rendezvous import from_environ
     from qgtrain.tasks.models import build_model, lm_loss
-    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.optimizers import adamw
+    from qgtrain.training.parallel.step import accumulate_gradients
     from qgtrain.training.parallel.strategy import strategy_for
-    from qgtrain.training.update import adamw
 
     env, device, cfg = from_environ(os.environ), torch.device("cpu"), RunConfig()
     strategy = strategy_for(cfg.train, env, device)

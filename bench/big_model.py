@@ -94,9 +94,9 @@ def start_rank(env: Any, sets: list[str], mode: str) -> dict[str, Any]:
     from qgtrain.runtime import rng
     from qgtrain.tasks.build import build_task
     from qgtrain.tasks.empty_weights import building_empty
+    from qgtrain.training.optimizers import adamw
     from qgtrain.training.parallel import sharding
     from qgtrain.training.parallel.strategy import strategy_for
-    from qgtrain.training.update import adamw
 
     cfg, cpu = load_config([], sets), torch.device("cpu")
     strategy = strategy_for(cfg.train, env, cpu)

@@ -252,30 +252,34 @@ def _trainer(
         run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards, tier
     )
     resolved = precision.resolve(cfg.train.precision, device)
-    wrapped = strategy.wrap(task.model, cfg.model.compile, resolved)
+    parallel = strategy.setup(
+        task.model,
+        cfg.model.compile,
+        resolved,
+        lambda: build_optimizer(task, cfg.optim, device),
+        precision.grad_scaler(resolved, device),
+    )
     loaders = loaders_for(task, cfg, env, device)
-    optimizer = build_optimizer(task, cfg.optim, device)
     whose = " (the task's)" if task.optimizer else ""
-    logger.info("optimizer %s%s, schedule %s", name_of(optimizer), whose, cfg.optim.schedule)
+    logger.info(
+        "optimizer %s%s, schedule %s", name_of(parallel.optimizer), whose, cfg.optim.schedule
+    )
     parts = LoopParts(
         task=task,
-        wrapped=wrapped,
-        optimizer=optimizer,
-        scaler=precision.grad_scaler(resolved, device),
+        parallel=parallel,
         loaders=loaders,
         checkpointer=checkpointer,
         metrics=metrics,
         stop=ctx.stop,
         deadline=ctx.deadline,
         profiler=StepProfiler.for_run(cfg.train, run, env.rank, device),
-        strategy=strategy,
         downstream=downstream_for(
             cfg, task.model, task.facts, strategy, resolved, run.eval, metrics.write_samples
         ),
         account=Account(pin, env.job_start_time) if env.is_main else None,
     )
     # pins an async save's host buffers in the background
-    checkpointer.prepare(task.model, parts.optimizer, strategy.copies_to_save())
+    checkpointer.prepare(task.model, parallel.optimizer, strategy.copies_to_save())
     settings = Settings.of(_at_this_size(cfg, env), resolved)
     return Trainer(parts, settings, env, device, assemble(parts, settings, env, device))
 

@@ -102,18 +102,22 @@ def build_trainer(
         run / "checkpoints", "seam", ONE_RANK, dataclasses.replace(cfg.checkpoint, async_save=False)
     )
     metrics = MetricsLog(run, True, False, None)
+    parallel = strategy_for(cfg.train, ONE_RANK, CPU).setup(
+        task.model,
+        False,
+        "fp32",
+        lambda: build_optimizer(task, cfg.optim, CPU),
+        torch.amp.GradScaler("cpu", enabled=False),
+    )
     parts = LoopParts(
         task,
-        task.model,
-        build_optimizer(task, cfg.optim, CPU),
-        torch.amp.GradScaler("cpu", enabled=False),
+        parallel,
         loaders,
         checkpointer,
         metrics,
         stop or StopFlag([]),
         Deadline(None, None, 0.0),
         StepProfiler((), run, 0, CPU, False),
-        strategy_for(cfg.train, ONE_RANK, CPU),
     )
     settings = Settings(cfg.train, cfg.optim, cfg.early_stopping, "fp32")
     return Trainer(parts, settings, ONE_RANK, CPU, assemble(parts, settings, ONE_RANK, CPU))

@@ -18,7 +18,7 @@ from qgtrain.config import TrainConfig
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import DistEnv, from_environ
 from qgtrain.tasks.models import lm_loss
-from qgtrain.training.gradients import accumulate_gradients
+from qgtrain.training.parallel.step import accumulate_gradients
 from qgtrain.training.parallel.strategy import strategy_for
 from tests.helpers import rank_log, records, tiny_config, tiny_gpt2
 from tests.ranks import run_ranks, train_rank
@@ -136,6 +136,7 @@ def validate_from_diverged_states() -> dict[str, Any]:
     from qgtrain.config import EarlyStoppingConfig
     from qgtrain.data.loaders import Loaders
     from qgtrain.state.train_state import TrainState
+    from qgtrain.training.parallel.step import ParallelModel
     from qgtrain.training.timing import StepTimer
     from qgtrain.training.validation import Validator
 
@@ -143,10 +144,16 @@ def validate_from_diverged_states() -> dict[str, Any]:
     cpu = torch.device("cpu")
     with process_group(env, cpu, 60, 60):
         model = torch.nn.Linear(2, 2)
-        validator = Validator(
-            model,
-            model,
+        parallel = ParallelModel(
             strategy_for(TrainConfig(), env, cpu),
+            model,
+            model,
+            torch.optim.SGD(model.parameters()),
+            torch.amp.GradScaler("cpu", enabled=False),
+            "fp32",
+        )
+        validator = Validator(
+            parallel,
             None,  # type: ignore[arg-type]  # no split is evaluated: only the decision is made
             Loaders(None, None, None, None),  # type: ignore[arg-type]
             EarlyStoppingConfig(metric="val_loss", patience=2),

@@ -134,8 +134,8 @@ def test_an_update_not_taken_leaves_the_average_where_it_was():
     from qgtrain.config import TrainConfig
     from qgtrain.runtime.rendezvous import DistEnv
     from qgtrain.training.ema import Ema
+    from qgtrain.training.parallel.step import apply_update
     from qgtrain.training.parallel.strategy import strategy_for
-    from qgtrain.training.update import apply_update
 
     model = torch.nn.Linear(3, 2)
     ema = Ema(model, 0.9, strategy_for(TrainConfig(), DistEnv(), torch.device("cpu")))

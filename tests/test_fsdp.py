@@ -65,9 +65,9 @@ def memory_per_rank(parallel: str) -> tuple[int, int]:
     from qgtrain.config import OptimConfig, TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.optimizers import adamw
     from qgtrain.training.parallel.sharding import local_numel
     from qgtrain.training.parallel.strategy import strategy_for
-    from qgtrain.training.update import adamw
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
     with process_group(env, cpu, 60, 60):
@@ -297,8 +297,8 @@ def gradients_between_micro_batches(layout: str) -> dict[str, Any]:
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.mesh import two_d_mesh
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.gradients import accumulate_gradients
     from qgtrain.training.parallel.sharding import find_blocks, shard
+    from qgtrain.training.parallel.step import accumulate_gradients
     from qgtrain.training.parallel.strategy import GroupShards, Shards
 
     def unsharded_held(m: torch.nn.Module) -> int:

@@ -58,7 +58,7 @@ def test_a_shared_val_file_beside_a_mix_is_the_validation_set(tmp_path, stream):
         trainer = build_trainer(tmp_path / "run", task, cfg)
         assert trainer.fit() == Outcome.FINISHED
         loader = torch.utils.data.DataLoader(list(expected), batch_size=4)
-        own = evaluate(trainer.model, loader, task.loss, None, torch.device("cpu"), "fp32", 0)
+        own = evaluate(task.model, loader, task.loss, None, torch.device("cpu"), "fp32", 0)
     assert records(tmp_path / "run")[-1]["val_loss"] == pytest.approx(own["loss"], rel=1e-6)
     if not stream:  # the sources' entries hold nothing out for validation; the file has its own
         metas = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*/meta.json")]

@@ -57,7 +57,7 @@ def test_every_part_is_saved_under_its_name_in_todays_files_and_restored_by_it(t
     assert list(own) == ["rng", "epoch", "samples_in_epoch"]
 
     assert fresh.state == trained.state and fresh.state.step == 3
-    assert torch.equal(fresh.model.weight, trained.model.weight)
+    assert torch.equal(fresh.parallel.model.weight, trained.parallel.model.weight)
     for name in ("optimizer", "spikes", "horizon", "ema"):
         assert _same(fresh.saved[name].state_dict(), trained.saved[name].state_dict()), name
 

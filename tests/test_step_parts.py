@@ -16,7 +16,7 @@ from tests.ranks import run_ranks
 def test_grad_clip_0_leaves_every_gradient_untouched_and_still_reports_the_norm():
     """Clipping to infinity would multiply each gradient by 1.0 in place: a pass over all of them
     per step (the version counter shows the in-place write)."""
-    from qgtrain.training.update import clip_gradients
+    from qgtrain.training.parallel.step import clip_gradients
 
     model = torch.nn.Linear(4, 3)
     model(torch.ones(2, 4)).pow(2).sum().backward()
@@ -35,18 +35,63 @@ def test_a_model_without_gradients_reports_norm_0_on_the_ranks_device():
     """The report stacks the norm with device tensors: torch's norm of no tensors is a CPU tensor,
     which a CUDA run cannot stack (shown here with the meta device, which CPU tensors do not mix
     with)."""
-    from qgtrain.training.update import clip_gradients
+    from qgtrain.training.parallel.step import clip_gradients
 
     norm = clip_gradients(torch.nn.Linear(4, 3), 1.0, torch.device("meta"))
     assert norm.device == torch.device("meta") and norm.dim() == 0
+
+
+def test_a_parallel_model_steps_as_the_plain_loop_and_names_unused_parameters_only_for_ddp():
+    """ParallelModel, as the strategy's setup makes it on one rank: backward, clip and update give
+    the plain loop's weights bit for bit and leave no gradient behind; a parameter the loss did not
+    reach is named where DDP would wait for it, and not where the layout does not (one process) or
+    train.find_unused_parameters looks for it."""
+    from qgtrain.config import TrainConfig
+    from qgtrain.runtime.rendezvous import from_environ
+    from qgtrain.training.parallel.strategy import Replicas, strategy_for
+
+    cpu, env = torch.device("cpu"), from_environ({})
+
+    def made() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model[0](batch).pow(2).mean()  # model[1] gets no gradient
+
+    batches = [torch.arange(8.0).view(2, 4), torch.ones(2, 4)]
+    model, optimizer = made()
+    parallel = strategy_for(TrainConfig(), env, cpu).setup(
+        model, False, "fp32", lambda: optimizer, torch.amp.GradScaler("cpu", enabled=False)
+    )
+    total = parallel.backward(loss, batches)
+    norm = parallel.clip(0.5)
+    skipped = parallel.update(torch.tensor(False))
+    assert parallel.unused_parameters(False) == [] and not bool(skipped)
+    assert all(p.grad is None for p in model.parameters())
+
+    plain, plain_optimizer = made()
+    expected = sum(loss(plain, b) / 2 for b in batches)
+    expected.backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    plain_optimizer.step()
+    assert torch.equal(total, expected.detach()) and torch.equal(norm, expected_norm)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+    parallel.backward(loss, batches)
+    parallel.strategy = Replicas(TrainConfig(parallel="ddp"), env, cpu)
+    assert parallel.unused_parameters(False) == ["1.weight", "1.bias"]
+    assert parallel.unused_parameters(True) == []
 
 
 def autocast_while_computing_loss() -> dict[str, bool]:
     from qgtrain.config import TrainConfig
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.gradients import accumulate_gradients
     from qgtrain.training.parallel.sharding import find_blocks, shard
+    from qgtrain.training.parallel.step import accumulate_gradients
     from qgtrain.training.parallel.strategy import Replicas, Shards
 
     env, cpu = from_environ(os.environ), torch.device("cpu")
@@ -107,7 +152,7 @@ def test_an_update_from_non_finite_gradients_is_skipped_on_the_device_by_fused_o
     """Fused AdamW skips in its kernel (no host read of the flag) and takes back its step count;
     another optimizer skips by reading the flag. Either way the weights and the state stay as they
     were."""
-    from qgtrain.training.update import apply_update
+    from qgtrain.training.parallel.step import apply_update
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for fused in (True, False):
@@ -162,7 +207,7 @@ def fused_update_over_shards() -> tuple[bool, bool]:
 
     from qgtrain.runtime.distributed import process_group
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.update import apply_update
+    from qgtrain.training.parallel.step import apply_update
 
     with process_group(from_environ(os.environ), torch.device("cpu"), 60, 60):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -192,7 +237,7 @@ def casts_and_result(micro_batches: list[torch.Tensor], by_qgtrain: bool) -> tup
 
     from qgtrain.config import TrainConfig
     from qgtrain.runtime.rendezvous import from_environ
-    from qgtrain.training.gradients import accumulate_gradients
+    from qgtrain.training.parallel.step import accumulate_gradients
     from qgtrain.training.parallel.strategy import Strategy
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ def trained_weights(tmp_path, *sets: str) -> torch.Tensor:
     with one_rank_group():
         trainer = build_trainer(tmp_path, linear_task(), config("train.max_steps=3", *sets))
         assert trainer.fit() == Outcome.FINISHED
-        return trainer.model.weight.detach().clone()
+        return trainer.parallel.model.weight.detach().clone()
 
 
 def test_two_micro_batches_of_two_step_as_one_batch_of_four(tmp_path):

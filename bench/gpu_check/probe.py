@@ -2,8 +2,8 @@
 directly, at any world size, including 1, where qgtrain itself wraps nothing
 (training/parallel/strategy.py).
 
-Each layout takes three steps of two micro-batches through qgtrain's own pieces (gradients.
-accumulate_gradients, the strategy's clip_gradients and apply_update) and is held against a plain
+Each layout takes three steps of two micro-batches through qgtrain's own pieces (parallel/step.py's
+ParallelModel backward and clip, and apply_update) and is held against a plain
 model stepped the same way on the whole global batch: the loss, the first step's gradients and the
 weights after. The reference runs first and is kept on the host, so the rank's GPU memory after a
 step is the layout's alone (memory.py says what it should be). fp32 without TF32, and AdamW with
@@ -33,10 +33,10 @@ from qgtrain.config import OptimConfig, TrainConfig
 from qgtrain.runtime import distributed, mesh
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.training.agreement import Agreement, Flags
-from qgtrain.training.gradients import accumulate_gradients
+from qgtrain.training.optimizers import adamw
 from qgtrain.training.parallel import sharding
+from qgtrain.training.parallel.step import ParallelModel, apply_update
 from qgtrain.training.parallel.strategy import KINDS
-from qgtrain.training.update import adamw, apply_update
 
 STEPS, ACCUM, BATCH, VOCAB = 3, 2, 4, 257
 OPTIM = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.1)
@@ -144,18 +144,17 @@ def stepped(
     optimizer = adamw(inner, OPTIM, device)
     strategy = KINDS[layout](TrainConfig(parallel=layout), from_environ(os.environ), device)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
+    parallel = ParallelModel(strategy, inner, wrapped, optimizer, scaler, "fp32")
     skip = torch.zeros((), dtype=torch.bool, device=device)
     losses, grads, after_step = [], {}, 0
     for step in range(1, STEPS + 1):
         micro = [
             global_batch(step, m, world, seq).chunk(world)[rank].to(device) for m in range(ACCUM)
         ]
-        loss = accumulate_gradients(
-            wrapped, loss_fn, micro, "fp32", scaler, device, strategy=strategy
-        )
+        loss = parallel.backward(loss_fn, micro)
         if step == 1:
             grads = {n: full(p.grad) for n, p in inner.named_parameters() if p.grad is not None}
-        strategy.clip_gradients(inner, OPTIM.grad_clip)
+        parallel.clip(OPTIM.grad_clip)
         apply_update(optimizer, scaler, skip)
         after_step = torch.cuda.memory_allocated(device) - baseline if cuda else 0
         optimizer.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@ the network.
 Nor does a step wait for the host to read them: what is read is copied to the host (pinned memory on
 a GPU) and taken at the read after, once a whole step has run. So a decision lands a step later
 still, and a GPU is never made to drain its queue. What must not wait a step (an update from
-non-finite gradients) is skipped on the device (`update.apply_update`); before a checkpoint,
-everything pending is settled.
+non-finite gradients) is skipped on the device (parallel/step.py's apply_update); before a
+checkpoint, everything pending is settled.
 """
 
 from __future__ import annotations

@@ -53,18 +53,16 @@ class Loop:
 
 def assemble(parts: LoopParts, settings: Settings, env: DistEnv, device: torch.device) -> Loop:
     train = settings.train
-    model = parts.task.model
-    state = TrainState(optimizer=name_of(parts.optimizer))
-    lr = LearningRate(settings.optim, train.max_steps, parts.optimizer, state, env.is_main)
+    parallel = parts.parallel
+    state = TrainState(optimizer=name_of(parallel.optimizer))
+    lr = LearningRate(settings.optim, train.max_steps, parallel.optimizer, state, env.is_main)
     batches = train_batches(
         parts.loaders, train.batch_size * env.world_size, train.collective_timeout_s
     )
     timer = StepTimer(0, parts.account)
-    ema = Ema(model, train.ema_decay, parts.strategy)
+    ema = Ema(parallel.model, train.ema_decay, parallel.strategy)
     validator = Validator(
-        model,
-        parts.wrapped,
-        parts.strategy,
+        parallel,
         parts.task,
         parts.loaders,
         settings.early_stopping,

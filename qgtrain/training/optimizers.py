@@ -2,12 +2,14 @@
 
 Every optimizer that takes weight_decay gets nanoGPT's grouping: matrices decayed, biases and norm
 gains not. Fused kernels are asked for on GPUs where the class has them, as AdamW always was
-(apply_update then skips a non-finite step on the device). A class named by path is imported on the
-ranks, as task.factory is, and its optim.args are checked against its signature before training.
+(parallel/step.py's apply_update then skips a non-finite step on the device). A class named by path
+is imported on the ranks, as task.factory is, and its optim.args are checked against its signature
+before training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -152,3 +154,8 @@ BUILDERS: dict[str, Builder] = {
     "adafactor": builtin("adafactor"),
     "muon": muon,
 }
+
+
+def adamw(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """optim.name: adamw whatever the config names (benchmarks and tests build it directly)."""
+    return builtin("adamw")(model, dataclasses.replace(optim, name="adamw", args={}), device)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from ..config import EarlyStoppingConfig, OptimConfig, RunConfig, TrainConfig
 from ..data.loaders import Loaders
@@ -19,27 +18,24 @@ from ..runtime.signals import StopFlag
 from ..state.checkpointer import Checkpointer
 from .goodput import Account
 from .metrics import MetricsLog
-from .parallel.strategy import Strategy
+from .parallel.step import ParallelModel
 from .profiling import StepProfiler
 
 
 @dataclass
 class LoopParts:
-    """What the loop runs. `wrapped` is what forward and backward go through (DDP, torch.compile);
-    `task.model` is the user's module inside it, used for evaluation, clipping and checkpoints;
-    `strategy` how the ranks hold it (parallel/strategy.py), asked wherever that matters."""
+    """What the loop runs. `parallel` is the task's model as its strategy set it up, with the
+    optimizer and loss scaler (parallel/step.py): a step's backward, clip and update; the strategy
+    (parallel.strategy) is asked wherever how the ranks hold the model matters."""
 
     task: ReadyTask
-    wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
+    parallel: ParallelModel
     loaders: Loaders
     checkpointer: Checkpointer
     metrics: MetricsLog
     stop: StopFlag
     deadline: Deadline  # rank 0's; the others follow its agreed decision
     profiler: StepProfiler
-    strategy: Strategy
     downstream: Downstream | None = None  # eval.tasks, scored beside every validation
     account: Account | None = None  # rank 0's: where the run's time goes (goodput.py)
 

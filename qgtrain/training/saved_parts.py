@@ -114,7 +114,8 @@ def saved_parts(
     ema: Ema,
     spikes: Spikes,
 ) -> dict[str, Stateful]:
-    model = parts.task.model
+    parallel = parts.parallel
+    model = parallel.model
     facts = RunFacts(model, settings.precision, env)
     stream = not isinstance(batches, TrainBatches)
     table: dict[str, Stateful] = {
@@ -127,9 +128,9 @@ def saved_parts(
         table["stream"] = StreamState(batches, facts, env)
     table.update(
         {
-            "model": parts.strategy.model_state(model),
-            "optimizer": parts.strategy.optimizer_state(model, parts.optimizer),
-            "scaler": ScalerState(parts.scaler),
+            "model": parallel.strategy.model_state(model),
+            "optimizer": parallel.strategy.optimizer_state(model, parallel.optimizer),
+            "scaler": ScalerState(parallel.scaler),
             "ema": ema,
             "spikes": spikes,
             "horizon": lr,

@@ -29,11 +29,9 @@ from ..state.train_state import Outcome, TrainState
 from . import rollback
 from .agreement import Flags
 from .assembly import Loop
-from .gradients import accumulate_gradients, without_gradients
 from .metrics import format_metrics, prefixed
 from .optimizers import check_resumed
 from .parts import LoopParts, Settings, StepResult
-from .update import apply_update
 
 log = logging.getLogger("qgtrain")
 
@@ -44,7 +42,7 @@ class Trainer:
     ) -> None:
         """`loop`: what the step calls, as assembly.assemble made it of `parts` and `settings`."""
         self.parts, self.settings, self.env, self.device = parts, settings, env, device
-        self.model = parts.task.model
+        self.parallel = parts.parallel
         self.state, self.lr, self.batches = loop.state, loop.lr, loop.batches
         self.timer, self.planner, self.ema = loop.timer, loop.planner, loop.ema
         self.validator, self.agreement, self.health = loop.validator, loop.agreement, loop.health
@@ -128,20 +126,11 @@ class Trainer:
         )
 
     def _forward_backward(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self.parts
-        loss_sum = accumulate_gradients(
-            parts.wrapped,
-            parts.task.loss,
-            micro_batches,
-            self.settings.precision,
-            parts.scaler,
-            self.device,
-            strategy=parts.strategy,
-        )
-        parts.scaler.unscale_(parts.optimizer)
-        grad_norm = parts.strategy.clip_gradients(self.model, self.settings.optim.grad_clip)
+        loss_sum = self.parallel.backward(self.parts.task.loss, micro_batches)
+        grad_norm = self.parallel.clip(self.settings.optim.grad_clip)
         # with fp16, non-finite gradients are the loss scaler's to skip
-        self.health.record(loss_sum, grad_norm if not parts.scaler.is_enabled() else None)
+        fp16 = self.parallel.scaler.is_enabled()
+        self.health.record(loss_sum, grad_norm if not fp16 else None)
         return loss_sum, grad_norm
 
     def _act_on(self, agreed: Flags, step: int) -> None:
@@ -150,7 +139,8 @@ class Trainer:
         if agreed.save_failed:
             self.parts.checkpointer.wait()  # raises the failure, the same on every rank
         unused = (
-            step == self.first_step and distributed.any_flags([self._has_unused()], self.device)[0]
+            step == self.first_step
+            and distributed.any_flags([bool(self._unused())], self.device)[0]
         )
         if agreed.bad_loss or agreed.bad_grads or unused:
             as_of = agreed.as_of if not unused else step
@@ -161,8 +151,7 @@ class Trainer:
         loss spike, train.skip_steps): then False, and the step is taken again with the next
         batch."""
         skip = self.spikes.judge(loss_sum, step, self.health.bad_grads)
-        self.ema.update(apply_update(self.parts.optimizer, self.parts.scaler, skip))
-        self.parts.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.parallel.update(skip))
         self.timer.training_done(step)
         if self.spikes.dropped(step):
             return False
@@ -256,7 +245,7 @@ class Trainer:
         if settled.bad_loss or settled.bad_grads:
             self._fail(settled.as_of, True, bool(self.health.bad_loss.item()))
         saving = time.perf_counter()
-        self.parts.strategy.agree_before_save(self.model, self.parts.wrapped, state.step)
+        self.parallel.agree_before_save(state.step)
         self.reporter.settle_tokens(state)
         facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
         self.parts.checkpointer.save_parts(
@@ -264,25 +253,23 @@ class Trainer:
         )
         self.timer.saved(saving)
 
-    def _has_unused(self) -> bool:
-        """DDP would wait forever for their gradients (unless told to look for unused ones, at a
+    def _unused(self) -> list[str]:
+        """The parameters DDP would wait for forever (unless told to look for unused ones, at a
         cost)."""
-        return (
-            self.parts.strategy.needs_every_gradient
-            and not self.settings.train.find_unused_parameters
-            and bool(without_gradients(self.model))
-        )
+        return self.parallel.unused_parameters(self.settings.train.find_unused_parameters)
 
     def _fail(self, step: int, bad_loss: bool, bad_here: bool) -> None:
         """Raise the same diagnosed error on every rank (the collective below is taken by all)."""
-        ranks = distributed.flagged_ranks(bad_here if bad_loss else self._has_unused(), self.device)
+        ranks = distributed.flagged_ranks(
+            bad_here if bad_loss else bool(self._unused()), self.device
+        )
         if bad_loss:
             raise diagnose.non_finite_loss(step, self.settings.train.agree_every, ranks)
-        raise diagnose.unused_parameters(step, ranks, without_gradients(self.model))
+        raise diagnose.unused_parameters(step, ranks, self._unused())
 
     def restore(self, ckpt: Checkpoint | LocalCheckpoint) -> None:
         self.parts.checkpointer.restore(ckpt, self.saved)
-        check_resumed(self.state, self.parts.optimizer)
+        check_resumed(self.state, self.parallel.optimizer)
         log.info(
             "resumed from %s: step %d, epoch %d%s",
             ckpt.path,

@@ -21,6 +21,7 @@ from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state.train_state import TrainState, metric_value
 from .evaluation import decide_early_stop, evaluate
+from .parallel.step import ParallelModel
 from .parallel.strategy import Strategy
 from .timing import StepTimer
 
@@ -31,9 +32,7 @@ WeightsInUse = Callable[[], contextlib.AbstractContextManager[Any]]
 class Validator:
     def __init__(
         self,
-        model: nn.Module,
-        wrapped: nn.Module,
-        strategy: Strategy,
+        parallel: ParallelModel,
         task: ReadyTask,
         loaders: Loaders,
         early_stopping: EarlyStoppingConfig,
@@ -50,9 +49,8 @@ class Validator:
         EMA's, train.eval_ema); none: the training weights as they are. `every`: train.eval_every,
         the steps between validations (0 = only the final one). `downstream`: eval.tasks, scored
         at every validation."""
-        self.model, self.wrapped, self.task, self.loaders, self.early_stopping = (
-            model,
-            wrapped,
+        self.parallel, self.task, self.loaders, self.early_stopping = (
+            parallel,
             task,
             loaders,
             early_stopping,
@@ -66,7 +64,6 @@ class Validator:
         )
         self.weights, self.every = weights or contextlib.nullcontext, every
         self.downstream = downstream
-        self.strategy = strategy
 
     def due(self, step: int) -> bool:
         """Whether step `step` ends with a validation (the last step's final one is not this
@@ -100,7 +97,7 @@ class Validator:
         if self.downstream is None:
             return {}
         started = time.perf_counter()
-        self.strategy.agree_before_evaluation(self.model, self.wrapped)
+        self.parallel.agree_before_evaluation()
         with self.weights():
             metrics = self.downstream.evaluate(step)
         self.timer.downstream_done(started)
@@ -115,10 +112,11 @@ class Validator:
         if loader is None:
             return {}
         started = time.perf_counter()
+        parallel = self.parallel
         metrics = split_figures(
-            self.model,
-            self.wrapped,
-            self.strategy,
+            parallel.model,
+            parallel.wrapped,
+            parallel.strategy,
             self.task,
             loader,
             self.precision,

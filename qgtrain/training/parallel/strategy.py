@@ -2,10 +2,11 @@
 or shards (fsdp; hsdp: shards within a group, replicas across groups).
 
 A run builds its strategy once (`strategy_for`, before the task: it says which ranks build weights)
-and hands it to every part whose work depends on the layout: the wrap and the initial shards, a
-step's reduction, autocast and clipping, the EMA's gathered weights, the replicas' agreement before
-a checkpoint or an evaluation, whether evaluation runs in lockstep, and the checkpoint's model and
-optimizer parts (their state dicts and route: rank 0's replicated files or every rank's DCP shards).
+and sets the model up with it (`setup`: the wrap and initial shards, then the optimizer, kept as
+step.py's ParallelModel, which owns a step's backward, clip and update). Every part whose work
+depends on the layout asks it: a step's reduction, autocast and norm, the EMA's gathered weights,
+the replicas' agreement before a checkpoint or an evaluation, whether evaluation runs in lockstep,
+the checkpoint's parts (their state dicts and route: rank 0's files or every rank's DCP shards).
 Nothing else asks which layout it has, so another (CPU offload, say) is one more class here.
 
 | strategy | when | what it holds on a rank |
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -39,8 +41,8 @@ from ...state.stateful import (
     ShardedOptimizerState,
     Stateful,
 )
-from ..update import clip_gradients
 from . import compiling, initial_shards, replicas, sharding
+from .step import ParallelModel
 
 log = logging.getLogger("qgtrain")
 
@@ -70,6 +72,18 @@ class Strategy:
         batch: nothing is converted."""
         return None
 
+    def setup(
+        self,
+        model: nn.Module,
+        compile_setting: compiling.Setting,
+        precision: str,
+        optimizer: Callable[[], torch.optim.Optimizer],
+        scaler: torch.amp.GradScaler,
+    ) -> ParallelModel:
+        """`model` wrapped, then its optimizer built on what the wrap made (fsdp's shards)."""
+        wrapped = self.wrap(model, compile_setting, precision)
+        return ParallelModel(self, model, wrapped, optimizer(), scaler, precision)
+
     def wrap(
         self, model: nn.Module, compile_setting: compiling.Setting, precision: str
     ) -> nn.Module:
@@ -91,9 +105,9 @@ class Strategy:
         """The precision autocast computes in around the forward."""
         return precision
 
-    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip to the global norm (0 = never); returns the norm before clipping, on the device."""
-        return clip_gradients(model, max_norm, self.device)
+    def whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The model's gradient norm from the norm of what this rank holds: the same here."""
+        return norm
 
     def agree_before_save(self, model: nn.Module, wrapped: nn.Module, step: int) -> None:
         """Every rank, before a checkpoint: make the replicas agree, or stop where they cannot."""
@@ -230,10 +244,11 @@ class Shards(Strategy):
     def agree_before_evaluation(self, model: nn.Module, wrapped: nn.Module) -> None:
         replicas.take_main_values(list(model.buffers()))
 
-    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """Each rank's gradients are its shards': their norm is reduced over the ranks (a partial
         DTensor's full_tensor) before any rank clips."""
-        return clip_gradients(model, max_norm, self.device, whole=_whole)
+        shard = shard_of(norm)
+        return shard.full_tensor() if shard is not None else norm
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         shard = shard_of(tensor)
@@ -273,11 +288,6 @@ class GroupShards(Shards):
         if first is not None and first.device_mesh.ndim == 2:
             cast(Any, wrapped).set_requires_all_reduce(not defer)
         return contextlib.nullcontext()
-
-
-def _whole(norm: torch.Tensor) -> torch.Tensor:
-    shard = shard_of(norm)
-    return shard.full_tensor() if shard is not None else norm
 
 
 KINDS: dict[str, type[Strategy]] = {"ddp": Replicas, "fsdp": Shards, "hsdp": GroupShards}
