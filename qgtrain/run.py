@@ -252,6 +252,7 @@ def _trainer(
         run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards, tier
     )
     resolved = precision.resolve(cfg.train.precision, device)
+    loaders = loaders_for(task, cfg, env, device)
     parallel = strategy.setup(
         task.model,
         cfg.model.compile,
@@ -259,7 +260,6 @@ def _trainer(
         lambda: build_optimizer(task, cfg.optim, device),
         precision.grad_scaler(resolved, device),
     )
-    loaders = loaders_for(task, cfg, env, device)
     whose = " (the task's)" if task.optimizer else ""
     logger.info(
         "optimizer %s%s, schedule %s", name_of(parallel.optimizer), whose, cfg.optim.schedule
