@@ -5,17 +5,30 @@ set -uo pipefail
 LAB=${QGTRAIN_SLURM_LAB:-/tmp/qgtrain-slurm}
 export SLURM_CONF=$LAB/slurm.conf
 
-stop_pid() {  # stop_pid FILE COMMAND: SIGTERM, then SIGKILL after 10 s, only if the PID still runs COMMAND
-    local file=$1 command=$2 pid
-    [ -s "$file" ] || return 0
-    pid=$(cat "$file")
-    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$command" ]; then
-        kill "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+# stop_pids COMMAND FILE...: SIGTERM to each PID at once (only if it still runs COMMAND), then
+# SIGKILL to any left after 10 s
+stop_pids() {
+    local command=$1 file pid pids=()
+    shift
+    for file in "$@"; do
+        [ -s "$file" ] || continue
+        pid=$(cat "$file")
+        if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$command" ]; then
+            kill "$pid" && pids+=("$pid")
+        fi
+        rm -f "$file"
+    done
+    # each daemon takes about 2 s to exit: waited for together, not one after another
+    for _ in $(seq 100); do
+        local running=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
+        [ "$running" = 0 ] && break
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
         echo "stopped $command ($pid)"
-    fi
-    rm -f "$file"
+    done
 }
 
 if [ -s "$LAB/run/slurmctld.pid" ] && kill -0 "$(cat "$LAB/run/slurmctld.pid")" 2>/dev/null; then
@@ -25,9 +38,9 @@ if [ -s "$LAB/run/slurmctld.pid" ] && kill -0 "$(cat "$LAB/run/slurmctld.pid")" 
         sleep 0.25
     done
 fi
-for file in "$LAB"/run/slurmd-*.pid; do [ -e "$file" ] && stop_pid "$file" slurmd; done
-stop_pid "$LAB/run/slurmctld.pid" slurmctld
-stop_pid "$LAB/run/munged.pid" munged
+stop_pids slurmd "$LAB"/run/slurmd-*.pid
+stop_pids slurmctld "$LAB/run/slurmctld.pid"
+stop_pids munged "$LAB/run/munged.pid"
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^qgtrain-node[0-9]*$'); do
     # a job step that lost its node (slurmstepd, its tasks) would keep the namespace and its link alive
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
