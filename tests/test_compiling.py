@@ -131,6 +131,7 @@ def test_blocks_compile_under_lora_and_activation_checkpointing_to_eager_gradien
 
     from qgtrain.config.load import load_config
     from qgtrain.tasks.models import lm_loss
+    from qgtrain.training import transforms
     from qgtrain.training.adapters import apply_adapter
     from qgtrain.training.parallel import sharding
 
@@ -147,7 +148,7 @@ def test_blocks_compile_under_lora_and_activation_checkpointing_to_eager_gradien
         torch.manual_seed(0)
         model = apply_adapter(transformers.GPT2LMHeadModel(config), cfg)
         blocks = sharding.find_blocks(model, ())
-        sharding.checkpoint_activations(blocks)
+        transforms.checkpoint_activations(blocks)
         if compiled:
             compiling.compile_in_place(blocks, strict=True, backend="eager")
         lm_loss(model, ids).backward()

@@ -16,6 +16,7 @@ from qgtrain.config.load import load_config
 from qgtrain.foundation.errors import TrainingError
 from qgtrain.runtime.distributed import broadcast_from_main, diverged, process_group
 from qgtrain.runtime.rendezvous import DistEnv, from_environ
+from qgtrain.training import transforms
 from qgtrain.training.parallel import replicas
 from qgtrain.training.parallel.strategy import strategy_for
 from tests.ranks import run_ranks, train_rank
@@ -142,7 +143,7 @@ def test_the_choices_for_sync_batchnorm():
 def test_sync_batchnorm_converts_in_place_keeping_names_and_tensors():
     model = Normalized()
     before = dict(model.state_dict(keep_vars=True))
-    assert replicas.to_sync_batchnorm(model, 2) == 1 and isinstance(
+    assert transforms.to_sync_batchnorm(model, 2) == 1 and isinstance(
         model.inner[1], nn.SyncBatchNorm
     )
     after = dict(model.state_dict(keep_vars=True))

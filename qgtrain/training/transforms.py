@@ -7,19 +7,26 @@ the same seed, before the ranks' random streams part, so anything a transform dr
 adapters) is the same everywhere. torch.compile is not among them: it must follow them (it traces
 what they made) and precede sharding, so the wrap applies it (parallel/strategy.py). A new
 transform is a function here, a row in the table and the setting that turns it on.
+
+Activation checkpointing replaces a block's `forward` on the instance with a non-reentrant
+checkpoint of the original, instead of wrapping the block in another module: parameter names (and so
+checkpoints and export) stay what they are without it, and it works the same under DDP and FSDP.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import RunConfig
 from ..foundation.errors import ConfigError
 from .adapters import apply_adapter
-from .parallel import replicas, sharding
+from .parallel import sharding
 from .parallel.strategy import Strategy
 
 log = logging.getLogger("qgtrain")
@@ -36,12 +43,12 @@ def _sync_batchnorm(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.
     if problem:
         raise ConfigError(problem)
     if strategy.env.world_size > 1:
-        replicas.to_sync_batchnorm(model, strategy.env.world_size)
+        to_sync_batchnorm(model, strategy.env.world_size)
     return model
 
 
 def _activation_checkpointing(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Module:
-    sharding.checkpoint_activations(sharding.find_blocks(model, cfg.train.shard_modules))
+    checkpoint_activations(sharding.find_blocks(model, cfg.train.shard_modules))
     return model
 
 
@@ -66,3 +73,33 @@ def transformed(model: nn.Module, cfg: RunConfig, strategy: Strategy) -> nn.Modu
     if applied:
         log.info("model transforms: %s", ", ".join(applied))
     return model
+
+
+def to_sync_batchnorm(model: nn.Module, world_size: int) -> int:
+    """Replace the model's batch norm layers by SyncBatchNorm in place, keeping their parameters and
+    buffers (the same tensors, so names and checkpoints do not change). Returns how many."""
+    for name, child in model.named_children():
+        model.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
+    converted = sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    if converted:
+        log.info(
+            "sync_batchnorm: %d batch norm layer(s) normalize by the statistics of all %d ranks' "
+            "batches",
+            converted,
+            world_size,
+        )
+    else:
+        log.warning(
+            "train.sync_batchnorm is set, but %s has no batch norm layer: nothing to synchronize",
+            type(model).__name__,
+        )
+    return converted
+
+
+def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
+    for block in blocks:
+        block.forward = functools.partial(_recomputed, block.forward)
+
+
+def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -19,7 +19,6 @@ the saved model gives. Which of these a run needs is its strategy's answer (stra
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...foundation.errors import TaskError
 from ...runtime import diagnose, distributed
 
-log = logging.getLogger("qgtrain")
 IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
@@ -105,24 +103,3 @@ def take_main_values(tensors: Sequence[torch.Tensor]) -> None:
         dist.broadcast(flat, src=0)
         for tensor, value in zip(group, flat.split([t.numel() for t in group])):
             tensor.copy_(value.view_as(tensor))
-
-
-def to_sync_batchnorm(model: nn.Module, world_size: int) -> int:
-    """Replace the model's batch norm layers by SyncBatchNorm in place, keeping their parameters and
-    buffers (the same tensors, so names and checkpoints do not change). Returns how many."""
-    for name, child in model.named_children():
-        model.add_module(name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
-    converted = sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-    if converted:
-        log.info(
-            "sync_batchnorm: %d batch norm layer(s) normalize by the statistics of all %d ranks' "
-            "batches",
-            converted,
-            world_size,
-        )
-    else:
-        log.warning(
-            "train.sync_batchnorm is set, but %s has no batch norm layer: nothing to synchronize",
-            type(model).__name__,
-        )
-    return converted

@@ -1,25 +1,19 @@
-"""FSDP2 and activation checkpointing: which blocks of a model are its units, and applying both to
-them.
+"""FSDP2: which blocks of a model are its units (activation checkpointing, transforms.py, and
+torch.compile checkpoint and compile the same blocks), and sharding them.
 
 Blocks are found by class name: a Hugging Face model names them in `_no_split_modules` (GPT2Block,
 LlamaDecoderLayer, ...); any other model names them with train.shard_modules. Each block is sharded
 on its own, then the root (embeddings, head, norms), as torchtitan does: a block's weights are
 gathered just before it runs and freed after, so a rank holds one block's full weights at a time.
-
-Activation checkpointing replaces a block's `forward` on the instance with a non-reentrant
-checkpoint of the original, instead of wrapping the block in another module: parameter names (and so
-checkpoints and export) stay what they are without it, and it works the same under DDP and FSDP.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ...foundation.errors import ConfigError
 from ...runtime.precision import DTYPES
@@ -53,15 +47,6 @@ def find_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
             f"{', '.join(sorted(wanted))}; its composite modules are {', '.join(classes[:12])}"
         )
     return blocks
-
-
-def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
-    for block in blocks:
-        block.forward = functools.partial(_recomputed, block.forward)
-
-
-def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def shard(
