@@ -32,7 +32,7 @@ from qgtrain.config import CheckpointConfig
 from qgtrain.runtime.distributed import process_group
 from qgtrain.runtime.rendezvous import from_environ
 from qgtrain.state import local_tier
-from qgtrain.state.checkpointer import Checkpointer
+from qgtrain.state.checkpointer import Checkpointer, Why
 from qgtrain.state.stateful import (
     ModelState,
     OptimizerState,
@@ -106,7 +106,7 @@ def measure(env: Any, args: argparse.Namespace, root: Path) -> dict[str, list[fl
             saver.async_save = way.endswith("async")
             dist.barrier()
             started = time.perf_counter()
-            saver.save_parts(step, parts, {}, local=way.startswith("local"))
+            saver.save_parts(step, parts, {}, Why.LOCAL if way.startswith("local") else Why.EVERY)
             took = time.perf_counter() - started
             saver.wait()
             dist.barrier()

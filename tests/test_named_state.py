@@ -13,6 +13,7 @@ import torch
 
 from qgtrain.state import layout, named
 from qgtrain.state.checkpoint import read_manifest
+from qgtrain.state.checkpointer import Why
 from qgtrain.state.train_state import Outcome, TrainState
 from tests.seam import build_trainer, config, linear_task, one_rank_group
 
@@ -80,10 +81,10 @@ def test_a_new_part_is_an_object_registered_under_a_name_with_a_place(tmp_path, 
     with one_rank_group():
         trainer = build_trainer(tmp_path, linear_task(), config(*SETS))
         saver = trainer.parts.checkpointer
-        saver.save_parts(1, trainer.saved, {}, blocking=True)  # a checkpoint from before it
+        saver.save_parts(1, trainer.saved, {}, Why.STOP)  # a checkpoint from before it
         counter = Counter()
         counter.draws = 7
-        saver.save_parts(2, {**trainer.saved, "mixture": counter}, {}, blocking=True)
+        saver.save_parts(2, {**trainer.saved, "mixture": counter}, {}, Why.STOP)
         for step, draws in ((2, 7), (1, -1)):
             ckpt = read_manifest(tmp_path / "checkpoints" / f"step-{step}")
             assert ckpt is not None

@@ -16,6 +16,7 @@ back).
 from __future__ import annotations
 
 import datetime
+import enum
 import logging
 import shutil
 import threading
@@ -42,6 +43,16 @@ from .local_tier import LocalCheckpoint, LocalTier
 from .rundir import RunDir
 
 log = logging.getLogger("qgtrain")
+
+
+class Why(enum.Enum):
+    """Why a step is saved, which says where and whether the loop waits for it."""
+
+    EVERY = "every"  # checkpoint.every_steps or every_minutes: the shared tier
+    LOCAL = "local"  # checkpoint.local_every_steps: the node-local tier (local_tier.py)
+    STOP = "stop"  # a stop to resume later, or early stopping: shared, durable before going on
+    FINAL = "final"  # the run's end: shared and durable
+    FINAL_AGAIN = "final again"  # the final work of an earlier allocation's last step: replaces it
 
 
 class Checkpointer:
@@ -124,6 +135,16 @@ class Checkpointer:
         every = 60 * self.every_minutes
         return self.env.is_main and bool(every) and self._clock.due(time.monotonic(), every)
 
+    def due_now(self, step: int, by_clock: bool, locally_by_clock: bool) -> Why | None:
+        """Why step `step` is saved on the cadence, if it is: the shared tier's before the local
+        one's. `by_clock`, `locally_by_clock`: rank 0's due_by_clock and due_locally_by_clock,
+        as every rank agreed on them."""
+        if by_clock or self.due(step):
+            return Why.EVERY
+        if locally_by_clock or self.due_locally(step):
+            return Why.LOCAL
+        return None
+
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, copies_here: bool
     ) -> None:
@@ -176,19 +197,10 @@ class Checkpointer:
             self.last_step = step
         self._clock.saved(time.monotonic())  # checkpoint.every_minutes counts from here
 
-    def save_parts(
-        self,
-        step: int,
-        parts: named.Parts,
-        meta: dict[str, Any],
-        *,
-        blocking: bool = False,
-        again: bool = False,
-        local: bool = False,
-    ) -> None:
-        """`save` of a table of named parts, each where layout.PLACES puts it (named.py); `local`:
-        to the node-local tier instead (save_locally)."""
-        if local:
+    def save_parts(self, step: int, parts: named.Parts, meta: dict[str, Any], why: Why) -> None:
+        """`save` of a table of named parts, each where layout.PLACES puts it (named.py), or to the
+        node-local tier (save_locally), as `why` says."""
+        if why is Why.LOCAL:
             self.save_locally(step, parts)
             return
         self.save(
@@ -196,9 +208,9 @@ class Checkpointer:
             lambda: named.replicated_files(parts, self.saves_shards),
             named.rank_entries(parts),
             meta,
-            blocking=blocking,
+            blocking=why is not Why.EVERY,
             shards=named.shards(parts) if self.saves_shards else None,
-            again=again,
+            again=why is Why.FINAL_AGAIN,
         )
 
     def save_locally(self, step: int, parts: named.Parts) -> None:

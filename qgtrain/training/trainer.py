@@ -24,6 +24,7 @@ from ..runtime import diagnose, distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import local_tier, train_state
 from ..state.checkpoint import Checkpoint
+from ..state.checkpointer import Why
 from ..state.local_tier import LocalCheckpoint
 from ..state.train_state import Outcome, TrainState
 from . import rollback
@@ -170,11 +171,14 @@ class Trainer:
             state.outcome = Outcome.EARLY_STOPPED
         if validated or step == self.first_step or step % self.settings.train.log_every == 0:
             self._report(done, validated)
-        due = agreed.checkpoint_due or self.parts.checkpointer.due(step)
-        if agreed.stop or early_stop or due:
-            self._save(validated, blocking=agreed.stop or early_stop)
-        elif agreed.local_due or self.parts.checkpointer.due_locally(step):
-            self._save(validated, blocking=False, local=True)
+        checkpointer = self.parts.checkpointer
+        why = (
+            Why.STOP
+            if agreed.stop or early_stop
+            else checkpointer.due_now(step, agreed.checkpoint_due, agreed.local_due)
+        )
+        if why is not None:
+            self._save(validated, why)
         if agreed.stop:
             return self._stop_to_resume(step, agreed)
         if early_stop:
@@ -200,7 +204,7 @@ class Trainer:
         if agreed.stop or not fits:
             if done is not None:
                 self._report(done, False)
-                self._save(False, blocking=True)
+                self._save(False, Why.STOP)
             return self._stop_to_resume(state.step, agreed)
         self.validator.validate(state)
         self.validator.test(state)
@@ -209,7 +213,7 @@ class Trainer:
             self._report(done, True)
         else:
             self.reporter.report_evaluation(state)
-        self._save(True, blocking=True, again=done is None)
+        self._save(True, Why.FINAL if done is not None else Why.FINAL_AGAIN)
         self.agreement.finish()
         metrics = {**prefixed("val", state.val_metrics), **prefixed("test", state.test_metrics)}
         log.info("finished at step %d: %s", state.step, format_metrics(metrics))
@@ -235,9 +239,7 @@ class Trainer:
             evaluated,
         )
 
-    def _save(
-        self, evaluated: bool, blocking: bool, again: bool = False, local: bool = False
-    ) -> None:
+    def _save(self, evaluated: bool, why: Why) -> None:
         """Checkpoint the step just taken, once what the ranks agreed is settled (a checkpoint must
         not hold a non-finite value not yet read) and the replicas agree."""
         state, es = self.state, self.settings.early_stopping
@@ -248,9 +250,7 @@ class Trainer:
         self.parallel.agree_before_save(state.step)
         self.reporter.settle_tokens(state)
         facts = train_state.manifest_facts(state, evaluated, es.metric, es.mode)
-        self.parts.checkpointer.save_parts(
-            state.step, self.saved, facts, blocking=blocking, again=again, local=local
-        )
+        self.parts.checkpointer.save_parts(state.step, self.saved, facts, why)
         self.timer.saved(saving)
 
     def _unused(self) -> list[str]:
