@@ -1,7 +1,8 @@
 """An asynchronous save's pinned host buffers are made at start, in the background, not by the first
-save on the main thread. Runs against: a real model and torch's AdamW before its first step, the
-snapshot's allocation function recorded (a CPU cannot pin: every tensor stands in for a GPU one
-here), and the layout a CPU run prepares (none)."""
+save on the main thread; a loader's workers are forked only once the save's background thread is
+done. Runs against: a real model and torch's AdamW before its first step, the snapshot's allocation
+function recorded (a CPU cannot pin: every tensor stands in for a GPU one here), the layout a CPU
+run prepares (none), and a real DataLoader worker forked beside a real Checkpointer's thread."""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def test_an_optimizer_whose_state_is_not_predicted_leaves_it_to_the_first_save()
         (torch.Size([4, 4]), torch.float32),
         (torch.Size([4]), torch.float32),
     ]
+
+
+def test_a_loader_worker_is_forked_only_once_the_checkpoint_thread_in_flight_is_done(tmp_path):
+    """A worker forked while an asynchronous save writes would keep, for good, any lock its thread
+    held at that instant (foundation/forking.py): starting a loader's workers waits for the save."""
+    from qgtrain.config import CheckpointConfig
+    from qgtrain.state.checkpointer import Checkpointer
+    from tests.seam import ONE_RANK, one_rank_group
+
+    finished = threading.Event()
+
+    def slow_write() -> None:
+        threading.Event().wait(0.5)
+        finished.set()
+
+    with one_rank_group():
+        saver = Checkpointer(tmp_path, "fork", ONE_RANK, CheckpointConfig())
+        saver._background(slow_write)
+        loader = torch.utils.data.DataLoader(list(range(4)), num_workers=1)
+        workers = iter(loader)  # forks the worker
+        assert finished.is_set(), "the worker was forked while the save was writing"
+        assert [int(b) for b in workers] == [0, 1, 2, 3]
+        saver.wait()

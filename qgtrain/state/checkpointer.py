@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..config.checkpoint import CheckpointConfig
 from ..foundation.errors import CheckpointWriteError, QgtrainError, TrainingError
+from ..foundation.forking import finished_before_fork
 from ..foundation.pinned import FolderReplaced, Pinned
 from ..runtime import objects
 from ..runtime.distributed import gather_to_main
@@ -266,7 +267,10 @@ class Checkpointer:
                     f"the background checkpoint writer failed: {type(exc).__name__}: {exc}"
                 )
 
-        self._thread = threading.Thread(target=run, name="qgtrain-checkpoint", daemon=True)
+        # a DataLoader worker forked meanwhile would inherit the locks this thread holds
+        self._thread = finished_before_fork(
+            threading.Thread(target=run, name="qgtrain-checkpoint", daemon=True)
+        )
         self._thread.start()
 
     def _write_and_settle(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
