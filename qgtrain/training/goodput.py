@@ -16,9 +16,9 @@ ledger in status.json under `time`, written at every report and at the end of ea
     waiting      before a start: the allocation's first seconds (the batch script, srun), and
                  after a failure the killed start's last seconds, the retry's back-off or the queue
 
-Together they are the run's time, from its first allocation's start to the last write: each start
-adds what it measured, `other` holding what no kind claimed, and `waiting` the gap since the last
-write.
+Together they are the run's time, from its first allocation's start (where Slurm gives
+SLURM_JOB_START_TIME; else from the first process's) to the last write: each start adds what it
+measured, `other` holding what no kind claimed, and `waiting` the gap since the last write.
 """
 
 from __future__ import annotations
