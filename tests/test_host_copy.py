@@ -6,11 +6,14 @@ run prepares (none), and a real DataLoader worker forked beside a real Checkpoin
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import torch
 
 from qgtrain.state.host_copy import HostCopy, saved_layouts
+from tests.helpers import ROOT
 
 
 class Tied(torch.nn.Module):
@@ -109,3 +112,29 @@ def test_a_loader_worker_is_forked_only_once_the_checkpoint_thread_in_flight_is_
         assert finished.is_set(), "the worker was forked while the save was writing"
         assert [int(b) for b in workers] == [0, 1, 2, 3]
         saver.wait()
+
+
+def test_a_fork_waits_for_a_save_thread_that_submits_to_a_writer_pool_without_deadlock(tmp_path):
+    """The save's writer pool (checkpoint.py) takes concurrent.futures' shutdown lock, which that
+    module's own before-fork hook holds during a fork: the wait for the thread must run first,
+    however the two modules were imported (here qgtrain's first, the order that would hang)."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, threading, time\n"
+        "from qgtrain.foundation.forking import finished_before_fork\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "def write():\n"
+        "    time.sleep(0.5)\n"
+        "    with ThreadPoolExecutor(max_workers=1) as pool:\n"
+        "        pool.submit(print, 'written', flush=True).result()\n"
+        "thread = finished_before_fork(threading.Thread(target=write))\n"
+        "thread.start()\n"
+        "if (pid := os.fork()) == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('forked', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["written", "forked"], done

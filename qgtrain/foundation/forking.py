@@ -18,10 +18,20 @@ import threading
 import weakref
 
 _UNFINISHED: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_hooked = False
 
 
 def finished_before_fork(thread: threading.Thread) -> threading.Thread:
-    """Register `thread` (started or about to be) so that a fork waits for it; returns it."""
+    """Register `thread` (started or about to be) so that a fork waits for it; returns it.
+
+    The wait is hooked in at the first thread, not at import: Python runs before-fork hooks the
+    last registered first, so it then comes before those of the libraries already loaded, whose
+    hooks take locks a save's thread may need (concurrent.futures' takes the shutdown lock that the
+    writer pool's submit takes too): waiting after them would never end."""
+    global _hooked
+    if not _hooked:
+        os.register_at_fork(before=_wait_for_registered)
+        _hooked = True
     _UNFINISHED.add(thread)
     return thread
 
@@ -30,6 +40,3 @@ def _wait_for_registered() -> None:
     for thread in list(_UNFINISHED):
         if thread is not threading.current_thread() and thread.ident is not None:
             thread.join()
-
-
-os.register_at_fork(before=_wait_for_registered)
