@@ -3,12 +3,12 @@ directly, at any world size, including 1, where qgtrain itself wraps nothing
 (training/parallel/strategy.py).
 
 Each layout takes three steps of two micro-batches through qgtrain's own pieces (parallel/step.py's
-ParallelModel backward and clip, and apply_update) and is held against a plain
-model stepped the same way on the whole global batch: the loss, the first step's gradients and the
-weights after. The reference runs first and is kept on the host, so the rank's GPU memory after a
-step is the layout's alone (memory.py says what it should be). fp32 without TF32, and AdamW with
-eps 1e-3 so that a gradient that differs in its last bits moves a weight by about as much, not by a
-whole learning rate (Adam's update is g / (|g| + eps)). The agreement (training/agreement.py)
+ParallelModel backward and clip, and apply_update) and is held against a plain model stepped the
+same way on the whole global batch: the loss, the first step's gradients and the weights after. The
+reference runs first and is kept on the host, so the rank's GPU memory after a step is the layout's
+alone (memory.py says what it should be). fp32 without TF32, and AdamW with eps 1e-3 so that a
+gradient that differs in its last bits moves a weight by about as much, not by a whole learning
+rate (Adam's update is g / (|g| + eps)). The agreement (training/agreement.py)
 carries a stop flag raised on the last rank at step 2 to every rank through its pinned
 FlagsOnHost, and one NCCL all-reduce is checked by value.
 """
