@@ -29,7 +29,9 @@ class StopFlag:
         return bool(self.received)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if name not in self.received:  # Slurm may send one twice (a requeue's SIGTERM)
+            self.received.append(name)
 
     def __enter__(self) -> "StopFlag":
         for sig in self.signals:
