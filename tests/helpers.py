@@ -297,6 +297,58 @@ def tiny_gpt2() -> torch.nn.Module:
     return build_model(ModelConfig(layers=2, heads=2, hidden=32), 257, 16, 256)
 
 
+SMALL_SIZES: dict[str, dict[str, int]] = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},
+    "llama": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
+}
+
+
+def byte_config(model_type: str, **fields: Any) -> Any:
+    """A small Hugging Face config over the byte vocabulary (256 bytes and the end token 256), two
+    layers of width 32 unless `fields` say otherwise: the models tests save and load as a user's."""
+    import transformers
+
+    sizes = {**SMALL_SIZES[model_type], **fields}
+    return transformers.AutoConfig.for_model(
+        model_type, vocab_size=257, bos_token_id=256, eos_token_id=256, **sizes
+    )
+
+
+def works_once(tmp: str, hidden_on_rank_1: bool, limit_s: float = 60.0, work_s: float = 1.0) -> Any:
+    """One rank of a group at distributed.main_works_long: rank 0 works for `work_s`, leaving
+    worked-<rank> in `tmp`, and returns tmp/result-by-<rank>; with `hidden_on_rank_1`, rank 1
+    stands for a node that cannot see rank 0's result. A rank that gives up returns its error as
+    'Type: message'."""
+    from qgtrain.foundation.errors import QgtrainError
+    from qgtrain.runtime import distributed
+    from qgtrain.runtime.rendezvous import from_environ
+
+    env = from_environ(os.environ)
+
+    def work() -> str:
+        Path(tmp, f"worked-{env.rank}").write_text("1")
+        time.sleep(work_s)
+        return f"{tmp}/result-by-{env.rank}"
+
+    with distributed.process_group(env, torch.device("cpu"), 60, 60):
+        try:
+            return distributed.main_works_long(
+                work,
+                "works",
+                ("data.prepare_timeout_s", limit_s),
+                lambda value: not (hidden_on_rank_1 and env.rank == 1),
+            )
+        except QgtrainError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
 def kill_rank(job_id: str, rank: int) -> None:
     """SIGKILL the training process of one rank of a running Slurm job (it shows in /proc: the test
     cluster's nodes are network namespaces of this machine), started by train.slurm or by

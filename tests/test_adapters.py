@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from tests.doc_blocks import python_block
-from tests.helpers import checkpoint_state, cli, kill_once_saved, records, train_command
+from tests.helpers import (
+    byte_config,
+    checkpoint_state,
+    cli,
+    kill_once_saved,
+    records,
+    train_command,
+)
 from tests.ranks import ROOT, run_ranks, start_cli_ranks, train_rank, wait_ranks
 
 STEPS = 16
@@ -55,18 +62,7 @@ def save_llama(folder: Path, seed: int) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=257,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=256,
-        eos_token_id=256,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    transformers.LlamaForCausalLM(byte_config("llama")).save_pretrained(folder)
     return folder
 
 
@@ -344,15 +340,7 @@ def test_merge_on_finish_of_a_gpt2_base_unties_its_adapted_lm_head(tmp_path):
     from qgtrain.training.adapters import lora_config
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=257,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=256,
-        eos_token_id=256,
-    )
+    config = byte_config("gpt2")
     base = tmp_path / "gpt2"
     transformers.GPT2LMHeadModel(config).save_pretrained(base, max_shard_size="60KB")
     assert (base / "model.safetensors.index.json").exists()

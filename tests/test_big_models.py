@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qgtrain.config.load import load_config
-from tests.helpers import checkpoint_state, records, small_gpt2_run
+from tests.helpers import byte_config, checkpoint_state, records, small_gpt2_run
 from tests.ranks import run_ranks, train_rank
 
 GPT2 = [
@@ -227,16 +227,7 @@ def test_hsdp_groups_the_ranks_of_each_node_whatever_their_numbers():
 def pretrained_folder(path: Path, hidden: int = 32) -> Path:
     import transformers
 
-    config = transformers.AutoConfig.for_model(
-        "gpt2",
-        vocab_size=257,
-        n_embd=hidden,
-        n_layer=2,
-        n_head=2,
-        n_positions=32,
-        bos_token_id=256,
-        eos_token_id=256,
-    )
+    config = byte_config("gpt2", n_embd=hidden, n_positions=32)
     torch.manual_seed(3)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from qgtrain.data import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
-from qgtrain.foundation.errors import ConfigError, QgtrainError
+from qgtrain.foundation.errors import ConfigError
 from tests.helpers import (
     assert_resumed_equals,
     cli,
@@ -32,6 +31,7 @@ from tests.helpers import (
     kill_once_saved,
     train_command,
     wait_for,
+    works_once,
     write_jsonl,
 )
 from tests.ranks import ROOT, run_ranks, start_cli_ranks, wait_ranks
@@ -402,35 +402,9 @@ def test_a_dataset_dict_folder_asks_for_its_split_folders(tmp_path):
     assert (decoded(files, "train"), decoded(files, "val")) == (["a"], ["b"])
 
 
-def run_main_works_long(tmp: str, hidden_on_rank_1: bool, limit_s: float = 60.0) -> object:
-    """Rank 0 works; with `hidden_on_rank_1`, rank 1 stands for a node that cannot see rank 0's
-    folder. A rank that gives up waiting returns its error's text."""
-    from qgtrain.runtime import distributed
-    from qgtrain.runtime.rendezvous import from_environ
-
-    env = from_environ(os.environ)
-
-    def work() -> str:
-        with open(Path(tmp, f"worked-{env.rank}"), "w") as marker:
-            marker.write("1")
-        time.sleep(1.0)
-        return f"{tmp}/result-by-{env.rank}"
-
-    with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        try:
-            return distributed.main_works_long(
-                work,
-                "works",
-                ("data.prepare_timeout_s", limit_s),
-                lambda value: not (hidden_on_rank_1 and env.rank == 1),
-            )
-        except QgtrainError as exc:
-            return str(exc)
-
-
 @pytest.mark.parametrize("hidden", [False, True])
 def test_one_rank_works_and_a_node_that_cannot_see_the_result_works_once_itself(tmp_path, hidden):
-    results = run_ranks(2, run_main_works_long, str(tmp_path), hidden)
+    results = run_ranks(2, works_once, str(tmp_path), hidden)
     workers = sorted(p.name for p in tmp_path.glob("worked-*"))
     if hidden:
         assert workers == ["worked-0", "worked-1"] and results == [
@@ -442,9 +416,9 @@ def test_one_rank_works_and_a_node_that_cannot_see_the_result_works_once_itself(
 
 
 def test_ranks_that_wait_past_the_limit_stop_naming_the_setting_with_a_hint(tmp_path):
-    results = run_ranks(2, run_main_works_long, str(tmp_path), False, 0.3)
+    results = run_ranks(2, works_once, str(tmp_path), False, 0.3)
     assert results[1].startswith(
-        "waited 0 s for rank 0, which works, longer than data.prepare_timeout_s (0 s)"
+        "QgtrainError: waited 0 s for rank 0, which works, longer than data.prepare_timeout_s (0 s)"
     )
     assert "HINT: rank 0's log says whether it is still at work" in results[1]
     assert "longer than data.prepare_timeout_s" in results[0], (

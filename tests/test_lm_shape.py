@@ -27,6 +27,7 @@ from qgtrain.tasks import lm_shape, warm_imports
 from qgtrain.tasks.build import build_task
 from qgtrain.tasks.models import build_model, lm_loss
 from qgtrain.training.optimizers import asks_fused, build_optimizer
+from tests.helpers import byte_config
 from tests.ranks import run_ranks, train_rank
 
 OLD_STEP_4 = (
@@ -103,17 +104,7 @@ def test_weights_are_drawn_once_from_the_seed_and_an_old_shape_draws_as_before()
     rng.seed_everything(3)
     legacy = build_model(TINY_LM, 257, 16, 256, lm_shape.LEGACY).state_dict()
     rng.seed_everything(3)
-    config = transformers.AutoConfig.for_model(
-        "gpt2",
-        vocab_size=257,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=16,
-        bos_token_id=256,
-        eos_token_id=256,
-        pad_token_id=None,
-    )
+    config = byte_config("gpt2", n_embd=16, n_layer=1, n_positions=16, pad_token_id=None)
     for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
         setattr(config, name, 0.0)
     plain = transformers.AutoModelForCausalLM.from_config(config).state_dict()

@@ -23,7 +23,7 @@ from qgtrain.config.load import config_to_dict, load_config
 from qgtrain.foundation.folder_code import remote_code
 from qgtrain.foundation.trust import UntrustedCode
 from qgtrain.ops.load_model import load_model
-from tests.helpers import one_error_line, train_command
+from tests.helpers import byte_config, one_error_line, train_command
 from tests.ranks import ROOT
 
 PACKAGE = ROOT / "qgtrain"
@@ -51,9 +51,7 @@ def evil_folder(folder: Path, marker: Path, model_type: str = "gpt2") -> Path:
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(
-        "gpt2", vocab_size=257, n_embd=32, n_layer=2, n_head=2, n_positions=32, eos_token_id=256
-    )
+    config = byte_config("gpt2", n_positions=32)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())

@@ -17,6 +17,7 @@ import torch
 
 from qgtrain.foundation.errors import CheckpointError, ConfigError, QgtrainError, TrainingError
 from qgtrain.runtime import comms, store, wire
+from tests.helpers import works_once
 from tests.ranks import free_port, run_ranks
 
 ONCE = "default_pg/0//qgtrain/once/0"  # the first qgtrain/once key, as torch's prefixes make it
@@ -56,30 +57,6 @@ def hostile_client(
     done.set()
 
 
-def works_while_attacked(tmp: str, hidden_on_rank_1: bool) -> object:
-    """Rank 0 works for a while (the attacker's window); each rank returns the result or its
-    error."""
-    from qgtrain.runtime import distributed
-    from qgtrain.runtime.rendezvous import from_environ
-
-    env = from_environ(os.environ)
-
-    def work() -> str:
-        time.sleep(3.0)
-        return f"{tmp}/prepared"
-
-    with distributed.process_group(env, torch.device("cpu"), 60, 60):
-        try:
-            return distributed.main_works_long(
-                work,
-                "works",
-                ("data.prepare_timeout_s", 8.0),
-                lambda value: not (hidden_on_rank_1 and env.rank == 1),
-            )
-        except QgtrainError as exc:
-            return f"{type(exc).__name__}: {exc}"
-
-
 @pytest.mark.parametrize("hidden", [False, True], ids=["rank-0-result", "per-node-result"])
 def test_a_pickle_planted_in_the_store_never_runs_on_any_rank(tmp_path, hidden):
     """Fails on 26ab7a7: rank 1 unpickled the planted value, and the marker folder appeared."""
@@ -93,7 +70,7 @@ def test_a_pickle_planted_in_the_store_never_runs_on_any_rank(tmp_path, hidden):
     )
     attacker.start()
     results = run_ranks(
-        2, works_while_attacked, str(tmp_path), hidden, env={"MASTER_PORT": str(port)}
+        2, works_once, str(tmp_path), hidden, 8.0, 3.0, env={"MASTER_PORT": str(port)}
     )
     attacker.join(timeout=30)
     assert done.is_set(), "the hostile client never wrote its keys"
