@@ -63,8 +63,8 @@ def main() -> None:
 
     from qgtrain.foundation.pinned import Pinned
     from qgtrain.foundation.trust import open_above
+    from qgtrain.runs import access, rundir
     from qgtrain.runtime import compile_cache
-    from qgtrain.state import access, rundir
     from qgtrain.state.checkpointer import Checkpointer
 
     work = Path(tempfile.mkdtemp(prefix="qgtrain-trust-cost-"))

@@ -25,18 +25,17 @@ from .foundation.errors import EXIT_OK, EXIT_REQUEUE_ME, EXIT_STOPPED
 from .foundation.pinned import Pinned
 from .foundation.task import ReadyTask
 from .ops.export.on_finish import export_on_finish
+from .runs import rundir
+from .runs.claim import Claim, claimed, pinned_here
+from .runs.lifecycle import Lifecycle
 from .runtime import comms, compile_cache, cpu, diagnose, distributed, log, precision, rng, slurm
 from .runtime.deadline import Deadline, deadline_for
 from .runtime.rendezvous import DistEnv
 from .runtime.signals import StopFlag
 from .runtime.startup import Timeline
-from .state import checkpoint, layout, local_tier, rundir
+from .state import checkpoint, layout, local_tier
 from .state.checkpointer import Checkpointer
-from .state.claim import Claim, claimed, pinned_here
-from .state.lifecycle import Lifecycle
-from .state.local_tier import LocalTier
 from .state.resume import data_change
-from .state.rundir import RunDir
 from .state.train_state import Outcome
 from .tasks import warm_imports
 from .tasks.build import TaskSource, build_task, naming_the_task
@@ -119,10 +118,8 @@ def _train_in_group(ctx: RunContext, run_dir: Path | None) -> tuple[Outcome, Pat
         ctx.timeline.mark("run directory")
         lifecycle = Lifecycle(claim.path, ctx.env)
         with lifecycle.failures_recorded():
-            log.add_rank_file(
-                ctx.env, RunDir(claim.path).rank_log(ctx.env.rank), ctx.cfg.logging.level
-            )
-            comms.keep_nccl_dumps(RunDir(claim.path).nccl_dumps, ctx.env, ctx.device.type)
+            log.add_rank_file(ctx.env, claim.run.rank_log(ctx.env.rank), ctx.cfg.logging.level)
+            comms.keep_nccl_dumps(claim.run.nccl_dumps, ctx.env, ctx.device.type)
             lifecycle.started()
             with diagnose.peers_watched(ctx.env, ctx.cfg.train.collective_timeout_s):
                 outcome = _train_in_run(ctx, claim, pin, lifecycle)
@@ -187,7 +184,9 @@ def _train_in_run(ctx: RunContext, claim: Claim, pin: Pinned, lifecycle: Lifecyc
     return outcome
 
 
-def _local_tier(cfg: RunConfig, env: DistEnv, run_id: str, strategy: Strategy) -> LocalTier | None:
+def _local_tier(
+    cfg: RunConfig, env: DistEnv, run_id: str, strategy: Strategy
+) -> local_tier.LocalTier | None:
     """checkpoint.local_dir's tier on this node (each rank checks its node's folder)."""
     if not cfg.checkpoint.local_dir:
         return None
@@ -243,13 +242,13 @@ def _trainer(
     task: ReadyTask,
     metrics: MetricsLog,
     strategy: Strategy,
-    tier: LocalTier | None,
+    tier: local_tier.LocalTier | None,
 ) -> Trainer:
     cfg, env, device = ctx.cfg, ctx.env, ctx.device
-    run = RunDir(claim.path)
+    run = claim.run
     run_files = layout.run_files(run.config.read_bytes(), task.model, task.facts)
     checkpointer = Checkpointer.for_run(
-        run, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards, tier
+        run.checkpoints, claim.run_id, env, cfg, run_files, pin, strategy.saves_shards, tier
     )
     resolved = precision.resolve(cfg.train.precision, device)
     loaders = loaders_for(task, cfg, env, device)

@@ -18,8 +18,8 @@ LAYERS: dict[int, set[str]] = {
     0: {"foundation", "config"},
     # the process: rendezvous, its group and device, signals, logs, diagnosis
     1: {"runtime"},
-    # samples and loaders; everything on disk (checkpoints, the run directory)
-    2: {"data", "state"},
+    # samples and loaders; checkpoints; the run directory that holds them
+    2: {"data", "state", "runs"},
     3: {"tasks"},  # the built-in tasks and models
     4: {"training", "evals"},  # the loop, evaluation, optimizer, schedule; downstream tasks
     5: {"ops"},  # export, runs, plot, doctor
@@ -40,7 +40,7 @@ NO_TORCH = [
     "qgtrain.ops.collective",
     "qgtrain.launch.sbatch",
     "qgtrain.ops.runs",
-    "qgtrain.state.rundir",
+    "qgtrain.runs.rundir",
     "qgtrain.state.layout",
     "qgtrain.runtime.slurm_values",
     "qgtrain.state.checkpoint",
@@ -49,7 +49,7 @@ NO_TORCH = [
     "qgtrain.ops.data_info",
     "qgtrain.launch.sweep",
     "qgtrain.runtime.slurm",
-    "qgtrain.state.lifecycle",
+    "qgtrain.runs.lifecycle",
     "qgtrain.launch.slurm_checks",
     "qgtrain.launch.submitit_params",
     *(
@@ -148,7 +148,7 @@ def test_imports_point_down_the_layers():
 ONE_CONCERN = {
     "ops.doctor": "every check of `qgtrain doctor`, node-local then across nodes, one checklist",
     "training.trainer": "the whole loop, a step's end included, read top to bottom in one place",
-    "state.rundir": "a run directory's layout, creation and who may write it: one map, one place",
+    "runs.rundir": "a run directory's layout, creation and who may write it: one map, one place",
     "interface.cli": "the whole command line, one parser read top to bottom",
     "launch.stages": "a chain of jobs: planned, written, handed on and described in one place",
     "state.checkpointer": "a save and a restore, every rank on one collective path, end to end",

@@ -14,9 +14,9 @@ import pytest
 from qgtrain.launch import aborts
 from qgtrain.launch.recovery import Decision, decide
 from qgtrain.launch.srun_log import TaskFailure, task_failures
+from qgtrain.runs import rundir
 from qgtrain.runtime import comms
 from qgtrain.runtime.rendezvous import DistEnv
-from qgtrain.state import rundir
 from tests.helpers import cli
 from tests.ranks import ROOT
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from qgtrain.foundation.errors import ConfigError
+from qgtrain.runs.rundir import RunDir
 from qgtrain.runtime import comms
 from qgtrain.runtime.comms import Interface, choose_interface, machine_interfaces, route_source
 from qgtrain.runtime.rendezvous import DistEnv
-from qgtrain.state.rundir import RunDir
 from tests.helpers import records
 from tests.ranks import start_cli_ranks, wait_ranks
 

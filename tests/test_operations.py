@@ -427,7 +427,7 @@ def test_a_compiled_sharded_model_trains_as_eager_and_keeps_its_compile_cache_in
 def test_runs_shows_early_stops_requeues_and_each_failed_step_from_the_run_directory(tmp_path):
     """What rank 0 and `qgtrain recover` record in status.json, as `qgtrain runs` shows it (no run
     needed: the table is read from the files alone)."""
-    from qgtrain.state import rundir
+    from qgtrain.runs import rundir
 
     killed = {"rank": 1, "node": "node2", "how": "Killed", "action": "retry"}
     requeued = {**killed, "action": "requeue node2"}
@@ -472,7 +472,7 @@ def test_runs_best_follows_each_runs_early_stopping_metric_and_mode(tmp_path):
     """BEST is what the run's early stopping and best checkpoint follow, read from the config the
     run recorded: the highest val_accuracy for a run that maximises it, not its lowest val_loss."""
     from qgtrain.config.load import dump_yaml
-    from qgtrain.state import rundir
+    from qgtrain.runs import rundir
 
     validations = [(10, 0.70, 0.50), (20, 0.62, 0.90), (30, 0.55, 0.80)]
     for name, sets in (

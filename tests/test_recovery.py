@@ -14,7 +14,7 @@ from qgtrain.launch import aborts
 from qgtrain.launch.recovery import Decision, decide, fewer_nodes, recover
 from qgtrain.launch.srun_log import TaskFailure, task_failures
 from qgtrain.launch.suspects import Suspect, suspect
-from qgtrain.state import rundir
+from qgtrain.runs import rundir
 
 RETRY_TWICE = SlurmConfig(step_retries=2, max_restarts=20)
 # What srun printed on the test cluster when task 1 was SIGKILLed and the step was taken down.

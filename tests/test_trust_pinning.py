@@ -23,8 +23,8 @@ import pytest
 from qgtrain.foundation.errors import QgtrainError
 from qgtrain.foundation.pinned import FolderReplaced, Pinned
 from qgtrain.launch import codesnap, runfrom
+from qgtrain.runs import rundir
 from qgtrain.runtime import compile_cache
-from qgtrain.state import rundir
 from tests.helpers import TINY, cli, one_error_line, wait_for
 from tests.ranks import start_cli_ranks, wait_ranks
 

@@ -21,7 +21,7 @@ import pytest
 from qgtrain.foundation import files
 from qgtrain.foundation.errors import QgtrainError
 from qgtrain.launch import recovery, runfrom, stages
-from qgtrain.state import rundir
+from qgtrain.runs import rundir
 from tests.helpers import TINY, cli, one_error_line, stand_in_sbatch, tiny_config
 from tests.ranks import ROOT
 

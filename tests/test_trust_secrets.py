@@ -170,7 +170,7 @@ def test_a_new_run_directory_is_private_unless_shared(tmp_path, umask_022, share
 def test_an_existing_run_directory_keeps_its_mode_and_an_open_one_is_named(tmp_path, umask_022):
     """A folder made before (by the user, or an older qgtrain) is not changed behind the user's
     back."""
-    from qgtrain.state.rundir import create
+    from qgtrain.runs.rundir import create
 
     made = tmp_path / "mine"
     made.mkdir()

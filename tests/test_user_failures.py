@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from qgtrain.launch import recovery
-from qgtrain.state.lifecycle import read_note
-from qgtrain.state.rundir import RunDir
+from qgtrain.runs.lifecycle import read_note
+from qgtrain.runs.rundir import RunDir
 from tests.helpers import ROOT, cli, train_command
 from tests.raising_tasks import build
 from tests.ranks import start_cli_ranks, wait_ranks

@@ -20,8 +20,8 @@ from ..config.load import config_files, load_config
 from ..foundation.files import owner_writes_only
 from ..foundation.result import TrainResult
 from ..run import train as _train
+from ..runs.rundir import RunDir, default_run_dir
 from ..runtime.rendezvous import from_environ
-from ..state.rundir import RunDir, default_run_dir
 from ..tasks.build import TaskSource
 from ..training.metrics import read_metrics
 
@@ -38,7 +38,7 @@ def train(
     one, else the built-in defaults, as `qgtrain train` does)."""
     cfg = config if isinstance(config, RunConfig) else load_config(config_files(config))
     env = from_environ(os.environ)
-    # the directory the run claims (state/claim.py), resolved before training as it resolves it
+    # the directory the run claims (runs/claim.py), resolved before training as it resolves it
     path = (Path(run_dir) if run_dir else default_run_dir(cfg)).resolve()
     code = _train(cfg, env, run_dir, task=task)
     return _result(code, path) if env.is_main else TrainResult(code, path)

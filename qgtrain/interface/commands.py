@@ -97,7 +97,7 @@ def evaluate(args: argparse.Namespace) -> int:
 @owner_writes_only()
 def recover(args: argparse.Namespace) -> int:
     from ..launch import nodes, recovery
-    from ..state.rundir import default_run_dir
+    from ..runs.rundir import default_run_dir
 
     cfg = load_args_config(args)
     decision = recovery.recover(

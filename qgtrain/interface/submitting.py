@@ -20,7 +20,7 @@ def submit(args: argparse.Namespace) -> int:
     from ..launch.sbatch import render, submit_config
     from ..launch.slurm_checks import validate
     from ..launch.submit_host import require_slurm, submitting_python
-    from ..state.rundir import RunDir, default_run_dir
+    from ..runs.rundir import RunDir, default_run_dir
 
     cfg = load_args_config(args)
     validate(cfg.slurm)
@@ -63,7 +63,7 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
     """The lines that would move the job into its snapshot (its size checked, nothing copied)."""
     from ..config.slurm import runs_from_snapshot
     from ..launch.runfrom import planned, shell_lines
-    from ..state.rundir import RunDir
+    from ..runs.rundir import RunDir
 
     if not runs_from_snapshot(cfg.slurm):
         return None
@@ -72,7 +72,7 @@ def _planned_code(cfg: RunConfig, run_dir: Path) -> str | None:
 
 def _code_note(run_dir: Path) -> str:
     from ..launch.runfrom import code_of
-    from ..state.rundir import RunDir
+    from ..runs.rundir import RunDir
 
     code = code_of(RunDir(run_dir).slurm / "job.sbatch")
     return f"; code snapshot {code}" if code else ""
@@ -82,7 +82,7 @@ def submit_stages(args: argparse.Namespace, cfg: RunConfig) -> int:
     from ..foundation.errors import ConfigError
     from ..launch import stages
     from ..launch.submit_host import require_slurm, submitting_python
-    from ..state.rundir import RunDir, default_run_dir
+    from ..runs.rundir import RunDir, default_run_dir
 
     if args.sweep or args.max_parallel is not None or args.launcher != "sbatch":
         raise ConfigError(

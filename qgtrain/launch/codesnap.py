@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..foundation.errors import ConfigError
-from ..state.rundir import create, is_run_dir
+from ..runs.rundir import create, is_run_dir
 from .secretfiles import secret_in_text, why_left_out
 from .snapseal import RECORD as RECORD
 from .snapseal import entries_digest, remove, seal, verify

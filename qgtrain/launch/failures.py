@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..state import rundir
+from ..runs import rundir
 from . import aborts
 from .srun_log import TaskFailure
 

@@ -3,7 +3,7 @@ end.
 
 train.slurm runs `qgtrain recover` when srun exits with a failure. What the failure left behind
 decides: srun's own report of the first task that failed (node, rank, how it ended), the notes
-failing ranks left in the run directory (qgtrain/state/lifecycle.py: a message, and whether it was
+failing ranks left in the run directory (qgtrain/runs/lifecycle.py: a message, and whether it was
 the machine's failure or the run's own), NCCL's aborts and Flight Recorder dumps (aborts.py: a rank
 NCCL's watchdog took down leaves no note), and the run's history of failures per node. The answer is
 one line the script acts on:
@@ -28,8 +28,8 @@ from typing import Any, Literal
 from ..config import SlurmConfig
 from ..config.slurm import shrinks
 from ..foundation.errors import EXIT_REQUEUE_ME, EXIT_STOPPED
-from ..state import rundir
-from ..state.lifecycle import read_note
+from ..runs import rundir
+from ..runs.lifecycle import read_note
 from . import aborts, failures, suspects
 from .srun_log import TaskFailure, lost_nodes, task_failures
 from .suspects import Suspect

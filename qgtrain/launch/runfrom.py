@@ -33,7 +33,7 @@ from ..foundation.errors import ConfigError
 from ..foundation.files import temp_name
 from ..foundation.terminal import shown
 from ..foundation.trust import not_yours
-from ..state.rundir import RunDir, default_run_dir, require_safe
+from ..runs.rundir import RunDir, default_run_dir, require_safe
 from .codesnap import Code, check_size, collect, digest, private_folder, take
 from .snapseal import HASH_NAME, SnapshotChanged, verify
 from .submit_host import snapshot_first, submitting_python

@@ -200,7 +200,7 @@ def submit_config(
     to run from a snapshot of the working directory's code (`code`, or one taken now) unless
     slurm.snapshot is off."""
     from ..config.load import dump_yaml
-    from ..state.rundir import RunDir, create, folder_mode, require_safe
+    from ..runs.rundir import RunDir, create, folder_mode, require_safe
     from .nodes import check_exclusions
     from .runfrom import job_config, shell_lines, snapshot
 

@@ -33,8 +33,8 @@ from ..config.load import config_to_dict, dump_yaml, load_config, with_overrides
 from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError
 from ..foundation.files import write_atomic
-from ..state import rundir
-from ..state.rundir import RunDir, default_run_dir
+from ..runs import rundir
+from ..runs.rundir import RunDir, default_run_dir
 from .runfrom import job_config, shell_lines, snapshot
 from .sbatch import Runner, SubmissionError, render, submit, submit_config
 from .submit_host import submitting_python

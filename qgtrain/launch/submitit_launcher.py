@@ -29,13 +29,13 @@ from ..config.load import config_files, config_to_dict, load_config, with_overri
 from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import EXIT_STOPPED, QgtrainError
 from ..foundation.files import owner_writes_only
+from ..runs.rundir import RunDir, create, default_run_dir, require_safe
 from ..runtime.slurm import (
     is_time_limit,
     job_state,
     reason_not_to_requeue,
     seconds_left,
 )
-from ..state.rundir import RunDir, create, default_run_dir, require_safe
 from . import submitit_compat, sweep
 from .runfrom import job_config, snapshot
 from .slurm_checks import time_minutes

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..config.slurm import ranks_per_node, runs_from_snapshot
-from ..state.rundir import RunDir, default_run_dir
+from ..runs.rundir import RunDir, default_run_dir
 from .codesnap import Code
 from .runfrom import shell_lines
 from .slurm_checks import time_minutes, validate

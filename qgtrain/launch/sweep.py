@@ -28,7 +28,7 @@ from ..config.load import dump_yaml, with_overrides
 from ..config.slurm import runs_from_snapshot
 from ..foundation.errors import ConfigError, QgtrainError
 from ..foundation.files import write_atomic
-from ..state import rundir
+from ..runs import rundir
 from .sbatch import Runner
 
 if TYPE_CHECKING:

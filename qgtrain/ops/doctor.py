@@ -24,9 +24,9 @@ from typing import Any
 from ..config import RunConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.terminal import shown
+from ..runs.rundir import default_run_dir
 from ..runtime import devices, precision
 from ..runtime.rendezvous import DistEnv
-from ..state.rundir import default_run_dir
 
 SHARED_FILESYSTEMS = (
     "nfs",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..foundation.errors import QgtrainError
 from ..foundation.trust import not_yours, ownership_problem
-from ..state.rundir import RunDir
+from ..runs.rundir import RunDir
 from .export.writer import META
 
 WRITTEN = re.compile(r"results\.jsonl|step-\d+\.jsonl")

@@ -30,10 +30,10 @@ from ..evals.downstream import Downstream, downstream_for
 from ..foundation.errors import QgtrainError
 from ..foundation.folder_code import trusting_its_flag
 from ..foundation.task import BUILTIN_LM
+from ..runs.rundir import RunDir
 from ..runtime import distributed, log, precision
 from ..runtime.rendezvous import DistEnv
 from ..state import checkpoint, layout
-from ..state.rundir import RunDir
 from ..training.parallel.strategy import Strategy, strategy_for
 from . import eval_figures, eval_out, eval_results
 from .export import adapter, ema, origin, rebuild, safetensors_io

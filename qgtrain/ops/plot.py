@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..foundation.errors import QgtrainError
-from ..state.rundir import RunDir
+from ..runs.rundir import RunDir
 from ..training.metrics import read_metrics
 
 LABELS = {

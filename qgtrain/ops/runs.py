@@ -27,7 +27,8 @@ import yaml
 from ..config import EarlyStoppingConfig
 from ..foundation.errors import QgtrainError
 from ..foundation.terminal import shown
-from ..state import checkpoint, rundir
+from ..runs import rundir
+from ..state import checkpoint
 from ..training.goodput import Ledger
 from ..training.metrics import read_metrics
 

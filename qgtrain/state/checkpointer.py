@@ -41,7 +41,6 @@ from .cadence import ByClock
 from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
 from .local_tier import LocalCheckpoint, LocalTier
-from .rundir import RunDir
 
 log = logging.getLogger("qgtrain")
 
@@ -96,7 +95,7 @@ class Checkpointer:
     @classmethod
     def for_run(
         cls,
-        run: RunDir,
+        root: Path,
         run_id: str,
         env: DistEnv,
         cfg: RunConfig,
@@ -105,11 +104,10 @@ class Checkpointer:
         saves_shards: bool,
         local: LocalTier | None,
     ) -> Checkpointer:
-        """The run's checkpointer from its own sections; `files` (layout.run_files) go in each."""
+        """The run's checkpointer (in `root`, the run directory's checkpoints) from its own
+        sections; `files` (layout.run_files) go in each."""
         timeout = cfg.train.collective_timeout_s
-        return cls(
-            run.checkpoints, run_id, env, cfg.checkpoint, files, timeout, pin, saves_shards, local
-        )
+        return cls(root, run_id, env, cfg.checkpoint, files, timeout, pin, saves_shards, local)
 
     def due(self, step: int) -> bool:
         """checkpoint.every_steps: whether step `step` is saved; a function of the step, so every

@@ -1,4 +1,4 @@
-"""A checkpoint folder's file names: the one place they are spelled (rundir.py spells the run
+"""A checkpoint folder's file names: the one place they are spelled (runs/rundir.py spells the run
 directory's).
 
     <run dir>/checkpoints/

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..foundation.pinned import Pinned
+from ..runs import rundir
 from ..runtime.startup import process_age_s
-from ..state import rundir
 
 log = logging.getLogger("qgtrain")
 KINDS = ("training", "recomputed", "checkpoint", "evaluation", "startup", "other", "waiting")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 from ..foundation.errors import QgtrainError
 from ..foundation.files import open_append, write_atomic
-from ..state.rundir import RunDir
+from ..runs.rundir import RunDir
 
 
 class MetricsLog:

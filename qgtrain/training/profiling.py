@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from ..config import TrainConfig
 from ..foundation.files import temp_name
-from ..state.rundir import RunDir
+from ..runs.rundir import RunDir
 
 log = logging.getLogger("qgtrain")
 

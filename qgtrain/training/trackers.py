@@ -34,8 +34,8 @@ from ..config.load import config_to_dict
 from ..foundation.errors import ConfigError, first_line
 from ..foundation.files import write_atomic
 from ..foundation.redact import mask_setting, mask_text
+from ..runs.rundir import RunDir
 from ..runtime.rendezvous import DistEnv
-from ..state.rundir import RunDir
 from .metrics import MetricsLog
 
 if TYPE_CHECKING:

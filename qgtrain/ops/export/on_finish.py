@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ...config import RunConfig
 from ...foundation.errors import EXIT_FAILED, EXIT_OK
+from ...runs.rundir import RunDir
 from ...runtime import distributed
-from ...state.rundir import RunDir
 from . import target as export_target
 
 logger = logging.getLogger("qgtrain")

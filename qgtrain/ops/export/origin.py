@@ -13,8 +13,8 @@ from typing import Any
 from ...config import RunConfig
 from ...config.load import config_from_dict
 from ...foundation.errors import CheckpointError, QgtrainError
+from ...runs.rundir import RunDir
 from ...state import checkpoint, ema_files, layout, sharded
-from ...state.rundir import RunDir
 from ...training.metrics import read_metrics
 
 log = logging.getLogger("qgtrain")

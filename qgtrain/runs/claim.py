@@ -19,8 +19,9 @@ from ..foundation.errors import QgtrainError
 from ..foundation.pinned import Pinned
 from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
-from . import rundir, verify_ranks
-from .resume import Candidates, resume_candidates
+from ..state import verify_ranks
+from ..state.resume import Candidates, resume_candidates
+from . import rundir
 from .rundir import RunDir
 
 
@@ -35,6 +36,10 @@ class Claim:
     # what it may resume from, before the ranks check the files
     candidates: Candidates = Candidates([], [])
     pinned: tuple[int, int] = (0, 0)  # the device and inode of the folder rank 0 checked
+
+    @property
+    def run(self) -> RunDir:
+        return RunDir(self.path)
 
 
 def pinned_here(claim: Claim, is_main: bool) -> Pinned:

@@ -44,7 +44,8 @@ from ..foundation.errors import QgtrainError
 from ..foundation.files import open_lock, read_holder, try_lock, write_atomic, write_holder
 from ..foundation.pinned import Pinned
 from ..foundation.trust import open_above
-from . import access, layout
+from ..state import layout
+from . import access
 
 
 @dataclass(frozen=True)
