@@ -39,7 +39,7 @@ class SlowReader:
     """A cached source whose every sample costs `decode_us` of CPU, as decoding text would."""
 
     def __init__(self, decode_us: float, *args: Any) -> None:
-        from qgtrain.data.cached import CachedReader
+        from qgtrain.data.mixture.cached import CachedReader
 
         self.inner, self.decode_s = CachedReader(*args), decode_us / 1e6
 
@@ -64,10 +64,10 @@ def rank_main(
     rank: int, world: int, port: int, args: argparse.Namespace, folder: str, out: Any
 ) -> None:
     os.environ.update(torchrun_env(rank, world, port))
-    from qgtrain.data.dispatch import DispatchedBatches
     from qgtrain.data.loaders import stream_loader
-    from qgtrain.data.mix import Mixture, Source
-    from qgtrain.data.streams import StreamBatches
+    from qgtrain.data.mixture.mix import Mixture, Source
+    from qgtrain.data.stream.dispatch import DispatchedBatches
+    from qgtrain.data.stream.streams import StreamBatches
     from qgtrain.data.tokens import TokenWindows
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ

@@ -28,8 +28,9 @@ import torch
 
 from bench.common import report
 from qgtrain.config import DataConfig
-from qgtrain.data import filestream, prepare
+from qgtrain.data.cache import prepare
 from qgtrain.data.loaders import ResumableSampler, make_loader, stream_loader
+from qgtrain.data.stream import filestream
 from qgtrain.runtime.rendezvous import DistEnv
 from qgtrain.tasks.causal_lm import build_splits
 

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import alternate  # noqa: E402
 from qgtrain.config import DataConfig  # noqa: E402
-from qgtrain.data.prepare import prepare  # noqa: E402
+from qgtrain.data.cache.prepare import prepare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

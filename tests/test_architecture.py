@@ -45,7 +45,7 @@ NO_TORCH = [
     "qgtrain.runtime.slurm_values",
     "qgtrain.state.checkpoint",
     "qgtrain.training.metrics",
-    "qgtrain.data.sources",
+    "qgtrain.data.files.sources",
     "qgtrain.ops.data_info",
     "qgtrain.launch.sweep",
     "qgtrain.runtime.slurm",

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from qgtrain.config import DataConfig, ModelConfig
-from qgtrain.data import chat, prepare
+from qgtrain.data import chat
+from qgtrain.data.cache import prepare
 from qgtrain.data.rows import ChatRows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.models import build_model, lm_loss
@@ -259,7 +260,7 @@ def test_chat_is_rendered_on_the_prepare_workers_into_the_same_bytes(tmp_path, m
     """data.prepare_workers renders the records (the costly part) in worker processes, batch by
     batch in order: the cache is byte for byte the one a single process writes. (A chat template's
     rendering is chat.renderer's, tested above; here, the pool and the order.)"""
-    from qgtrain.data import prepare_chat
+    from qgtrain.data.cache import prepare_chat
 
     rendered: list[str] = []  # records this process rendered (spawned workers count apart)
     made = chat.renderer
@@ -460,7 +461,8 @@ def test_streamed_chat_rows_are_the_cached_rows_and_resume_from_any_position(
     """One file, nothing held out: the stream's rows (rendered and packed in the reader) are the
     cache's, batch for batch; cut into many shards, a reader put back at any saved state goes on
     as the uninterrupted one; a line without messages is one line naming the file and line."""
-    from qgtrain.data import filestream, shards
+    from qgtrain.data.files import shards
+    from qgtrain.data.stream import filestream
 
     files = write_jsonl(tmp_path / "talk.jsonl", conversations(40, 3))
     cfg = data(tmp_path, files, tokenizer=str(tokenizer_folder(tmp_path / "tok", MARKED)))
@@ -505,7 +507,7 @@ def test_streamed_chat_learns_the_answers_resumes_bit_for_bit_and_refuses_a_bad_
     stream's hash): SIGKILLed at a random step, the run resumes bit for bit; the uninterrupted one,
     taken further, reaches a line without messages: one line naming it, exit 2, and the
     checkpoints it had are left as they were."""
-    from qgtrain.data import filestream
+    from qgtrain.data.stream import filestream
 
     tokenizer_folder(tmp_path / "tok", MARKED)
     talks = conversations(600, 6)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qgtrain.data import prepare as preparing
+from qgtrain.data.cache import prepare as preparing
 from qgtrain.data.corpus import TokenFiles
 from qgtrain.foundation.errors import ConfigError
 from tests.helpers import (
@@ -124,7 +124,7 @@ def test_every_format_decodes_back_to_exactly_its_documents(tmp_path):
 
 
 def test_a_long_text_file_is_read_in_pieces_but_stays_one_document(tmp_path, monkeypatch):
-    monkeypatch.setattr("qgtrain.data.sources.TEXT_PIECE_BYTES", 64)
+    monkeypatch.setattr("qgtrain.data.files.sources.TEXT_PIECE_BYTES", 64)
     text = (
         "".join(f"line {i} " + "x" * (i % 90) + "\n" for i in range(200)) + "no newline at the end"
     )

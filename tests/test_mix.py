@@ -27,10 +27,10 @@ from torch.utils.data import IterableDataset
 
 from qgtrain.config import DataConfig
 from qgtrain.config.load import load_config
-from qgtrain.data.cached import CachedReader
-from qgtrain.data.dispatch import DispatchedBatches
 from qgtrain.data.loaders import stream_loader
-from qgtrain.data.mix import Mixture, Source, bounds, choose
+from qgtrain.data.mixture.cached import CachedReader
+from qgtrain.data.mixture.mix import Mixture, Source, bounds, choose
+from qgtrain.data.stream.dispatch import DispatchedBatches
 from qgtrain.data.tokens import TokenWindows
 from qgtrain.foundation.errors import ConfigError
 from qgtrain.tasks.mixture import streamed_splits

@@ -1,8 +1,9 @@
 """A streamed mixture (data.mix with data.stream) resumed on another world size: its slots'
-positions merged and dealt again (data/mix_merge.py). In one process: slots left at different
-passes of a small source, merged from 2 slots to 3 and then to 1, read every window of every pass
-once. With real `qgtrain train` ranks (2 loader workers each): SIGKILLed on 2 ranks, resumed on 3
-and then on 1, every sample id trained on once, each file's ids the start of its own read."""
+positions merged and dealt again (data/mixture/merge.py). In one process: slots left at
+different passes of a small source, merged from 2 slots to 3 and then to 1, read every window of
+every pass once. With real `qgtrain train` ranks (2 loader workers each): SIGKILLed on 2 ranks,
+resumed on 3 and then on 1, every sample id trained on once, each file's ids the start of its own
+read."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qgtrain.data import filestream
-from qgtrain.data.mix import Mixture, Source
+from qgtrain.data.mixture.mix import Mixture, Source
+from qgtrain.data.stream import filestream
 from tests.helpers import kill_once_saved, records, stream_settings, streamed_files
 from tests.ranks import start_cli_ranks, wait_ranks
 

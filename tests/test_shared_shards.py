@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from qgtrain.config import DataConfig
-from qgtrain.data import filestream
+from qgtrain.data.stream import filestream
 from qgtrain.foundation.errors import ConfigError
 
 

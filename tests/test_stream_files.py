@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from qgtrain.config import DataConfig
-from qgtrain.data import filestream, heldout, shards
+from qgtrain.data.files import shards
+from qgtrain.data.stream import filestream, heldout
 from qgtrain.foundation.errors import ConfigError
 from tests.helpers import (
     checkpoint_digests,
@@ -230,7 +231,7 @@ def write_formats(folder: Path) -> list[Path]:
 def test_each_file_kind_streams_the_windows_the_cache_holds(tmp_path):
     """One file at a time (one shard), nothing held out: the stream's samples are the cache's
     windows of the same file, so streaming changes how text is read, not what is trained on."""
-    from qgtrain.data import prepare
+    from qgtrain.data.cache import prepare
 
     for path in write_formats(tmp_path / "files"):
         config = DataConfig(

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qgtrain.data import sources
-from qgtrain.data.prepare import prepare
+from qgtrain.data.cache.prepare import prepare
+from qgtrain.data.files import sources
 from qgtrain.foundation.errors import ConfigError
 from tests.helpers import cli, data, documents, one_error_line, write_jsonl
 

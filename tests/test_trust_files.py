@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from qgtrain.config import DataConfig
-from qgtrain.data import corpus, prepare
+from qgtrain.data import corpus
+from qgtrain.data.cache import prepare
 from qgtrain.foundation import files
 from qgtrain.foundation.errors import QgtrainError
 from tests.helpers import TINY, cli, records

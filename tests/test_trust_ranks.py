@@ -51,7 +51,7 @@ def hostile_rank_0(kind: str, marker: str) -> list[str]:
     failures (all-gather) and a dispatched batch (scatter), and reports what each call did."""
     import torch.distributed as dist
 
-    from qgtrain.data.dispatch import DispatchedBatches
+    from qgtrain.data.stream.dispatch import DispatchedBatches
     from qgtrain.foundation.errors import QgtrainError
     from qgtrain.runtime import distributed
     from qgtrain.runtime.rendezvous import from_environ

@@ -23,8 +23,8 @@ import xxhash
 from ..config import DataConfig
 from ..foundation.errors import ConfigError
 from . import tokenizer
-from .cache_lock import private_temp_dir, seal
-from .opening import check_reached, open_regular
+from .cache.lock import private_temp_dir, seal
+from .files.opening import check_reached, open_regular
 
 SPLITS = ("train", "val", "test")
 _SKIP_DIRS = {

@@ -26,9 +26,9 @@ from ..config import RunConfig
 from ..foundation.errors import ConfigError
 from ..foundation.task import ReadyTask
 from ..runtime.rendezvous import DistEnv
-from .dispatch import DispatchedBatches
-from .stream_kinds import for_this_rank, is_stream
-from .streams import Position, StreamBatches
+from .stream.dispatch import DispatchedBatches
+from .stream.kinds import for_this_rank, is_stream
+from .stream.streams import Position, StreamBatches
 
 
 @dataclass(frozen=True)

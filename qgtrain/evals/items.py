@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..data import sources
+from ..data.files import sources
 from ..foundation.errors import ConfigError
 
 

@@ -26,7 +26,7 @@ class Task:
         index, which is what makes resume exact). val and test may be None. train may instead be a
         torch IterableDataset (a stream) that yields this rank's and this loader worker's share;
         with state_dict()/load_state_dict() it resumes from its own saved position, without them
-        by reading past what was consumed (data/streams.py).
+        by reading past what was consumed (data/stream/streams.py).
     collate: turns a list of samples into a batch (default: torch's default_collate). A batch may be
         a tensor, a dict, tuple, list or dataclass of them, or any object with its own
         `.to(device)`.

@@ -155,7 +155,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 def data_prepare(args: argparse.Namespace) -> int:
     from ..config.model import with_pretrained_tokenizer
-    from ..data.prepare import held_out_files, mixed_sources, prepare_configured
+    from ..data.cache.prepare import held_out_files, mixed_sources, prepare_configured
     from ..runtime.log import setup_console
     from ..runtime.rendezvous import DistEnv
 

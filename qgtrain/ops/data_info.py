@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig
-from ..data.sources import SourceFile, find
+from ..data.files.sources import SourceFile, find
 from ..foundation.errors import ConfigError
 from ..foundation.terminal import shown
 

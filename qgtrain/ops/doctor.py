@@ -294,7 +294,7 @@ def _task(cfg: RunConfig) -> Check:
     model or tokenize the data)."""
     import torch.distributed as dist
 
-    from ..data.stream_kinds import is_stream
+    from ..data.stream.kinds import is_stream
     from ..foundation.errors import summary
     from ..foundation.task import BUILTIN_LM
     from ..foundation.user_code import raised_in_users_code

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from ..config import RunConfig
-from ..data.stream_kinds import is_stream
+from ..data.stream.kinds import is_stream
 from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory
 from ..foundation.task import ReadyTask, Task
@@ -145,7 +145,7 @@ def check_task(task: Task, spec: str, cfg: RunConfig) -> None:
 
 def split_problem(split: str, dataset: Any) -> str | None:
     """Why qgtrain cannot train on (train) or evaluate (val, test) this split, or None."""
-    if is_stream(dataset):  # a training stream is resumed by its own position (data/streams.py)
+    if is_stream(dataset):  # a training stream resumes by its own position (data/stream/)
         return (
             None
             if split == "train"
@@ -171,7 +171,7 @@ def split_problem(split: str, dataset: Any) -> str | None:
 def resumable_problem(dataset: Any) -> str | None:
     """Why qgtrain cannot resume this map-style dataset at an exact sample, or None. An
     IterableDataset has no index to resume at (a training stream is resumed by its position
-    instead: data/streams.py); generators that make samples on the fly report len() ==
+    instead: data/stream/streams.py); generators that make samples on the fly report len() ==
     sys.maxsize, an endless length no epoch or sampler can be built on."""
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset (a stream, without indices)"

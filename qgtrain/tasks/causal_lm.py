@@ -17,8 +17,10 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import DataConfig, RunConfig
-from ..data import chat_stream, corpus, filestream, heldout, prepare, tokenizer
+from ..data import corpus, tokenizer
+from ..data.cache import prepare
 from ..data.rows import ChatArray, ChatRows
+from ..data.stream import chat_stream, filestream, heldout
 from ..data.tokens import SyntheticTokens, TokenWindows
 from ..foundation.errors import ConfigError, TaskError
 from ..foundation.factory import load_factory

@@ -1,12 +1,13 @@
 """The built-in task's data when data.mix names weighted sources: each source prepared into the
 cache as data.files is (rank 0 tokenizes, the others wait), or with data.stream each source read
-while training as streamed data.files are (data/filestream.py), then mixed (data/mix.py).
+while training as streamed data.files are (data/stream/filestream.py), then mixed
+(data/mixture/mix.py).
 
 Each source is its own cache entry, keyed by its own files, so adding a source or changing a weight
 tokenizes nothing again. Validation and test are each source's held-out fractions of its documents,
 pooled into one split (every source's held-out windows, each evaluated once), so val_loss stays
 comparable between runs with other weights. A streamed source holds out the same fractions of its
-documents (data/heldout.py reads them into memory), pooled the same way. data.val_files
+documents (data/stream/heldout.py reads them into memory), pooled the same way. data.val_files
 (data.test_files) beside the mix are that split instead, one fixed set to compare runs by: prepared
 as an entry of their own (or read into memory, streamed), while no source holds out documents for
 it (prepare.mixed_sources).
@@ -29,9 +30,12 @@ import xxhash
 from torch.utils.data import ConcatDataset, Dataset
 
 from ..config import DataConfig
-from ..data import corpus, filestream, heldout, prepare, sources, tokenizer
-from ..data.cached import CachedReader
-from ..data.mix import Mixture, Source
+from ..data import corpus, tokenizer
+from ..data.cache import prepare
+from ..data.files import sources
+from ..data.mixture.cached import CachedReader
+from ..data.mixture.mix import Mixture, Source
+from ..data.stream import filestream, heldout
 from ..data.tokens import TokenWindows
 from ..foundation.errors import ConfigError
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.dispatch import DispatchedBatches
 from ..data.loaders import TrainBatches, train_batches
-from ..data.mix import source_counts
-from ..data.streams import StreamBatches
+from ..data.mixture.mix import source_counts
+from ..data.stream.dispatch import DispatchedBatches
+from ..data.stream.streams import StreamBatches
 from ..runtime.rendezvous import DistEnv
 from ..state.stateful import Stateful
 from ..state.train_state import TrainState

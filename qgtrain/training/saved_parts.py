@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.dispatch import DispatchedBatches
 from ..data.loaders import TrainBatches
-from ..data.streams import StreamBatches
+from ..data.stream.dispatch import DispatchedBatches
+from ..data.stream.streams import StreamBatches
 from ..foundation.errors import CheckpointError, ConfigError
 from ..runtime.rendezvous import DistEnv
 from ..state.stateful import (
@@ -56,8 +56,9 @@ class DataPosition:
 
 
 class StreamState:
-    """ "stream": this rank's position in its part of a stream (data/streams.py), or under
-    data.dispatch the whole stream's on rank 0 and a mark on the others (data/dispatch.py)."""
+    """ "stream": this rank's position in its part of a stream (data/stream/streams.py), or
+    under data.dispatch the whole stream's on rank 0 and a mark on the others
+    (data/stream/dispatch.py)."""
 
     def __init__(
         self, batches: StreamBatches | DispatchedBatches, facts: RunFacts, env: DistEnv
@@ -69,7 +70,7 @@ class StreamState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Saved by another world size, each rank's part is every rank's: {"ranks": [...]}, for
-        a stream that deals them again (data/streams.py refuses one that cannot)."""
+        a stream that deals them again (data/stream/streams.py refuses one that cannot)."""
         saved = self.facts.saved_world_size
         if saved != self.env.world_size or self._other_workers(state_dict):
             state_dict = {"ranks": every_rank("stream", saved)}

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .readers import SampleReader
+from ..stream.readers import SampleReader
 
 
 class Reading(Protocol):

@@ -28,11 +28,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from ..config import DataConfig
-from ..foundation.errors import ConfigError
-from . import prepare_chat, sources, tokenizer
-from .cache_lock import entry_lock, is_ready, private_temp_dir, seal
-from .corpus import SPLITS, TokenFiles, load
+from ...config import DataConfig
+from ...foundation.errors import ConfigError
+from .. import tokenizer
+from ..corpus import SPLITS, TokenFiles, load
+from ..files import sources
+from . import prepare_chat
+from .lock import entry_lock, is_ready, private_temp_dir, seal
 from .ordered_pool import OrderedPool
 from .progress import Progress
 
@@ -89,7 +91,7 @@ def prepare_configured(
     """`qgtrain data prepare`: the configured data tokenized into its cache, and whether this made
     it. `shared` (logging.shared): the group may read the entry."""
     if data.name == "corpus":
-        from . import corpus
+        from .. import corpus
 
         return corpus.prepare(data, shared), True
     if data.name != "files":

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..config import DataConfig
-from ..foundation.errors import ConfigError
-from . import chat, prepare_chat, shards, sources, tokenizer
+from ...config import DataConfig
+from ...foundation.errors import ConfigError
+from .. import chat, tokenizer
+from ..cache import prepare_chat
+from ..files import shards, sources
 
 
 @dataclass(frozen=True)

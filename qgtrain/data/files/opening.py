@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..foundation.errors import ConfigError
+from ...foundation.errors import ConfigError
 
 _KINDS = (
     (stat.S_ISDIR, "a folder"),

@@ -9,7 +9,7 @@ and that record starts the next row; so the position saved with a row is that re
 and byte, a seek where the file is seekable) and a resume renders and packs again from it, exactly
 as the uninterrupted run did. A shard's last row is padded (the cache pads its last row too).
 
-Held-out records are drawn by the hash the text stream uses (stream_plan.split_of: the file and
+Held-out records are drawn by the hash the text stream uses (plan.split_of: the file and
 the record's byte offset, or its index where the file is not seekable) and read into memory when
 the task is built, up to heldout.HELD_OUT_BYTES, as streamed text's are.
 """
@@ -21,13 +21,14 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import get_worker_info
 
-from ..config import DataConfig
-from ..foundation.errors import ConfigError
-from ..runtime import comms
-from . import chat, shards, sources
+from ...config import DataConfig
+from ...foundation.errors import ConfigError
+from ...runtime import comms
+from .. import chat
+from ..files import shards, sources
+from ..rows import ChatArray, Row, RowPacker, batch_row
 from .heldout import HELD_OUT_BYTES
-from .rows import ChatArray, Row, RowPacker, batch_row
-from .stream_plan import StreamPlan
+from .plan import StreamPlan
 
 SPLITS = ("val", "test")
 

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import DataConfig
-from ..foundation.errors import ConfigError
-from . import chat, sources
-from .corpus import SPLITS
+from ...config import DataConfig
+from ...foundation.errors import ConfigError
+from .. import chat
+from ..corpus import SPLITS
+from ..files import sources
+from ..rows import Counts, RowWriter
 from .ordered_pool import OrderedPool
 from .progress import Progress
-from .rows import Counts, RowWriter
 
 if TYPE_CHECKING:
     from .prepare import Plan

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .tokens import TokenWindows
+from ..tokens import TokenWindows
 
 
 class CachedReader:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ..foundation.errors import ConfigError
+from ...foundation.errors import ConfigError
 from . import sources
 from .columns import check_column, column_texts
 from .opening import mapped, open_regular

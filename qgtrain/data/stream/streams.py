@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..foundation.errors import ConfigError, QgtrainError
-from ..runtime import distributed
-from .stream_kinds import is_stateful
+from ...foundation.errors import ConfigError, QgtrainError
+from ...runtime import distributed
+from .kinds import is_stateful
 
 log = logging.getLogger("qgtrain")
 

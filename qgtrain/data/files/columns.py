@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..foundation.errors import ConfigError
+from ...foundation.errors import ConfigError
 from .opening import mapped
 
 if TYPE_CHECKING:

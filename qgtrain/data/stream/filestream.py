@@ -40,12 +40,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..foundation.errors import ConfigError
-from . import shards, tokenizer
+from ...foundation.errors import ConfigError
+from .. import tokenizer
+from ..files import shards
 from .chat_stream import rows as chat_rows
+from .plan import StreamPlan as StreamPlan
+from .plan import plan as plan
 from .readers import SampleReader
-from .stream_plan import StreamPlan as StreamPlan
-from .stream_plan import plan as plan
 
 log = logging.getLogger("qgtrain")
 Sample = torch.Tensor | dict[str, torch.Tensor]  # a window of tokens; a row of chat records

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import DataConfig
-from . import shards, sources, tokenizer
-from .stream_plan import StreamPlan
+from ...config import DataConfig
+from .. import tokenizer
+from ..files import shards, sources
+from .plan import StreamPlan
 
 HELD_OUT_BYTES = 8 << 20
 

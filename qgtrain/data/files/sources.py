@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..foundation.errors import ConfigError
+from ...foundation.errors import ConfigError
 from .columns import arrow_columns, column_texts, parquet_columns
 from .opening import check_reached, check_regular, glob_root, open_regular, read_text
 

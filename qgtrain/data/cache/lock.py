@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..foundation.errors import ConfigError
-from ..foundation.files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
+from ...foundation.errors import ConfigError
+from ...foundation.files import make_temp_dir, open_lock, read_holder, try_lock, write_holder
 
 log = logging.getLogger("qgtrain")
 

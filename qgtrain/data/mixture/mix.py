@@ -16,7 +16,7 @@ resume is O(1). The order is not random: a source's samples recur at near-regula
 A source that runs out starts its next pass (logged), so the mixture never ends: train.max_steps
 ends the run. The counts reach the metrics (samples_<name>) through the loader's state, which holds
 each worker's as of the last batch the rank took: exact, and resumed with the rest. On another
-world size the slots' positions are merged and dealt again (mix_merge.py): each streamed source
+world size the slots' positions are merged and dealt again (merge.py): each streamed source
 pass by pass, each slot's count of draws carried, so no sample is repeated or skipped.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..foundation.errors import ConfigError
-from .mix_merge import Merged, merge, part
-from .readers import SampleReader
-from .streams import dataset_states
+from ...foundation.errors import ConfigError
+from ..stream.readers import SampleReader
+from ..stream.streams import dataset_states
+from .merge import Merged, merge, part
 
 log = logging.getLogger("qgtrain")
 
@@ -63,7 +63,7 @@ class _Slot:
 
 class Mixture(IterableDataset[Any]):
     """This rank's part of the mixture (rank and world size taken where the task is built). The
-    positions saved by another world size are merged and dealt again (load_merged, mix_merge.py)
+    positions saved by another world size are merged and dealt again (load_merged, merge.py)
     where the sources are streamed; a mixture with a cached source refuses it in one line."""
 
     stream_label = "data.mix"
@@ -109,7 +109,7 @@ class Mixture(IterableDataset[Any]):
 
     def _start(self, slot: int, slots: int) -> _Slot:
         """Where this slot starts: a saved position of this world size, its part of the merged
-        positions of another (mix_merge.py), or the start."""
+        positions of another (merge.py), or the start."""
         readers = [source.reader(slot, slots) for source in self.sources]
         zeros = [0] * len(readers)
         state = _Slot(readers, 0, list(zeros), list(zeros), [[] for _ in readers])
@@ -193,7 +193,7 @@ class Mixture(IterableDataset[Any]):
         self._loaded, self._slot, self._merged = state, None, None
 
     def load_merged(self, states: list[Any]) -> None:
-        """Every slot's saved state of another world size, merged (mix_merge.py) and dealt again
+        """Every slot's saved state of another world size, merged (merge.py) and dealt again
         to this run's slots when the workers start; a ValueError says why they cannot be."""
         for state in states:
             self.load_state_dict(state)  # the names checked

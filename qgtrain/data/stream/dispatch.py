@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..foundation.errors import ConfigError
-from ..runtime import distributed, objects, wire
+from ...foundation.errors import ConfigError
+from ...runtime import distributed, objects, wire
 from .streams import Position, StreamBatches
 
 
