@@ -212,7 +212,7 @@ def resume_rank(env: Any, root: str, layers: int, repeats: int) -> dict[str, lis
     def qgtrain_resume() -> None:
         found = Candidates(
             **broadcast_from_main(
-                dataclasses.asdict(resume_candidates(Path(root), "bench", "auto", print))
+                dataclasses.asdict(resume_candidates(saver.storage, "auto", print))
                 if env.is_main
                 else None
             )

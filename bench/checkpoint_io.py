@@ -84,7 +84,7 @@ def main() -> None:
 
         def qgtrain_load() -> None:
             chosen, _ = verify_ranks.choose(
-                resume_candidates(saver.root, saver.run_id, "auto", print), saver.root
+                resume_candidates(saver.storage, "auto", print), saver.storage.root
             )
             ckpt = checkpoint.read_manifest(Path(str(chosen)))
             assert ckpt is not None

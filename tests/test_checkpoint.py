@@ -14,6 +14,8 @@ import torch
 from qgtrain.foundation.errors import CheckpointError
 from qgtrain.state import checkpoint, rotation
 from qgtrain.state.host_copy import HostCopy
+from qgtrain.state.resume import resume_candidates
+from qgtrain.state.storage import Storage
 from tests.helpers import records, tiny_config
 from tests.ranks import run_ranks, train_rank
 
@@ -21,15 +23,10 @@ from tests.ranks import run_ranks, train_rank
 def commit_step(
     root: Path, step: int, run_id: str, val_loss: float | None = None
 ) -> checkpoint.Checkpoint:
-    staging = checkpoint.staging_dir(root, step, run_id)
-    staging.mkdir(parents=True)
+    storage = Storage(root, run_id)
+    staging = storage.stage(step)
     files = checkpoint.write_files(staging, {"model.pt": {"w": torch.full((4,), float(step))}})
-    return checkpoint.commit(
-        staging,
-        root / f"step-{step}",
-        files,
-        {"step": step, "run_id": run_id, "val_loss": val_loss},
-    )
+    return storage.commit(staging, step, files, {"val_loss": val_loss})
 
 
 def test_a_committed_checkpoint_verifies_and_loads(tmp_path):
@@ -84,6 +81,28 @@ def test_rotation_keeps_the_last_k_and_the_best_and_never_touches_another_run(tm
     assert checkpoint.verify(checkpoint.read_manifest(stale.path)) is None, (
         "another run's folder is untouched"
     )
+
+
+def test_a_runs_storage_stages_lists_rotates_and_cleans_only_its_own_checkpoints(tmp_path):
+    """The seam the saves, a start's candidates and a rollback share: one run's view of the
+    folder."""
+    mine, theirs = Storage(tmp_path, "run-a"), Storage(tmp_path, "run-b")
+    for step, run_id in ((3, "run-b"), (2, "run-a"), (4, "run-a")):
+        commit_step(tmp_path, step, run_id)
+    (mine.stage(6) / "half-written").write_text("x")
+    assert not any(mine.stage(6).iterdir()), "a stage replaces what an earlier attempt left"
+    half_theirs = theirs.stage(7)
+    (tmp_path / "step-9").mkdir()  # no manifest
+    assert [c.step for c in mine.committed()] == [2, 4]
+    assert mine.foreign() == ["run-b"] and Storage(tmp_path, None).foreign() == ["run-a", "run-b"]
+    assert mine.unreadable() == [tmp_path / "step-9"]
+    warnings: list[str] = []
+    found = resume_candidates(mine, "auto", warnings.append)
+    assert found.paths == [str(tmp_path / "step-4"), str(tmp_path / "step-2")]
+    assert any("run ids run-b" in w for w in warnings) and any("step-9" in w for w in warnings)
+    assert mine.clean() == [mine.staging(6)] and half_theirs.is_dir()
+    assert mine.rotate(keep_last=1) == [tmp_path / "step-2"]
+    assert [c.step for c in theirs.committed()] == [3], "another run's checkpoint is kept"
 
 
 def test_a_step_folder_of_another_run_is_set_aside_not_overwritten(tmp_path):

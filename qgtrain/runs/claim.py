@@ -21,6 +21,7 @@ from ..runtime import distributed
 from ..runtime.rendezvous import DistEnv
 from ..state import verify_ranks
 from ..state.resume import Candidates, resume_candidates
+from ..state.storage import Storage
 from . import rundir
 from .rundir import RunDir
 
@@ -93,12 +94,8 @@ def _claim(cfg: RunConfig, env: DistEnv, run_dir: Path | None, held: contextlib.
         pin = checked or rundir.require_safe(path, lambda _: None) or Pinned.now(path)
         pin.check()
         warnings += [exposed] if exposed else []
-        candidates = resume_candidates(
-            RunDir(path).checkpoints,
-            rundir.read_run_id(path),
-            cfg.checkpoint.resume,
-            warnings.append,
-        )
+        storage = Storage(RunDir(path).checkpoints, rundir.read_run_id(path))
+        candidates = resume_candidates(storage, cfg.checkpoint.resume, warnings.append)
         return Claim(path, "", None, warnings, candidates, (pin.device, pin.inode))
     except OSError as exc:
         raise rundir.unwritable(path, exc) from None

@@ -36,11 +36,12 @@ from ..foundation.pinned import FolderReplaced, Pinned
 from ..runtime import objects
 from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
-from . import checkpoint, layout, local_tier, named, rotation, sharded
+from . import checkpoint, local_tier, named, sharded, verify_ranks
 from .cadence import ByClock
 from .host_copy import HostCopy, saved_layouts
 from .layout import rank_file
 from .local_tier import LocalCheckpoint, LocalTier
+from .storage import Storage
 
 log = logging.getLogger("qgtrain")
 
@@ -76,7 +77,7 @@ class Checkpointer:
         `pin`: the run folder checked at start, which each save first checks is still there.
         `saves_shards`: the strategy's route: every rank's shards by DCP, else rank 0's files.
         `local`: the node-local tier, written between the shared tier's saves (local_tier.py)."""
-        self.root, self.run_id, self.env, self.pin = root, run_id, env, pin
+        self.storage, self.env, self.pin = Storage(root, run_id), env, pin
         self.saves_shards, self.local = saves_shards, local
         self.run_files = run_files or {}
         self.keep_last, self.async_save = cfg.keep_last, cfg.async_save
@@ -89,7 +90,7 @@ class Checkpointer:
         self._host_copy = HostCopy(timeout_s)
         self._local_copy = HostCopy(timeout_s)  # the local parts are laid out apart: own buffers
         if env.is_main:
-            for path in rotation.remove_stale_staging(root, run_id):
+            for path in self.storage.clean():
                 log.warning("removed a half-written checkpoint left by a killed job: %s", path)
 
     @classmethod
@@ -231,10 +232,16 @@ class Checkpointer:
         """Every part from `ckpt` (chosen and checked by every rank: verify_ranks.py, or
         local_tier.py for the node-local tier)."""
         if isinstance(ckpt, LocalCheckpoint):
-            local_tier.restore(ckpt, parts, self.run_id, self.saves_shards)
+            local_tier.restore(ckpt, parts, str(self.storage.run_id), self.saves_shards)
             return
         named.load(ckpt, parts, self.env.rank, self.saves_shards)
         self.last_step = ckpt.step
+
+    def newest_intact(self, step: int) -> checkpoint.Checkpoint | None:
+        """The newest checkpoint at or before `step` that every rank finds intact, once the save in
+        flight (which may be it) is done: where a rollback goes back to (collectives)."""
+        self.wait()
+        return verify_ranks.newest_intact(self.storage, step)
 
     @property
     def failed(self) -> bool:
@@ -281,12 +288,11 @@ class Checkpointer:
         Returns the checkpoint and the names of the files this rank wrote."""
         started = time.perf_counter()
         self._still_pinned()
-        staging = checkpoint.staging_dir(self.root, step, self.run_id)
+        staging = self.storage.staging(step)
         error = None
         if self.env.is_main:
             try:
-                shutil.rmtree(staging, ignore_errors=True)
-                staging.mkdir(parents=True)
+                self.storage.stage(step)
             except OSError as exc:
                 error = f"rank 0 cannot create {staging}: {exc.strerror or exc}"
         # no rank writes into a folder that is not there
@@ -320,7 +326,7 @@ class Checkpointer:
                 f"checkpoint at step {step} failed: {outcome}. The previous checkpoint is "
                 "intact; HINT: check free space and permissions where the run directory lives"
             )
-        return self.root / layout.step_folder(step), list(entries)
+        return self.storage.folder(step), list(entries)
 
     def _still_pinned(self, staging: Path | None = None) -> None:
         """Rank 0 checks that the run folder is the one checked at start (Pinned), and every rank
@@ -339,9 +345,9 @@ class Checkpointer:
         errors = [error for _, error in gathered if error]
         if not errors:
             files = {name: entry for entries, _ in gathered for name, entry in entries.items()}
-            done = {**meta, "step": step, "run_id": self.run_id, "world_size": self.env.world_size}
+            done = {**meta, "world_size": self.env.world_size}
             try:
-                ckpt = checkpoint.commit(staging, self.root / layout.step_folder(step), files, done)
+                ckpt = self.storage.commit(staging, step, files, done)
                 mb = sum(entry["size"] for entry in files.values()) / 1e6
                 took = time.perf_counter() - started
                 log.info("saved checkpoint %s (%.1f MB written in %.2f s)", ckpt.path, mb, took)
@@ -364,7 +370,7 @@ class Checkpointer:
             log.warning("could not fsync %s; the previous checkpoint stays the fallback", problem)
         if self.env.is_main:
             try:
-                for path in rotation.rotate(self.root, self.run_id, self.keep_last):
+                for path in self.storage.rotate(self.keep_last):
                     log.info("rotated out %s", path.name)
             except OSError as exc:
-                log.warning("could not rotate old checkpoints in %s: %s", self.root, exc)
+                log.warning("could not rotate old checkpoints in %s: %s", self.storage.root, exc)

@@ -9,14 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..foundation.errors import CheckpointError
-from .checkpoint import (
-    Checkpoint,
-    list_committed,
-    list_unreadable,
-    read_manifest,
-    verify,
-)
+from .checkpoint import Checkpoint, read_manifest, verify
 from .layout import MANIFEST, MODEL_FACTS
+from .storage import Storage
 
 
 @dataclass(frozen=True)
@@ -29,9 +24,7 @@ class Candidates:
     named: bool = False  # checkpoint.resume named one: no other may be used instead
 
 
-def resume_candidates(
-    root: Path, run_id: str | None, resume: str, warn: Callable[[str], None]
-) -> Candidates:
+def resume_candidates(storage: Storage, resume: str, warn: Callable[[str], None]) -> Candidates:
     """The checkpoints a start may resume from: this run's committed ones whose files have the sizes
     their manifest records (a stat per file, nothing read), newest first; or the one named.
 
@@ -50,19 +43,17 @@ def resume_candidates(
         if problem:
             raise CheckpointError(f"checkpoint.resume: {problem}")
         return Candidates([str(ckpt.path)], [], named=True)
-    committed = list_committed(root)
-    others = sorted({c.run_id for c in committed if c.run_id != run_id})
-    if others:
-        warn(f"ignoring checkpoints of other runs in {root} (run ids {', '.join(others)})")
+    if others := storage.foreign():
+        warn(f"ignoring checkpoints of other runs in {storage.root} (run ids {', '.join(others)})")
     problems, paths = [], []
-    for folder in list_unreadable(root):
+    for folder in storage.unreadable():
         problems.append(f"{folder.name}: no valid {MANIFEST} (removed or damaged)")
         warn(
             f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files "
             "cannot be checked"
         )
-    for ckpt in reversed([c for c in committed if c.run_id == run_id]):
-        problem = verify(ckpt, checksums=False)
+    for ckpt in reversed(storage.committed()):
+        problem = storage.verify(ckpt, checksums=False)
         if problem is None:
             paths.append(str(ckpt.path))
             continue

@@ -14,6 +14,7 @@ the largest first to the rank with least to read.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,11 +22,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..foundation.errors import CheckpointError, QgtrainError
-from ..runtime import objects
-from .checkpoint import read_manifest, verify
+from ..runtime import distributed, objects
+from .checkpoint import Checkpoint, read_manifest, verify
 from .layout import MANIFEST, OWN_FILE
 from .manifest_files import listing_problem
-from .resume import Candidates, refusal
+from .resume import Candidates, refusal, resume_candidates
+from .storage import Storage
 
 log = logging.getLogger("qgtrain")
 
@@ -78,6 +80,24 @@ def choose(candidates: Candidates, root: Path) -> tuple[str | None, list[str]]:
     if problems:
         raise refusal(root, problems)
     return None, warnings
+
+
+def newest_intact(storage: Storage, step: int) -> Checkpoint | None:
+    """The run's newest checkpoint at or before `step` whose files every rank finds intact, found
+    as a start finds the one it resumes from (rank 0 lists, every rank checks its share); damaged
+    ones are passed over with a warning. A collective: a rollback's way back."""
+
+    def listed() -> Candidates:
+        found = resume_candidates(storage, "auto", log.warning)
+        kept = [path for path in found.paths if (c := read_manifest(Path(path))) and c.step <= step]
+        return dataclasses.replace(found, paths=kept, problems=[])
+
+    # as plain data: ranks send each other no class (runtime/objects.py)
+    found = Candidates(**distributed.main_decides(lambda: dataclasses.asdict(listed())))
+    path, passed_over = choose(found, storage.root)
+    for warning in passed_over if dist.get_rank() == 0 else []:
+        log.warning("%s", warning)
+    return read_manifest(Path(path)) if path is not None else None
 
 
 def _check_share(path: Path, rank: int, world_size: int) -> tuple[str | None, bool]:

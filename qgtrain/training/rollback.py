@@ -19,18 +19,13 @@ spike may have damaged. The message names checkpoint.every_steps.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
 from typing import Protocol
 
 from ..foundation.errors import TrainingError
-from ..runtime import distributed
-from ..state import verify_ranks
-from ..state.checkpoint import Checkpoint, read_manifest
-from ..state.checkpointer import Checkpointer
-from ..state.resume import Candidates, resume_candidates
+from ..state.checkpoint import Checkpoint
 from ..state.train_state import TrainState
 from .parts import LoopParts
 from .spikes import Spike, Spikes
@@ -55,10 +50,9 @@ def if_due(trainer: Rewinding) -> None:
     if spike is None:
         return
     checkpointer = trainer.parts.checkpointer
-    checkpointer.wait()  # a save in flight may be the latest checkpoint
-    ckpt = latest_checkpoint(checkpointer, trainer.state.step)
+    ckpt = checkpointer.newest_intact(trainer.state.step)
     if ckpt is None:
-        raise nothing_to_roll_back_to(spike, checkpointer.root)
+        raise nothing_to_roll_back_to(spike, checkpointer.storage.root)
     batches = trainer.rewind(ckpt)
     trainer.spikes.rolled_back(spike)
     state = trainer.state
@@ -87,28 +81,6 @@ def if_due(trainer: Rewinding) -> None:
             "time": time.time(),
         }
     )
-
-
-def latest_checkpoint(checkpointer: Checkpointer, step: int) -> Checkpoint | None:
-    """The run's newest checkpoint at or before `step` whose files every rank finds intact, as a
-    start finds the one it resumes from; damaged ones are passed over with a warning (collectives).
-    """
-
-    def listed() -> Candidates:
-        found = resume_candidates(checkpointer.root, checkpointer.run_id, "auto", log.warning)
-        kept = [
-            path
-            for path in found.paths
-            if (ckpt := read_manifest(Path(path))) and ckpt.step <= step
-        ]
-        return dataclasses.replace(found, paths=kept, problems=[])
-
-    # as plain data: ranks send each other no class (runtime/objects.py)
-    found = Candidates(**distributed.main_decides(lambda: dataclasses.asdict(listed())))
-    path, passed_over = verify_ranks.choose(found, checkpointer.root)
-    for warning in passed_over if checkpointer.env.is_main else []:
-        log.warning("%s", warning)
-    return read_manifest(Path(path)) if path is not None else None
 
 
 def nothing_to_roll_back_to(spike: Spike, root: Path) -> TrainingError:
