@@ -16,7 +16,7 @@ import torch
 
 from qgtrain.state.cadence import LocalCadence
 from qgtrain.state.local_files import LocalFolder
-from qgtrain.state.local_tier import Plan, Transfer, choose
+from qgtrain.state.local_tier import RestorePlan, Transfer, choose
 from tests.helpers import ROOT, assert_resumed_equals, cli, rank_log, wait_for
 from tests.ranks import kill_ranks, start_cli_ranks, wait_ranks
 
@@ -175,7 +175,7 @@ def lost(reports: list[dict[str, object]], ranks: set[int], steps: set[int]) -> 
 @pytest.mark.parametrize(
     "reports, whole, after, plan",
     [
-        (TWO_BY_TWO, True, 0, Plan(8, ())),
+        (TWO_BY_TWO, True, 0, RestorePlan(8, ())),
         # the shared tier is as new: nothing to take from this one
         (TWO_BY_TWO, True, 8, None),
         # node 1's disk lost: its ranks' parts from their replicas, the whole model from node 0
@@ -183,7 +183,7 @@ def lost(reports: list[dict[str, object]], ranks: set[int], steps: set[int]) -> 
             lost(TWO_BY_TWO, {2, 3}, {8, 6}),
             True,
             0,
-            Plan(
+            RestorePlan(
                 8,
                 (
                     Transfer("rank-2", 0, 2),
@@ -198,10 +198,10 @@ def lost(reports: list[dict[str, object]], ranks: set[int], steps: set[int]) -> 
             lost(TWO_BY_TWO, {2, 3}, {8}),
             False,
             0,
-            Plan(8, (Transfer("rank-2", 0, 2), Transfer("rank-3", 1, 3))),
+            RestorePlan(8, (Transfer("rank-2", 0, 2), Transfer("rank-3", 1, 3))),
         ),
         # rank 1's part of step 8 held nowhere (its node and its replica's both lost it): step 6
-        (lost(lost(TWO_BY_TWO, {1}, {8}), {3}, {8}), True, 0, Plan(6, ())),
+        (lost(lost(TWO_BY_TWO, {1}, {8}), {3}, {8}), True, 0, RestorePlan(6, ())),
         # nothing newer than the shared tier's step 6 is complete
         (lost(TWO_BY_TWO, {1, 3}, {8}), True, 6, None),
     ],

@@ -28,7 +28,7 @@ log = logging.getLogger("qgtrain")
 
 
 @dataclass(frozen=True)
-class Choice:
+class PrecisionChoice:
     precision: str
     why: str
     warning: str | None = None
@@ -40,7 +40,7 @@ def choose(
     capability: tuple[int, int] | None = None,
     name: str = "",
     rocm: bool = False,
-) -> Choice:
+) -> PrecisionChoice:
     """The precision for train.precision `requested` on a device of `device_type` ('cpu' or 'cuda')
     with compute capability `capability`; refuses what the device cannot run."""
     if device_type != "cuda":
@@ -49,24 +49,24 @@ def choose(
                 "train.precision: fp16 needs a GPU (this rank runs on the CPU); use bf16 or fp32"
             )
         return (
-            Choice("fp32", "auto on the CPU")
+            PrecisionChoice("fp32", "auto on the CPU")
             if requested == "auto"
-            else Choice(requested, "train.precision")
+            else PrecisionChoice(requested, "train.precision")
         )
     native = rocm or (capability is not None and tuple(capability) >= NATIVE_BF16)
     gpu = name or "this GPU"
     if capability is not None and not rocm:
         gpu += f" (compute capability {capability[0]}.{capability[1]})"
     if requested == "auto" and native:
-        return Choice("bf16", f"auto: {gpu} computes bf16 natively")
+        return PrecisionChoice("bf16", f"auto: {gpu} computes bf16 natively")
     if requested == "auto":
-        return Choice(
+        return PrecisionChoice(
             "fp32",
             f"auto: {gpu} has no native bf16 (torch would emulate it, several times slower); "
             "train.precision: fp16 is faster there, with loss scaling",
         )
     if requested == "bf16" and not native:
-        return Choice(
+        return PrecisionChoice(
             "bf16",
             "train.precision",
             warning=(
@@ -75,7 +75,7 @@ def choose(
                 "train.precision: fp16 (with loss scaling) or fp32"
             ),
         )
-    return Choice(requested, "train.precision")
+    return PrecisionChoice(requested, "train.precision")
 
 
 def uses_tf32(

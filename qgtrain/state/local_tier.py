@@ -51,7 +51,7 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RestorePlan:
     """The step every rank restores, and the parts that travel: a part its rank lost (from the
     replica on the next node), the whole model where a node lost its own."""
 
@@ -174,7 +174,7 @@ class LocalTier:
                     log.warning("passing over a node-local checkpoint file: %s", problem)
         return holds
 
-    def _fetch(self, plan: Plan) -> LocalCheckpoint:
+    def _fetch(self, plan: RestorePlan) -> LocalCheckpoint:
         """Bring this rank what it lacks (kept in its folder again), then read its states."""
         step, received = plan.step, []
         for move in plan.transfers:  # the same order on every rank: no rank waits on a cycle
@@ -236,7 +236,9 @@ def opened(
     return LocalTier(folder, env, cfg, by_shards, timeout_s)
 
 
-def choose(reports: list[dict[str, Any]], world_size: int, whole: bool, after: int) -> Plan | None:
+def choose(
+    reports: list[dict[str, Any]], world_size: int, whole: bool, after: int
+) -> RestorePlan | None:
     """The newest step past `after` whose every part some rank holds (and, under ddp, `whole`, the
     whole model), and the transfers that bring each rank what it lacks: its own part from whoever
     keeps its replica, the whole model from another node where its node has none. Every rank
@@ -263,7 +265,7 @@ def choose(reports: list[dict[str, Any]], world_size: int, whole: bool, after: i
                 for r, report in enumerate(reports)
                 if whole_of_node.get(report["node"]) not in holders[WHOLE]
             ]
-        return Plan(step, tuple(transfers))
+        return RestorePlan(step, tuple(transfers))
     return None
 
 

@@ -67,7 +67,7 @@ def metric_value(state: TrainState, metric: str) -> float | None:
     return state.val_metrics.get(metric.removeprefix("val_"))
 
 
-class Progress:
+class ProgressState:
     """ "train_state": the run's progress (state.json's `trainer`, beside the spike window's and the
     horizon's entries), put back into the same TrainState object, which the loop goes on with."""
 

@@ -26,7 +26,7 @@ from ..state.stateful import (
     every_rank,
     source,
 )
-from ..state.train_state import Progress, TrainState
+from ..state.train_state import ProgressState, TrainState
 from .ema import Ema
 from .horizon import LearningRate
 from .parts import LoopParts, Settings
@@ -120,7 +120,7 @@ def saved_parts(
     facts = RunFacts(model, settings.precision, env)
     stream = not isinstance(batches, TrainBatches)
     table: dict[str, Stateful] = {
-        "train_state": Progress(state),
+        "train_state": ProgressState(state),
         "facts": facts,
         "rng": RngState(facts, env, settings.train.seed, lambda: state.step),
         "data": DataPosition(state, facts, env, stream),

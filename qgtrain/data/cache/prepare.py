@@ -44,7 +44,7 @@ log = logging.getLogger("qgtrain")
 
 
 @dataclass(frozen=True)
-class Plan:
+class CachePlan:
     """What one cache entry is made of: the files of each split, and the fractions held out of
     data.files."""
 
@@ -62,7 +62,7 @@ class Plan:
                 yield (None if split == "train" else split), file
 
 
-def plan(data: DataConfig) -> Plan:
+def plan(data: DataConfig) -> CachePlan:
     files = {"train": sources.find(data.files, "data.files")}
     held_out = {}
     for split in ("val", "test"):
@@ -82,7 +82,7 @@ def plan(data: DataConfig) -> Plan:
         **prepare_chat.identity(data),
     }
     key = xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:24]
-    return Plan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
+    return CachePlan(Path(data.cache_dir).resolve() / f"files-{key}", files, held_out, data, info)
 
 
 def prepare_configured(
@@ -171,7 +171,7 @@ def _remove(leftover: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
+def _tokenize(todo: CachePlan, tmp: Path, workers: int) -> None:
     if todo.data.format != "text":
         seed, held_out = todo.data.split_seed, todo.held_out
         prepare_chat.tokenize(
@@ -226,7 +226,7 @@ def _tokenize(todo: Plan, tmp: Path, workers: int) -> None:
 
 
 def _batches(
-    todo: Plan, documents: dict[str, int], progress: Progress
+    todo: CachePlan, documents: dict[str, int], progress: Progress
 ) -> Iterator[tuple[str, list[str], list[bool]]]:
     """About BATCH_BYTES of text at a time for one split, in the files' order."""
     pending: dict[str, tuple[list[str], list[bool], int]] = {s: ([], [], 0) for s in SPLITS}

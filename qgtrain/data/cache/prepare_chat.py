@@ -31,7 +31,7 @@ from .ordered_pool import OrderedPool
 from .progress import Progress
 
 if TYPE_CHECKING:
-    from .prepare import Plan
+    from .prepare import CachePlan
 
 CHAT_FORMAT_VERSION = 2  # text caches keep prepare.FORMAT_VERSION; this names the row layout
 BATCH_RECORDS = 256  # records per batch a worker renders
@@ -51,7 +51,9 @@ def identity(data: DataConfig) -> dict[str, Any]:
     }
 
 
-def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str], workers: int = 1) -> None:
+def tokenize(
+    todo: CachePlan, tmp: Path, split_of: Callable[[str, int], str], workers: int = 1
+) -> None:
     """Write every split's rows and the entry's meta.json into tmp, rendered in `workers`
     processes."""
     data, info = todo.data, todo.tokenizer
@@ -103,7 +105,7 @@ def tokenize(todo: Plan, tmp: Path, split_of: Callable[[str, int], str], workers
 
 
 def _batches(
-    todo: Plan, split_of: Callable[[str, int], str], progress: Progress
+    todo: CachePlan, split_of: Callable[[str, int], str], progress: Progress
 ) -> Iterator[tuple[list[str], list[tuple[dict[str, Any], str]]]]:
     """BATCH_RECORDS records at a time, in the files' order, each with its split and where it is."""
     splits: list[str] = []

@@ -38,7 +38,7 @@ Setting = bool | str  # model.compile: "auto", True or False
 
 
 @dataclass(frozen=True)
-class Plan:
+class CompilePlan:
     compile: bool
     regional: bool  # block by block, not the whole model
     strict: bool  # a failure stops the run (model.compile: true) instead of running eager
@@ -50,22 +50,22 @@ def compile_plan(
     device_type: str,
     has_blocks: bool = False,
     capability: tuple[int, int] | None = None,
-) -> Plan:
+) -> CompilePlan:
     """What model.compile means here, under every layout. `auto` compiles on CUDA only: on the CPU
     inductor's C++ build costs more start than the step gains on the models one trains there, and
     the suite must not compile. Triton, inductor's GPU code generator, needs compute capability 7.0
     (inductor's scheduler raises GPUTooOldForTriton below it)."""
     regional = has_blocks
     if setting is False:
-        return Plan(False, False, False, "model.compile: false")
+        return CompilePlan(False, False, False, "model.compile: false")
     if setting is True:
-        return Plan(True, regional, True, "model.compile: true")
+        return CompilePlan(True, regional, True, "model.compile: true")
     if device_type != "cuda":
-        return Plan(False, False, False, f"model.compile: auto, eager on {device_type}")
+        return CompilePlan(False, False, False, f"model.compile: auto, eager on {device_type}")
     if capability is not None and capability < (7, 0):
         why = f"eager on compute capability {capability[0]}.{capability[1]} (Triton needs 7.0)"
-        return Plan(False, False, False, f"model.compile: auto, {why}")
-    return Plan(True, regional, False, "model.compile: auto, compiled on cuda")
+        return CompilePlan(False, False, False, f"model.compile: auto, {why}")
+    return CompilePlan(True, regional, False, "model.compile: auto, compiled on cuda")
 
 
 def repeated_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -80,7 +80,7 @@ def repeated_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
 
 def apply(
     model: nn.Module, device: torch.device, setting: Setting, blocks: Sequence[nn.Module]
-) -> Plan:
+) -> CompilePlan:
     """Compile `model` in place as `compile_plan` decides for `device`; says what it did."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     plan = compile_plan(setting, device.type, bool(blocks), capability)
