@@ -196,6 +196,16 @@ def test_no_module_imports_itself_through_others():
     assert not cycles, sorted(cycles)
 
 
+def test_each_class_name_names_one_class():
+    """One word per concept: a class name defined in two modules makes a reader ask which."""
+    where: dict[str, list[str]] = {}
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: places for name, places in where.items() if len(places) > 1} == {}
+
+
 def test_the_code_passes_the_linter():
     """ruff with the settings in pyproject.toml: import order, line length, unused names,
     complexity."""
