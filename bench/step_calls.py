@@ -1,9 +1,11 @@
 """What a plain step calls: the qgtrain functions, and the modules they live in, whose call counts
-grow with the number of steps (one CPU rank, the built-in LM, logging every step, no validation or
-checkpoint before the end). Two runs, their loops (Trainer.fit) under cProfile, of N and 2N steps:
-a function called k more times in the second is called k/N times a step. The count is a figure of
-how much of the package a newcomer follows through one step (docs/architecture.md). Usage: python
--m bench.step_calls [--steps 20]
+grow with the number of steps (one CPU rank, the built-in LM, a report every step or every
+--log-every, no validation or checkpoint before the end). Two runs, their loops (Trainer.fit) under
+cProfile, of N and 2N steps: a function called k more times in the second is called k/N times a
+step, and counts when it is called at least once a step. The count is a figure of how much of the
+package a newcomer follows through one step (docs/architecture.md); with --log-every 10 (the
+default train.log_every), through a step between reports. Usage: python -m bench.step_calls
+[--steps 20] [--log-every 1]
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ PLAIN = [
     "model.layers=2",
     "model.heads=2",
     "train.batch_size=4",
-    "train.log_every=1",
     "train.eval_every=0",
     "train.eval_batches=1",
     "checkpoint.every_steps=0",
@@ -37,11 +38,12 @@ PLAIN = [
 ]
 
 
-def calls(steps: int, folder: Path) -> dict[tuple[str, str], int]:
+def calls(steps: int, folder: Path, log_every: int) -> dict[tuple[str, str], int]:
     """(module path, function) -> calls, for qgtrain's functions, over a run of `steps` steps."""
     from qgtrain.training.trainer import Trainer
 
-    cfg = qgtrain.load_config([], [*PLAIN, f"train.max_steps={steps}"])
+    sets = [*PLAIN, f"train.max_steps={steps}", f"train.log_every={log_every}"]
+    cfg = qgtrain.load_config([], sets)
     profile, fit = cProfile.Profile(), Trainer.fit
 
     def profiled_fit(trainer: Trainer) -> object:
@@ -64,9 +66,11 @@ def calls(steps: int, folder: Path) -> dict[tuple[str, str], int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=1, help="train.log_every of both runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="qgtrain-step-calls-") as folder:
-        short, long = calls(args.steps, Path(folder)), calls(2 * args.steps, Path(folder))
+        short = calls(args.steps, Path(folder), args.log_every)
+        long = calls(2 * args.steps, Path(folder), args.log_every)
     per_step = {
         key: (long[key] - short.get(key, 0)) / args.steps
         for key in long
@@ -80,7 +84,7 @@ def main() -> None:
         print(f"{module}: {', '.join(functions)}")
     print(
         f"a plain step calls {len(per_step)} functions of {len(modules)} qgtrain modules "
-        f"(steps {args.steps} and {2 * args.steps})"
+        f"(steps {args.steps} and {2 * args.steps}, a report every {args.log_every})"
     )
 
 
