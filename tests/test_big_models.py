@@ -208,20 +208,20 @@ def test_a_damaged_shard_is_found_by_the_rank_that_reads_it_and_every_rank_resum
 
 def test_hsdp_groups_the_ranks_of_each_node_whatever_their_numbers():
     from qgtrain.foundation.errors import ConfigError
-    from qgtrain.runtime.mesh import hsdp_layout
+    from qgtrain.runtime.mesh import shard_groups
 
     # block distribution: one group per node
-    assert hsdp_layout([0, 0, 1, 1], 0) == [[0, 1], [2, 3]]
-    assert hsdp_layout([0, 1, 0, 1], 0) == [[0, 2], [1, 3]]  # cyclic: still one group per node
-    assert hsdp_layout([0, 0, 0, 0], 0) == [[0, 1, 2, 3]]  # one node: one group, fsdp
-    assert hsdp_layout([0, 0, 0, 0, 1, 1, 1, 1], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert hsdp_layout([0, 0, 1, 1], 4) == [[0, 1, 2, 3]]
+    assert shard_groups([0, 0, 1, 1], 0) == [[0, 1], [2, 3]]
+    assert shard_groups([0, 1, 0, 1], 0) == [[0, 2], [1, 3]]  # cyclic: still one group per node
+    assert shard_groups([0, 0, 0, 0], 0) == [[0, 1, 2, 3]]  # one node: one group, fsdp
+    assert shard_groups([0, 0, 0, 0, 1, 1, 1, 1], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shard_groups([0, 0, 1, 1], 4) == [[0, 1, 2, 3]]
     with pytest.raises(
         ConfigError, match=r"the same number of ranks on every node, but the 2 nodes run 3, 1 ranks"
     ):
-        hsdp_layout([0, 0, 0, 1], 0)
+        shard_groups([0, 0, 0, 1], 0)
     with pytest.raises(ConfigError, match=r"train.shard_group_size: 3 does not divide the 4 ranks"):
-        hsdp_layout([0, 0, 1, 1], 3)
+        shard_groups([0, 0, 1, 1], 3)
 
 
 def pretrained_folder(path: Path, hidden: int = 32) -> Path:

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from qgtrain.state.host_copy import HostCopy, saved_layouts
+from qgtrain.state.host_copy import HostCopy, buffer_specs
 from tests.helpers import ROOT
 
 
@@ -44,7 +44,7 @@ def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_al
         return torch.empty(shape, dtype=dtype)
 
     snapshot = HostCopy(allocate=allocate, pinned=everything_on_a_gpu)
-    layouts = saved_layouts(model, optimizer, True, pinned=everything_on_a_gpu)
+    layouts = buffer_specs(model, optimizer, True, pinned=everything_on_a_gpu)
     snapshot.prepare(layouts)  # before the optimizer has any state
     model(torch.tensor([1, 2, 3])).sum().backward()
     optimizer.step()  # now the state exists, as at the first save
@@ -70,8 +70,8 @@ def test_the_buffers_are_pinned_at_start_in_the_background_and_the_first_save_al
 def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
     model = Tied()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    assert saved_layouts(model, optimizer, True) == [], "nothing is pinned on a CPU"
-    assert saved_layouts(model, optimizer, False, pinned=everything_on_a_gpu) == [], (
+    assert buffer_specs(model, optimizer, True) == [], "nothing is pinned on a CPU"
+    assert buffer_specs(model, optimizer, False, pinned=everything_on_a_gpu) == [], (
         "ddp: rank 0 writes the state"
     )
     snapshot = HostCopy(
@@ -85,7 +85,7 @@ def test_a_cpu_run_and_a_rank_that_saves_no_replicated_state_prepare_nothing():
 def test_an_optimizer_whose_state_is_not_predicted_leaves_it_to_the_first_save():
     model = torch.nn.Linear(4, 4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert saved_layouts(model, sgd, True, pinned=everything_on_a_gpu) == [
+    assert buffer_specs(model, sgd, True, pinned=everything_on_a_gpu) == [
         (torch.Size([4, 4]), torch.float32),
         (torch.Size([4]), torch.float32),
     ]

@@ -1,4 +1,4 @@
-"""The train section: the loop's length, batch, precision, parallel layout, time limits, loss
+"""The train section: the loop's length, batch, precision, parallel strategy, time limits, loss
 spikes, EMA and profiles, and the rules between them."""
 
 from __future__ import annotations

@@ -71,11 +71,11 @@ def find_runs(root: Path) -> list[Path]:
 
 def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
     status = rundir.read_status(run)
-    layout = rundir.RunDir(run)
-    records = read_metrics(layout.metrics) if layout.metrics.exists() else []
+    run_dir = rundir.RunDir(run)
+    records = read_metrics(run_dir.metrics) if run_dir.metrics.exists() else []
     trained = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-    metric, mode = followed(layout.config)
+    metric, mode = followed(run_dir.config)
     followed_values = [float(r[metric]) for r in records if _is_figure(r.get(metric))]
     evaluated = [r for r in records if any(k.startswith("val_") for k in r)]
     metrics = {
@@ -83,7 +83,7 @@ def summarize(run: Path, swept: dict[str, str] | None = None) -> RunSummary:
         for k, v in (evaluated[-1] if evaluated else {}).items()
         if k.startswith("val_") and k != "val_loss" and isinstance(v, (int, float))
     }
-    committed = checkpoint.list_committed(layout.checkpoints)
+    committed = checkpoint.list_committed(run_dir.checkpoints)
     run_id = rundir.read_run_id(run)
     ours = [c for c in committed if c.run_id == run_id]
     restart = status.get("restart")

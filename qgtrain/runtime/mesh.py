@@ -3,8 +3,8 @@
 
 HSDP shards the model within a shard group (the ranks of a node: all-gathers and reduce-scatters
 stay on the node's fast links) and replicates it across groups (one all-reduce of the gradient
-shards per step crosses the network), as FSDP2 does on a 2-D mesh (replicate, shard). The layout
-comes from where the ranks run (each rank's node, as Slurm or torchrun says), or from
+shards per step crosses the network), as FSDP2 does on a 2-D mesh (replicate, shard). The groups
+come from where the ranks run (each rank's node, as Slurm or torchrun says), or from
 train.shard_group_size. Ranks are put in groups by node, not by rank number, so a cyclic Slurm
 distribution still keeps a group on one node.
 
@@ -29,7 +29,7 @@ from .rendezvous import DistEnv
 log = logging.getLogger("qgtrain")
 
 
-def hsdp_layout(node_of_rank: list[int], shard_group_size: int) -> list[list[int]]:
+def shard_groups(node_of_rank: list[int], shard_group_size: int) -> list[list[int]]:
     """Shard groups (rows of the mesh) from each rank's node: the ranks of a node, or groups of
     `shard_group_size` ranks taken node by node. One row is plain fsdp."""
     nodes = sorted(set(node_of_rank))
@@ -65,7 +65,7 @@ def hsdp_mesh(train: TrainConfig, env: DistEnv, device: torch.device) -> Any:
     """The mesh hsdp shards on: 2-D, one row per shard group, or 1-D with one group (a
     collective)."""
     nodes: list[int] = objects.all_gather(env.node_rank, what="node number")
-    rows = hsdp_layout(nodes, train.shard_group_size)
+    rows = shard_groups(nodes, train.shard_group_size)
     if len(rows) == 1:
         log.info(
             "hsdp: one shard group of %d ranks, so the model is sharded as under fsdp",

@@ -38,7 +38,7 @@ from ..runtime.distributed import gather_to_main
 from ..runtime.rendezvous import DistEnv
 from . import checkpoint, local_tier, named, sharded, verify_ranks
 from .cadence import ByClock
-from .host_copy import HostCopy, saved_layouts
+from .host_copy import HostCopy, buffer_specs
 from .layout import rank_file
 from .local_tier import LocalCheckpoint, LocalTier
 from .storage import Storage
@@ -154,10 +154,10 @@ class Checkpointer:
         node-local tier's too, where this rank copies the model's state for it."""
         self._clock.saved(time.monotonic())
         if self.async_save:
-            self._host_copy.prepare(saved_layouts(model, optimizer, copies_here))
+            self._host_copy.prepare(buffer_specs(model, optimizer, copies_here))
             if self.local is not None:
                 local = self.local.copies_state
-                self._local_copy.prepare(saved_layouts(model, optimizer, local))
+                self._local_copy.prepare(buffer_specs(model, optimizer, local))
 
     def save(
         self,

@@ -26,7 +26,7 @@ from . import sharded
 from .weights import saved_state
 
 log = logging.getLogger("qgtrain")
-Layout = tuple[torch.Size, torch.dtype]
+BufferSpec = tuple[torch.Size, torch.dtype]
 
 
 def pin(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -40,12 +40,12 @@ def is_pinned_copy(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def saved_layouts(
+def buffer_specs(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     copies_here: bool,
     pinned: Callable[[torch.Tensor], bool] = is_pinned_copy,
-) -> list[Layout]:
+) -> list[BufferSpec]:
     """The buffers to pin for what this rank's saves will copy (`copies_here`: rank 0's replicated
     files, or every rank's shards under FSDP, their local parts), as far as it is known before
     training. One per distinct tensor (tied weights share one); the optimizer's state predicted
@@ -71,14 +71,14 @@ def saved_layouts(
 
 def _predicted(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
-) -> list[Layout]:
+) -> list[BufferSpec]:
     """The state torch's Adam and AdamW make for `param` at their first step; other optimizers' is
     left to the first save."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return []
     like = [(param.shape, param.dtype)] * (3 if group.get("amsgrad") else 2)
     on_device = group.get("fused") or group.get("capturable")
-    step: list[Layout] = [(torch.Size(()), torch.float32)] if on_device else []
+    step: list[BufferSpec] = [(torch.Size(()), torch.float32)] if on_device else []
     return like + step
 
 
@@ -121,18 +121,18 @@ class HostCopy:
         self._allocate, self._pinned = allocate, pinned
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._cpu_meshes: dict[Any, Any] = {}
-        self._prepared: dict[Layout, list[torch.Tensor]] = {}
+        self._prepared: dict[BufferSpec, list[torch.Tensor]] = {}
         self._preparing: threading.Thread | None = None
 
-    def prepare(self, layouts: list[Layout]) -> None:
+    def prepare(self, specs: list[BufferSpec]) -> None:
         """Allocate (pin) these buffers in the background; the first copy takes them."""
-        if not layouts:
+        if not specs:
             return
 
         def allocate() -> None:
             try:
-                for layout in layouts:
-                    self._prepared.setdefault(layout, []).append(self._allocate(*layout))
+                for spec in specs:
+                    self._prepared.setdefault(spec, []).append(self._allocate(*spec))
             except BaseException as exc:
                 # the first save allocates what is missing, and says what fails
                 log.warning("could not pin the async checkpoint's host buffers ahead: %s", exc)

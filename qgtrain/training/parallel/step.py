@@ -1,5 +1,5 @@
 """A step on the model as its strategy set it up (Strategy.setup): the task's loss over the
-micro-batches, scaled, backward and reduced as the layout allows without holding more memory than
+micro-batches, scaled, backward and reduced as the strategy allows without holding more memory than
 one micro-batch needs; the global-norm clip; the update, with its skip of non-finite steps.
 
 ParallelModel keeps what the strategy wrapped beside the optimizer and the loss scaler, so the
@@ -65,7 +65,7 @@ class ParallelModel:
         return skipped
 
     def unused_parameters(self, looked_for: bool) -> list[str]:
-        """The trained parameters the backward just run left without a gradient, where the layout
+        """The trained parameters the backward just run left without a gradient, where the strategy
         would wait for them forever (DDP, unless `looked_for`: train.find_unused_parameters)."""
         if not self.strategy.needs_every_gradient or looked_for:
             return []

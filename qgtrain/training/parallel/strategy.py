@@ -4,10 +4,10 @@ or shards (fsdp; hsdp: shards within a group, replicas across groups).
 A run builds its strategy once (`strategy_for`, before the task: it says which ranks build weights)
 and sets the model up with it (`setup`: the wrap and initial shards, then the optimizer, kept as
 step.py's ParallelModel, which owns a step's backward, clip and update). Every part whose work
-depends on the layout asks it: a step's reduction, autocast and norm, the EMA's gathered weights,
+depends on the strategy asks it: a step's reduction, autocast and norm, the EMA's gathered weights,
 the replicas' agreement before a checkpoint or an evaluation, whether evaluation runs in lockstep,
 the checkpoint's parts (their state dicts and route: rank 0's files or every rank's DCP shards).
-Nothing else asks which layout it has, so another (CPU offload, say) is one more class here.
+Nothing else asks which strategy it is, so another (CPU offload, say) is one more class here.
 
 | strategy | when | what it holds on a rank |
 |---|---|---|
@@ -294,7 +294,7 @@ KINDS: dict[str, type[Strategy]] = {"ddp": Replicas, "fsdp": Shards, "hsdp": Gro
 
 
 def strategy_for(train: TrainConfig, env: DistEnv, device: torch.device) -> Strategy:
-    """The run's strategy: train.parallel's on more than one rank; on one, every layout is the one
+    """The run's strategy: train.parallel's on more than one rank; on one, every strategy is the one
     process (fsdp on one rank shards nothing)."""
     kind = KINDS[train.parallel] if env.world_size > 1 else Strategy
     return kind(train, env, device)
