@@ -59,14 +59,15 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
 ):
     """slurm.nodes 2 and slurm.spare_nodes 1: `qgtrain submit` asks for all three nodes, each step
     runs on two. A rank killed at a random step leaves its node out of the next step, which runs
-    on the other two at once (no requeue, no wait in the queue), resumes from the node-local tier
-    (local saves every 10 steps between shared ones every 100; each node's folder its own,
-    $SLURMD_NODENAME), the spare receiving the parts it lacks from the nodes that kept them, and
-    ends as the uninterrupted run. The run's time adds up to the allocation's, until its last
-    write."""
+    on the other two at once (no requeue, no wait in the queue), resumes from the newest step every
+    rank can restore, most often of the node-local tier (local saves every 10 steps between shared
+    ones every 100; each node's folder its own, $SLURMD_NODENAME), the spare receiving the parts it
+    lacks from the nodes that kept them, and ends as the uninterrupted run. The run's time adds up
+    to the allocation's, until its last write."""
     chance = random.Random()
-    # The kill follows the first report (every 50 steps) at or past `at`: one at step 150, 250 or
-    # 350, where the local tier's save is newer than the shared tier's (every 100).
+    # The kill follows the first report (every 50 steps) at or past `at` (150, 250 or 350), as
+    # soon as the test sees it: most often before the next shared save, where the local tier's is
+    # the newer.
     rank, at = chance.choice((0, 1)), 100 * chance.randint(1, 3) + chance.randint(1, 50)
     settings = tmp_path / "spare.yaml"
     settings.write_text(
@@ -95,12 +96,14 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     assert [n[0] for n in nodes] == ["node1", "node2"]
     assert [n[1] for n in nodes] == sorted({"node1", "node2", "node3"} - {lost}), (rank, at)
     log = rank_log(run, 0)
-    tier = re.search(
-        rf"resumed from {tmp_path}/disk/{nodes[0][1]}/qgtrain-\w+/step-(\d+): step \d+, "
-        r"epoch \d+ \(node-local tier",
-        log,
-    )
-    assert tier and int(tier.group(1)) >= at // 10 * 10, log
+    resumed_from = re.search(r"resumed from (\S+): step (\d+), epoch \d+( \(node-local tier)?", log)
+    assert resumed_from and int(resumed_from[2]) >= at // 10 * 10, log
+    # A step both tiers hold (every 100th) is resumed from the shared tier: the kill can land
+    # just past one while the next local save is torn (its replica half-sent), as it did on CI.
+    if int(resumed_from[2]) % 100:
+        assert resumed_from[3] and resumed_from[1].startswith(f"{tmp_path}/disk/{nodes[0][1]}/")
+    else:
+        assert resumed_from[1] == str(run / "checkpoints" / f"step-{resumed_from[2]}"), log
     ports = re.findall(r"rendezvous node\d:(\d+)", log)
     assert len(ports) == 2 and ports[0] != ports[1], "each srun step has its own port"
     (resumed_line,) = [line for line in log.splitlines() if "resumed from" in line]
