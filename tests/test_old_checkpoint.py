@@ -196,3 +196,16 @@ def test_an_fsdp_checkpoint_written_by_e69861d_resumes_bit_for_bit(tmp_path):
     """e69861d's sharded checkpoint, from before the strategy object."""
     check_against_the_old_code("e69861d", tmp_path, "train.parallel=fsdp")
     check_the_stored_run(DATA / "checkpoint-e69861d-fsdp", tmp_path, "train.parallel=fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_checkpoint_written_by_ed77ea0_resumes_bit_for_bit(tmp_path, parallel):
+    """ed77ea0's, from the strategy object's first version: before the parallel model, the
+    checkpointer's storage seam and the packages that moved since (data/, runs/)."""
+    check_against_the_old_code("ed77ea0", tmp_path, f"train.parallel={parallel}")
+
+
+@pytest.mark.slow
+def test_the_ddp_run_folder_ed77ea0_wrote_resumes(tmp_path):
+    check_the_stored_run(DATA / "checkpoint-ed77ea0-ddp", tmp_path)
