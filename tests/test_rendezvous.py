@@ -89,6 +89,18 @@ def test_master_address_is_the_first_host_in_any_hostlist_form():
         assert env.master_addr == hosts[0]
 
 
+def test_the_allocations_start_is_slurms_else_the_batch_scripts():
+    """Where the goodput ledger's time begins: Slurm's SLURM_JOB_START_TIME where it sets it, else
+    the start the batch script exports (train.slurm, sbatch.py), else none."""
+    assert from_environ(slurm_step()).job_start_time is None
+    batch = slurm_step(QGTRAIN_BATCH_START="1700000100")
+    assert from_environ(batch).job_start_time == 1700000100.0
+    both = slurm_step(SLURM_JOB_START_TIME="1700000000", QGTRAIN_BATCH_START="1700000100")
+    assert from_environ(both).job_start_time == 1700000000.0
+    with pytest.raises(RendezvousError, match="QGTRAIN_BATCH_START='noon' is not an integer"):
+        from_environ(slurm_step(QGTRAIN_BATCH_START="noon"))
+
+
 def test_environment_master_address_and_port_override_slurm():
     env = from_environ(slurm_step(MASTER_ADDR="10.0.0.5", MASTER_PORT="31111"))
     assert (env.master_addr, env.master_port) == ("10.0.0.5", 31111)

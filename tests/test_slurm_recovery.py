@@ -124,11 +124,12 @@ def test_a_rank_killed_in_a_job_with_a_spare_node_trains_again_on_the_spare_at_o
     print(f"goodput ledger {total:.1f} s, allocation {ended - began:.0f} s")
     # The ledger covers the allocation until its last write: what comes after it (the ranks' exit,
     # the batch script's end) is the allocation's but no start's. It counts from the allocation's
-    # start where Slurm gives SLURM_JOB_START_TIME; this cluster's Slurm does not, so it counts
-    # from the first rank's process, which the batch script and srun start a second or two after
-    # the allocation's start (more on a loaded machine). Slurm's clock has whole seconds.
+    # start where Slurm gives SLURM_JOB_START_TIME; this cluster's Slurm does not, so from the
+    # start the batch script exports, which slurmd runs moments after the allocation's start.
+    # Slurm's clock and the script's `date +%s` have whole seconds.
     lag = (spent["written"] - began) - total
-    assert -1.0 <= lag <= 5.0, (lag, spent)
+    print(f"the ledger's lag behind the allocation: {lag:.2f} s")
+    assert -1.0 <= lag <= 3.0, (lag, spent)
     assert spent["written"] <= ended + 1.0, (spent, shown["EndTime"])
 
 

@@ -174,6 +174,7 @@ def _script(
 {header}
 
 set -u
+QGTRAIN_BATCH_START=$(date +%s); export QGTRAIN_BATCH_START  # where the run's time begins
 {setup}default_config={default}
 if [ "$#" -gt 0 ]; then configs=("$@"); else configs=("${{CONFIG:-$default_config}}"); fi
 args=()

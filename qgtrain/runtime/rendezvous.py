@@ -63,7 +63,7 @@ class DistEnv:
     cpus_per_task: int | None = None
     # Unix time of the job's time limit, where Slurm says (SLURM_JOB_END_TIME)
     job_end_time: float | None = None
-    # Unix time this allocation began, where Slurm says (SLURM_JOB_START_TIME)
+    # Unix time this allocation began: SLURM_JOB_START_TIME, else the batch script's start
     job_start_time: float | None = None
     # started by sbatch (ENVIRONMENT=BATCH), not srun or salloc from a shell
     batch_job: bool = False
@@ -149,7 +149,11 @@ def _slurm_job(env: Mapping[str, str]) -> JobFacts:
         "step_id": int(step) if step.isdigit() else 0,
         "cpus_per_task": _int(env, "SLURM_CPUS_PER_TASK", 0) or None,
         "job_end_time": float(_int(env, "SLURM_JOB_END_TIME", 0)) or None,
-        "job_start_time": float(_int(env, "SLURM_JOB_START_TIME", 0)) or None,
+        # Slurm's own where it sets it, else when the batch script began (sbatch.py exports it)
+        "job_start_time": float(
+            _int(env, "SLURM_JOB_START_TIME", 0) or _int(env, "QGTRAIN_BATCH_START", 0)
+        )
+        or None,
         # Slurm sets it in a batch script and its steps; only batch jobs can be requeued
         "batch_job": env.get("ENVIRONMENT") == "BATCH",
     }

@@ -16,8 +16,9 @@ ledger in status.json under `time`, written at every report and at the end of ea
     waiting      before a start: the allocation's first seconds (the batch script, srun), and
                  after a failure the killed start's last seconds, the retry's back-off or the queue
 
-Together they are the run's time, from its first allocation's start (where Slurm gives
-SLURM_JOB_START_TIME; else from the first process's) to the last write: each start adds what it
+Together they are the run's time, from its first allocation's start (SLURM_JOB_START_TIME where
+Slurm sets it, else the start the batch script exports; without either, as under torchrun, the
+first process's) to the last write: each start adds what it
 measured, `other` holding what no kind claimed, and `waiting` the gap since the last write.
 """
 
