@@ -16,6 +16,9 @@ way. Usage: python -m bench.train_speed [--rounds 6] [--steps 150] [--preset mai
 Its last line, `result {...}`, holds the medians as JSON for bench.gpu_check to judge, with every
 model.compile warning qgtrain logged (a block dynamo left eager). qgtrain runs
 from the installed package: `PYTHONPATH=<tree> python -m bench.train_speed` times another tree's.
+`--against <tree>` puts that tree's qgtrain (a `git worktree` of an older commit, with its own
+config.yaml) in the hand-written loop's place, alternated the same way: a change's cost, side by
+side.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ class Ranks(NamedTuple):
         return outs
 
 
-def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, Ranks]:
+def launch(
+    cmd: list[str], cwd: Path, world: int, env: dict[str, str] | None = None
+) -> tuple[float, Ranks]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -82,7 +87,7 @@ def launch(cmd: list[str], cwd: Path, world: int) -> tuple[float, Ranks]:
             text=True,
             stdout=subprocess.PIPE,
             stderr=errors[r],
-            env={**os.environ, **torchrun_env(r, world, port)},
+            env={**os.environ, **(env or {}), **torchrun_env(r, world, port)},
         )
         for r in range(world)
     ]
@@ -112,7 +117,10 @@ def measure(records: list[dict], start: float, steps: int) -> dict[str, float]:
     }
 
 
-def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, float]:
+def run_qgtrain(
+    work: Path, args: argparse.Namespace, name: str, tree: Path = ROOT
+) -> dict[str, float]:
+    """qgtrain as `tree` has it (default: this one, as installed)."""
     run, shape = work / name, shape_of(args)
     start, procs = launch(
         [
@@ -121,7 +129,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
             "qgtrain",
             "train",
             "--config",
-            str(ROOT / "config.yaml"),
+            str(tree / "config.yaml"),
             "--run-dir",
             str(run),
             "--set",
@@ -145,6 +153,7 @@ def run_qgtrain(work: Path, args: argparse.Namespace, name: str) -> dict[str, fl
         ],
         work,
         args.world,
+        None if tree == ROOT else {"PYTHONPATH": str(tree)},
     )
     procs.outputs()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -231,35 +240,41 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], help="extra qgtrain settings, e.g. train.agree_every=1000"
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="a tree whose qgtrain is the baseline instead of the hand-written loop",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qgtrain-speed-"))
     cfg = load_config(
         [ROOT / "config.yaml"], [f"data.cache_dir={work / 'data'}", "data.test_fraction=0.001"]
     )
     tokens = corpus.prepare(cfg.data).path("train")
-    results: dict[str, list[dict[str, float]]] = {"qgtrain": [], "hand-written": []}
+    other = f"qgtrain of {args.against}" if args.against else "hand-written"
+    results: dict[str, list[dict[str, float]]] = {"qgtrain": [], other: []}
     warned: set[str] = set()
     for index in range(args.rounds):  # ABBA order: drift over the run favours neither side
-        for name in ["qgtrain", "hand-written"] if index % 2 == 0 else ["hand-written", "qgtrain"]:
-            results[name].append(
-                run_qgtrain(work, args, f"run{index}")
-                if name == "qgtrain"
-                else run_handwritten(work, args, tokens)
-            )
+        for name in ["qgtrain", other] if index % 2 == 0 else [other, "qgtrain"]:
+            if name == "qgtrain":
+                results[name].append(run_qgtrain(work, args, f"run{index}"))
+            elif args.against:
+                baseline = run_qgtrain(work, args, f"against{index}", args.against.resolve())
+                results[name].append(baseline)
+            else:
+                results[name].append(run_handwritten(work, args, tokens))
         warned |= compile_warnings(work / f"run{index}")
         print(
-            f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, hand-written "
-            f"{results['hand-written'][-1]}",
+            f"round {index + 1}: qgtrain {results['qgtrain'][-1]}, {other} {results[other][-1]}",
             flush=True,
         )
     med = {
         name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         for name, runs in results.items()
     }
-    q, h = med["qgtrain"], med["hand-written"]
+    q, h = med["qgtrain"], med[other]
     ratios = [
-        a["steps_per_s"] / b["steps_per_s"]
-        for a, b in zip(results["qgtrain"], results["hand-written"])
+        a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results["qgtrain"], results[other])
     ]
     shape = shape_of(args)
     tokens_per_step = shape["batch"] * shape["seq"] * args.world
@@ -269,9 +284,9 @@ def main() -> None:
         f"{args.rounds} alternated rounds"
     )
     print(
-        f"steps/s: qgtrain {q['steps_per_s']:.3f}, hand-written {h['steps_per_s']:.3f}, ratio "
+        f"steps/s: qgtrain {q['steps_per_s']:.3f}, {other} {h['steps_per_s']:.3f}, ratio "
         f"{q['steps_per_s'] / h['steps_per_s']:.3f} (goal >= 0.98 on CPU, >= 0.97 on a GPU); "
-        f"tokens/s: qgtrain {q['steps_per_s'] * tokens_per_step:.0f}, hand-written "
+        f"tokens/s: qgtrain {q['steps_per_s'] * tokens_per_step:.0f}, {other} "
         f"{h['steps_per_s'] * tokens_per_step:.0f}"
     )
     mfu = {
@@ -288,13 +303,13 @@ def main() -> None:
                 "per GPU"
             )
     print(
-        f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, hand-written "
+        f"fixed cost per step: qgtrain {1e6 / q['steps_per_s']:.0f} us, {other} "
         f"{1e6 / h['steps_per_s']:.0f} us, difference "
         f"{1e6 / q['steps_per_s'] - 1e6 / h['steps_per_s']:+.0f} us per step (goal <= 1000 us; "
         f"ratio spread over rounds {min(ratios):.3f} to {max(ratios):.3f})"
     )
     print(
-        f"process start to first step: qgtrain {q['first_step_s']:.2f} s, hand-written "
+        f"process start to first step: qgtrain {q['first_step_s']:.2f} s, {other} "
         f"{h['first_step_s']:.2f} s, difference {q['first_step_s'] - h['first_step_s']:+.2f} s "
         "(goal within 0.3 s)"
     )
@@ -310,7 +325,7 @@ def main() -> None:
                 if key.startswith("start: ")
             )
         )
-    sides = {"qgtrain": q, "hand-written": h}
+    sides = {"qgtrain": q, other: h}
     result = {
         "preset": args.preset,
         "batch": shape["batch"],
