@@ -139,6 +139,8 @@ def _slurm_job(env: Mapping[str, str]) -> JobFacts:
     if "SLURM_JOB_ID" not in env:
         return {}
     step = env.get("SLURM_STEP_ID", "")
+    # Slurm's own where it sets it, else when the batch script began (sbatch.py exports it)
+    began = _int(env, "SLURM_JOB_START_TIME", 0) or _int(env, "QGTRAIN_BATCH_START", 0)
     return {
         "job_id": env["SLURM_JOB_ID"],
         "array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
@@ -149,11 +151,7 @@ def _slurm_job(env: Mapping[str, str]) -> JobFacts:
         "step_id": int(step) if step.isdigit() else 0,
         "cpus_per_task": _int(env, "SLURM_CPUS_PER_TASK", 0) or None,
         "job_end_time": float(_int(env, "SLURM_JOB_END_TIME", 0)) or None,
-        # Slurm's own where it sets it, else when the batch script began (sbatch.py exports it)
-        "job_start_time": float(
-            _int(env, "SLURM_JOB_START_TIME", 0) or _int(env, "QGTRAIN_BATCH_START", 0)
-        )
-        or None,
+        "job_start_time": float(began) or None,
         # Slurm sets it in a batch script and its steps; only batch jobs can be requeued
         "batch_job": env.get("ENVIRONMENT") == "BATCH",
     }
