@@ -93,8 +93,9 @@ def test_a_runs_storage_stages_lists_rotates_and_cleans_only_its_own_checkpoints
     assert not any(mine.stage(6).iterdir()), "a stage replaces what an earlier attempt left"
     half_theirs = theirs.stage(7)
     (tmp_path / "step-9").mkdir()  # no manifest
-    assert [c.step for c in mine.committed()] == [2, 4]
-    assert mine.foreign() == ["run-b"] and Storage(tmp_path, None).foreign() == ["run-a", "run-b"]
+    ours, foreign = mine.committed()
+    assert [c.step for c in ours] == [2, 4]
+    assert foreign == ["run-b"] and Storage(tmp_path, None).committed()[1] == ["run-a", "run-b"]
     assert mine.unreadable() == [tmp_path / "step-9"]
     warnings: list[str] = []
     found = resume_candidates(mine, "auto", warnings.append)
@@ -102,7 +103,7 @@ def test_a_runs_storage_stages_lists_rotates_and_cleans_only_its_own_checkpoints
     assert any("run ids run-b" in w for w in warnings) and any("step-9" in w for w in warnings)
     assert mine.clean() == [mine.staging(6)] and half_theirs.is_dir()
     assert mine.rotate(keep_last=1) == [tmp_path / "step-2"]
-    assert [c.step for c in theirs.committed()] == [3], "another run's checkpoint is kept"
+    assert [c.step for c in theirs.committed()[0]] == [3], "another run's checkpoint is kept"
 
 
 def test_a_step_folder_of_another_run_is_set_aside_not_overwritten(tmp_path):

@@ -43,7 +43,8 @@ def resume_candidates(storage: Storage, resume: str, warn: Callable[[str], None]
         if problem:
             raise CheckpointError(f"checkpoint.resume: {problem}")
         return Candidates([str(ckpt.path)], [], named=True)
-    if others := storage.foreign():
+    ours, others = storage.committed()
+    if others:
         warn(f"ignoring checkpoints of other runs in {storage.root} (run ids {', '.join(others)})")
     problems, paths = [], []
     for folder in storage.unreadable():
@@ -52,8 +53,8 @@ def resume_candidates(storage: Storage, resume: str, warn: Callable[[str], None]
             f"passing over {folder}: it has no valid {MANIFEST} (removed or damaged), so its files "
             "cannot be checked"
         )
-    for ckpt in reversed(storage.committed()):
-        problem = storage.verify(ckpt, checksums=False)
+    for ckpt in reversed(ours):
+        problem = verify(ckpt, checksums=False)
         if problem is None:
             paths.append(str(ckpt.path))
             continue

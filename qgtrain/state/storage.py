@@ -1,5 +1,5 @@
 """One run's checkpoints in the shared tier's folder (<run dir>/checkpoints), as the saves, a start
-and a rollback all see it: a step staged, committed, listed, verified and rotated out.
+and a rollback all see it: a step staged, committed, listed and rotated out.
 
 checkpoint.py owns the format of one checkpoint and rotation.py the rule of which go; this joins
 them for one run, so a resume's candidates (resume.py), the ranks' check (verify_ranks.py), a
@@ -45,22 +45,15 @@ class Storage:
     def folder(self, step: int) -> Path:
         return self.root / layout.step_folder(step)
 
-    def committed(self) -> list[Checkpoint]:
-        """This run's committed checkpoints, by step."""
-        return [c for c in checkpoint.list_committed(self.root) if c.run_id == self.run_id]
-
-    def foreign(self) -> list[str]:
-        """The ids of other runs whose checkpoints this folder holds, which are never used."""
-        found = {c.run_id for c in checkpoint.list_committed(self.root)}
-        return sorted(found - {self.run_id})
+    def committed(self) -> tuple[list[Checkpoint], list[str]]:
+        """This run's committed checkpoints by step, and the ids of the other runs whose
+        checkpoints the folder holds (never used): from one read of the manifests."""
+        found = checkpoint.list_committed(self.root)
+        ours = [c for c in found if c.run_id == self.run_id]
+        return ours, sorted({c.run_id for c in found} - {self.run_id})
 
     def unreadable(self) -> list[Path]:
         return checkpoint.list_unreadable(self.root)
-
-    def verify(
-        self, ckpt: Checkpoint, names: list[str] | None = None, *, checksums: bool = True
-    ) -> str | None:
-        return checkpoint.verify(ckpt, names, checksums=checksums)
 
     def rotate(self, keep_last: int) -> list[Path]:
         """This run's checkpoints beyond the newest `keep_last` and the best, removed."""

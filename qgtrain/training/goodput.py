@@ -18,8 +18,8 @@ ledger in status.json under `time`, written at every report and at the end of ea
 
 Together they are the run's time, from its first allocation's start (SLURM_JOB_START_TIME where
 Slurm sets it, else the start the batch script exports; without either, as under torchrun, the
-first process's) to the last write: each start adds what it
-measured, `other` holding what no kind claimed, and `waiting` the gap since the last write.
+first process's) to the last write: each start adds what it measured, `other` holding what no kind
+claimed, and `waiting` the gap since the last write.
 """
 
 from __future__ import annotations
